@@ -1,0 +1,390 @@
+//! How bytes move between host memory and one storage path: an io_uring engine (one ring on its own
+//! thread per path) and a pread/pwrite thread pool, behind one trait.
+//!
+//! A [`Transfer`] is one contiguous range of one file. The engine splits it into chunks of the path's chunk
+//! size, keeps at most the path's in-flight limit of chunks in the kernel, resubmits short transfers and
+//! EAGAIN/EINTR, and reports the transfer's status (path, offset, errno) through its [`Completion`].
+
+mod threads;
+mod uring;
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use crate::completion::Completion;
+use crate::error::{Error, Result};
+
+pub use threads::ThreadPoolEngine;
+pub use uring::{uring_unavailable_reason, UringEngine};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+impl Op {
+    fn verb(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+        }
+    }
+}
+
+/// Which engine to use. `Auto` probes io_uring once per process and falls back to the thread pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineChoice {
+    #[default]
+    Auto,
+    IoUring,
+    Threads,
+}
+
+impl std::str::FromStr for EngineChoice {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(EngineChoice::Auto),
+            "io_uring" | "uring" => Ok(EngineChoice::IoUring),
+            "threads" | "thread_pool" => Ok(EngineChoice::Threads),
+            other => Err(Error::config(
+                "engine",
+                format!("{other:?} is not one of \"auto\", \"io_uring\", \"threads\""),
+            )),
+        }
+    }
+}
+
+/// The engine actually in use on a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    IoUring,
+    Threads,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::IoUring => "io_uring",
+            EngineKind::Threads => "threads",
+        }
+    }
+}
+
+/// Per-path I/O limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathLimits {
+    /// Largest single read or write handed to the kernel, in bytes (a multiple of the path's alignment).
+    pub chunk_size: usize,
+    /// Most chunks in the kernel at once on this path.
+    pub max_inflight: usize,
+}
+
+impl Default for PathLimits {
+    fn default() -> Self {
+        PathLimits {
+            chunk_size: 4 << 20,
+            max_inflight: 8,
+        }
+    }
+}
+
+impl PathLimits {
+    pub fn validate(&self, align: u64) -> Result<()> {
+        if self.max_inflight == 0 || self.max_inflight > 1024 {
+            return Err(Error::config(
+                "max_inflight",
+                format!("{} is outside 1..=1024", self.max_inflight),
+            ));
+        }
+        if self.chunk_size == 0 || self.chunk_size as u64 % align != 0 || self.chunk_size > 1 << 30 {
+            return Err(Error::config(
+                "chunk_size",
+                format!(
+                    "{} must be a positive multiple of the path's alignment {align} and at most 1 GiB",
+                    self.chunk_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// An open object file: the O_DIRECT descriptor (plain buffered when the path refuses O_DIRECT) and,
+/// opened on first need, a buffered one for transfers whose buffer or length is not aligned.
+pub struct IoFile {
+    pub path: PathBuf,
+    primary: File,
+    primary_is_direct: bool,
+    buffered: OnceLock<io::Result<File>>,
+}
+
+impl IoFile {
+    pub fn new(path: PathBuf, primary: File, primary_is_direct: bool) -> Self {
+        IoFile {
+            path,
+            primary,
+            primary_is_direct,
+            buffered: OnceLock::new(),
+        }
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.primary_is_direct
+    }
+
+    pub fn primary(&self) -> &File {
+        &self.primary
+    }
+
+    /// The descriptor for a transfer: the primary one when `direct` is wanted (or the primary is already
+    /// buffered), else a buffered descriptor of the same file.
+    fn fd_for(&self, direct: bool) -> Result<i32> {
+        if direct || !self.primary_is_direct {
+            return Ok(self.primary.as_raw_fd());
+        }
+        match self.buffered.get_or_init(|| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.path)
+        }) {
+            Ok(f) => Ok(f.as_raw_fd()),
+            Err(e) => Err(Error::io(
+                "open (buffered)",
+                &self.path,
+                io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(libc::EIO)),
+            )),
+        }
+    }
+}
+
+/// A raw host address that may cross to an I/O thread.
+#[derive(Clone, Copy, Debug)]
+pub struct HostPtr(pub *mut u8);
+// SAFETY: a `HostPtr` is only an address. Whoever builds a `Transfer` guarantees the memory stays valid
+// (kept alive by the transfer's `Completion`) and is not touched by anyone else until the completion fires.
+unsafe impl Send for HostPtr {}
+// SAFETY: as above; the address itself is immutable.
+unsafe impl Sync for HostPtr {}
+
+/// One contiguous file range moved to or from host memory.
+pub struct Transfer {
+    pub op: Op,
+    pub file: Arc<IoFile>,
+    /// Whether the range, the length and the address meet the path's O_DIRECT alignment.
+    pub direct: bool,
+    pub offset: u64,
+    pub buf: HostPtr,
+    pub len: usize,
+    /// Runs on the I/O thread after every byte moved, before the part is reported (checksum of a read,
+    /// copy out of a bounce buffer).
+    pub finish: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+    /// The operation this transfer is one part of; the caller has called `add_part` for it.
+    pub completion: Completion,
+}
+
+/// Counters of one path, shared by its engine and whoever reads statistics.
+#[derive(Default, Debug)]
+pub struct PathCounters {
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub chunks: AtomicU64,
+    pub retries: AtomicU64,
+    pub inflight: AtomicUsize,
+    pub inflight_max: AtomicUsize,
+}
+
+impl PathCounters {
+    fn started(&self) {
+        let now = self.inflight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.inflight_max.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn ended(&self) {
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn moved(&self, op: Op, n: usize) {
+        let counter = match op {
+            Op::Read => &self.bytes_read,
+            Op::Write => &self.bytes_written,
+        };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> PathStats {
+        PathStats {
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            chunks: self.chunks.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            inflight_max: self.inflight_max.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct PathStats {
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub chunks: u64,
+    pub retries: u64,
+    /// The most chunks ever in the kernel at once on this path.
+    pub inflight_max: usize,
+}
+
+/// The engine of one storage path.
+pub trait IoEngine: Send + Sync {
+    fn kind(&self) -> EngineKind;
+    /// Queues a transfer. Never blocks on I/O; every outcome, errors included, arrives through
+    /// `transfer.completion`.
+    fn submit(&self, transfer: Transfer);
+    fn counters(&self) -> &PathCounters;
+}
+
+/// Builds the engine for one path. `label` names the path in logs and errors.
+pub fn open_engine(choice: EngineChoice, label: &str, limits: PathLimits) -> Result<Box<dyn IoEngine>> {
+    match choice {
+        EngineChoice::Threads => Ok(Box::new(ThreadPoolEngine::new(label, limits)?)),
+        EngineChoice::IoUring => match uring_unavailable_reason() {
+            None => Ok(Box::new(UringEngine::new(label, limits)?)),
+            Some(why) => Err(Error::config(
+                "engine",
+                format!("\"io_uring\" was asked for but is unavailable here: {why}"),
+            )),
+        },
+        EngineChoice::Auto => match uring_unavailable_reason() {
+            None => Ok(Box::new(UringEngine::new(label, limits)?)),
+            Some(_) => Ok(Box::new(ThreadPoolEngine::new(label, limits)?)),
+        },
+    }
+}
+
+/// Shared state of one transfer split into chunks: counts chunks still out and keeps the first error.
+struct TransferState {
+    op: Op,
+    file: Arc<IoFile>,
+    fd: i32,
+    chunks_left: AtomicUsize,
+    first_error: Mutex<Option<Error>>,
+    finish: Mutex<Option<Box<dyn FnOnce() -> Result<()> + Send>>>,
+    completion: Completion,
+}
+
+/// A piece of a transfer: at most `chunk_size` bytes at `offset` from/to `buf`.
+struct Chunk {
+    state: Arc<TransferState>,
+    offset: u64,
+    buf: HostPtr,
+    len: usize,
+}
+
+impl Chunk {
+    /// Moves past `n` transferred bytes after a short read or write.
+    fn advance(&mut self, n: usize) {
+        self.offset += n as u64;
+        // SAFETY: `n < len`, so the result stays inside the transfer's buffer.
+        self.buf = HostPtr(unsafe { self.buf.0.add(n) });
+        self.len -= n;
+    }
+
+    fn error(&self, source: io::Error) -> Error {
+        Error::io_at(self.state.op.verb(), &self.state.file.path, self.offset, source)
+    }
+
+    /// What a completed system call result means for this chunk.
+    fn outcome(&mut self, result: io::Result<usize>, counters: &PathCounters) -> ChunkOutcome {
+        match result {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) => {
+                counters.retries.fetch_add(1, Ordering::Relaxed);
+                ChunkOutcome::Again
+            }
+            Err(e) => ChunkOutcome::Failed(self.error(e)),
+            Ok(0) if self.len > 0 => ChunkOutcome::Failed(self.error(match self.state.op {
+                Op::Read => io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the file ends before the requested range",
+                ),
+                Op::Write => io::Error::from_raw_os_error(libc::EIO),
+            })),
+            Ok(n) => {
+                counters.moved(self.state.op, n);
+                if n < self.len {
+                    counters.retries.fetch_add(1, Ordering::Relaxed);
+                    self.advance(n);
+                    ChunkOutcome::Again
+                } else {
+                    ChunkOutcome::Done
+                }
+            }
+        }
+    }
+
+    /// Records this chunk's end; the last chunk of a transfer runs its finisher and reports the part.
+    fn finish(self, error: Option<Error>) {
+        let state = self.state;
+        if let Some(e) = error {
+            state.first_error.lock().expect("transfer lock").get_or_insert(e);
+        }
+        if state.chunks_left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let result = match state.first_error.lock().expect("transfer lock").take() {
+            Some(e) => Err(e),
+            None => match state.finish.lock().expect("transfer lock").take() {
+                Some(f) => f(),
+                None => Ok(()),
+            },
+        };
+        state.completion.part_done(result);
+    }
+}
+
+enum ChunkOutcome {
+    Done,
+    Again,
+    Failed(Error),
+}
+
+/// Splits a transfer into chunks. On a descriptor error the part is reported failed and nothing returns.
+fn split(transfer: Transfer, chunk_size: usize) -> Vec<Chunk> {
+    let fd = match transfer.file.fd_for(transfer.direct) {
+        Ok(fd) => fd,
+        Err(e) => {
+            transfer.completion.part_done(Err(e));
+            return Vec::new();
+        }
+    };
+    let n_chunks = transfer.len.div_ceil(chunk_size).max(1);
+    let state = Arc::new(TransferState {
+        op: transfer.op,
+        file: transfer.file,
+        fd,
+        chunks_left: AtomicUsize::new(n_chunks),
+        first_error: Mutex::new(None),
+        finish: Mutex::new(transfer.finish),
+        completion: transfer.completion,
+    });
+    (0..n_chunks)
+        .map(|i| {
+            let start = i * chunk_size;
+            Chunk {
+                state: state.clone(),
+                offset: transfer.offset + start as u64,
+                // SAFETY: `start <= len`, inside (or one past the end of) the transfer's buffer.
+                buf: HostPtr(unsafe { transfer.buf.0.add(start) }),
+                len: chunk_size.min(transfer.len - start),
+            }
+        })
+        .collect()
+}

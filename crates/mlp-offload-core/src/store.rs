@@ -1,0 +1,1003 @@
+//! The virtual-tier object store: named objects of any size, each placed on one storage path or striped
+//! across several by weight, written and read asynchronously from caller-owned host buffers.
+//!
+//! On disk, each object has one file per path it touches (`<path>/rank<N>/<key>.mlpo`), created once,
+//! preallocated, and rewritten in place. With shadow slots (the default) the file holds two copies: a
+//! write goes to the slot not in use and becomes current only when every byte of it landed, so a failed
+//! write leaves the previous contents readable. A manifest (`manifest.json` in the first path's rank
+//! directory, replaced atomically by [`ObjectStore::sync`]) lets a store be reopened.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::buffer::AlignedBuf;
+use crate::completion::Completion;
+use crate::engine::{
+    open_engine, EngineChoice, EngineKind, HostPtr, IoEngine, IoFile, Op, PathLimits, PathStats, Transfer,
+};
+use crate::error::{Error, Result};
+use crate::tier::{probe_dir, TierInfo};
+
+const MANIFEST_NAME: &str = "manifest.json";
+const MANIFEST_FORMAT: u32 = 1;
+const OBJECT_SUFFIX: &str = ".mlpo";
+const MAX_KEY_LEN: usize = 200;
+
+/// How a store is opened. Every `with_*` setter documents its default.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    paths: Vec<PathBuf>,
+    rank: u32,
+    engine: EngineChoice,
+    limits: Vec<PathLimits>,
+    weights: Option<Vec<f64>>,
+    checksum: bool,
+    shadow_slots: bool,
+}
+
+impl StoreConfig {
+    /// A store over `paths` (existing directories; each gets a `rank<N>` subdirectory).
+    pub fn new<P: Into<PathBuf>>(paths: impl IntoIterator<Item = P>) -> Self {
+        let paths: Vec<PathBuf> = paths.into_iter().map(Into::into).collect();
+        let limits = vec![PathLimits::default(); paths.len()];
+        StoreConfig {
+            paths,
+            rank: 0,
+            engine: EngineChoice::Auto,
+            limits,
+            weights: None,
+            checksum: true,
+            shadow_slots: true,
+        }
+    }
+
+    /// The rank whose private directories this store uses. Default 0.
+    pub fn with_rank(mut self, rank: u32) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// io_uring, the pread/pwrite thread pool, or `Auto` (io_uring when `io_uring_setup` works).
+    /// Default `Auto`.
+    pub fn with_engine(mut self, engine: EngineChoice) -> Self {
+        self.engine = engine;
+        self
+    }
+
+    /// The same chunk size and in-flight limit on every path. Default 4 MiB chunks, 8 in flight.
+    pub fn with_limits(mut self, limits: PathLimits) -> Self {
+        self.limits = vec![limits; self.paths.len()];
+        self
+    }
+
+    /// Limits per path, in the order of the paths.
+    pub fn with_path_limits(mut self, limits: Vec<PathLimits>) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Default placement weights of new objects, one per path (an object is split into contiguous
+    /// stripes in these proportions; a zero weight keeps a path out). Default: equal weights.
+    pub fn with_weights(mut self, weights: Vec<f64>) -> Self {
+        self.weights = Some(weights);
+        self
+    }
+
+    /// Whether a CRC32C of every object is kept and checked on read. Default on.
+    pub fn with_checksum(mut self, on: bool) -> Self {
+        self.checksum = on;
+        self
+    }
+
+    /// Two slots per object so a failed write leaves the previous contents readable (twice the disk
+    /// space). Without, a failed write marks the object unreadable instead. Default on.
+    pub fn with_shadow_slots(mut self, on: bool) -> Self {
+        self.shadow_slots = on;
+        self
+    }
+
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+}
+
+/// Where one stripe of an object lives.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+struct Stripe {
+    /// Index into the store's paths.
+    path: usize,
+    /// Where the stripe starts in the object.
+    object_offset: u64,
+    len: u64,
+    /// Distance between the slots in the file: `len` rounded up to the path's alignment.
+    slot_stride: u64,
+}
+
+/// The persistent description of one object (what the manifest stores).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ObjectRecord {
+    size: u64,
+    slots: u8,
+    stripes: Vec<Stripe>,
+    /// The slot holding the current contents; `None` before the first complete write or after a failed
+    /// write without shadow slots.
+    active: Option<u8>,
+    generation: u64,
+    /// CRC32C of each stripe's contents, per slot; `None` when written with checksums off.
+    checksums: Vec<Vec<Option<u32>>>,
+}
+
+struct ObjectEntry {
+    key: String,
+    files: Vec<Arc<IoFile>>,
+    record: Mutex<ObjectRecord>,
+    /// Operations submitted and maybe not finished; a write waits for all of them, a read for writes.
+    inflight: Mutex<Vec<(Op, Completion)>>,
+    /// Serialises the submitting of operations on this object (not their I/O).
+    submit_lock: Mutex<()>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    paths: Vec<PathBuf>,
+    objects: BTreeMap<String, ObjectRecord>,
+}
+
+/// Per-path facts and counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathReport {
+    pub tier: TierInfo,
+    pub engine: EngineKind,
+    pub chunk_size: usize,
+    pub max_inflight: usize,
+    pub stats: PathStats,
+}
+
+pub struct ObjectStore {
+    config: StoreConfig,
+    tiers: Vec<TierInfo>,
+    rank_dirs: Vec<PathBuf>,
+    engines: Vec<Box<dyn IoEngine>>,
+    objects: Mutex<HashMap<String, Arc<ObjectEntry>>>,
+}
+
+/// A caller buffer that the store may keep alive while I/O runs.
+pub trait IoBuffer: Send + 'static {
+    fn io_ptr(&mut self) -> *mut u8;
+    fn io_len(&self) -> usize;
+}
+
+impl IoBuffer for Vec<u8> {
+    fn io_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+
+impl IoBuffer for AlignedBuf {
+    fn io_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// An operation on an owned buffer; [`wait`](Pending::wait) gives the buffer back.
+pub struct Pending<B> {
+    completion: Completion,
+    buffer: Arc<Mutex<Option<B>>>,
+}
+
+impl<B> Pending<B> {
+    pub fn completion(&self) -> &Completion {
+        &self.completion
+    }
+
+    pub fn wait(self) -> Result<B> {
+        self.completion.wait()?;
+        Ok(self
+            .buffer
+            .lock()
+            .expect("buffer lock")
+            .take()
+            .expect("buffer returned once"))
+    }
+}
+
+impl ObjectStore {
+    /// Opens (or creates) a store: probes every path, creates the rank directories (0700), starts one
+    /// engine per path, and loads the manifest if there is one.
+    pub fn open(config: StoreConfig) -> Result<Self> {
+        validate_config(&config)?;
+        let mut tiers = Vec::with_capacity(config.paths.len());
+        let mut rank_dirs = Vec::with_capacity(config.paths.len());
+        for path in &config.paths {
+            let meta = fs::metadata(path).map_err(|e| Error::io("open storage directory", path, e))?;
+            if !meta.is_dir() {
+                return Err(Error::io(
+                    "open storage directory",
+                    path,
+                    io::Error::from_raw_os_error(libc::ENOTDIR),
+                ));
+            }
+            let rank_dir = path.join(format!("rank{}", config.rank));
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&rank_dir)
+                .map_err(|e| Error::io("create rank directory", &rank_dir, e))?;
+            let tier = probe_dir(&rank_dir)?;
+            if let Some(why) = &tier.direct_io_refusal {
+                log::warn!(
+                    "{} refuses O_DIRECT ({why}); using buffered I/O on this path",
+                    path.display()
+                );
+            }
+            tiers.push(tier);
+            rank_dirs.push(rank_dir);
+        }
+        warn_about_shared_devices(&tiers);
+        let mut engines = Vec::with_capacity(tiers.len());
+        for (i, tier) in tiers.iter().enumerate() {
+            config.limits[i].validate(tier.alignment()).map_err(|e| match e {
+                Error::Config { key, message } => {
+                    Error::config(format!("paths[{i}].{key}"), format!("{message} ({})", tier.path.display()))
+                }
+                other => other,
+            })?;
+            engines.push(open_engine(config.engine, &tier.path.to_string_lossy(), config.limits[i])?);
+        }
+        let store = ObjectStore {
+            config,
+            tiers,
+            rank_dirs,
+            engines,
+            objects: Mutex::new(HashMap::new()),
+        };
+        store.load_manifest()?;
+        Ok(store)
+    }
+
+    pub fn tiers(&self) -> &[TierInfo] {
+        &self.tiers
+    }
+
+    pub fn rank_dirs(&self) -> &[PathBuf] {
+        &self.rank_dirs
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn engine_kind(&self) -> EngineKind {
+        self.engines[0].kind()
+    }
+
+    pub fn path_reports(&self) -> Vec<PathReport> {
+        self.tiers
+            .iter()
+            .zip(&self.engines)
+            .zip(&self.config.limits)
+            .map(|((tier, engine), limits)| PathReport {
+                tier: tier.clone(),
+                engine: engine.kind(),
+                chunk_size: limits.chunk_size,
+                max_inflight: limits.max_inflight,
+                stats: engine.counters().snapshot(),
+            })
+            .collect()
+    }
+
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.lock_objects().keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
+    /// The object's size in bytes, or `None` if there is no such object.
+    pub fn size(&self, key: &str) -> Option<u64> {
+        let entry = self.lock_objects().get(key).cloned()?;
+        let size = entry.record.lock().expect("record lock").size;
+        Some(size)
+    }
+
+    /// How an object is split: `(path index, bytes)` per stripe.
+    pub fn placement(&self, key: &str) -> Result<Vec<(usize, u64)>> {
+        let entry = self.entry(key)?;
+        let record = entry.record.lock().expect("record lock");
+        Ok(record.stripes.iter().map(|s| (s.path, s.len)).collect())
+    }
+
+    /// Writes `buf` as object `key`, creating it on first write (placed by `weights`, or the store's
+    /// default weights). Returns when the I/O is submitted; the buffer comes back from `wait`.
+    pub fn write<B: IoBuffer>(&self, key: &str, mut buf: B, weights: Option<&[f64]>) -> Result<Pending<B>> {
+        let (ptr, len) = (HostPtr(buf.io_ptr()), buf.io_len());
+        let buffer = Arc::new(Mutex::new(Some(buf)));
+        // SAFETY: the buffer's heap memory does not move when `B` moves; it is kept alive by the
+        // completion's keepalive until every transfer is done, and `Pending` gives access back only after.
+        let completion = unsafe { self.write_raw(key, ptr, len, Box::new(buffer.clone()), weights)? };
+        Ok(Pending { completion, buffer })
+    }
+
+    /// Reads object `key` into `buf`, which must have exactly the object's size.
+    pub fn read<B: IoBuffer>(&self, key: &str, mut buf: B) -> Result<Pending<B>> {
+        let (ptr, len) = (HostPtr(buf.io_ptr()), buf.io_len());
+        let buffer = Arc::new(Mutex::new(Some(buf)));
+        // SAFETY: as in `write`.
+        let completion = unsafe { self.read_raw(key, ptr, len, Box::new(buffer.clone()))? };
+        Ok(Pending { completion, buffer })
+    }
+
+    /// Writes `len` bytes at `buf` as object `key`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and unmodified until the returned completion is done; `keepalive`
+    /// is held until then, so it may be what owns the memory.
+    pub unsafe fn write_raw(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+        weights: Option<&[f64]>,
+    ) -> Result<Completion> {
+        let entry = self.entry_for_write(key, len as u64, weights)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        wait_for(&entry, |_| true);
+        let (slot, stripes, slots) = {
+            let record = entry.record.lock().expect("record lock");
+            let slot = match (record.slots, record.active) {
+                (2, Some(active)) => 1 - active,
+                _ => 0,
+            };
+            (slot, record.stripes.clone(), record.slots)
+        };
+        let checksums: Vec<Option<u32>> = stripes
+            .iter()
+            .map(|s| {
+                self.config.checksum.then(|| {
+                    // SAFETY: the caller guarantees `buf..buf+len` is valid; stripes lie inside it.
+                    crc32c::crc32c(unsafe { stripe_bytes(buf, s) })
+                })
+            })
+            .collect();
+        let completion = Completion::new();
+        completion.keep_alive(keepalive);
+        {
+            let entry = entry.clone();
+            completion.set_finisher(move |result| {
+                let mut record = entry.record.lock().expect("record lock");
+                match &result {
+                    Ok(()) => {
+                        record.active = Some(slot);
+                        record.generation += 1;
+                        record.checksums[slot as usize] = checksums;
+                    }
+                    // The previous slot stays current; with one slot its contents are now unknown.
+                    Err(_) if slots == 1 => record.active = None,
+                    Err(_) => {}
+                }
+                result
+            });
+        }
+        self.submit_stripes(Op::Write, &entry, &stripes, slot, buf, &completion);
+        entry
+            .inflight
+            .lock()
+            .expect("inflight lock")
+            .push((Op::Write, completion.clone()));
+        completion.seal();
+        Ok(completion)
+    }
+
+    /// Reads object `key` into `len` bytes at `buf`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` must stay valid and untouched by others until the returned completion is done;
+    /// `keepalive` is held until then.
+    pub unsafe fn read_raw(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+    ) -> Result<Completion> {
+        let entry = self.entry(key)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        // Never read an object before its last write has completed.
+        wait_for(&entry, |op| op == Op::Write);
+        let (slot, stripes, checksums) = {
+            let record = entry.record.lock().expect("record lock");
+            if record.size != len as u64 {
+                return Err(Error::config(
+                    "buffer",
+                    format!(
+                        "object {key:?} has {} bytes but the buffer has {len}",
+                        record.size
+                    ),
+                ));
+            }
+            let Some(slot) = record.active else {
+                return Err(Error::Corrupt {
+                    key: key.to_string(),
+                    path: entry.files.first().map(|f| f.path.clone()).unwrap_or_default(),
+                    reason: "it has no complete contents (never written, or its last write failed)".into(),
+                });
+            };
+            (
+                slot,
+                record.stripes.clone(),
+                record.checksums[slot as usize].clone(),
+            )
+        };
+        for (stripe, file) in stripes.iter().zip(&entry.files) {
+            let needed = (u64::from(slot) + 1) * stripe.slot_stride;
+            let have = file
+                .primary()
+                .metadata()
+                .map_err(|e| Error::io("stat", &file.path, e))?
+                .len();
+            if have < needed {
+                return Err(Error::Corrupt {
+                    key: key.to_string(),
+                    path: file.path.clone(),
+                    reason: format!("the file is truncated: {have} bytes, at least {needed} expected"),
+                });
+            }
+        }
+        let completion = Completion::new();
+        completion.keep_alive(keepalive);
+        let submit_list = stripes.clone();
+        if self.config.checksum {
+            let key = key.to_string();
+            let files: Vec<PathBuf> = entry.files.iter().map(|f| f.path.clone()).collect();
+            completion.set_finisher(move |result| {
+                result?;
+                for ((stripe, expected), path) in stripes.iter().zip(&checksums).zip(&files) {
+                    let Some(expected) = expected else { continue };
+                    // SAFETY: every transfer into the buffer is done; the caller keeps it valid.
+                    let actual = crc32c::crc32c(unsafe { stripe_bytes(buf, stripe) });
+                    if actual != *expected {
+                        return Err(Error::Corrupt {
+                            key: key.clone(),
+                            path: path.clone(),
+                            reason: format!(
+                                "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
+                            ),
+                        });
+                    }
+                }
+                Ok(())
+            });
+        }
+        self.submit_stripes(Op::Read, &entry, &submit_list, slot, buf, &completion);
+        entry
+            .inflight
+            .lock()
+            .expect("inflight lock")
+            .push((Op::Read, completion.clone()));
+        completion.seal();
+        Ok(completion)
+    }
+
+    /// Removes an object and its files, after its in-flight operations finish.
+    pub fn delete(&self, key: &str) -> Result<()> {
+        let entry = self.entry(key)?;
+        {
+            let _submitting = entry.submit_lock.lock().expect("submit lock");
+            wait_for(&entry, |_| true);
+        }
+        self.lock_objects().remove(key);
+        for file in &entry.files {
+            fs::remove_file(&file.path).map_err(|e| Error::io("remove", &file.path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every in-flight operation, flushes object files to stable storage, and replaces the
+    /// manifest atomically. Returns the first error of the flush or manifest write.
+    pub fn sync(&self) -> Result<()> {
+        let entries: Vec<Arc<ObjectEntry>> = self.lock_objects().values().cloned().collect();
+        for entry in &entries {
+            wait_for(entry, |_| true);
+            for file in &entry.files {
+                file.primary()
+                    .sync_data()
+                    .map_err(|e| Error::io("fdatasync", &file.path, e))?;
+            }
+        }
+        self.write_manifest(&entries)
+    }
+
+    fn lock_objects(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ObjectEntry>>> {
+        self.objects.lock().expect("object table lock")
+    }
+
+    fn entry(&self, key: &str) -> Result<Arc<ObjectEntry>> {
+        validate_key(key)?;
+        self.lock_objects()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| Error::NotFound {
+                key: key.to_string(),
+                root: self.rank_dirs[0].clone(),
+            })
+    }
+
+    fn entry_for_write(&self, key: &str, size: u64, weights: Option<&[f64]>) -> Result<Arc<ObjectEntry>> {
+        validate_key(key)?;
+        if let Some(entry) = self.lock_objects().get(key).cloned() {
+            let existing = entry.record.lock().expect("record lock").size;
+            if existing != size {
+                return Err(Error::config(
+                    "buffer",
+                    format!(
+                        "object {key:?} has {existing} bytes; a write of {size} bytes needs it deleted first"
+                    ),
+                ));
+            }
+            return Ok(entry);
+        }
+        let weights = match weights.or(self.config.weights.as_deref()) {
+            Some(w) => w.to_vec(),
+            None => vec![1.0; self.tiers.len()],
+        };
+        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
+        let stripes = plan_stripes(size, &weights, &aligns)?;
+        let slots: u8 = if self.config.shadow_slots { 2 } else { 1 };
+        let files = self.create_files(key, &stripes, slots)?;
+        let entry = Arc::new(ObjectEntry {
+            key: key.to_string(),
+            files,
+            record: Mutex::new(ObjectRecord {
+                size,
+                slots,
+                checksums: vec![vec![None; stripes.len()]; slots as usize],
+                stripes,
+                active: None,
+                generation: 0,
+            }),
+            inflight: Mutex::new(Vec::new()),
+            submit_lock: Mutex::new(()),
+        });
+        // Two threads creating the same key: the first one in wins, the other's files are the same paths.
+        Ok(self
+            .lock_objects()
+            .entry(key.to_string())
+            .or_insert(entry)
+            .clone())
+    }
+
+    /// Creates and preallocates one file per stripe. On failure removes what it created.
+    fn create_files(&self, key: &str, stripes: &[Stripe], slots: u8) -> Result<Vec<Arc<IoFile>>> {
+        let mut files = Vec::with_capacity(stripes.len());
+        for stripe in stripes {
+            let path = self.object_path(stripe.path, key);
+            let made = open_object_file(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
+                preallocate(file.primary(), &path, stripe.slot_stride * u64::from(slots))?;
+                Ok(file)
+            });
+            match made {
+                Ok(file) => files.push(Arc::new(file)),
+                Err(e) => {
+                    let _ = fs::remove_file(&path);
+                    for f in &files {
+                        let _ = fs::remove_file(&f.path);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(files)
+    }
+
+    fn object_path(&self, path_index: usize, key: &str) -> PathBuf {
+        self.rank_dirs[path_index].join(format!("{key}{OBJECT_SUFFIX}"))
+    }
+
+    /// Queues every stripe's transfers. A failure to queue (no memory for a bounce block) becomes the
+    /// completion's error rather than an early return, because transfers already queued still use the
+    /// caller's buffer and the caller must wait for them.
+    fn submit_stripes(
+        &self,
+        op: Op,
+        entry: &ObjectEntry,
+        stripes: &[Stripe],
+        slot: u8,
+        buf: HostPtr,
+        completion: &Completion,
+    ) {
+        for (stripe, file) in stripes.iter().zip(&entry.files) {
+            if let Err(e) = self.submit_stripe(op, file, stripe, slot, buf, completion) {
+                completion.add_part();
+                completion.part_done(Err(e));
+                return;
+            }
+        }
+    }
+
+    /// Queues the transfers of one stripe: the aligned body with O_DIRECT, the unaligned tail through an
+    /// aligned bounce block; or the whole stripe buffered when the caller's memory is not aligned.
+    fn submit_stripe(
+        &self,
+        op: Op,
+        file: &Arc<IoFile>,
+        stripe: &Stripe,
+        slot: u8,
+        buf: HostPtr,
+        completion: &Completion,
+    ) -> Result<()> {
+        let tier = &self.tiers[stripe.path];
+        let align = tier.alignment();
+        let engine = &self.engines[stripe.path];
+        let file_base = u64::from(slot) * stripe.slot_stride;
+        // SAFETY: stripes lie inside the caller's buffer (checked against the object size).
+        let mem = HostPtr(unsafe { buf.0.add(stripe.object_offset as usize) });
+        let aligned_mem = (mem.0 as usize) % (tier.dio_mem_align.max(512) as usize) == 0;
+        let transfer = |direct: bool, offset: u64, ptr: HostPtr, len: usize, finish| {
+            completion.add_part();
+            Transfer {
+                op,
+                file: file.clone(),
+                direct,
+                offset,
+                buf: ptr,
+                len,
+                finish,
+                completion: completion.clone(),
+            }
+        };
+        if !(file.is_direct() && aligned_mem) {
+            engine.submit(transfer(false, file_base, mem, stripe.len as usize, None));
+            return Ok(());
+        }
+        let body = stripe.len / align * align;
+        let tail = (stripe.len - body) as usize;
+        if body > 0 {
+            engine.submit(transfer(true, file_base, mem, body as usize, None));
+        }
+        if tail > 0 {
+            let mut bounce = AlignedBuf::new(align as usize, false)?;
+            // SAFETY: `body <= stripe.len`, inside the caller's buffer.
+            let tail_mem = HostPtr(unsafe { mem.0.add(body as usize) });
+            let bounce_ptr = HostPtr(bounce.as_mut_ptr());
+            let finish: Option<Box<dyn FnOnce() -> Result<()> + Send>> = match op {
+                Op::Write => {
+                    // SAFETY: `tail` bytes at `tail_mem` are the end of the caller's stripe; the bounce
+                    // block has `align > tail` bytes. Both are valid and distinct.
+                    unsafe { std::ptr::copy_nonoverlapping(tail_mem.0, bounce.as_mut_ptr(), tail) };
+                    completion.keep_alive(Box::new(bounce));
+                    None
+                }
+                Op::Read => Some(Box::new(move || {
+                    // Whole-value moves: a closure capturing only the field `.0` would not be `Send`.
+                    let (bounce, dst) = (bounce, tail_mem);
+                    // SAFETY: the read into the bounce block is done; the caller's buffer is alive
+                    // (the completion keeps it) and nobody else touches it until completion.
+                    unsafe { std::ptr::copy_nonoverlapping(bounce.as_ptr(), dst.0, tail) };
+                    Ok(())
+                })),
+            };
+            engine.submit(transfer(true, file_base + body, bounce_ptr, align as usize, finish));
+        }
+        Ok(())
+    }
+
+    fn manifest_path(&self) -> PathBuf {
+        self.rank_dirs[0].join(MANIFEST_NAME)
+    }
+
+    fn load_manifest(&self) -> Result<()> {
+        let path = self.manifest_path();
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("read manifest", &path, e)),
+        };
+        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::Corrupt {
+            key: MANIFEST_NAME.into(),
+            path: path.clone(),
+            reason: format!("unreadable manifest: {e}"),
+        })?;
+        if manifest.format != MANIFEST_FORMAT {
+            return Err(Error::config(
+                "manifest",
+                format!("{} has format {} (this version reads {MANIFEST_FORMAT})", path.display(), manifest.format),
+            ));
+        }
+        if manifest.paths != self.config.paths {
+            return Err(Error::config(
+                "paths",
+                format!(
+                    "the store in {} was created with paths {:?}, not {:?}",
+                    path.display(),
+                    manifest.paths,
+                    self.config.paths
+                ),
+            ));
+        }
+        let mut objects = self.lock_objects();
+        for (key, record) in manifest.objects {
+            validate_key(&key)?;
+            let files = record
+                .stripes
+                .iter()
+                .map(|s| {
+                    let path = self.object_path(s.path, &key);
+                    open_object_file(&path, self.tiers[s.path].direct_io, false).map(Arc::new)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            objects.insert(
+                key.clone(),
+                Arc::new(ObjectEntry {
+                    key,
+                    files,
+                    record: Mutex::new(record),
+                    inflight: Mutex::new(Vec::new()),
+                    submit_lock: Mutex::new(()),
+                }),
+            );
+        }
+        Ok(())
+    }
+
+    fn write_manifest(&self, entries: &[Arc<ObjectEntry>]) -> Result<()> {
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT,
+            paths: self.config.paths.clone(),
+            objects: entries
+                .iter()
+                .map(|e| (e.key.clone(), e.record.lock().expect("record lock").clone()))
+                .collect(),
+        };
+        let path = self.manifest_path();
+        let tmp = path.with_extension("json.tmp");
+        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+        let write = || -> io::Result<()> {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            File::open(&self.rank_dirs[0])?.sync_all()
+        };
+        write().map_err(|e| Error::io("write manifest", &path, e))
+    }
+}
+
+impl Drop for ObjectStore {
+    fn drop(&mut self) {
+        if let Err(e) = self.sync() {
+            log::error!("closing the object store: {e}");
+        }
+    }
+}
+
+/// Blocks until the object's in-flight operations selected by `which` are done, and forgets finished ones.
+fn wait_for(entry: &ObjectEntry, which: impl Fn(Op) -> bool) {
+    let waiting: Vec<Completion> = {
+        let mut inflight = entry.inflight.lock().expect("inflight lock");
+        inflight.retain(|(_, c)| !c.is_done());
+        inflight
+            .iter()
+            .filter(|(op, _)| which(*op))
+            .map(|(_, c)| c.clone())
+            .collect()
+    };
+    for c in waiting {
+        // Its outcome belongs to whoever submitted it; here only the ordering matters.
+        let _ = c.wait();
+    }
+}
+
+/// The caller's bytes of one stripe.
+///
+/// # Safety
+/// `buf` must point to a valid buffer covering the stripe, not written by anyone during the borrow.
+unsafe fn stripe_bytes<'a>(buf: HostPtr, stripe: &Stripe) -> &'a [u8] {
+    std::slice::from_raw_parts(buf.0.add(stripe.object_offset as usize), stripe.len as usize)
+}
+
+fn open_object_file(path: &Path, direct: bool, create: bool) -> Result<IoFile> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(true).mode(0o600);
+    if create {
+        options.create(true).truncate(true);
+    }
+    if direct {
+        options.custom_flags(libc::O_DIRECT);
+    }
+    let file = options
+        .open(path)
+        .map_err(|e| Error::io(if create { "create" } else { "open" }, path, e))?;
+    Ok(IoFile::new(path.to_path_buf(), file, direct))
+}
+
+/// Reserves the file's blocks now so rewrites never run out of space; falls back to setting the length
+/// on file systems without `fallocate`.
+fn preallocate(file: &File, path: &Path, len: u64) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: plain syscall on an open descriptor.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        return file.set_len(len).map_err(|e| Error::io("set length of", path, e));
+    }
+    Err(Error::io("preallocate", path, e))
+}
+
+fn validate_config(config: &StoreConfig) -> Result<()> {
+    if config.paths.is_empty() {
+        return Err(Error::config("paths", "at least one storage directory is needed"));
+    }
+    for (i, a) in config.paths.iter().enumerate() {
+        if config.paths[..i].contains(a) {
+            return Err(Error::config("paths", format!("{} is listed twice", a.display())));
+        }
+    }
+    if config.limits.len() != config.paths.len() {
+        return Err(Error::config(
+            "limits",
+            format!("{} entries for {} paths", config.limits.len(), config.paths.len()),
+        ));
+    }
+    if let Some(w) = &config.weights {
+        check_weights(w, config.paths.len())?;
+    }
+    Ok(())
+}
+
+fn check_weights(weights: &[f64], n_paths: usize) -> Result<()> {
+    if weights.len() != n_paths {
+        return Err(Error::config(
+            "weights",
+            format!("{} weights for {n_paths} paths", weights.len()),
+        ));
+    }
+    if weights.iter().any(|w| !w.is_finite() || *w < 0.0) || weights.iter().all(|w| *w == 0.0) {
+        return Err(Error::config(
+            "weights",
+            format!("{weights:?} must be finite, non-negative and not all zero"),
+        ));
+    }
+    Ok(())
+}
+
+/// Keys are file names: letters, digits, `_`, `-`, `.`, not starting with `.`, at most 200 bytes, so a
+/// key can never name a path outside the store's directories.
+pub fn validate_key(key: &str) -> Result<()> {
+    let ok = !key.is_empty()
+        && key.len() <= MAX_KEY_LEN
+        && !key.starts_with('.')
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::config(
+            "key",
+            format!(
+                "{key:?} is not a valid object name (1-{MAX_KEY_LEN} of A-Z a-z 0-9 _ - ., not starting with .)"
+            ),
+        ))
+    }
+}
+
+/// Splits `size` bytes into contiguous stripes in proportion to `weights`; every stripe but the last
+/// starts and ends on its path's alignment.
+fn plan_stripes(size: u64, weights: &[f64], aligns: &[u64]) -> Result<Vec<Stripe>> {
+    check_weights(weights, aligns.len())?;
+    let total: f64 = weights.iter().sum();
+    let used: Vec<usize> = (0..weights.len()).filter(|&i| weights[i] > 0.0).collect();
+    let mut stripes = Vec::with_capacity(used.len());
+    let mut offset = 0u64;
+    for (n, &i) in used.iter().enumerate() {
+        let len = if n + 1 == used.len() {
+            size - offset
+        } else {
+            let share = (size as f64 * weights[i] / total) as u64;
+            (share / aligns[i] * aligns[i]).min(size - offset)
+        };
+        if len > 0 {
+            stripes.push(Stripe {
+                path: i,
+                object_offset: offset,
+                len,
+                slot_stride: len.div_ceil(aligns[i]) * aligns[i],
+            });
+        }
+        offset += len;
+    }
+    Ok(stripes)
+}
+
+fn warn_about_shared_devices(tiers: &[TierInfo]) {
+    for (i, a) in tiers.iter().enumerate() {
+        for b in &tiers[i + 1..] {
+            if a.device_id == b.device_id && a.fs_type != "tmpfs" {
+                log::warn!(
+                    "{} and {} are on the same device ({} {}): they share its bandwidth",
+                    a.path.display(),
+                    b.path.display(),
+                    a.device_name,
+                    a.device_id
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_follow_weights_and_alignment() {
+        struct Case {
+            size: u64,
+            weights: &'static [f64],
+            want: &'static [(usize, u64)],
+        }
+        let cases = [
+            Case { size: 1 << 20, weights: &[1.0], want: &[(0, 1 << 20)] },
+            Case { size: 1 << 20, weights: &[1.0, 1.0], want: &[(0, 1 << 19), (1, 1 << 19)] },
+            Case { size: 1 << 20, weights: &[3.0, 1.0], want: &[(0, 786_432), (1, 262_144)] },
+            Case { size: 1000, weights: &[1.0, 1.0], want: &[(1, 1000)] },
+            Case { size: 10_000, weights: &[1.0, 1.0], want: &[(0, 4096), (1, 5904)] },
+            Case { size: 8192, weights: &[0.0, 2.0, 1.0], want: &[(1, 4096), (2, 4096)] },
+            Case { size: 0, weights: &[1.0, 1.0], want: &[] },
+        ];
+        for c in cases {
+            let aligns = vec![4096; c.weights.len()];
+            let stripes = plan_stripes(c.size, c.weights, &aligns).unwrap();
+            let got: Vec<(usize, u64)> = stripes.iter().map(|s| (s.path, s.len)).collect();
+            assert_eq!(got, c.want, "size {} weights {:?}", c.size, c.weights);
+            assert_eq!(stripes.iter().map(|s| s.len).sum::<u64>(), c.size);
+            for s in &stripes {
+                assert_eq!(s.slot_stride % 4096, 0);
+                assert!(s.slot_stride >= s.len);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_weights_name_the_key() {
+        for weights in [&[][..], &[1.0][..], &[0.0, 0.0][..], &[-1.0, 2.0][..], &[f64::NAN, 1.0][..]] {
+            let err = plan_stripes(10, weights, &[4096, 4096]).unwrap_err();
+            assert!(err.to_string().starts_with("weights:"), "{weights:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn keys_cannot_escape_the_store() {
+        for bad in ["", ".", "..", "../x", "a/b", "/etc/passwd", ".hidden", "a\0b", "é", &"x".repeat(201)] {
+            assert!(validate_key(bad).is_err(), "{bad:?} accepted");
+        }
+        for good in ["a", "sg17.exp_avg", "sub-group_0.fp32", "a..b", &"x".repeat(200)] {
+            validate_key(good).unwrap();
+        }
+    }
+}
