@@ -365,7 +365,7 @@ cmd_down() {
         else
             warn "umount $MOUNT failed (busy?); doing a lazy unmount"
             if command -v fuser >/dev/null 2>&1; then
-                fuser -vm "$MOUNT" >&2 2>&1 || true
+                { fuser -vm "$MOUNT" 2>&1 | grep -v '^Cannot stat' >&2; } || true
             fi
             umount -l "$MOUNT" 2>/dev/null || { warn "lazy umount of $MOUNT failed too"; break; }
         fi

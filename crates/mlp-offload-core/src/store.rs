@@ -696,39 +696,46 @@ impl ObjectStore {
         Ok(())
     }
 
-    fn manifest_path(&self) -> PathBuf {
-        self.rank_dirs[0].join(MANIFEST_NAME)
-    }
-
+    /// Loads the manifest. Every path's rank directory holds a copy, so a store reopened with its paths
+    /// reordered, missing or added is recognised whichever path comes first.
     fn load_manifest(&self) -> Result<()> {
-        let path = self.manifest_path();
-        let text = match fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Error::io("read manifest", &path, e)),
-        };
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::Corrupt {
-            key: MANIFEST_NAME.into(),
-            path: path.clone(),
-            reason: format!("unreadable manifest: {e}"),
-        })?;
-        if manifest.format != MANIFEST_FORMAT {
-            return Err(Error::config(
-                "manifest",
-                format!("{} has format {} (this version reads {MANIFEST_FORMAT})", path.display(), manifest.format),
-            ));
+        let mut found: Option<Manifest> = None;
+        for dir in &self.rank_dirs {
+            let path = dir.join(MANIFEST_NAME);
+            let text = match fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io("read manifest", &path, e)),
+            };
+            let manifest: Manifest = serde_json::from_str(&text).map_err(|e| Error::Corrupt {
+                key: MANIFEST_NAME.into(),
+                path: path.clone(),
+                reason: format!("unreadable manifest: {e}"),
+            })?;
+            if manifest.format != MANIFEST_FORMAT {
+                return Err(Error::config(
+                    "manifest",
+                    format!(
+                        "{} has format {} (this version reads {MANIFEST_FORMAT})",
+                        path.display(),
+                        manifest.format
+                    ),
+                ));
+            }
+            if manifest.paths != self.config.paths {
+                return Err(Error::config(
+                    "paths",
+                    format!(
+                        "the store in {} was created with paths {:?}, not {:?}",
+                        path.display(),
+                        manifest.paths,
+                        self.config.paths
+                    ),
+                ));
+            }
+            found.get_or_insert(manifest);
         }
-        if manifest.paths != self.config.paths {
-            return Err(Error::config(
-                "paths",
-                format!(
-                    "the store in {} was created with paths {:?}, not {:?}",
-                    path.display(),
-                    manifest.paths,
-                    self.config.paths
-                ),
-            ));
-        }
+        let Some(manifest) = found else { return Ok(()) };
         let mut objects = self.lock_objects();
         for (key, record) in manifest.objects {
             validate_key(&key)?;
@@ -763,22 +770,25 @@ impl ObjectStore {
                 .map(|e| (e.key.clone(), e.record.lock().expect("record lock").clone()))
                 .collect(),
         };
-        let path = self.manifest_path();
-        let tmp = path.with_extension("json.tmp");
         let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
-        let write = || -> io::Result<()> {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&text)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &path)?;
-            File::open(&self.rank_dirs[0])?.sync_all()
-        };
-        write().map_err(|e| Error::io("write manifest", &path, e))
+        for dir in &self.rank_dirs {
+            let path = dir.join(MANIFEST_NAME);
+            let tmp = path.with_extension("json.tmp");
+            let write = || -> io::Result<()> {
+                let mut f = OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&tmp)?;
+                f.write_all(&text)?;
+                f.sync_all()?;
+                fs::rename(&tmp, &path)?;
+                File::open(dir)?.sync_all()
+            };
+            write().map_err(|e| Error::io("write manifest", &path, e))?;
+        }
+        Ok(())
     }
 }
 

@@ -334,7 +334,12 @@ impl Chunk {
     fn finish(self, error: Option<Error>) {
         let state = self.state;
         if let Some(e) = error {
-            state.first_error.lock().expect("transfer lock").get_or_insert(e);
+            // Chunks finish in any order; report the failure nearest the start of the range, so the
+            // error is the same whatever the engine's concurrency.
+            let mut first = state.first_error.lock().expect("transfer lock");
+            if first.as_ref().is_none_or(|f| offset_of(&e) < offset_of(f)) {
+                *first = Some(e);
+            }
         }
         if state.chunks_left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
@@ -347,6 +352,13 @@ impl Chunk {
             },
         };
         state.completion.part_done(result);
+    }
+}
+
+fn offset_of(e: &Error) -> u64 {
+    match e {
+        Error::Io { offset, .. } => offset.unwrap_or(0),
+        _ => 0,
     }
 }
 
