@@ -1,0 +1,416 @@
+//! `mlp_offload._core`: the thin PyO3 layer over `mlp-offload-core`. Addresses and lengths cross the
+//! boundary, never tensors; every call that can block releases the GIL.
+
+use std::os::raw::c_int;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use mlp_offload_core::probe::{probe_path, ProbeOptions};
+use mlp_offload_core::{
+    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits, PooledBuf,
+    StoreConfig,
+};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pythonize::pythonize;
+use std::sync::Arc;
+
+create_exception!(
+    _core,
+    CorruptObjectError,
+    PyOSError,
+    "A stored object is not what was written (checksum mismatch, truncated file, failed last write)."
+);
+
+/// The one place where core errors become Python exceptions: I/O and corruption as `OSError` (errno,
+/// filename), configuration as `ValueError`.
+fn to_py(e: Error) -> PyErr {
+    let message = e.to_string();
+    match &e {
+        Error::Config { .. } => PyValueError::new_err(message),
+        Error::Corrupt { path, .. } => {
+            CorruptObjectError::new_err((libc::EIO, message, path.display().to_string()))
+        }
+        Error::Io { .. } | Error::NotFound { .. } => {
+            let errno = e.errno().unwrap_or(libc::EIO);
+            let path = e.path().map(|p| p.display().to_string());
+            PyOSError::new_err((errno, message, path))
+        }
+    }
+}
+
+fn to_py_json<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
+    Ok(pythonize(py, value)
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?
+        .unbind())
+}
+
+/// An operation in flight. `wait()` blocks (without the GIL) and raises its error; `done()` polls.
+#[pyclass(module = "mlp_offload._core", frozen)]
+struct IoHandle {
+    completion: Completion,
+}
+
+#[pymethods]
+impl IoHandle {
+    /// Blocks until the operation is done; raises its error. With `timeout` (seconds), returns False
+    /// if it is not done in time.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let completion = self.completion.clone();
+        let outcome = match timeout {
+            None => Some(py.detach(move || completion.wait())),
+            Some(t) if t.is_finite() && t >= 0.0 => {
+                py.detach(move || completion.wait_timeout(Duration::from_secs_f64(t)))
+            }
+            Some(t) => return Err(PyValueError::new_err(format!("timeout: {t} is not a non-negative number"))),
+        };
+        match outcome {
+            None => Ok(false),
+            Some(r) => r.map(|()| true).map_err(to_py),
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.completion.is_done()
+    }
+}
+
+enum HostMemory {
+    Owned(AlignedBuf),
+    Pooled(PooledBuf),
+}
+
+impl HostMemory {
+    fn buf(&self) -> &AlignedBuf {
+        match self {
+            HostMemory::Owned(b) => b,
+            HostMemory::Pooled(b) => b,
+        }
+    }
+}
+
+/// Page-aligned host memory owned by the runtime, exported through the buffer protocol so that
+/// `torch.frombuffer` views it without a copy. The memory lives as long as any view of it.
+#[pyclass(module = "mlp_offload._core", frozen)]
+struct HostBuffer {
+    memory: HostMemory,
+}
+
+#[pymethods]
+impl HostBuffer {
+    #[new]
+    #[pyo3(signature = (nbytes, lock=false))]
+    fn new(py: Python<'_>, nbytes: usize, lock: bool) -> PyResult<Self> {
+        let buf = py.detach(|| AlignedBuf::new(nbytes, lock)).map_err(to_py)?;
+        Ok(HostBuffer {
+            memory: HostMemory::Owned(buf),
+        })
+    }
+
+    #[getter]
+    fn address(&self) -> usize {
+        self.memory.buf().as_ptr() as usize
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.memory.buf().len()
+    }
+
+    #[getter]
+    fn locked(&self) -> bool {
+        self.memory.buf().is_locked()
+    }
+
+    fn __len__(&self) -> usize {
+        self.memory.buf().len()
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let buf = slf.get().memory.buf();
+        // SAFETY: `view` is the caller's Py_buffer; the memory is owned by `slf`, which the view keeps a
+        // reference to (FillInfo increfs `obj`), so it outlives every export. The memory is writable:
+        // it is plain host memory that the runtime only reads or writes during I/O the caller started.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                buf.as_ptr() as *mut std::ffi::c_void,
+                buf.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(PyErr::fetch(slf.py()))
+        }
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// A fixed set of equally sized `HostBuffer`s; a buffer returns to the pool when its last view is gone.
+#[pyclass(module = "mlp_offload._core", frozen)]
+struct HostBufferPool {
+    pool: BufferPool,
+}
+
+#[pymethods]
+impl HostBufferPool {
+    #[new]
+    #[pyo3(signature = (count, buffer_size, lock=true))]
+    fn new(py: Python<'_>, count: usize, buffer_size: usize, lock: bool) -> PyResult<Self> {
+        let pool = py
+            .detach(|| BufferPool::new(count, buffer_size, lock))
+            .map_err(to_py)?;
+        Ok(HostBufferPool { pool })
+    }
+
+    /// A free buffer, or None when every buffer is in use.
+    fn acquire(&self) -> Option<HostBuffer> {
+        self.pool.acquire().map(|b| HostBuffer {
+            memory: HostMemory::Pooled(b),
+        })
+    }
+
+    #[getter]
+    fn buffer_size(&self) -> usize {
+        self.pool.buffer_size()
+    }
+
+    #[getter]
+    fn count(&self) -> usize {
+        self.pool.count()
+    }
+
+    #[getter]
+    fn available(&self) -> usize {
+        self.pool.available()
+    }
+
+    #[getter]
+    fn locked(&self) -> bool {
+        self.pool.is_locked()
+    }
+}
+
+/// The virtual-tier object store (see `mlp_offload.ObjectStore` for the tensor-level API).
+#[pyclass(module = "mlp_offload._core", name = "ObjectStore", frozen)]
+struct PyObjectStore {
+    store: std::sync::RwLock<Option<Arc<ObjectStore>>>,
+}
+
+impl PyObjectStore {
+    fn get(&self) -> PyResult<Arc<ObjectStore>> {
+        self.store
+            .read()
+            .expect("store lock")
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("the object store is closed"))
+    }
+}
+
+#[pymethods]
+impl PyObjectStore {
+    #[new]
+    #[pyo3(signature = (paths, *, rank=0, engine="auto", chunk_size=None, max_inflight=None, weights=None,
+                        checksum=true, shadow_slots=true))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        paths: Vec<PathBuf>,
+        rank: u32,
+        engine: &str,
+        chunk_size: Option<usize>,
+        max_inflight: Option<usize>,
+        weights: Option<Vec<f64>>,
+        checksum: bool,
+        shadow_slots: bool,
+    ) -> PyResult<Self> {
+        let defaults = PathLimits::default();
+        let limits = PathLimits {
+            chunk_size: chunk_size.unwrap_or(defaults.chunk_size),
+            max_inflight: max_inflight.unwrap_or(defaults.max_inflight),
+        };
+        let mut config = StoreConfig::new(paths)
+            .with_rank(rank)
+            .with_engine(engine.parse::<EngineChoice>().map_err(to_py)?)
+            .with_limits(limits)
+            .with_checksum(checksum)
+            .with_shadow_slots(shadow_slots);
+        if let Some(w) = weights {
+            config = config.with_weights(w);
+        }
+        let store = py.detach(|| ObjectStore::open(config)).map_err(to_py)?;
+        Ok(PyObjectStore {
+            store: std::sync::RwLock::new(Some(Arc::new(store))),
+        })
+    }
+
+    /// Writes `nbytes` at `address` as object `key`; `owner` (the tensor or buffer that owns the memory)
+    /// is kept alive until the write is done.
+    #[pyo3(signature = (key, address, nbytes, owner, weights=None))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        address: usize,
+        nbytes: usize,
+        owner: Py<PyAny>,
+        weights: Option<Vec<f64>>,
+    ) -> PyResult<IoHandle> {
+        let store = self.get()?;
+        let ptr = HostPtr(address as *mut u8);
+        let completion = py
+            .detach(|| {
+                // SAFETY: the caller (the Python layer) passes the address and size of a live, contiguous
+                // CPU buffer owned by `owner`; `owner` is held by the completion until the I/O is done.
+                unsafe { store.write_raw(key, ptr, nbytes, Box::new(owner), weights.as_deref()) }
+            })
+            .map_err(to_py)?;
+        Ok(IoHandle { completion })
+    }
+
+    /// Reads object `key` into `nbytes` at `address`; `owner` is kept alive until the read is done.
+    fn read(&self, py: Python<'_>, key: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<IoHandle> {
+        let store = self.get()?;
+        let ptr = HostPtr(address as *mut u8);
+        let completion = py
+            .detach(|| {
+                // SAFETY: as in `write`; the buffer is writable memory owned by `owner`.
+                unsafe { store.read_raw(key, ptr, nbytes, Box::new(owner)) }
+            })
+            .map_err(to_py)?;
+        Ok(IoHandle { completion })
+    }
+
+    fn delete(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.delete(key)).map_err(to_py)
+    }
+
+    /// Waits for everything in flight, flushes to stable storage and writes the manifest.
+    fn sync(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.sync()).map_err(to_py)
+    }
+
+    /// Syncs and releases the engines; later calls raise ValueError. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(store) = self.store.write().expect("store lock").take() else {
+            return Ok(());
+        };
+        py.detach(move || {
+            let result = store.sync();
+            drop(store);
+            result
+        })
+        .map_err(to_py)
+    }
+
+    fn keys(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.keys())
+    }
+
+    fn size(&self, key: &str) -> PyResult<Option<u64>> {
+        Ok(self.get()?.size(key))
+    }
+
+    /// `[(path_index, nbytes), ...]`, one per stripe.
+    fn placement(&self, key: &str) -> PyResult<Vec<(usize, u64)>> {
+        self.get()?.placement(key).map_err(to_py)
+    }
+
+    #[getter]
+    fn engine(&self) -> PyResult<&'static str> {
+        Ok(self.get()?.engine_kind().name())
+    }
+
+    #[getter]
+    fn tiers(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py_json(py, &self.get()?.tiers())
+    }
+
+    /// Per path: tier facts, engine, limits and counters (bytes read/written, in-flight maximum).
+    fn path_reports(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py_json(py, &self.get()?.path_reports())
+    }
+}
+
+impl Drop for PyObjectStore {
+    fn drop(&mut self) {
+        // Dropping the store syncs it, which may block on I/O: do it without the GIL.
+        if let Some(store) = self.store.get_mut().expect("store lock").take() {
+            Python::attach(|py| py.detach(move || drop(store)));
+        }
+    }
+}
+
+/// Facts about one directory: alignment, O_DIRECT support (tested), device identity.
+#[pyfunction]
+fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
+    let info = py.detach(|| mlp_offload_core::probe_dir(&path)).map_err(to_py)?;
+    to_py_json(py, &info)
+}
+
+/// Sequential read/write bandwidth of a directory through our engine, best over the sweep.
+/// `progress`, if given, is called with a line of text per measurement.
+#[pyfunction]
+#[pyo3(signature = (path, *, bytes=None, chunk_sizes=None, depths=None, engine="auto", progress=None))]
+fn probe_bandwidth(
+    py: Python<'_>,
+    path: PathBuf,
+    bytes: Option<u64>,
+    chunk_sizes: Option<Vec<usize>>,
+    depths: Option<Vec<usize>>,
+    engine: &str,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let defaults = ProbeOptions::default();
+    let opts = ProbeOptions {
+        bytes: bytes.unwrap_or(defaults.bytes),
+        chunk_sizes: chunk_sizes.unwrap_or(defaults.chunk_sizes),
+        depths: depths.unwrap_or(defaults.depths),
+        engine: engine.parse().map_err(to_py)?,
+    };
+    let result = py.detach(|| {
+        probe_path(&path, &opts, &mut |line| {
+            if let Some(cb) = &progress {
+                // Progress lines are advisory; a failing callback must not abort the probe.
+                Python::attach(|py| {
+                    if let Err(e) = cb.call1(py, (line,)) {
+                        e.print(py);
+                    }
+                });
+            }
+        })
+    });
+    to_py_json(py, &result.map_err(to_py)?)
+}
+
+/// Why io_uring cannot be used in this process, or None when it can.
+#[pyfunction]
+fn io_uring_unavailable_reason() -> Option<String> {
+    mlp_offload_core::engine::uring_unavailable_reason()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Rust `log` records go to Python's `logging` (logger names start with `mlp_offload_core`).
+    let _ = pyo3_log::try_init();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("CorruptObjectError", m.py().get_type::<CorruptObjectError>())?;
+    m.add_class::<IoHandle>()?;
+    m.add_class::<HostBuffer>()?;
+    m.add_class::<HostBufferPool>()?;
+    m.add_class::<PyObjectStore>()?;
+    m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,77 @@
+"""Runtime-owned, page-aligned host memory as torch tensors, registered with CUDA when there is one.
+
+Nothing here calls `Tensor.pin_memory()`, which raises on a CPU-only torch build.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlp_offload import _core
+
+
+def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A 1-D tensor viewing `buffer` without a copy; the buffer lives as long as the tensor."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if buffer.nbytes % itemsize:
+        raise ValueError(f"dtype: {buffer.nbytes} bytes is not a whole number of {dtype} elements")
+    if buffer.nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
+def register_with_cuda(address: int, nbytes: int) -> bool:
+    """Page-locks and registers host memory with CUDA so copies run at pinned speed. False without CUDA."""
+    if not torch.cuda.is_available() or nbytes == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        raise OSError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with CUDA error {int(err)}")
+    return True
+
+
+def unregister_from_cuda(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class PinnedBufferPool:
+    """A fixed pool of equally sized host buffers, locked in RAM and registered with CUDA when present.
+
+    `acquire` gives a `HostBuffer` (view it with `as_tensor`); it returns to the pool when the buffer
+    and every tensor viewing it are gone.
+    """
+
+    def __init__(self, count: int, buffer_size: int, *, lock: bool = True) -> None:
+        self._pool = _core.HostBufferPool(count, buffer_size, lock=lock)
+        every = [self._pool.acquire() for _ in range(count)]
+        self._addresses = [b.address for b in every if b is not None]
+        self.cuda_registered = False
+        for address in self._addresses:
+            self.cuda_registered = register_with_cuda(address, buffer_size)
+        del every
+
+    def acquire(self) -> _core.HostBuffer | None:
+        return self._pool.acquire()
+
+    @property
+    def buffer_size(self) -> int:
+        return self._pool.buffer_size
+
+    @property
+    def count(self) -> int:
+        return self._pool.count
+
+    @property
+    def available(self) -> int:
+        return self._pool.available
+
+    @property
+    def locked(self) -> bool:
+        return self._pool.locked
+
+    def close(self) -> None:
+        """Unregisters the buffers from CUDA; the memory itself goes when the pool object does."""
+        if self.cuda_registered:
+            for address in self._addresses:
+                unregister_from_cuda(address)
+            self.cuda_registered = False

@@ -1,0 +1,110 @@
+"""The object store at the level of tensors: any contiguous CPU tensor, `HostBuffer` or buffer-protocol
+object can be written from or read into, without a copy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import Any
+
+import numpy as np
+import torch
+
+from mlp_offload import _core
+
+
+def memory_of(obj: Any, *, writable: bool) -> tuple[int, int, Any]:
+    """`(address, nbytes, owner)` of a contiguous host buffer; `owner` keeps the memory alive."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise ValueError(f"buffer: tensor is on {obj.device}, not in host memory")
+        if not obj.is_contiguous():
+            raise ValueError("buffer: tensor is not contiguous")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj
+    if isinstance(obj, _core.HostBuffer):
+        return obj.address, obj.nbytes, obj
+    try:
+        array = np.frombuffer(obj, dtype=np.uint8)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"buffer: {type(obj).__name__} is not a contiguous buffer ({e})") from None
+    if writable and not array.flags.writeable:
+        raise ValueError(f"buffer: {type(obj).__name__} is read-only and cannot be read into")
+    return array.ctypes.data, array.nbytes, array
+
+
+class ObjectStore:
+    """Named objects on one or more storage paths, each placed on one path or striped across several.
+
+    `write` and `read` return an `IoHandle` at once; `handle.wait()` blocks (without the GIL) and raises
+    `OSError` (with `errno` and `filename`) on failure, `CorruptObjectError` on a checksum mismatch.
+    The buffer must not be modified (write) or used (read) until the handle is done; it is kept alive
+    until then. A read issued after a write of the same object sees that write.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | PathLike[str]],
+        *,
+        rank: int = 0,
+        engine: str = "auto",
+        chunk_size: int | None = None,
+        max_inflight: int | None = None,
+        weights: Sequence[float] | None = None,
+        checksum: bool = True,
+        shadow_slots: bool = True,
+    ) -> None:
+        self._store = _core.ObjectStore(
+            [str(p) for p in paths],
+            rank=rank,
+            engine=engine,
+            chunk_size=chunk_size,
+            max_inflight=max_inflight,
+            weights=list(weights) if weights is not None else None,
+            checksum=checksum,
+            shadow_slots=shadow_slots,
+        )
+
+    def write(self, key: str, src: Any, *, weights: Sequence[float] | None = None) -> _core.IoHandle:
+        """Writes `src` as object `key` (created on first write, placed by `weights`)."""
+        address, nbytes, owner = memory_of(src, writable=False)
+        return self._store.write(key, address, nbytes, owner, list(weights) if weights else None)
+
+    def read(self, key: str, dst: Any) -> _core.IoHandle:
+        """Reads object `key` into `dst`, which must have exactly the object's size in bytes."""
+        address, nbytes, owner = memory_of(dst, writable=True)
+        return self._store.read(key, address, nbytes, owner)
+
+    def delete(self, key: str) -> None:
+        self._store.delete(key)
+
+    def size(self, key: str) -> int | None:
+        return self._store.size(key)
+
+    def keys(self) -> list[str]:
+        return self._store.keys()
+
+    def placement(self, key: str) -> list[tuple[int, int]]:
+        return self._store.placement(key)
+
+    def sync(self) -> None:
+        self._store.sync()
+
+    def close(self) -> None:
+        self._store.close()
+
+    @property
+    def engine(self) -> str:
+        return self._store.engine
+
+    @property
+    def tiers(self) -> list[dict[str, Any]]:
+        return self._store.tiers
+
+    def path_reports(self) -> list[dict[str, Any]]:
+        return self._store.path_reports()
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
