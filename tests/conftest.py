@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import mlp_offload
+
+ENGINES = ["io_uring", "threads"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every test that takes `engine` runs once per I/O engine."""
+    if request.param == "io_uring" and (why := mlp_offload.io_uring_unavailable_reason()):
+        pytest.skip(f"io_uring unavailable here: {why}")
+    return request.param
+
+
+@pytest.fixture
+def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
+    """Three directories on the work disk (not /tmp, which may be tmpfs elsewhere)."""
+    base = Path(os.environ.get("MLP_OFFLOAD_TEST_DIR", Path(__file__).resolve().parent.parent / "target"))
+    base.mkdir(parents=True, exist_ok=True)
+    root = Path(tmp_path_factory.mktemp("store", numbered=True))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=base, prefix="pytest-") as d:
+        paths = [Path(d) / f"path{i}" for i in range(3)]
+        for p in paths:
+            p.mkdir()
+        yield paths
+    del root
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (root only), for running out of space for real."""
+    if not is_root():
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

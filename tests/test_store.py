@@ -1,0 +1,152 @@
+"""The tensor-level object store, through the bindings, against real files and both engines."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mlp_offload
+from mlp_offload import CorruptObjectError, ObjectStore
+
+SIZES = [1, 511, 4096, 4097, 65_543, (1 << 20) + 3, 5 << 20]
+
+
+def random_tensor(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("n_paths", [1, 3])
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_round_trip_through_tensors_and_host_buffers(engine: str, work_dirs: list[Path], n_paths: int,
+                                                     nbytes: int) -> None:
+    with ObjectStore(work_dirs[:n_paths], engine=engine, chunk_size=1 << 16) as store:
+        assert store.engine == engine
+        data = random_tensor(nbytes, nbytes)
+        # A plain torch tensor (64-byte aligned: the buffered path) ...
+        store.write("plain", data).wait()
+        back = torch.empty_like(data)
+        store.read("plain", back).wait()
+        assert torch.equal(back, data)
+        # ... and runtime-owned page-aligned memory (the O_DIRECT path), viewed without a copy.
+        buf = mlp_offload.HostBuffer(nbytes)
+        view = mlp_offload.as_tensor(buf)
+        view.copy_(data)
+        store.write("aligned", buf).wait()
+        out = mlp_offload.HostBuffer(nbytes)
+        store.read("aligned", out).wait()
+        assert torch.equal(mlp_offload.as_tensor(out), data)
+        # Other dtypes and buffer-protocol objects.
+        floats = torch.randn(max(nbytes // 4, 1), generator=torch.Generator().manual_seed(1))
+        store.write("floats", floats).wait()
+        arr = np.empty(floats.numel(), dtype=np.float32)
+        store.read("floats", arr).wait()
+        assert np.array_equal(arr, floats.numpy())
+
+
+def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_dirs: list[Path]) -> None:
+    missing = work_dirs[0] / "missing"
+    with pytest.raises(FileNotFoundError) as e:
+        ObjectStore([missing], engine=engine)
+    assert e.value.errno == errno.ENOENT and e.value.filename == str(missing)
+
+    cases = [
+        (dict(engine="fast"), "engine"),
+        (dict(weights=[1.0, 2.0]), "weights"),
+        (dict(chunk_size=1000), "chunk_size"),
+        (dict(max_inflight=0), "max_inflight"),
+    ]
+    for kwargs, key in cases:
+        with pytest.raises(ValueError, match=key):
+            ObjectStore(work_dirs[:1], **kwargs)  # type: ignore[arg-type]
+
+    with ObjectStore(work_dirs[:1], engine=engine) as store:
+        with pytest.raises(ValueError, match="key"):
+            store.write("../../etc/passwd", torch.zeros(4))
+        with pytest.raises(FileNotFoundError):
+            store.read("absent", torch.zeros(4))
+        store.write("four", torch.zeros(4)).wait()
+        with pytest.raises(ValueError, match="buffer"):
+            store.read("four", torch.zeros(5))
+        with pytest.raises(ValueError, match="read-only"):
+            store.read("four", b"0123456789abcdef")
+        with pytest.raises(ValueError, match="contiguous"):
+            store.write("strided", torch.zeros(4, 4).t())
+
+
+def test_corruption_raises_corrupt_object_error(engine: str, work_dirs: list[Path]) -> None:
+    with ObjectStore(work_dirs[:1], engine=engine, shadow_slots=False) as store:
+        data = random_tensor(100_000, 3)
+        store.write("x", data).wait()
+        path = work_dirs[0] / "rank0" / "x.mlpo"
+        raw = bytearray(path.read_bytes())
+        raw[777] ^= 0x5A
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CorruptObjectError) as e:
+            store.read("x", torch.empty_like(data)).wait()
+        assert isinstance(e.value, OSError) and e.value.errno == errno.EIO
+        assert e.value.filename == str(path) and "checksum mismatch" in str(e.value)
+
+
+def test_out_of_space_names_the_path_and_keeps_other_objects(engine: str, small_tmpfs: Path) -> None:
+    with ObjectStore([small_tmpfs], engine=engine) as store:
+        old = random_tensor(200_000, 4)
+        store.write("kept", old).wait()
+        with pytest.raises(OSError) as e:
+            store.write("too-big", torch.zeros(4 << 20, dtype=torch.uint8))
+        assert e.value.errno == errno.ENOSPC and "too-big.mlpo" in e.value.filename
+        back = torch.empty_like(old)
+        store.read("kept", back).wait()
+        assert torch.equal(back, old)
+
+
+def test_reopen_and_telemetry(engine: str, work_dirs: list[Path]) -> None:
+    data = random_tensor(3 << 20, 5)
+    with ObjectStore(work_dirs[:2], engine=engine, weights=[2, 1]) as store:
+        store.write("sg0.exp_avg", data).wait()
+        (a, na), (b, nb) = store.placement("sg0.exp_avg")
+        assert (a, b) == (0, 1) and na + nb == data.numel() and na > nb
+        reports = store.path_reports()
+        assert sum(r["stats"]["bytes_written"] for r in reports) >= data.numel()
+        assert all(r["engine"] == engine for r in reports)
+    for p in work_dirs[:2]:
+        assert oct(os.stat(p / "rank0").st_mode & 0o777) == "0o700"
+        assert oct(os.stat(p / "rank0" / "sg0.exp_avg.mlpo").st_mode & 0o777) == "0o600"
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        assert store.keys() == ["sg0.exp_avg"] and store.size("sg0.exp_avg") == data.numel()
+        back = torch.empty_like(data)
+        store.read("sg0.exp_avg", back).wait()
+        assert torch.equal(back, data)
+
+
+def test_a_closed_store_says_so(work_dirs: list[Path]) -> None:
+    store = ObjectStore(work_dirs[:1])
+    store.close()
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.keys()
+
+
+def test_handles_poll_and_time_out(engine: str, work_dirs: list[Path]) -> None:
+    with ObjectStore(work_dirs[:1], engine=engine) as store:
+        h = store.write("p", torch.zeros(1 << 20, dtype=torch.uint8))
+        assert h.wait(timeout=60.0) is True
+        assert h.done()
+        with pytest.raises(ValueError, match="timeout"):
+            h.wait(timeout=-1.0)
+
+
+def test_buffers_outlive_the_callers_reference(engine: str, work_dirs: list[Path]) -> None:
+    """The store keeps the source alive until the kernel is done with it, even if the caller drops it."""
+    with ObjectStore(work_dirs[:1], engine=engine) as store:
+        expected = random_tensor(8 << 20, 6)
+        handle = store.write("big", expected.clone())  # the clone's only reference is the store's
+        handle.wait()
+        back = torch.empty_like(expected)
+        store.read("big", back).wait()
+        assert torch.equal(back, expected)
