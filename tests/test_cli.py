@@ -11,13 +11,28 @@ import pytest
 
 from mlp_offload.cli import parse_size
 
-PROBE = [sys.executable, "-m", "mlp_offload.cli", "probe", "--bytes", "16M", "--chunk-sizes", "1M,4M",
-         "--depths", "2,8"]
+PROBE = [
+    sys.executable,
+    "-m",
+    "mlp_offload.cli",
+    "probe",
+    "--bytes",
+    "16M",
+    "--chunk-sizes",
+    "1M,4M",
+    "--depths",
+    "2,8",
+]
 
 
 def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
-    out = subprocess.run([*PROBE, "--json", "-q", str(work_dirs[0]), str(work_dirs[1])],
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [*PROBE, "--json", "-q", str(work_dirs[0]), str(work_dirs[1])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     results = json.loads(out.stdout)
     assert [r["path"] for r in results] == [str(work_dirs[0]), str(work_dirs[1])]
     for r in results:
@@ -28,8 +43,13 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:
-    out = subprocess.run([*PROBE, str(work_dirs[0]), str(work_dirs[1])],
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [*PROBE, str(work_dirs[0]), str(work_dirs[1])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert "read MiB/s" in out.stdout and "(shared)" in out.stdout
     assert "MiB/s" in out.stderr, "progress lines go to stderr"
 
@@ -40,7 +60,8 @@ def test_probe_of_a_missing_directory_names_it(work_dirs: list[Path]) -> None:
     assert out.returncode == 2 and str(missing) in out.stderr
 
 
-@pytest.mark.parametrize(("text", "value"), [("512M", 512 << 20), ("4k", 4096), ("1.5G", 3 << 29), ("10", 10),
-                                              ("2MiB", 2 << 20)])
+@pytest.mark.parametrize(
+    ("text", "value"), [("512M", 512 << 20), ("4k", 4096), ("1.5G", 3 << 29), ("10", 10), ("2MiB", 2 << 20)]
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value

@@ -23,8 +23,9 @@ def random_tensor(nbytes: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("n_paths", [1, 3])
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_round_trip_through_tensors_and_host_buffers(engine: str, work_dirs: list[Path], n_paths: int,
-                                                     nbytes: int) -> None:
+def test_round_trip_through_tensors_and_host_buffers(
+    engine: str, work_dirs: list[Path], n_paths: int, nbytes: int
+) -> None:
     with ObjectStore(work_dirs[:n_paths], engine=engine, chunk_size=1 << 16) as store:
         assert store.engine == engine
         data = random_tensor(nbytes, nbytes)

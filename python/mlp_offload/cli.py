@@ -34,16 +34,18 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
     devices = [r["device_id"] for r in results]
     for r in results:
         shared = " (shared)" if devices.count(r["device_id"]) > 1 else ""
-        rows.append([
-            str(r["path"]),
-            f"{r['device_name']} {r['device_id']}{shared}",
-            r["engine"],
-            "yes" if r["direct_io"] else "no",
-            _mib(r["read_bytes_per_s"]),
-            f"{r['best_read']['chunk_size'] >> 20} MiB x{r['best_read']['max_inflight']}",
-            _mib(r["write_bytes_per_s"]),
-            f"{r['best_write']['chunk_size'] >> 20} MiB x{r['best_write']['max_inflight']}",
-        ])
+        rows.append(
+            [
+                str(r["path"]),
+                f"{r['device_name']} {r['device_id']}{shared}",
+                r["engine"],
+                "yes" if r["direct_io"] else "no",
+                _mib(r["read_bytes_per_s"]),
+                f"{r['best_read']['chunk_size'] >> 20} MiB x{r['best_read']['max_inflight']}",
+                _mib(r["write_bytes_per_s"]),
+                f"{r['best_write']['chunk_size'] >> 20} MiB x{r['best_write']['max_inflight']}",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -56,6 +58,7 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
 def cmd_probe(args: argparse.Namespace) -> int:
     results = []
     for path in args.dirs:
+
         def progress(line: str) -> None:
             if not args.quiet:
                 print(line, file=sys.stderr, flush=True)
@@ -93,11 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     probe.add_argument("--bytes", type=parse_size, default=None, help="bytes per measurement (512M)")
     probe.add_argument(
-        "--chunk-sizes", type=lambda s: [parse_size(x) for x in s.split(",")], default=None,
+        "--chunk-sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",")],
+        default=None,
         help="comma-separated chunk sizes to try (1M,4M,16M)",
     )
     probe.add_argument(
-        "--depths", type=lambda s: [int(x) for x in s.split(",")], default=None,
+        "--depths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
         help="comma-separated in-flight limits to try (4,16)",
     )
     probe.add_argument("--engine", choices=["auto", "io_uring", "threads"], default="auto")

@@ -10,7 +10,9 @@ use serde::Serialize;
 
 use crate::buffer::AlignedBuf;
 use crate::completion::Completion;
-use crate::engine::{open_engine, EngineChoice, EngineKind, HostPtr, IoEngine, IoFile, Op, PathLimits, Transfer};
+use crate::engine::{
+    open_engine, EngineChoice, EngineKind, HostPtr, IoEngine, IoFile, Op, PathLimits, Transfer,
+};
 use crate::error::{Error, Result};
 use crate::tier::probe_dir;
 
@@ -60,9 +62,16 @@ pub struct PathProbe {
 }
 
 /// Probes one directory. `progress` hears a line per measurement.
-pub fn probe_path(dir: &Path, opts: &ProbeOptions, progress: &mut dyn FnMut(&str)) -> Result<PathProbe> {
+pub fn probe_path(
+    dir: &Path,
+    opts: &ProbeOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<PathProbe> {
     if opts.bytes == 0 || opts.chunk_sizes.is_empty() || opts.depths.is_empty() {
-        return Err(Error::config("probe", "bytes, chunk sizes and depths must not be empty"));
+        return Err(Error::config(
+            "probe",
+            "bytes, chunk sizes and depths must not be empty",
+        ));
     }
     let tier = probe_dir(dir)?;
     let align = tier.alignment();
@@ -76,7 +85,9 @@ pub fn probe_path(dir: &Path, opts: &ProbeOptions, progress: &mut dyn FnMut(&str
         if tier.direct_io {
             options.custom_flags(libc::O_DIRECT);
         }
-        let file = options.open(&path).map_err(|e| Error::io("create", &path, e))?;
+        let file = options
+            .open(&path)
+            .map_err(|e| Error::io("create", &path, e))?;
         let file = Arc::new(IoFile::new(path.clone(), file, tier.direct_io));
         let mut buf = AlignedBuf::new(PROBE_BUFFER.min(bytes as usize), false)?;
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
@@ -91,7 +102,10 @@ pub fn probe_path(dir: &Path, opts: &ProbeOptions, progress: &mut dyn FnMut(&str
         drop(warm);
         for &chunk_size in &opts.chunk_sizes {
             for &depth in &opts.depths {
-                let limits = PathLimits { chunk_size, max_inflight: depth };
+                let limits = PathLimits {
+                    chunk_size,
+                    max_inflight: depth,
+                };
                 limits.validate(align)?;
                 let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits)?;
                 engine_kind = engine.kind();
@@ -120,7 +134,15 @@ pub fn probe_path(dir: &Path, opts: &ProbeOptions, progress: &mut dyn FnMut(&str
                 .iter()
                 .filter(|s| s.op == op)
                 .max_by(|a, b| a.bytes_per_s.total_cmp(&b.bytes_per_s))
-                .map(|s| (s.bytes_per_s, PathLimits { chunk_size: s.chunk_size, max_inflight: s.max_inflight }))
+                .map(|s| {
+                    (
+                        s.bytes_per_s,
+                        PathLimits {
+                            chunk_size: s.chunk_size,
+                            max_inflight: s.max_inflight,
+                        },
+                    )
+                })
                 .expect("at least one sample per op")
         };
         let (read_bps, best_read) = best("read");
@@ -144,7 +166,14 @@ pub fn probe_path(dir: &Path, opts: &ProbeOptions, progress: &mut dyn FnMut(&str
 
 /// Moves `bytes` sequentially between the file and `buf` (reused for successive ranges) and returns the
 /// seconds it took.
-fn run(engine: &dyn IoEngine, op: Op, file: &Arc<IoFile>, buf: &mut AlignedBuf, bytes: u64, direct: bool) -> Result<f64> {
+fn run(
+    engine: &dyn IoEngine,
+    op: Op,
+    file: &Arc<IoFile>,
+    buf: &mut AlignedBuf,
+    bytes: u64,
+    direct: bool,
+) -> Result<f64> {
     let completion = Completion::new();
     let ptr = HostPtr(buf.as_mut_ptr());
     let start = Instant::now();

@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use crate::buffer::AlignedBuf;
 use crate::completion::Completion;
 use crate::engine::{
-    open_engine, EngineChoice, EngineKind, HostPtr, IoEngine, IoFile, Op, PathLimits, PathStats, Transfer,
+    open_engine, EngineChoice, EngineKind, Finish, HostPtr, IoEngine, IoFile, Op, PathLimits,
+    PathStats, Transfer,
 };
 use crate::error::{Error, Result};
 use crate::tier::{probe_dir, TierInfo};
@@ -224,7 +225,8 @@ impl ObjectStore {
         let mut tiers = Vec::with_capacity(config.paths.len());
         let mut rank_dirs = Vec::with_capacity(config.paths.len());
         for path in &config.paths {
-            let meta = fs::metadata(path).map_err(|e| Error::io("open storage directory", path, e))?;
+            let meta =
+                fs::metadata(path).map_err(|e| Error::io("open storage directory", path, e))?;
             if !meta.is_dir() {
                 return Err(Error::io(
                     "open storage directory",
@@ -251,13 +253,20 @@ impl ObjectStore {
         warn_about_shared_devices(&tiers);
         let mut engines = Vec::with_capacity(tiers.len());
         for (i, tier) in tiers.iter().enumerate() {
-            config.limits[i].validate(tier.alignment()).map_err(|e| match e {
-                Error::Config { key, message } => {
-                    Error::config(format!("paths[{i}].{key}"), format!("{message} ({})", tier.path.display()))
-                }
-                other => other,
-            })?;
-            engines.push(open_engine(config.engine, &tier.path.to_string_lossy(), config.limits[i])?);
+            config.limits[i]
+                .validate(tier.alignment())
+                .map_err(|e| match e {
+                    Error::Config { key, message } => Error::config(
+                        format!("paths[{i}].{key}"),
+                        format!("{message} ({})", tier.path.display()),
+                    ),
+                    other => other,
+                })?;
+            engines.push(open_engine(
+                config.engine,
+                &tier.path.to_string_lossy(),
+                config.limits[i],
+            )?);
         }
         let store = ObjectStore {
             config,
@@ -323,12 +332,18 @@ impl ObjectStore {
 
     /// Writes `buf` as object `key`, creating it on first write (placed by `weights`, or the store's
     /// default weights). Returns when the I/O is submitted; the buffer comes back from `wait`.
-    pub fn write<B: IoBuffer>(&self, key: &str, mut buf: B, weights: Option<&[f64]>) -> Result<Pending<B>> {
+    pub fn write<B: IoBuffer>(
+        &self,
+        key: &str,
+        mut buf: B,
+        weights: Option<&[f64]>,
+    ) -> Result<Pending<B>> {
         let (ptr, len) = (HostPtr(buf.io_ptr()), buf.io_len());
         let buffer = Arc::new(Mutex::new(Some(buf)));
         // SAFETY: the buffer's heap memory does not move when `B` moves; it is kept alive by the
         // completion's keepalive until every transfer is done, and `Pending` gives access back only after.
-        let completion = unsafe { self.write_raw(key, ptr, len, Box::new(buffer.clone()), weights)? };
+        let completion =
+            unsafe { self.write_raw(key, ptr, len, Box::new(buffer.clone()), weights)? };
         Ok(Pending { completion, buffer })
     }
 
@@ -433,8 +448,13 @@ impl ObjectStore {
             let Some(slot) = record.active else {
                 return Err(Error::Corrupt {
                     key: key.to_string(),
-                    path: entry.files.first().map(|f| f.path.clone()).unwrap_or_default(),
-                    reason: "it has no complete contents (never written, or its last write failed)".into(),
+                    path: entry
+                        .files
+                        .first()
+                        .map(|f| f.path.clone())
+                        .unwrap_or_default(),
+                    reason: "it has no complete contents (never written, or its last write failed)"
+                        .into(),
                 });
             };
             (
@@ -454,7 +474,9 @@ impl ObjectStore {
                 return Err(Error::Corrupt {
                     key: key.to_string(),
                     path: file.path.clone(),
-                    reason: format!("the file is truncated: {have} bytes, at least {needed} expected"),
+                    reason: format!(
+                        "the file is truncated: {have} bytes, at least {needed} expected"
+                    ),
                 });
             }
         }
@@ -537,7 +559,12 @@ impl ObjectStore {
             })
     }
 
-    fn entry_for_write(&self, key: &str, size: u64, weights: Option<&[f64]>) -> Result<Arc<ObjectEntry>> {
+    fn entry_for_write(
+        &self,
+        key: &str,
+        size: u64,
+        weights: Option<&[f64]>,
+    ) -> Result<Arc<ObjectEntry>> {
         validate_key(key)?;
         if let Some(entry) = self.lock_objects().get(key).cloned() {
             let existing = entry.record.lock().expect("record lock").size;
@@ -586,10 +613,11 @@ impl ObjectStore {
         let mut files = Vec::with_capacity(stripes.len());
         for stripe in stripes {
             let path = self.object_path(stripe.path, key);
-            let made = open_object_file(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
-                preallocate(file.primary(), &path, stripe.slot_stride * u64::from(slots))?;
-                Ok(file)
-            });
+            let made =
+                open_object_file(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
+                    preallocate(file.primary(), &path, stripe.slot_stride * u64::from(slots))?;
+                    Ok(file)
+                });
             match made {
                 Ok(file) => files.push(Arc::new(file)),
                 Err(e) => {
@@ -674,7 +702,7 @@ impl ObjectStore {
             // SAFETY: `body <= stripe.len`, inside the caller's buffer.
             let tail_mem = HostPtr(unsafe { mem.0.add(body as usize) });
             let bounce_ptr = HostPtr(bounce.as_mut_ptr());
-            let finish: Option<Box<dyn FnOnce() -> Result<()> + Send>> = match op {
+            let finish: Option<Finish> = match op {
                 Op::Write => {
                     // SAFETY: `tail` bytes at `tail_mem` are the end of the caller's stripe; the bounce
                     // block has `align > tail` bytes. Both are valid and distinct.
@@ -691,7 +719,13 @@ impl ObjectStore {
                     Ok(())
                 })),
             };
-            engine.submit(transfer(true, file_base + body, bounce_ptr, align as usize, finish));
+            engine.submit(transfer(
+                true,
+                file_base + body,
+                bounce_ptr,
+                align as usize,
+                finish,
+            ));
         }
         Ok(())
     }
@@ -822,7 +856,10 @@ fn wait_for(entry: &ObjectEntry, which: impl Fn(Op) -> bool) {
 /// # Safety
 /// `buf` must point to a valid buffer covering the stripe, not written by anyone during the borrow.
 unsafe fn stripe_bytes<'a>(buf: HostPtr, stripe: &Stripe) -> &'a [u8] {
-    std::slice::from_raw_parts(buf.0.add(stripe.object_offset as usize), stripe.len as usize)
+    std::slice::from_raw_parts(
+        buf.0.add(stripe.object_offset as usize),
+        stripe.len as usize,
+    )
 }
 
 fn open_object_file(path: &Path, direct: bool, create: bool) -> Result<IoFile> {
@@ -853,24 +890,36 @@ fn preallocate(file: &File, path: &Path, len: u64) -> Result<()> {
     }
     let e = io::Error::last_os_error();
     if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-        return file.set_len(len).map_err(|e| Error::io("set length of", path, e));
+        return file
+            .set_len(len)
+            .map_err(|e| Error::io("set length of", path, e));
     }
     Err(Error::io("preallocate", path, e))
 }
 
 fn validate_config(config: &StoreConfig) -> Result<()> {
     if config.paths.is_empty() {
-        return Err(Error::config("paths", "at least one storage directory is needed"));
+        return Err(Error::config(
+            "paths",
+            "at least one storage directory is needed",
+        ));
     }
     for (i, a) in config.paths.iter().enumerate() {
         if config.paths[..i].contains(a) {
-            return Err(Error::config("paths", format!("{} is listed twice", a.display())));
+            return Err(Error::config(
+                "paths",
+                format!("{} is listed twice", a.display()),
+            ));
         }
     }
     if config.limits.len() != config.paths.len() {
         return Err(Error::config(
             "limits",
-            format!("{} entries for {} paths", config.limits.len(), config.paths.len()),
+            format!(
+                "{} entries for {} paths",
+                config.limits.len(),
+                config.paths.len()
+            ),
         ));
     }
     if let Some(w) = &config.weights {
@@ -972,13 +1021,41 @@ mod tests {
             want: &'static [(usize, u64)],
         }
         let cases = [
-            Case { size: 1 << 20, weights: &[1.0], want: &[(0, 1 << 20)] },
-            Case { size: 1 << 20, weights: &[1.0, 1.0], want: &[(0, 1 << 19), (1, 1 << 19)] },
-            Case { size: 1 << 20, weights: &[3.0, 1.0], want: &[(0, 786_432), (1, 262_144)] },
-            Case { size: 1000, weights: &[1.0, 1.0], want: &[(1, 1000)] },
-            Case { size: 10_000, weights: &[1.0, 1.0], want: &[(0, 4096), (1, 5904)] },
-            Case { size: 8192, weights: &[0.0, 2.0, 1.0], want: &[(1, 4096), (2, 4096)] },
-            Case { size: 0, weights: &[1.0, 1.0], want: &[] },
+            Case {
+                size: 1 << 20,
+                weights: &[1.0],
+                want: &[(0, 1 << 20)],
+            },
+            Case {
+                size: 1 << 20,
+                weights: &[1.0, 1.0],
+                want: &[(0, 1 << 19), (1, 1 << 19)],
+            },
+            Case {
+                size: 1 << 20,
+                weights: &[3.0, 1.0],
+                want: &[(0, 786_432), (1, 262_144)],
+            },
+            Case {
+                size: 1000,
+                weights: &[1.0, 1.0],
+                want: &[(1, 1000)],
+            },
+            Case {
+                size: 10_000,
+                weights: &[1.0, 1.0],
+                want: &[(0, 4096), (1, 5904)],
+            },
+            Case {
+                size: 8192,
+                weights: &[0.0, 2.0, 1.0],
+                want: &[(1, 4096), (2, 4096)],
+            },
+            Case {
+                size: 0,
+                weights: &[1.0, 1.0],
+                want: &[],
+            },
         ];
         for c in cases {
             let aligns = vec![4096; c.weights.len()];
@@ -995,18 +1072,44 @@ mod tests {
 
     #[test]
     fn bad_weights_name_the_key() {
-        for weights in [&[][..], &[1.0][..], &[0.0, 0.0][..], &[-1.0, 2.0][..], &[f64::NAN, 1.0][..]] {
+        for weights in [
+            &[][..],
+            &[1.0][..],
+            &[0.0, 0.0][..],
+            &[-1.0, 2.0][..],
+            &[f64::NAN, 1.0][..],
+        ] {
             let err = plan_stripes(10, weights, &[4096, 4096]).unwrap_err();
-            assert!(err.to_string().starts_with("weights:"), "{weights:?}: {err}");
+            assert!(
+                err.to_string().starts_with("weights:"),
+                "{weights:?}: {err}"
+            );
         }
     }
 
     #[test]
     fn keys_cannot_escape_the_store() {
-        for bad in ["", ".", "..", "../x", "a/b", "/etc/passwd", ".hidden", "a\0b", "é", &"x".repeat(201)] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x",
+            "a/b",
+            "/etc/passwd",
+            ".hidden",
+            "a\0b",
+            "é",
+            &"x".repeat(201),
+        ] {
             assert!(validate_key(bad).is_err(), "{bad:?} accepted");
         }
-        for good in ["a", "sg17.exp_avg", "sub-group_0.fp32", "a..b", &"x".repeat(200)] {
+        for good in [
+            "a",
+            "sg17.exp_avg",
+            "sub-group_0.fp32",
+            "a..b",
+            &"x".repeat(200),
+        ] {
             validate_key(good).unwrap();
         }
     }

@@ -132,7 +132,13 @@ fn try_direct_io(dir: &Path, align: usize) -> Result<Option<String>> {
                     .map_err(|e| Error::io("create file in storage directory", &probe_path, e))?;
                 return Ok(Some(format!("open with O_DIRECT: {e}")));
             }
-            Err(e) => return Err(Error::io("create file in storage directory", &probe_path, e)),
+            Err(e) => {
+                return Err(Error::io(
+                    "create file in storage directory",
+                    &probe_path,
+                    e,
+                ))
+            }
         };
         let len = align.max(BUFFER_ALIGN);
         let mut out = AlignedBuf::new(len, false)?;
@@ -143,18 +149,24 @@ fn try_direct_io(dir: &Path, align: usize) -> Result<Option<String>> {
         use std::os::unix::fs::FileExt;
         if let Err(e) = file.write_all_at(out.as_slice(), 0) {
             return match e.raw_os_error() {
-                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(Some(format!("O_DIRECT write: {e}"))),
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                    Ok(Some(format!("O_DIRECT write: {e}")))
+                }
                 _ => Err(Error::io("write to storage directory", &probe_path, e)),
             };
         }
         if let Err(e) = file.read_exact_at(back.as_mut_slice(), 0) {
             return match e.raw_os_error() {
-                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(Some(format!("O_DIRECT read: {e}"))),
+                Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+                    Ok(Some(format!("O_DIRECT read: {e}")))
+                }
                 _ => Err(Error::io("read from storage directory", &probe_path, e)),
             };
         }
         if out.as_slice() != back.as_slice() {
-            return Ok(Some("O_DIRECT read-back differs from what was written".into()));
+            return Ok(Some(
+                "O_DIRECT read-back differs from what was written".into(),
+            ));
         }
         Ok(None)
     })();
@@ -222,7 +234,10 @@ mod tests {
     fn missing_directory_names_the_path() {
         let err = probe_dir(Path::new("/nonexistent/mlp-offload")).unwrap_err();
         assert_eq!(err.errno(), Some(libc::ENOENT));
-        assert!(err.to_string().contains("/nonexistent/mlp-offload"), "{err}");
+        assert!(
+            err.to_string().contains("/nonexistent/mlp-offload"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -23,10 +23,10 @@ fn deny_io_uring_filter() -> Vec<libc::sock_filter> {
     const RET_ALLOW: u32 = 0x7fff_0000;
     let ins = |code, jt, jf, k| libc::sock_filter { code, jt, jf, k };
     vec![
-        ins(LD_W_ABS, 0, 0, 4),                   // seccomp_data.arch
-        ins(JEQ_K, 0, 3, AUDIT_ARCH),             // other arch: allow
-        ins(LD_W_ABS, 0, 0, 0),                   // seccomp_data.nr
-        ins(JEQ_K, 0, 1, SYS_IO_URING_SETUP),     // not io_uring_setup: allow
+        ins(LD_W_ABS, 0, 0, 4),               // seccomp_data.arch
+        ins(JEQ_K, 0, 3, AUDIT_ARCH),         // other arch: allow
+        ins(LD_W_ABS, 0, 0, 0),               // seccomp_data.nr
+        ins(JEQ_K, 0, 1, SYS_IO_URING_SETUP), // not io_uring_setup: allow
         ins(RET_K, 0, 0, RET_ERRNO | libc::EPERM as u32),
         ins(RET_K, 0, 0, RET_ALLOW),
     ]
@@ -41,15 +41,25 @@ fn io_uring_denied_by_seccomp_falls_back_to_threads() {
     };
     let prog_addr = &prog as *const libc::sock_fprog as usize;
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["child_sees_io_uring_unavailable", "--exact", "--ignored", "--nocapture"])
-        .env(CHILD_ENV, "1");
+    cmd.args([
+        "child_sees_io_uring_unavailable",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+    ])
+    .env(CHILD_ENV, "1");
     // SAFETY: the closure runs in the forked child before exec and only makes two async-signal-safe
     // system calls; `prog` and `filter` were built before the fork and live in the child's copy of the
     // parent's memory until exec.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-                || libc::syscall(libc::SYS_seccomp, 1 /* SET_MODE_FILTER */, 0, prog_addr) != 0
+                || libc::syscall(
+                    libc::SYS_seccomp,
+                    1, /* SET_MODE_FILTER */
+                    0,
+                    prog_addr,
+                ) != 0
             {
                 return Err(std::io::Error::last_os_error());
             }
@@ -57,26 +67,52 @@ fn io_uring_denied_by_seccomp_falls_back_to_threads() {
         });
     }
     let out = cmd.output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "child failed:\n{text}");
-    assert!(text.contains("1 passed"), "the child test did not run:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "the child test did not run:\n{text}"
+    );
 }
 
 #[test]
 #[ignore = "runs inside the seccomp-restricted child of io_uring_denied_by_seccomp_falls_back_to_threads"]
 fn child_sees_io_uring_unavailable() {
-    assert_eq!(std::env::var(CHILD_ENV).as_deref(), Ok("1"), "only meaningful under the seccomp filter");
-    let why = mlp_offload_core::engine::uring_unavailable_reason().expect("io_uring must be unavailable");
+    assert_eq!(
+        std::env::var(CHILD_ENV).as_deref(),
+        Ok("1"),
+        "only meaningful under the seccomp filter"
+    );
+    let why =
+        mlp_offload_core::engine::uring_unavailable_reason().expect("io_uring must be unavailable");
     assert!(why.contains("io_uring_setup"), "{why}");
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let store = ObjectStore::open(StoreConfig::new([dir.path()])).unwrap();
     assert_eq!(store.engine_kind(), EngineKind::Threads);
     let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
-    store.write("x", data.clone(), None).unwrap().wait().unwrap();
-    assert_eq!(store.read("x", vec![0u8; data.len()]).unwrap().wait().unwrap(), data);
+    store
+        .write("x", data.clone(), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        store
+            .read("x", vec![0u8; data.len()])
+            .unwrap()
+            .wait()
+            .unwrap(),
+        data
+    );
     drop(store);
     let err = ObjectStore::open(StoreConfig::new([dir.path()]).with_engine(EngineChoice::IoUring))
         .err()
         .unwrap();
-    assert!(matches!(err, Error::Config { .. }) && err.to_string().starts_with("engine:"), "{err}");
+    assert!(
+        matches!(err, Error::Config { .. }) && err.to_string().starts_with("engine:"),
+        "{err}"
+    );
 }

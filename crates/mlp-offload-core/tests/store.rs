@@ -8,7 +8,8 @@ use std::process::Command;
 
 use mlp_offload_core::engine::{open_engine, IoFile, Op, Transfer};
 use mlp_offload_core::{
-    AlignedBuf, Completion, EngineChoice, EngineKind, Error, HostPtr, IoBuffer, ObjectStore, PathLimits, StoreConfig,
+    AlignedBuf, Completion, EngineChoice, EngineKind, Error, HostPtr, IoBuffer, ObjectStore,
+    PathLimits, StoreConfig,
 };
 use rand::{Rng, SeedableRng};
 
@@ -62,7 +63,10 @@ impl Misaligned {
     fn new(data: &[u8]) -> Self {
         let mut storage = vec![0u8; data.len() + 1];
         storage[1..].copy_from_slice(data);
-        Misaligned { storage, len: data.len() }
+        Misaligned {
+            storage,
+            len: data.len(),
+        }
     }
     fn bytes(&self) -> &[u8] {
         &self.storage[1..]
@@ -139,28 +143,72 @@ for_each_engine!(
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
-    let sizes = [1usize, 511, 512, 4095, 4096, 4097, 65_536 + 7, 1 << 20, (4 << 20) + 123, 9 << 20];
+    let sizes = [
+        1usize,
+        511,
+        512,
+        4095,
+        4096,
+        4097,
+        65_536 + 7,
+        1 << 20,
+        (4 << 20) + 123,
+        9 << 20,
+    ];
     for n_paths in [1, 3] {
         let (_root, paths) = dirs(n_paths);
         let store = open(&paths, engine);
         assert_eq!(
             store.engine_kind(),
-            if engine == EngineChoice::IoUring { EngineKind::IoUring } else { EngineKind::Threads }
+            if engine == EngineChoice::IoUring {
+                EngineKind::IoUring
+            } else {
+                EngineKind::Threads
+            }
         );
         for (i, &size) in sizes.iter().enumerate() {
             let data = random_bytes(size, i as u64);
             // Page-aligned buffers take the O_DIRECT path (with a bounce block for the tail).
             let key = format!("aligned.{size}");
-            store.write(&key, aligned_copy(&data), None).unwrap().wait().unwrap();
-            let back = store.read(&key, AlignedBuf::new(size, false).unwrap()).unwrap().wait().unwrap();
-            assert!(back.as_slice() == &data[..], "{n_paths} paths, aligned, {size} bytes");
+            store
+                .write(&key, aligned_copy(&data), None)
+                .unwrap()
+                .wait()
+                .unwrap();
+            let back = store
+                .read(&key, AlignedBuf::new(size, false).unwrap())
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert!(
+                back.as_slice() == &data[..],
+                "{n_paths} paths, aligned, {size} bytes"
+            );
             // Misaligned buffers take the buffered path; both must read what either wrote.
             let key = format!("misaligned.{size}");
-            store.write(&key, Misaligned::new(&data), None).unwrap().wait().unwrap();
-            let back = store.read(&key, Misaligned::new(&vec![0; size])).unwrap().wait().unwrap();
-            assert!(back.bytes() == &data[..], "{n_paths} paths, misaligned, {size} bytes");
-            let back = store.read(&key, AlignedBuf::new(size, false).unwrap()).unwrap().wait().unwrap();
-            assert!(back.as_slice() == &data[..], "{n_paths} paths, misaligned then aligned, {size} bytes");
+            store
+                .write(&key, Misaligned::new(&data), None)
+                .unwrap()
+                .wait()
+                .unwrap();
+            let back = store
+                .read(&key, Misaligned::new(&vec![0; size]))
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert!(
+                back.bytes() == &data[..],
+                "{n_paths} paths, misaligned, {size} bytes"
+            );
+            let back = store
+                .read(&key, AlignedBuf::new(size, false).unwrap())
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert!(
+                back.as_slice() == &data[..],
+                "{n_paths} paths, misaligned then aligned, {size} bytes"
+            );
         }
     }
 }
@@ -171,18 +219,47 @@ fn objects_are_rewritten_in_place(engine: EngineChoice) {
     let file = paths[0].join("rank0/obj.mlpo");
     for round in 0..5u64 {
         let data = random_bytes(300_000, round);
-        store.write("obj", aligned_copy(&data), None).unwrap().wait().unwrap();
-        let back = store.read("obj", vec![0u8; data.len()]).unwrap().wait().unwrap();
+        store
+            .write("obj", aligned_copy(&data), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let back = store
+            .read("obj", vec![0u8; data.len()])
+            .unwrap()
+            .wait()
+            .unwrap();
         assert!(back == data, "round {round}");
     }
     use std::os::unix::fs::MetadataExt;
     let ino = fs::metadata(&file).unwrap().ino();
-    store.write("obj", aligned_copy(&random_bytes(300_000, 9)), None).unwrap().wait().unwrap();
-    assert_eq!(fs::metadata(&file).unwrap().ino(), ino, "the file is reused, not recreated");
-    assert_eq!(fs::metadata(&file).unwrap().permissions().mode() & 0o777, 0o600);
-    assert_eq!(fs::metadata(paths[0].join("rank0")).unwrap().permissions().mode() & 0o777, 0o700);
+    store
+        .write("obj", aligned_copy(&random_bytes(300_000, 9)), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        fs::metadata(&file).unwrap().ino(),
+        ino,
+        "the file is reused, not recreated"
+    );
+    assert_eq!(
+        fs::metadata(&file).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        fs::metadata(paths[0].join("rank0"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
     let err = store.write("obj", vec![0u8; 10], None).err().unwrap();
-    assert!(matches!(err, Error::Config { .. }) && err.to_string().contains("\"obj\""), "{err}");
+    assert!(
+        matches!(err, Error::Config { .. }) && err.to_string().contains("\"obj\""),
+        "{err}"
+    );
 }
 
 fn a_reopened_store_reads_what_was_written(engine: EngineChoice) {
@@ -190,18 +267,32 @@ fn a_reopened_store_reads_what_was_written(engine: EngineChoice) {
     let data = random_bytes(1_000_003, 7);
     {
         let store = open(&paths, engine);
-        store.write("kept", aligned_copy(&data), Some(&[1.0, 2.0])).unwrap().wait().unwrap();
-        store.write("kept", aligned_copy(&data), None).unwrap().wait().unwrap();
+        store
+            .write("kept", aligned_copy(&data), Some(&[1.0, 2.0]))
+            .unwrap()
+            .wait()
+            .unwrap();
+        store
+            .write("kept", aligned_copy(&data), None)
+            .unwrap()
+            .wait()
+            .unwrap();
     } // dropped: manifest written
     let store = open(&paths, engine);
     assert_eq!(store.keys(), vec!["kept".to_string()]);
     assert_eq!(store.size("kept"), Some(data.len() as u64));
-    let back = store.read("kept", vec![0u8; data.len()]).unwrap().wait().unwrap();
+    let back = store
+        .read("kept", vec![0u8; data.len()])
+        .unwrap()
+        .wait()
+        .unwrap();
     assert!(back == data);
     drop(store);
-    let err = ObjectStore::open(StoreConfig::new([paths[1].clone(), paths[0].clone()]).with_engine(engine))
-        .err()
-        .unwrap();
+    let err = ObjectStore::open(
+        StoreConfig::new([paths[1].clone(), paths[0].clone()]).with_engine(engine),
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().starts_with("paths:"), "{err}");
 }
 
@@ -209,7 +300,15 @@ fn a_short_read_reports_path_and_offset(engine: EngineChoice) {
     let (_root, paths) = dirs(1);
     let path = paths[0].join("short");
     fs::write(&path, vec![7u8; 10_000]).unwrap();
-    let file = std::sync::Arc::new(IoFile::new(path.clone(), fs::File::options().read(true).write(true).open(&path).unwrap(), false));
+    let file = std::sync::Arc::new(IoFile::new(
+        path.clone(),
+        fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap(),
+        false,
+    ));
     let engine = open_engine(engine, "test", SMALL_LIMITS).unwrap();
     let mut buf = vec![0u8; 200_000];
     let completion = Completion::new();
@@ -227,20 +326,40 @@ fn a_short_read_reports_path_and_offset(engine: EngineChoice) {
     completion.seal();
     let err = completion.wait().unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains(&path.display().to_string()) && msg.contains("offset 10000"), "{msg}");
-    assert_eq!(&buf[..10_000], &[7u8; 10_000][..], "the bytes before the end were read");
+    assert!(
+        msg.contains(&path.display().to_string()) && msg.contains("offset 10000"),
+        "{msg}"
+    );
+    assert_eq!(
+        &buf[..10_000],
+        &[7u8; 10_000][..],
+        "the bytes before the end were read"
+    );
 }
 
 fn truncated_object_file_is_detected(engine: EngineChoice) {
     let (_root, paths) = dirs(1);
     let store = open(&paths, engine);
     let data = random_bytes(100_000, 1);
-    store.write("t", aligned_copy(&data), None).unwrap().wait().unwrap();
+    store
+        .write("t", aligned_copy(&data), None)
+        .unwrap()
+        .wait()
+        .unwrap();
     let file = paths[0].join("rank0/t.mlpo");
-    fs::File::options().write(true).open(&file).unwrap().set_len(4096).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
     let err = store.read("t", vec![0u8; data.len()]).err().unwrap();
     assert!(matches!(err, Error::Corrupt { .. }), "{err}");
-    assert!(err.to_string().contains("truncated") && err.to_string().contains(&file.display().to_string()), "{err}");
+    assert!(
+        err.to_string().contains("truncated")
+            && err.to_string().contains(&file.display().to_string()),
+        "{err}"
+    );
 }
 
 fn corrupted_object_file_is_detected_unless_checksums_are_off(engine: EngineChoice) {
@@ -254,7 +373,11 @@ fn corrupted_object_file_is_detected_unless_checksums_are_off(engine: EngineChoi
         )
         .unwrap();
         let data = random_bytes(50_000, 2);
-        store.write("c", aligned_copy(&data), None).unwrap().wait().unwrap();
+        store
+            .write("c", aligned_copy(&data), None)
+            .unwrap()
+            .wait()
+            .unwrap();
         let file = paths[0].join("rank0/c.mlpo");
         let mut bytes = fs::read(&file).unwrap();
         bytes[12_345] ^= 0xff;
@@ -262,11 +385,18 @@ fn corrupted_object_file_is_detected_unless_checksums_are_off(engine: EngineChoi
         let result = store.read("c", vec![0u8; data.len()]).unwrap().wait();
         if checksum {
             let err = result.err().unwrap();
-            assert!(err.to_string().contains("checksum mismatch") && err.to_string().contains("c.mlpo"), "{err}");
+            assert!(
+                err.to_string().contains("checksum mismatch") && err.to_string().contains("c.mlpo"),
+                "{err}"
+            );
             assert_eq!(err.errno(), Some(libc::EIO));
         } else {
             let back = result.unwrap();
-            assert_eq!(back[12_345], data[12_345] ^ 0xff, "without checksums the damage goes unnoticed");
+            assert_eq!(
+                back[12_345],
+                data[12_345] ^ 0xff,
+                "without checksums the damage goes unnoticed"
+            );
         }
     }
 }
@@ -280,16 +410,28 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
     let _mount = Mount::tmpfs(&paths[0], "size=2m");
     let store = open(&paths, engine);
     let old = random_bytes(300_000, 3);
-    store.write("a", aligned_copy(&old), None).unwrap().wait().unwrap();
+    store
+        .write("a", aligned_copy(&old), None)
+        .unwrap()
+        .wait()
+        .unwrap();
     // A new object that cannot fit: preallocation fails before any byte is written.
     let err = store.write("b", vec![1u8; 4 << 20], None).err().unwrap();
     assert_eq!(err.errno(), Some(libc::ENOSPC), "{err}");
     assert!(err.to_string().contains("b.mlpo"), "{err}");
-    assert!(!paths[0].join("rank0/b.mlpo").exists(), "a failed creation leaves no file behind");
+    assert!(
+        !paths[0].join("rank0/b.mlpo").exists(),
+        "a failed creation leaves no file behind"
+    );
     // A rewrite that runs out of space half-way: take away the unused slot's blocks and fill the disk.
     let file = paths[0].join("rank0/a.mlpo");
     let stride = 300_000u64.div_ceil(4096) * 4096;
-    fs::File::options().write(true).open(&file).unwrap().set_len(stride).unwrap();
+    fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(stride)
+        .unwrap();
     let filler = paths[0].join("filler");
     let free = {
         // SAFETY: statvfs is plain old data; the path is a valid C string.
@@ -300,10 +442,22 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
     };
     fs::write(&filler, vec![0u8; free as usize - 8192]).unwrap();
     let new = random_bytes(300_000, 4);
-    let err = store.write("a", aligned_copy(&new), None).unwrap().wait().err().unwrap();
+    let err = store
+        .write("a", aligned_copy(&new), None)
+        .unwrap()
+        .wait()
+        .err()
+        .unwrap();
     assert_eq!(err.errno(), Some(libc::ENOSPC), "{err}");
-    assert!(err.to_string().contains(&file.display().to_string()), "{err}");
-    let back = store.read("a", vec![0u8; old.len()]).unwrap().wait().unwrap();
+    assert!(
+        err.to_string().contains(&file.display().to_string()),
+        "{err}"
+    );
+    let back = store
+        .read("a", vec![0u8; old.len()])
+        .unwrap()
+        .wait()
+        .unwrap();
     assert!(back == old, "the previous contents stay readable");
     drop(store);
     fs::remove_file(&filler).unwrap();
@@ -313,12 +467,20 @@ fn a_read_waits_for_the_write_before_it(engine: EngineChoice) {
     let (_root, paths) = dirs(2);
     let store = open(&paths, engine);
     let size = 8 << 20;
-    store.write("x", aligned_copy(&random_bytes(size, 5)), None).unwrap().wait().unwrap();
+    store
+        .write("x", aligned_copy(&random_bytes(size, 5)), None)
+        .unwrap()
+        .wait()
+        .unwrap();
     for round in 0..4u64 {
         let data = random_bytes(size, 100 + round);
         let write = store.write("x", aligned_copy(&data), None).unwrap();
         // No wait here: the store must order the read after the write.
-        let back = store.read("x", AlignedBuf::new(size, false).unwrap()).unwrap().wait().unwrap();
+        let back = store
+            .read("x", AlignedBuf::new(size, false).unwrap())
+            .unwrap()
+            .wait()
+            .unwrap();
         assert!(back.as_slice() == &data[..], "round {round}");
         write.wait().unwrap();
     }
@@ -330,18 +492,29 @@ fn the_in_flight_limit_holds(engine: EngineChoice) {
         let store = ObjectStore::open(
             StoreConfig::new(paths.clone())
                 .with_engine(engine)
-                .with_limits(PathLimits { chunk_size: 64 << 10, max_inflight: limit }),
+                .with_limits(PathLimits {
+                    chunk_size: 64 << 10,
+                    max_inflight: limit,
+                }),
         )
         .unwrap();
         let data = random_bytes(16 << 20, 6);
         let pending: Vec<_> = (0..4)
-            .map(|i| store.write(&format!("o{i}"), aligned_copy(&data), None).unwrap())
+            .map(|i| {
+                store
+                    .write(&format!("o{i}"), aligned_copy(&data), None)
+                    .unwrap()
+            })
             .collect();
         for p in pending {
             p.wait().unwrap();
         }
         let stats = store.path_reports()[0].stats;
-        assert!(stats.inflight_max <= limit, "limit {limit}, saw {}", stats.inflight_max);
+        assert!(
+            stats.inflight_max <= limit,
+            "limit {limit}, saw {}",
+            stats.inflight_max
+        );
         assert!(stats.inflight_max >= 1);
         assert_eq!(stats.bytes_written, 4 * (16 << 20));
     }
@@ -351,9 +524,16 @@ fn stripes_go_where_the_weights_say(engine: EngineChoice) {
     let (_root, paths) = dirs(3);
     let store = open(&paths, engine);
     let data = random_bytes(6 << 20, 8);
-    store.write("w", aligned_copy(&data), Some(&[3.0, 0.0, 1.0])).unwrap().wait().unwrap();
+    store
+        .write("w", aligned_copy(&data), Some(&[3.0, 0.0, 1.0]))
+        .unwrap()
+        .wait()
+        .unwrap();
     let placement = store.placement("w").unwrap();
-    assert_eq!(placement.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 2]);
+    assert_eq!(
+        placement.iter().map(|p| p.0).collect::<Vec<_>>(),
+        vec![0, 2]
+    );
     let (a, b) = (placement[0].1 as f64, placement[1].1 as f64);
     assert!((a / (a + b) - 0.75).abs() < 0.01, "{placement:?}");
     assert!(paths[0].join("rank0/w.mlpo").exists());
@@ -361,7 +541,11 @@ fn stripes_go_where_the_weights_say(engine: EngineChoice) {
     assert!(paths[2].join("rank0/w.mlpo").exists());
     let reports = store.path_reports();
     assert!(reports[0].stats.bytes_written >= a as u64 && reports[1].stats.bytes_written == 0);
-    let back = store.read("w", vec![0u8; data.len()]).unwrap().wait().unwrap();
+    let back = store
+        .read("w", vec![0u8; data.len()])
+        .unwrap()
+        .wait()
+        .unwrap();
     assert!(back == data);
 }
 
@@ -369,9 +553,14 @@ fn stripes_go_where_the_weights_say(engine: EngineChoice) {
 fn missing_and_unwritable_directories_are_named() {
     let (_root, paths) = dirs(1);
     let missing = paths[0].join("does-not-exist");
-    let err = ObjectStore::open(StoreConfig::new([paths[0].clone(), missing.clone()])).err().unwrap();
+    let err = ObjectStore::open(StoreConfig::new([paths[0].clone(), missing.clone()]))
+        .err()
+        .unwrap();
     assert_eq!(err.errno(), Some(libc::ENOENT));
-    assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
+    assert!(
+        err.to_string().contains(&missing.display().to_string()),
+        "{err}"
+    );
     if !is_root() {
         eprintln!("skipped the read-only part: mounting needs root");
         return;
@@ -379,7 +568,9 @@ fn missing_and_unwritable_directories_are_named() {
     let ro = paths[0].join("ro");
     fs::create_dir(&ro).unwrap();
     let _mount = Mount::tmpfs(&ro, "ro,size=1m");
-    let err = ObjectStore::open(StoreConfig::new([ro.clone()])).err().unwrap();
+    let err = ObjectStore::open(StoreConfig::new([ro.clone()]))
+        .err()
+        .unwrap();
     assert_eq!(err.errno(), Some(libc::EROFS), "{err}");
     assert!(err.to_string().contains(&ro.display().to_string()), "{err}");
 }
@@ -389,22 +580,47 @@ fn bad_configuration_names_the_key() {
     let (_root, paths) = dirs(2);
     let cases: Vec<(StoreConfig, &str)> = vec![
         (StoreConfig::new(Vec::<PathBuf>::new()), "paths"),
-        (StoreConfig::new([paths[0].clone(), paths[0].clone()]), "paths"),
-        (StoreConfig::new(paths.clone()).with_weights(vec![1.0]), "weights"),
-        (StoreConfig::new(paths.clone()).with_limits(PathLimits { chunk_size: 1000, max_inflight: 4 }), "paths[0].chunk_size"),
-        (StoreConfig::new(paths.clone()).with_limits(PathLimits { chunk_size: 1 << 20, max_inflight: 0 }), "paths[0].max_inflight"),
+        (
+            StoreConfig::new([paths[0].clone(), paths[0].clone()]),
+            "paths",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_weights(vec![1.0]),
+            "weights",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_limits(PathLimits {
+                chunk_size: 1000,
+                max_inflight: 4,
+            }),
+            "paths[0].chunk_size",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_limits(PathLimits {
+                chunk_size: 1 << 20,
+                max_inflight: 0,
+            }),
+            "paths[0].max_inflight",
+        ),
     ];
     for (config, key) in cases {
         let err = ObjectStore::open(config).err().unwrap();
         assert!(matches!(err, Error::Config { .. }), "{err}");
-        assert!(err.to_string().starts_with(&format!("{key}:")), "want {key}, got {err}");
+        assert!(
+            err.to_string().starts_with(&format!("{key}:")),
+            "want {key}, got {err}"
+        );
     }
     let store = ObjectStore::open(StoreConfig::new(paths.clone())).unwrap();
     let err = store.write("../escape", vec![0u8; 8], None).err().unwrap();
     assert!(err.to_string().starts_with("key:"), "{err}");
     let err = store.read("absent", vec![0u8; 8]).err().unwrap();
     assert!(matches!(err, Error::NotFound { .. }), "{err}");
-    store.write("eight", vec![0u8; 8], None).unwrap().wait().unwrap();
+    store
+        .write("eight", vec![0u8; 8], None)
+        .unwrap()
+        .wait()
+        .unwrap();
     let err = store.read("eight", vec![0u8; 9]).err().unwrap();
     assert!(err.to_string().starts_with("buffer:"), "{err}");
 }

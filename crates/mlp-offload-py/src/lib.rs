@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use mlp_offload_core::probe::{probe_path, ProbeOptions};
 use mlp_offload_core::{
-    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits, PooledBuf,
-    StoreConfig,
+    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits,
+    PooledBuf, StoreConfig,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
@@ -65,7 +65,11 @@ impl IoHandle {
             Some(t) if t.is_finite() && t >= 0.0 => {
                 py.detach(move || completion.wait_timeout(Duration::from_secs_f64(t)))
             }
-            Some(t) => return Err(PyValueError::new_err(format!("timeout: {t} is not a non-negative number"))),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout: {t} is not a non-negative number"
+                )))
+            }
         };
         match outcome {
             None => Ok(false),
@@ -129,7 +133,11 @@ impl HostBuffer {
         self.memory.buf().len()
     }
 
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         let buf = slf.get().memory.buf();
         // SAFETY: `view` is the caller's Py_buffer; the memory is owned by `slf`, which the view keeps a
         // reference to (FillInfo increfs `obj`), so it outlives every export. The memory is writable:
@@ -277,7 +285,14 @@ impl PyObjectStore {
     }
 
     /// Reads object `key` into `nbytes` at `address`; `owner` is kept alive until the read is done.
-    fn read(&self, py: Python<'_>, key: &str, address: usize, nbytes: usize, owner: Py<PyAny>) -> PyResult<IoHandle> {
+    fn read(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        address: usize,
+        nbytes: usize,
+        owner: Py<PyAny>,
+    ) -> PyResult<IoHandle> {
         let store = self.get()?;
         let ptr = HostPtr(address as *mut u8);
         let completion = py
@@ -354,7 +369,9 @@ impl Drop for PyObjectStore {
 /// Facts about one directory: alignment, O_DIRECT support (tested), device identity.
 #[pyfunction]
 fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
-    let info = py.detach(|| mlp_offload_core::probe_dir(&path)).map_err(to_py)?;
+    let info = py
+        .detach(|| mlp_offload_core::probe_dir(&path))
+        .map_err(to_py)?;
     to_py_json(py, &info)
 }
 
@@ -404,7 +421,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Rust `log` records go to Python's `logging` (logger names start with `mlp_offload_core`).
     let _ = pyo3_log::try_init();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("CorruptObjectError", m.py().get_type::<CorruptObjectError>())?;
+    m.add(
+        "CorruptObjectError",
+        m.py().get_type::<CorruptObjectError>(),
+    )?;
     m.add_class::<IoHandle>()?;
     m.add_class::<HostBuffer>()?;
     m.add_class::<HostBufferPool>()?;

@@ -106,7 +106,8 @@ impl PathLimits {
                 format!("{} is outside 1..=1024", self.max_inflight),
             ));
         }
-        if self.chunk_size == 0 || self.chunk_size as u64 % align != 0 || self.chunk_size > 1 << 30 {
+        if self.chunk_size == 0 || self.chunk_size as u64 % align != 0 || self.chunk_size > 1 << 30
+        {
             return Err(Error::config(
                 "chunk_size",
                 format!(
@@ -177,6 +178,9 @@ unsafe impl Send for HostPtr {}
 // SAFETY: as above; the address itself is immutable.
 unsafe impl Sync for HostPtr {}
 
+/// Work run on the I/O thread once a transfer's bytes have all moved.
+pub type Finish = Box<dyn FnOnce() -> Result<()> + Send>;
+
 /// One contiguous file range moved to or from host memory.
 pub struct Transfer {
     pub op: Op,
@@ -188,7 +192,7 @@ pub struct Transfer {
     pub len: usize,
     /// Runs on the I/O thread after every byte moved, before the part is reported (checksum of a read,
     /// copy out of a bounce buffer).
-    pub finish: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+    pub finish: Option<Finish>,
     /// The operation this transfer is one part of; the caller has called `add_part` for it.
     pub completion: Completion,
 }
@@ -253,7 +257,11 @@ pub trait IoEngine: Send + Sync {
 }
 
 /// Builds the engine for one path. `label` names the path in logs and errors.
-pub fn open_engine(choice: EngineChoice, label: &str, limits: PathLimits) -> Result<Box<dyn IoEngine>> {
+pub fn open_engine(
+    choice: EngineChoice,
+    label: &str,
+    limits: PathLimits,
+) -> Result<Box<dyn IoEngine>> {
     match choice {
         EngineChoice::Threads => Ok(Box::new(ThreadPoolEngine::new(label, limits)?)),
         EngineChoice::IoUring => match uring_unavailable_reason() {
@@ -277,7 +285,7 @@ struct TransferState {
     fd: i32,
     chunks_left: AtomicUsize,
     first_error: Mutex<Option<Error>>,
-    finish: Mutex<Option<Box<dyn FnOnce() -> Result<()> + Send>>>,
+    finish: Mutex<Option<Finish>>,
     completion: Completion,
 }
 
@@ -299,7 +307,12 @@ impl Chunk {
     }
 
     fn error(&self, source: io::Error) -> Error {
-        Error::io_at(self.state.op.verb(), &self.state.file.path, self.offset, source)
+        Error::io_at(
+            self.state.op.verb(),
+            &self.state.file.path,
+            self.offset,
+            source,
+        )
     }
 
     /// What a completed system call result means for this chunk.

@@ -6,7 +6,9 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer};
+use super::{
+    split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
+};
 use crate::error::{Error, Result};
 
 pub struct ThreadPoolEngine {

@@ -11,7 +11,9 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{opcode, types, IoUring, Probe};
 
-use super::{split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer};
+use super::{
+    split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
+};
 use crate::error::{Error, Result};
 
 /// `user_data` of the eventfd poll; chunk slots use their index.
@@ -25,7 +27,9 @@ pub fn uring_unavailable_reason() -> Option<String> {
         .get_or_init(|| {
             let reason = probe_uring().err();
             if let Some(why) = &reason {
-                log::warn!("io_uring is unavailable ({why}); using the pread/pwrite thread-pool engine");
+                log::warn!(
+                    "io_uring is unavailable ({why}); using the pread/pwrite thread-pool engine"
+                );
             }
             reason
         })
@@ -152,9 +156,10 @@ impl RingWorker {
         loop {
             self.take_new_transfers();
             if !self.wake_armed && !self.closed {
-                let poll = opcode::PollAdd::new(types::Fd(self.wake.as_raw_fd()), libc::POLLIN as u32)
-                    .build()
-                    .user_data(WAKE_TOKEN);
+                let poll =
+                    opcode::PollAdd::new(types::Fd(self.wake.as_raw_fd()), libc::POLLIN as u32)
+                        .build()
+                        .user_data(WAKE_TOKEN);
                 // SAFETY: the eventfd outlives the ring (both owned by this worker / its engine).
                 if unsafe { self.ring.submission().push(&poll) }.is_ok() {
                     self.wake_armed = true;
@@ -181,7 +186,9 @@ impl RingWorker {
                     self.wake_armed = false;
                     let mut counter = 0u64;
                     // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd; EAGAIN is fine.
-                    unsafe { libc::read(self.wake.as_raw_fd(), (&mut counter as *mut u64).cast(), 8) };
+                    unsafe {
+                        libc::read(self.wake.as_raw_fd(), (&mut counter as *mut u64).cast(), 8)
+                    };
                 } else {
                     self.complete(token as usize, result);
                 }
@@ -205,7 +212,9 @@ impl RingWorker {
     /// Moves queued chunks into the kernel up to the in-flight limit.
     fn fill(&mut self) {
         while self.inflight < self.limits.max_inflight {
-            let Some(chunk) = self.queued.pop_front() else { return };
+            let Some(chunk) = self.queued.pop_front() else {
+                return;
+            };
             let slot = self.free_slots.pop().unwrap_or_else(|| {
                 self.slots.push(None);
                 self.slots.len() - 1
@@ -237,7 +246,9 @@ impl RingWorker {
     }
 
     fn complete(&mut self, slot: usize, result: i32) {
-        let Some(mut chunk) = self.slots[slot].take() else { return };
+        let Some(mut chunk) = self.slots[slot].take() else {
+            return;
+        };
         self.free_slots.push(slot);
         self.inflight -= 1;
         self.counters.ended();
@@ -249,11 +260,15 @@ impl RingWorker {
         match chunk.outcome(result, &self.counters) {
             ChunkOutcome::Again => self.queued.push_front(chunk),
             ChunkOutcome::Done => {
-                self.counters.chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.counters
+                    .chunks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 chunk.finish(None);
             }
             ChunkOutcome::Failed(e) => {
-                self.counters.chunks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.counters
+                    .chunks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 chunk.finish(Some(e));
             }
         }

@@ -1,0 +1,108 @@
+"""Type stubs for the native module `mlp_offload._core` (the Rust core's PyO3 bindings)."""
+
+from collections.abc import Callable
+from typing import Any, Self, final
+
+__all__ = [
+    "CorruptObjectError",
+    "HostBuffer",
+    "HostBufferPool",
+    "IoHandle",
+    "ObjectStore",
+    "__version__",
+    "io_uring_unavailable_reason",
+    "probe_bandwidth",
+    "probe_directory",
+]
+
+__version__: str
+
+class CorruptObjectError(OSError):
+    """A stored object is not what was written (checksum mismatch, truncated file, failed last write)."""
+
+@final
+class IoHandle:
+    """An operation in flight."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks (GIL released) until done and raises its error; False if `timeout` seconds pass first."""
+    def done(self) -> bool:
+        """Whether the operation has finished (then `wait()` returns at once)."""
+
+@final
+class HostBuffer:
+    """Page-aligned host memory owned by the runtime; supports the buffer protocol (writable)."""
+
+    def __new__(cls, nbytes: int, lock: bool = False) -> Self: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def locked(self) -> bool: ...
+    def __len__(self) -> int: ...
+
+@final
+class HostBufferPool:
+    """A fixed set of equally sized `HostBuffer`s, optionally locked in RAM."""
+
+    def __new__(cls, count: int, buffer_size: int, lock: bool = True) -> Self: ...
+    def acquire(self) -> HostBuffer | None:
+        """A free buffer, or None when every buffer is in use."""
+    @property
+    def buffer_size(self) -> int: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def available(self) -> int: ...
+    @property
+    def locked(self) -> bool: ...
+
+@final
+class ObjectStore:
+    """The virtual-tier object store over raw addresses (see `mlp_offload.ObjectStore` for tensors)."""
+
+    def __new__(
+        cls,
+        paths: list[str],
+        *,
+        rank: int = 0,
+        engine: str = "auto",
+        chunk_size: int | None = None,
+        max_inflight: int | None = None,
+        weights: list[float] | None = None,
+        checksum: bool = True,
+        shadow_slots: bool = True,
+    ) -> Self: ...
+    def write(
+        self, key: str, address: int, nbytes: int, owner: object, weights: list[float] | None = None
+    ) -> IoHandle: ...
+    def read(self, key: str, address: int, nbytes: int, owner: object) -> IoHandle: ...
+    def delete(self, key: str) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+    def keys(self) -> list[str]: ...
+    def size(self, key: str) -> int | None: ...
+    def placement(self, key: str) -> list[tuple[int, int]]: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def tiers(self) -> list[dict[str, Any]]: ...
+    def path_reports(self) -> list[dict[str, Any]]: ...
+
+def probe_directory(path: str) -> dict[str, Any]:
+    """Alignment, tested O_DIRECT support and device identity of a directory."""
+
+def probe_bandwidth(
+    path: str,
+    *,
+    bytes: int | None = None,
+    chunk_sizes: list[int] | None = None,
+    depths: list[int] | None = None,
+    engine: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Best sequential read and write bandwidth of a directory through our engine."""
+
+def io_uring_unavailable_reason() -> str | None:
+    """Why io_uring cannot be used in this process, or None when it can."""
