@@ -1,1 +1,419 @@
-fn main() {}
+//! `cargo bench`: read and write throughput of the object store per path for 1, 4, 16 and 64 MiB
+//! objects, and, when fio is installed, the ratio to fio's best figure for the same path and block
+//! size, measured interleaved in the same run (this machine's disk is shared and noisy, so figures
+//! taken minutes apart are not comparable).
+//!
+//! Environment:
+//! - `MLP_OFFLOAD_BENCH_PATHS`: storage directories separated by `:` (default `target/bench-data`).
+//! - `MLP_OFFLOAD_BENCH_CHUNK` / `MLP_OFFLOAD_BENCH_INFLIGHT`: per-path limits (default 16 MiB x 16).
+//! - `MLP_OFFLOAD_BENCH_CHECKSUM`: `1` (default) or `0`.
+//! - `MLP_OFFLOAD_BENCH_ENGINE`: `auto` (default), `io_uring` or `threads`.
+//! - `MLP_OFFLOAD_BENCH_OUT`: where the comparison JSON goes (default `target/mlp-offload-vs-fio.json`).
+//! - `MLP_OFFLOAD_BENCH_QUICK=1`: skip the criterion groups, run only the fio comparison.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use mlp_offload_core::{AlignedBuf, EngineChoice, ObjectStore, PathLimits, StoreConfig};
+use serde_json::json;
+
+const MIB: usize = 1 << 20;
+const OBJECT_SIZES: [usize; 4] = [MIB, 4 * MIB, 16 * MIB, 64 * MIB];
+/// Bytes moved per timed pass: many objects in flight at once, as in an optimizer step.
+const WORKING_SET: usize = 512 * MIB;
+/// Each side of a comparison runs for about this long.
+const COMPARE_SECS: f64 = 1.5;
+/// Interleaved rounds of (ours, fio) per comparison; the best of each side counts.
+const ROUNDS: usize = 3;
+const FIO_DEPTHS: [usize; 2] = [8, 32];
+const FIO_FILE: &str = "mlpo-fio-ceiling.dat";
+
+#[derive(Clone)]
+struct Settings {
+    paths: Vec<PathBuf>,
+    limits: PathLimits,
+    checksum: bool,
+    engine: EngineChoice,
+}
+
+fn env_size(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .map(|v| parse_size(&v).unwrap_or_else(|| panic!("{name}={v:?} is not a size like 16M")))
+        .unwrap_or(default)
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
+    let scale = match unit
+        .to_ascii_uppercase()
+        .trim_end_matches("IB")
+        .trim_end_matches('B')
+    {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    num.parse::<usize>().ok().map(|n| n * scale)
+}
+
+fn settings() -> Settings {
+    let paths: Vec<PathBuf> = std::env::var("MLP_OFFLOAD_BENCH_PATHS")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/bench-data").into())
+        .split(':')
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .collect();
+    for p in &paths {
+        std::fs::create_dir_all(p)
+            .unwrap_or_else(|e| panic!("MLP_OFFLOAD_BENCH_PATHS: {}: {e}", p.display()));
+    }
+    Settings {
+        paths,
+        limits: PathLimits {
+            chunk_size: env_size("MLP_OFFLOAD_BENCH_CHUNK", 16 * MIB),
+            max_inflight: env_size("MLP_OFFLOAD_BENCH_INFLIGHT", 16),
+        },
+        checksum: std::env::var("MLP_OFFLOAD_BENCH_CHECKSUM").map_or(true, |v| v != "0"),
+        engine: std::env::var("MLP_OFFLOAD_BENCH_ENGINE")
+            .unwrap_or_else(|_| "auto".into())
+            .parse()
+            .expect("MLP_OFFLOAD_BENCH_ENGINE"),
+    }
+}
+
+/// Fills `buf` with xorshift64 output: incompressible, like real optimizer state and like fio's
+/// buffers, so a storage back end that compresses or deduplicates cannot flatter either side.
+fn fill_incompressible(buf: &mut [u8], seed: u64) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+/// A store over `paths` holding `WORKING_SET` bytes as objects of `object_size`, with their buffers.
+struct Workload {
+    store: ObjectStore,
+    keys: Vec<String>,
+    buffers: Vec<AlignedBuf>,
+}
+
+impl Workload {
+    fn new(
+        s: &Settings,
+        paths: &[PathBuf],
+        object_size: usize,
+        weights: Option<Vec<f64>>,
+        tag: &str,
+    ) -> Self {
+        let mut config = StoreConfig::new(paths.iter().cloned())
+            .with_engine(s.engine)
+            .with_limits(s.limits)
+            .with_checksum(s.checksum)
+            .with_rank(std::process::id());
+        if let Some(w) = weights {
+            config = config.with_weights(w);
+        }
+        let store = ObjectStore::open(config).expect("open store");
+        let count = (WORKING_SET / object_size).max(1);
+        let keys = (0..count)
+            .map(|i| format!("{tag}.{object_size}.{i}"))
+            .collect();
+        let buffers = (0..count)
+            .map(|i| {
+                let mut b = AlignedBuf::new(object_size, false).unwrap();
+                fill_incompressible(b.as_mut_slice(), i as u64 + 1);
+                b
+            })
+            .collect();
+        let mut w = Workload {
+            store,
+            keys,
+            buffers,
+        };
+        w.write_pass(); // creates and fills every object, so reads and rewrites are of real blocks
+        w
+    }
+
+    fn bytes(&self) -> usize {
+        self.buffers.iter().map(AlignedBuf::len).sum()
+    }
+
+    /// Writes every object at once and waits; returns the elapsed time.
+    fn write_pass(&mut self) -> Duration {
+        let start = Instant::now();
+        let pending: Vec<_> = self
+            .buffers
+            .drain(..)
+            .zip(&self.keys)
+            .map(|(b, k)| self.store.write(k, b, None).expect("submit write"))
+            .collect();
+        self.buffers = pending
+            .into_iter()
+            .map(|p| p.wait().expect("write"))
+            .collect();
+        start.elapsed()
+    }
+
+    fn read_pass(&mut self) -> Duration {
+        let start = Instant::now();
+        let pending: Vec<_> = self
+            .buffers
+            .drain(..)
+            .zip(&self.keys)
+            .map(|(b, k)| self.store.read(k, b).expect("submit read"))
+            .collect();
+        self.buffers = pending
+            .into_iter()
+            .map(|p| p.wait().expect("read"))
+            .collect();
+        start.elapsed()
+    }
+
+    /// Bytes per second over passes lasting about `COMPARE_SECS` in total.
+    fn rate(&mut self, op: &str) -> f64 {
+        let (mut bytes, mut secs) = (0usize, 0f64);
+        while secs < COMPARE_SECS {
+            let d = if op == "read" {
+                self.read_pass()
+            } else {
+                self.write_pass()
+            };
+            bytes += self.bytes();
+            secs += d.as_secs_f64();
+        }
+        bytes as f64 / secs
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        for k in &self.keys {
+            let _ = self.store.delete(k);
+        }
+        for dir in self.store.rank_dirs() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn criterion_groups(c: &mut Criterion, s: &Settings) {
+    for path in &s.paths {
+        let mut group = c.benchmark_group(format!("store {}", path.display()));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_secs(1))
+            .measurement_time(Duration::from_secs(4));
+        for &size in &OBJECT_SIZES {
+            let mut w = Workload::new(s, std::slice::from_ref(path), size, None, "crit");
+            group.throughput(Throughput::Bytes(w.bytes() as u64));
+            let label = format!("{} MiB objects", size / MIB);
+            group.bench_function(BenchmarkId::new("write", &label), |b| {
+                b.iter_custom(|iters| (0..iters).map(|_| w.write_pass()).sum())
+            });
+            group.bench_function(BenchmarkId::new("read", &label), |b| {
+                b.iter_custom(|iters| (0..iters).map(|_| w.read_pass()).sum())
+            });
+        }
+        group.finish();
+    }
+}
+
+/// fio's bandwidth (bytes/s) for sequential `op` with block size `bs` and `depth` in flight in `dir`.
+fn fio_rate(dir: &Path, op: &str, bs: usize, depth: usize) -> Option<f64> {
+    let out = Command::new("fio")
+        .args([
+            "--name=ceiling",
+            "--direct=1",
+            "--ioengine=io_uring",
+            "--numjobs=1",
+            "--time_based=1",
+            "--output-format=json",
+        ])
+        // A full path: fio ignores --directory for a --filename given before it.
+        .arg(format!("--filename={}", dir.join(FIO_FILE).display()))
+        // As many bytes as our working set, so both sides cycle over equally large regions.
+        .arg(format!("--size={WORKING_SET}"))
+        .arg(format!("--bs={bs}"))
+        .arg(format!("--iodepth={depth}"))
+        .arg(format!("--rw={op}"))
+        .arg(format!("--runtime={COMPARE_SECS}"))
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!("fio failed: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["jobs"][0][op]["bw_bytes"].as_f64()
+}
+
+fn fio_installed() -> bool {
+    Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Ours and fio, interleaved and repeated, best of each; then all paths together against the sum.
+fn compare_with_fio(s: &Settings) {
+    if !fio_installed() {
+        println!("fio is not installed: no ceiling comparison (apt-get install fio)");
+        return;
+    }
+    let mib = |x: f64| x / MIB as f64;
+    let mut rows = Vec::new();
+    println!(
+        "\nmlp-offload vs fio (best of {ROUNDS} interleaved rounds x in-flight {FIO_DEPTHS:?}; engine {:?}, chunk {} MiB x {} in flight, \
+         checksum {})",
+        s.engine,
+        s.limits.chunk_size / MIB,
+        s.limits.max_inflight,
+        if s.checksum { "on" } else { "off" }
+    );
+    println!(
+        "{:<40} {:<6} {:>8} {:>12} {:>12} {:>7}",
+        "path", "op", "object", "ours MiB/s", "fio MiB/s", "ratio"
+    );
+    let mut fio_at_largest: Vec<[f64; 2]> = vec![[0.0; 2]; s.paths.len()];
+    for (pi, path) in s.paths.iter().enumerate() {
+        for &size in &OBJECT_SIZES {
+            // One workload per in-flight limit, mirroring fio's iodepth sweep: both sides get the same
+            // number of samples, and the best of each is compared.
+            let mut workloads: Vec<(usize, Workload)> = FIO_DEPTHS
+                .iter()
+                .map(|&depth| {
+                    let limits = PathLimits {
+                        chunk_size: s.limits.chunk_size.min(size),
+                        max_inflight: depth,
+                    };
+                    (
+                        depth,
+                        Workload::new(
+                            &Settings {
+                                limits,
+                                ..s.clone()
+                            },
+                            std::slice::from_ref(path),
+                            size,
+                            None,
+                            "cmp",
+                        ),
+                    )
+                })
+                .collect();
+            for (oi, op) in ["read", "write"].into_iter().enumerate() {
+                let (mut ours, mut fio) = (0f64, 0f64);
+                for _ in 0..ROUNDS {
+                    for (depth, w) in workloads.iter_mut() {
+                        ours = ours.max(w.rate(op));
+                        fio = fio.max(fio_rate(path, op, size, *depth).unwrap_or(0.0));
+                    }
+                }
+                if size == *OBJECT_SIZES.last().unwrap() {
+                    fio_at_largest[pi][oi] = fio;
+                }
+                println!(
+                    "{:<40} {:<6} {:>5} MiB {:>12.0} {:>12.0} {:>7.3}",
+                    path.display(),
+                    op,
+                    size / MIB,
+                    mib(ours),
+                    mib(fio),
+                    ours / fio
+                );
+                rows.push(
+                    json!({"path": path, "op": op, "object_bytes": size, "ours_bytes_per_s": ours,
+                                 "fio_bytes_per_s": fio, "ratio": ours / fio}),
+                );
+            }
+        }
+        let _ = std::fs::remove_file(path.join(FIO_FILE));
+    }
+    let mut aggregate = Vec::new();
+    if s.paths.len() > 1 {
+        let size = *OBJECT_SIZES.last().unwrap();
+        println!(
+            "\nall {} paths at once, {} MiB objects striped by each path's fio bandwidth:",
+            s.paths.len(),
+            size / MIB
+        );
+        for (oi, op) in ["read", "write"].into_iter().enumerate() {
+            let weights: Vec<f64> = fio_at_largest.iter().map(|f| f[oi]).collect();
+            let mut w = Workload::new(s, &s.paths, size, Some(weights.clone()), "agg");
+            let (mut ours, mut fio_sum) = (0f64, 0f64);
+            for _ in 0..ROUNDS {
+                ours = ours.max(w.rate(op));
+                // Each path's best depth, summed: the most the paths can give together.
+                let sum: f64 = s
+                    .paths
+                    .iter()
+                    .map(|p| {
+                        FIO_DEPTHS
+                            .iter()
+                            .filter_map(|&d| fio_rate(p, op, size, d))
+                            .fold(0.0, f64::max)
+                    })
+                    .sum();
+                fio_sum = fio_sum.max(sum);
+            }
+            println!(
+                "{:<6} ours {:>8.0} MiB/s, sum of fio {:>8.0} MiB/s, ratio {:.3} (weights {:?})",
+                op,
+                mib(ours),
+                mib(fio_sum),
+                ours / fio_sum,
+                weights
+                    .iter()
+                    .map(|w| (mib(*w)).round())
+                    .collect::<Vec<_>>()
+            );
+            aggregate.push(json!({"op": op, "object_bytes": size, "ours_bytes_per_s": ours,
+                                  "fio_sum_bytes_per_s": fio_sum, "ratio": ours / fio_sum, "weights": weights}));
+        }
+        for p in &s.paths {
+            let _ = std::fs::remove_file(p.join(FIO_FILE));
+        }
+    }
+    let out = std::env::var("MLP_OFFLOAD_BENCH_OUT").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../target/mlp-offload-vs-fio.json"
+        )
+        .into()
+    });
+    let report = json!({
+        "settings": {"paths": s.paths, "chunk_size": s.limits.chunk_size, "max_inflight": s.limits.max_inflight,
+                     "checksum": s.checksum, "engine": format!("{:?}", s.engine)},
+        "per_path": rows,
+        "aggregate": aggregate,
+    });
+    std::fs::write(&out, serde_json::to_vec_pretty(&report).unwrap())
+        .expect("write comparison JSON");
+    println!("\ncomparison written to {out}");
+}
+
+fn main() {
+    let s = settings();
+    println!(
+        "paths: {:?}; checksum {}; chunk {} MiB x {} in flight",
+        s.paths,
+        if s.checksum { "on" } else { "off" },
+        s.limits.chunk_size / MIB,
+        s.limits.max_inflight
+    );
+    if std::env::var("MLP_OFFLOAD_BENCH_QUICK").as_deref() != Ok("1") {
+        let mut c = Criterion::default().configure_from_args();
+        criterion_groups(&mut c, &s);
+        c.final_summary();
+    }
+    compare_with_fio(&s);
+}

@@ -1,0 +1,81 @@
+# `make` lists the targets. `make run` and `make test` each do all the set-up first.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+VENV := .venv
+PY := $(VENV)/bin/python
+export PYO3_PYTHON := $(abspath $(PY))
+# The main job's default tiers: local directories on the work disk.
+TIERS ?= $(CURDIR)/.mlp-offload/tier0
+TESTBED := scripts/testbed.sh
+
+.PHONY: help
+help: ## list the targets
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
+
+.PHONY: setup
+setup: ## install what is missing: Debian packages, .venv, Python packages, the native module
+	@bash scripts/bootstrap.sh
+
+.PHONY: build-dev
+build-dev: ## rebuild the native module into .venv (release mode)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+
+.PHONY: build-prod
+build-prod: ## build the abi3 wheel into dist/
+	$(VENV)/bin/maturin build --release -o dist
+
+.PHONY: format
+format: ## format Rust and Python sources
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests
+	$(VENV)/bin/ruff check --fix -q python tests
+
+.PHONY: lint
+lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against the module
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -q -- -D warnings
+	$(VENV)/bin/ruff format --check -q python tests
+	$(VENV)/bin/ruff check -q python tests
+	$(VENV)/bin/mypy -q python/mlp_offload
+	$(VENV)/bin/python -m mypy.stubtest mlp_offload._core
+
+.PHONY: test-rust
+test-rust: ## cargo test (the core crate, both engines)
+	cargo test -q
+
+.PHONY: test-python
+test-python: ## pytest (the bindings and the CLI, both engines)
+	$(PY) -m pytest -q
+
+.PHONY: test
+test: setup lint test-rust test-python ## everything CI runs: set-up, lint, Rust and Python tests
+
+.PHONY: run
+run: setup ## the main job: probe the default tiers (TIERS=dir1:dir2 to choose)
+	@mkdir -p $(subst :, ,$(TIERS))
+	$(VENV)/bin/mlp-offload probe $(subst :, ,$(TIERS))
+
+.PHONY: bench
+bench: setup ## cargo bench: store throughput per path, and the ratio to fio (MLP_OFFLOAD_BENCH_PATHS)
+	cargo bench --bench io_throughput
+
+.PHONY: bench-two-paths
+bench-two-paths: setup ## the fio comparison on the work disk plus the 500 MiB/s test bed (root), torn down after
+	@$(TESTBED) up --bps 500M >/dev/null
+	@trap '$(TESTBED) down' EXIT; mkdir -p /mnt/mlp-offload-testbed/bench && \
+	  MLP_OFFLOAD_BENCH_QUICK=1 MLP_OFFLOAD_BENCH_PATHS=$(CURDIR)/target/bench-data:/mnt/mlp-offload-testbed/bench \
+	  $(TESTBED) run -- cargo bench --bench io_throughput
+
+.PHONY: testbed-up
+testbed-up: ## build the bandwidth-capped second storage path (root)
+	$(TESTBED) up
+
+.PHONY: testbed-down
+testbed-down: ## tear the test bed down
+	$(TESTBED) down
+
+.PHONY: clean
+clean: ## remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf dist .mlp-offload

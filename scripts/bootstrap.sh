@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything a fresh machine needs, idempotent and quick when already done:
+#   1. Debian packages, when missing: fio (the benchmark's ceiling), e2fsprogs and util-linux (the
+#      two-path test bed and the tests' tmpfs mounts);
+#   2. the Rust toolchain's clippy and rustfmt (checked, they ship with the toolchain);
+#   3. a virtual environment at .venv with requirements-dev.txt;
+#   4. the native module, built in release mode into .venv (maturin develop).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'bootstrap: %s\n' "$*" >&2; }
+
+missing=()
+command -v fio >/dev/null 2>&1 || missing+=(fio)
+command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
+command -v losetup >/dev/null 2>&1 || missing+=(util-linux)
+if ((${#missing[@]})); then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        say "installing Debian packages: ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+        say "missing ${missing[*]} and cannot apt-get install them (not root or no apt): the fio ceiling" \
+            "and the two-path test bed will be unavailable"
+    fi
+fi
+
+for tool in cargo rustc; do
+    command -v "$tool" >/dev/null 2>&1 || { say "$tool not found: install the Rust toolchain (rustup)"; exit 1; }
+done
+for component in clippy rustfmt; do
+    if ! cargo "${component/rustfmt/fmt}" --version >/dev/null 2>&1; then
+        say "installing the $component component"
+        rustup component add "$component"
+    fi
+done
+
+python=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+    say "creating .venv with $($python --version)"
+    "$python" -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+    say "installing Python packages (torch is large: about a minute)"
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -r requirements-dev.txt
+    echo "$want" >"$stamp"
+fi
+
+say "building the native module (release)"
+VIRTUAL_ENV="$PWD/.venv" PYO3_PYTHON="$PWD/.venv/bin/python" .venv/bin/maturin develop --release -q
