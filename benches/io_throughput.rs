@@ -5,34 +5,38 @@
 //!
 //! Environment:
 //! - `MLP_OFFLOAD_BENCH_PATHS`: storage directories separated by `:` (default `target/bench-data`).
-//! - `MLP_OFFLOAD_BENCH_CHUNK` / `MLP_OFFLOAD_BENCH_INFLIGHT`: per-path limits (default 16 MiB x 16).
+//! - `MLP_OFFLOAD_BENCH_CHUNK` / `MLP_OFFLOAD_BENCH_INFLIGHT`: per-path limits (default 64 MiB x 16;
+//!   the comparison uses chunks of min(object, chunk), the block size fio is given).
+//! - `MLP_OFFLOAD_BENCH_SIZES`: object sizes, comma-separated (default `1M,4M,16M,64M`).
 //! - `MLP_OFFLOAD_BENCH_CHECKSUM`: `1` (default) or `0`.
 //! - `MLP_OFFLOAD_BENCH_ENGINE`: `auto` (default), `io_uring` or `threads`.
 //! - `MLP_OFFLOAD_BENCH_OUT`: where the comparison JSON goes (default `target/mlp-offload-vs-fio.json`).
 //! - `MLP_OFFLOAD_BENCH_QUICK=1`: skip the criterion groups, run only the fio comparison.
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use mlp_offload_core::{AlignedBuf, EngineChoice, ObjectStore, PathLimits, StoreConfig};
+use mlp_offload_core::{AlignedBuf, EngineChoice, ObjectStore, PathLimits, Pending, StoreConfig};
 use serde_json::json;
 
 const MIB: usize = 1 << 20;
-const OBJECT_SIZES: [usize; 4] = [MIB, 4 * MIB, 16 * MIB, 64 * MIB];
+const DEFAULT_OBJECT_SIZES: [usize; 4] = [MIB, 4 * MIB, 16 * MIB, 64 * MIB];
 /// Bytes moved per timed pass: many objects in flight at once, as in an optimizer step.
 const WORKING_SET: usize = 512 * MIB;
 /// Each side of a comparison runs for about this long.
-const COMPARE_SECS: f64 = 1.5;
-/// Interleaved rounds of (ours, fio) per comparison; the best of each side counts.
-const ROUNDS: usize = 3;
+const COMPARE_SECS: f64 = 1.0;
+/// Interleaved rounds of (ours, fio) per comparison; each side's median counts.
+const ROUNDS: usize = 5;
 const FIO_DEPTHS: [usize; 2] = [8, 32];
 const FIO_FILE: &str = "mlpo-fio-ceiling.dat";
 
 #[derive(Clone)]
 struct Settings {
     paths: Vec<PathBuf>,
+    sizes: Vec<usize>,
     limits: PathLimits,
     checksum: bool,
     engine: EngineChoice,
@@ -69,14 +73,28 @@ fn settings() -> Settings {
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .collect();
-    for p in &paths {
-        std::fs::create_dir_all(p)
-            .unwrap_or_else(|e| panic!("MLP_OFFLOAD_BENCH_PATHS: {}: {e}", p.display()));
-    }
+    let paths: Vec<PathBuf> = paths
+        .iter()
+        .map(|p| {
+            std::fs::create_dir_all(p)
+                .and_then(|()| p.canonicalize())
+                .unwrap_or_else(|e| panic!("MLP_OFFLOAD_BENCH_PATHS: {}: {e}", p.display()))
+        })
+        .collect();
+    let sizes =
+        std::env::var("MLP_OFFLOAD_BENCH_SIZES").map_or(DEFAULT_OBJECT_SIZES.to_vec(), |v| {
+            v.split(',')
+                .map(|x| {
+                    parse_size(x)
+                        .unwrap_or_else(|| panic!("MLP_OFFLOAD_BENCH_SIZES: {x:?} is not a size"))
+                })
+                .collect()
+        });
     Settings {
         paths,
+        sizes,
         limits: PathLimits {
-            chunk_size: env_size("MLP_OFFLOAD_BENCH_CHUNK", 16 * MIB),
+            chunk_size: env_size("MLP_OFFLOAD_BENCH_CHUNK", 64 * MIB),
             max_inflight: env_size("MLP_OFFLOAD_BENCH_INFLIGHT", 16),
         },
         checksum: std::env::var("MLP_OFFLOAD_BENCH_CHECKSUM").map_or(true, |v| v != "0"),
@@ -178,19 +196,42 @@ impl Workload {
         start.elapsed()
     }
 
-    /// Bytes per second over passes lasting about `COMPARE_SECS` in total.
-    fn rate(&mut self, op: &str) -> f64 {
-        let (mut bytes, mut secs) = (0usize, 0f64);
-        while secs < COMPARE_SECS {
-            let d = if op == "read" {
-                self.read_pass()
-            } else {
-                self.write_pass()
-            };
-            bytes += self.bytes();
-            secs += d.as_secs_f64();
+    fn submit(&self, op: &str, i: usize, buf: AlignedBuf) -> Pending<AlignedBuf> {
+        let key = &self.keys[i];
+        if op == "read" {
+            self.store.read(key, buf).expect("submit read")
+        } else {
+            self.store.write(key, buf, None).expect("submit write")
         }
-        bytes as f64 / secs
+    }
+
+    /// Bytes per second over about `COMPARE_SECS` of continuous streaming, as fio's time-based runs do:
+    /// every object is in flight, and each is resubmitted the moment it completes.
+    fn rate(&mut self, op: &str) -> f64 {
+        let start = Instant::now();
+        let n = self.buffers.len();
+        let mut pending: VecDeque<(usize, Pending<AlignedBuf>)> = std::mem::take(&mut self.buffers)
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| (i, self.submit(op, i, b)))
+            .collect();
+        let mut finished: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
+        let (mut bytes, mut last) = (0usize, Duration::ZERO);
+        while let Some((i, p)) = pending.pop_front() {
+            let buf = p.wait().expect(op);
+            bytes += buf.len();
+            last = start.elapsed();
+            if last.as_secs_f64() < COMPARE_SECS {
+                pending.push_back((i, self.submit(op, i, buf)));
+            } else {
+                finished[i] = Some(buf);
+            }
+        }
+        self.buffers = finished
+            .into_iter()
+            .map(|b| b.expect("every buffer back"))
+            .collect();
+        bytes as f64 / last.as_secs_f64()
     }
 }
 
@@ -212,7 +253,7 @@ fn criterion_groups(c: &mut Criterion, s: &Settings) {
             .sample_size(10)
             .warm_up_time(Duration::from_secs(1))
             .measurement_time(Duration::from_secs(4));
-        for &size in &OBJECT_SIZES {
+        for &size in &s.sizes {
             let mut w = Workload::new(s, std::slice::from_ref(path), size, None, "crit");
             group.throughput(Throughput::Bytes(w.bytes() as u64));
             let label = format!("{} MiB objects", size / MIB);
@@ -263,7 +304,33 @@ fn fio_installed() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Ours and fio, interleaved and repeated, best of each; then all paths together against the sum.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Samples of ours and fio, interleaved round by round, per in-flight limit.
+#[derive(Default)]
+struct Duel {
+    ours: Vec<Vec<f64>>,
+    fio: Vec<Vec<f64>>,
+}
+
+impl Duel {
+    /// The best in-flight limit of each side, judged by its median: a shared, noisy disk makes single
+    /// samples (and so best-of-N) swing by tens of percent, medians much less.
+    fn best(&self) -> (f64, f64) {
+        let best = |v: &Vec<Vec<f64>>| v.iter().map(|xs| median(xs.clone())).fold(0.0, f64::max);
+        (best(&self.ours), best(&self.fio))
+    }
+}
+
+/// Ours and fio, interleaved and repeated; then all paths together against the sum of fio's figures.
 fn compare_with_fio(s: &Settings) {
     if !fio_installed() {
         println!("fio is not installed: no ceiling comparison (apt-get install fio)");
@@ -272,54 +339,57 @@ fn compare_with_fio(s: &Settings) {
     let mib = |x: f64| x / MIB as f64;
     let mut rows = Vec::new();
     println!(
-        "\nmlp-offload vs fio (best of {ROUNDS} interleaved rounds x in-flight {FIO_DEPTHS:?}; engine {:?}, chunk {} MiB x {} in flight, \
-         checksum {})",
+        "\nmlp-offload vs fio: medians of {ROUNDS} interleaved rounds of {COMPARE_SECS} s, best of in-flight \
+         {FIO_DEPTHS:?} for each side; engine {:?}, chunk min(object, {} MiB), checksum {}",
         s.engine,
         s.limits.chunk_size / MIB,
-        s.limits.max_inflight,
         if s.checksum { "on" } else { "off" }
     );
     println!(
         "{:<40} {:<6} {:>8} {:>12} {:>12} {:>7}",
         "path", "op", "object", "ours MiB/s", "fio MiB/s", "ratio"
     );
-    let mut fio_at_largest: Vec<[f64; 2]> = vec![[0.0; 2]; s.paths.len()];
+    let largest = *s.sizes.iter().max().expect("at least one object size");
+    // Per path and op: (our figure, fio's figure, fio's best depth) at the largest objects.
+    let mut at_largest: Vec<[(f64, f64, usize); 2]> =
+        vec![[(0.0, 0.0, FIO_DEPTHS[0]); 2]; s.paths.len()];
     for (pi, path) in s.paths.iter().enumerate() {
-        for &size in &OBJECT_SIZES {
-            // One workload per in-flight limit, mirroring fio's iodepth sweep: both sides get the same
-            // number of samples, and the best of each is compared.
-            let mut workloads: Vec<(usize, Workload)> = FIO_DEPTHS
+        for &size in &s.sizes {
+            let mut workloads: Vec<Workload> = FIO_DEPTHS
                 .iter()
                 .map(|&depth| {
                     let limits = PathLimits {
                         chunk_size: s.limits.chunk_size.min(size),
                         max_inflight: depth,
                     };
-                    (
-                        depth,
-                        Workload::new(
-                            &Settings {
-                                limits,
-                                ..s.clone()
-                            },
-                            std::slice::from_ref(path),
-                            size,
-                            None,
-                            "cmp",
-                        ),
-                    )
+                    let settings = Settings {
+                        limits,
+                        ..s.clone()
+                    };
+                    Workload::new(&settings, std::slice::from_ref(path), size, None, "cmp")
                 })
                 .collect();
             for (oi, op) in ["read", "write"].into_iter().enumerate() {
-                let (mut ours, mut fio) = (0f64, 0f64);
+                let mut duel = Duel {
+                    ours: vec![Vec::new(); FIO_DEPTHS.len()],
+                    fio: vec![Vec::new(); FIO_DEPTHS.len()],
+                };
                 for _ in 0..ROUNDS {
-                    for (depth, w) in workloads.iter_mut() {
-                        ours = ours.max(w.rate(op));
-                        fio = fio.max(fio_rate(path, op, size, *depth).unwrap_or(0.0));
+                    for (di, (&depth, w)) in FIO_DEPTHS.iter().zip(workloads.iter_mut()).enumerate()
+                    {
+                        duel.ours[di].push(w.rate(op));
+                        duel.fio[di].push(fio_rate(path, op, size, depth).unwrap_or(0.0));
                     }
                 }
-                if size == *OBJECT_SIZES.last().unwrap() {
-                    fio_at_largest[pi][oi] = fio;
+                let (ours, fio) = duel.best();
+                if size == largest {
+                    let fio_depth = FIO_DEPTHS
+                        .iter()
+                        .zip(&duel.fio)
+                        .max_by(|a, b| median(a.1.clone()).total_cmp(&median(b.1.clone())))
+                        .map(|(d, _)| *d)
+                        .unwrap();
+                    at_largest[pi][oi] = (ours, fio, fio_depth);
                 }
                 println!(
                     "{:<40} {:<6} {:>5} MiB {:>12.0} {:>12.0} {:>7.3}",
@@ -332,7 +402,8 @@ fn compare_with_fio(s: &Settings) {
                 );
                 rows.push(
                     json!({"path": path, "op": op, "object_bytes": size, "ours_bytes_per_s": ours,
-                                 "fio_bytes_per_s": fio, "ratio": ours / fio}),
+                                 "fio_bytes_per_s": fio, "ratio": ours / fio,
+                                 "ours_samples": duel.ours, "fio_samples": duel.fio}),
                 );
             }
         }
@@ -340,44 +411,38 @@ fn compare_with_fio(s: &Settings) {
     }
     let mut aggregate = Vec::new();
     if s.paths.len() > 1 {
-        let size = *OBJECT_SIZES.last().unwrap();
         println!(
-            "\nall {} paths at once, {} MiB objects striped by each path's fio bandwidth:",
+            "\nall {} paths at once, {} MiB objects striped by each path's own measured bandwidth:",
             s.paths.len(),
-            size / MIB
+            largest / MIB
         );
         for (oi, op) in ["read", "write"].into_iter().enumerate() {
-            let weights: Vec<f64> = fio_at_largest.iter().map(|f| f[oi]).collect();
-            let mut w = Workload::new(s, &s.paths, size, Some(weights.clone()), "agg");
-            let (mut ours, mut fio_sum) = (0f64, 0f64);
+            let weights: Vec<f64> = at_largest.iter().map(|f| f[oi].0).collect();
+            let mut w = Workload::new(s, &s.paths, largest, Some(weights.clone()), "agg");
+            let (mut ours, mut fio_sum) = (Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
-                ours = ours.max(w.rate(op));
-                // Each path's best depth, summed: the most the paths can give together.
+                ours.push(w.rate(op));
+                // Each path at its best depth, summed: the most the paths give when used one by one.
                 let sum: f64 = s
                     .paths
                     .iter()
-                    .map(|p| {
-                        FIO_DEPTHS
-                            .iter()
-                            .filter_map(|&d| fio_rate(p, op, size, d))
-                            .fold(0.0, f64::max)
-                    })
+                    .zip(&at_largest)
+                    .map(|(p, f)| fio_rate(p, op, largest, f[oi].2).unwrap_or(0.0))
                     .sum();
-                fio_sum = fio_sum.max(sum);
+                fio_sum.push(sum);
             }
+            let (ours_m, fio_m) = (median(ours.clone()), median(fio_sum.clone()));
             println!(
-                "{:<6} ours {:>8.0} MiB/s, sum of fio {:>8.0} MiB/s, ratio {:.3} (weights {:?})",
+                "{:<6} ours {:>8.0} MiB/s, sum of fio {:>8.0} MiB/s, ratio {:.3} (weights in MiB/s {:?})",
                 op,
-                mib(ours),
-                mib(fio_sum),
-                ours / fio_sum,
-                weights
-                    .iter()
-                    .map(|w| (mib(*w)).round())
-                    .collect::<Vec<_>>()
+                mib(ours_m),
+                mib(fio_m),
+                ours_m / fio_m,
+                weights.iter().map(|w| mib(*w).round()).collect::<Vec<_>>()
             );
-            aggregate.push(json!({"op": op, "object_bytes": size, "ours_bytes_per_s": ours,
-                                  "fio_sum_bytes_per_s": fio_sum, "ratio": ours / fio_sum, "weights": weights}));
+            aggregate.push(json!({"op": op, "object_bytes": largest, "ours_bytes_per_s": ours_m,
+                                  "fio_sum_bytes_per_s": fio_m, "ratio": ours_m / fio_m, "weights": weights,
+                                  "ours_samples": ours, "fio_sum_samples": fio_sum}));
         }
         for p in &s.paths {
             let _ = std::fs::remove_file(p.join(FIO_FILE));
@@ -392,7 +457,8 @@ fn compare_with_fio(s: &Settings) {
     });
     let report = json!({
         "settings": {"paths": s.paths, "chunk_size": s.limits.chunk_size, "max_inflight": s.limits.max_inflight,
-                     "checksum": s.checksum, "engine": format!("{:?}", s.engine)},
+                     "checksum": s.checksum, "engine": format!("{:?}", s.engine), "rounds": ROUNDS,
+                     "seconds_per_sample": COMPARE_SECS, "depths": FIO_DEPTHS},
         "per_path": rows,
         "aggregate": aggregate,
     });

@@ -380,26 +380,22 @@ impl ObjectStore {
             };
             (slot, record.stripes.clone(), record.slots)
         };
-        let checksums: Vec<Option<u32>> = stripes
-            .iter()
-            .map(|s| {
-                self.config.checksum.then(|| {
-                    // SAFETY: the caller guarantees `buf..buf+len` is valid; stripes lie inside it.
-                    crc32c::crc32c(unsafe { stripe_bytes(buf, s) })
-                })
-            })
-            .collect();
+        // Filled after the transfers are queued (below), read by the finisher, which cannot run before
+        // `seal`.
+        let checksums: Arc<Mutex<Vec<Option<u32>>>> = Arc::default();
         let completion = Completion::new();
         completion.keep_alive(keepalive);
         {
             let entry = entry.clone();
+            let checksums = checksums.clone();
             completion.set_finisher(move |result| {
                 let mut record = entry.record.lock().expect("record lock");
                 match &result {
                     Ok(()) => {
                         record.active = Some(slot);
                         record.generation += 1;
-                        record.checksums[slot as usize] = checksums;
+                        record.checksums[slot as usize] =
+                            std::mem::take(&mut *checksums.lock().expect("checksum lock"));
                     }
                     // The previous slot stays current; with one slot its contents are now unknown.
                     Err(_) if slots == 1 => record.active = None,
@@ -409,6 +405,17 @@ impl ObjectStore {
             });
         }
         self.submit_stripes(Op::Write, &entry, &stripes, slot, buf, &completion);
+        // The caller keeps the buffer unchanged until the write completes, so its checksum is computed
+        // while the kernel already moves it, off the I/O's critical path.
+        *checksums.lock().expect("checksum lock") = stripes
+            .iter()
+            .map(|s| {
+                self.config.checksum.then(|| {
+                    // SAFETY: the caller guarantees `buf..buf+len` is valid; stripes lie inside it.
+                    crc32c::crc32c(unsafe { stripe_bytes(buf, s) })
+                })
+            })
+            .collect();
         entry
             .inflight
             .lock()
