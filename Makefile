@@ -37,7 +37,7 @@ lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against t
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	$(VENV)/bin/ruff format --check -q python tests
 	$(VENV)/bin/ruff check -q python tests
-	$(VENV)/bin/mypy -q python/mlp_offload
+	$(VENV)/bin/mypy python/mlp_offload
 	$(VENV)/bin/python -m mypy.stubtest mlp_offload._core
 
 .PHONY: test-rust

@@ -129,7 +129,7 @@ impl Workload {
         s: &Settings,
         paths: &[PathBuf],
         object_size: usize,
-        weights: Option<Vec<f64>>,
+        placement: Option<(Vec<f64>, Vec<PathLimits>)>,
         tag: &str,
     ) -> Self {
         let mut config = StoreConfig::new(paths.iter().cloned())
@@ -137,8 +137,8 @@ impl Workload {
             .with_limits(s.limits)
             .with_checksum(s.checksum)
             .with_rank(std::process::id());
-        if let Some(w) = weights {
-            config = config.with_weights(w);
+        if let Some((weights, limits)) = placement {
+            config = config.with_weights(weights).with_path_limits(limits);
         }
         let store = ObjectStore::open(config).expect("open store");
         let count = (WORKING_SET / object_size).max(1);
@@ -304,6 +304,20 @@ fn fio_installed() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+#[derive(Clone, Copy, Default)]
+struct Largest {
+    ours: f64,
+    ours_depth: usize,
+    fio_depth: usize,
+}
+
+/// The index of the sample list with the highest median.
+fn best_index(samples: &[Vec<f64>]) -> usize {
+    (0..samples.len())
+        .max_by(|&a, &b| median(samples[a].clone()).total_cmp(&median(samples[b].clone())))
+        .expect("at least one depth")
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
@@ -325,8 +339,10 @@ impl Duel {
     /// The best in-flight limit of each side, judged by its median: a shared, noisy disk makes single
     /// samples (and so best-of-N) swing by tens of percent, medians much less.
     fn best(&self) -> (f64, f64) {
-        let best = |v: &Vec<Vec<f64>>| v.iter().map(|xs| median(xs.clone())).fold(0.0, f64::max);
-        (best(&self.ours), best(&self.fio))
+        (
+            median(self.ours[best_index(&self.ours)].clone()),
+            median(self.fio[best_index(&self.fio)].clone()),
+        )
     }
 }
 
@@ -350,9 +366,8 @@ fn compare_with_fio(s: &Settings) {
         "path", "op", "object", "ours MiB/s", "fio MiB/s", "ratio"
     );
     let largest = *s.sizes.iter().max().expect("at least one object size");
-    // Per path and op: (our figure, fio's figure, fio's best depth) at the largest objects.
-    let mut at_largest: Vec<[(f64, f64, usize); 2]> =
-        vec![[(0.0, 0.0, FIO_DEPTHS[0]); 2]; s.paths.len()];
+    // Per path and op, at the largest objects: our figure and each side's best in-flight limit.
+    let mut at_largest: Vec<[Largest; 2]> = vec![[Largest::default(); 2]; s.paths.len()];
     for (pi, path) in s.paths.iter().enumerate() {
         for &size in &s.sizes {
             let mut workloads: Vec<Workload> = FIO_DEPTHS
@@ -383,13 +398,11 @@ fn compare_with_fio(s: &Settings) {
                 }
                 let (ours, fio) = duel.best();
                 if size == largest {
-                    let fio_depth = FIO_DEPTHS
-                        .iter()
-                        .zip(&duel.fio)
-                        .max_by(|a, b| median(a.1.clone()).total_cmp(&median(b.1.clone())))
-                        .map(|(d, _)| *d)
-                        .unwrap();
-                    at_largest[pi][oi] = (ours, fio, fio_depth);
+                    at_largest[pi][oi] = Largest {
+                        ours,
+                        ours_depth: FIO_DEPTHS[best_index(&duel.ours)],
+                        fio_depth: FIO_DEPTHS[best_index(&duel.fio)],
+                    };
                 }
                 println!(
                     "{:<40} {:<6} {:>5} MiB {:>12.0} {:>12.0} {:>7.3}",
@@ -417,8 +430,17 @@ fn compare_with_fio(s: &Settings) {
             largest / MIB
         );
         for (oi, op) in ["read", "write"].into_iter().enumerate() {
-            let weights: Vec<f64> = at_largest.iter().map(|f| f[oi].0).collect();
-            let mut w = Workload::new(s, &s.paths, largest, Some(weights.clone()), "agg");
+            // Each path gets its share by its own measured bandwidth, at its best in-flight limit, in
+            // chunks small enough that a stripe makes several requests (this disk wants many).
+            let weights: Vec<f64> = at_largest.iter().map(|f| f[oi].ours).collect();
+            let limits: Vec<PathLimits> = at_largest
+                .iter()
+                .map(|f| PathLimits {
+                    chunk_size: s.limits.chunk_size.min(16 * MIB),
+                    max_inflight: f[oi].ours_depth,
+                })
+                .collect();
+            let mut w = Workload::new(s, &s.paths, largest, Some((weights.clone(), limits)), "agg");
             let (mut ours, mut fio_sum) = (Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
                 ours.push(w.rate(op));
@@ -427,7 +449,7 @@ fn compare_with_fio(s: &Settings) {
                     .paths
                     .iter()
                     .zip(&at_largest)
-                    .map(|(p, f)| fio_rate(p, op, largest, f[oi].2).unwrap_or(0.0))
+                    .map(|(p, f)| fio_rate(p, op, largest, f[oi].fio_depth).unwrap_or(0.0))
                     .sum();
                 fio_sum.push(sum);
             }
