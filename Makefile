@@ -62,7 +62,7 @@ bench: setup ## cargo bench: store throughput per path, and the ratio to fio (ML
 
 .PHONY: bench-two-paths
 bench-two-paths: setup ## the fio comparison on the work disk plus the 500 MiB/s test bed (root), torn down after
-	@$(TESTBED) up --bps 500M >/dev/null
+	@$(TESTBED) up --size 8G --bps 500M >/dev/null
 	@trap '$(TESTBED) down' EXIT; mkdir -p /mnt/mlp-offload-testbed/bench && \
 	  MLP_OFFLOAD_BENCH_QUICK=1 MLP_OFFLOAD_BENCH_PATHS=$(CURDIR)/target/bench-data:/mnt/mlp-offload-testbed/bench \
 	  $(TESTBED) run -- cargo bench --bench io_throughput

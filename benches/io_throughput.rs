@@ -26,6 +26,12 @@ const MIB: usize = 1 << 20;
 const DEFAULT_OBJECT_SIZES: [usize; 4] = [MIB, 4 * MIB, 16 * MIB, 64 * MIB];
 /// Bytes moved per timed pass: many objects in flight at once, as in an optimizer step.
 const WORKING_SET: usize = 512 * MIB;
+
+/// How many objects of `size` a workload holds: `WORKING_SET` bytes, and never fewer objects than the
+/// deepest in-flight limit, so that large objects can keep as many requests in flight as fio does.
+fn object_count(size: usize) -> usize {
+    (WORKING_SET / size).max(FIO_DEPTHS[FIO_DEPTHS.len() - 1])
+}
 /// Each side of a comparison runs for about this long.
 const COMPARE_SECS: f64 = 1.0;
 /// Interleaved rounds of (ours, fio) per comparison; each side's median counts.
@@ -117,7 +123,7 @@ fn fill_incompressible(buf: &mut [u8], seed: u64) {
     }
 }
 
-/// A store over `paths` holding `WORKING_SET` bytes as objects of `object_size`, with their buffers.
+/// A store over `paths` holding `object_count(object_size)` objects, with their buffers.
 struct Workload {
     store: ObjectStore,
     keys: Vec<String>,
@@ -141,7 +147,7 @@ impl Workload {
             config = config.with_weights(weights).with_path_limits(limits);
         }
         let store = ObjectStore::open(config).expect("open store");
-        let count = (WORKING_SET / object_size).max(1);
+        let count = object_count(object_size);
         let keys = (0..count)
             .map(|i| format!("{tag}.{object_size}.{i}"))
             .collect();
@@ -281,8 +287,8 @@ fn fio_rate(dir: &Path, op: &str, bs: usize, depth: usize) -> Option<f64> {
         ])
         // A full path: fio ignores --directory for a --filename given before it.
         .arg(format!("--filename={}", dir.join(FIO_FILE).display()))
-        // As many bytes as our working set, so both sides cycle over equally large regions.
-        .arg(format!("--size={WORKING_SET}"))
+        // As many bytes as our workload of `bs` objects, so both sides cycle over equally large regions.
+        .arg(format!("--size={}", object_count(bs) * bs))
         .arg(format!("--bs={bs}"))
         .arg(format!("--iodepth={depth}"))
         .arg(format!("--rw={op}"))
