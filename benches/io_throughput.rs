@@ -163,7 +163,7 @@ impl Workload {
             keys,
             buffers,
         };
-        w.write_pass(); // creates and fills every object, so reads and rewrites are of real blocks
+        w.pass("write"); // creates and fills every object, so reads and rewrites are of real blocks
         w
     }
 
@@ -171,34 +171,15 @@ impl Workload {
         self.buffers.iter().map(AlignedBuf::len).sum()
     }
 
-    /// Writes every object at once and waits; returns the elapsed time.
-    fn write_pass(&mut self) -> Duration {
+    /// Submits `op` ("read" or "write") on every object at once and waits; returns the elapsed time.
+    fn pass(&mut self, op: &str) -> Duration {
         let start = Instant::now();
-        let pending: Vec<_> = self
-            .buffers
-            .drain(..)
-            .zip(&self.keys)
-            .map(|(b, k)| self.store.write(k, b, None).expect("submit write"))
-            .collect();
-        self.buffers = pending
+        let pending: Vec<_> = std::mem::take(&mut self.buffers)
             .into_iter()
-            .map(|p| p.wait().expect("write"))
+            .enumerate()
+            .map(|(i, b)| self.submit(op, i, b))
             .collect();
-        start.elapsed()
-    }
-
-    fn read_pass(&mut self) -> Duration {
-        let start = Instant::now();
-        let pending: Vec<_> = self
-            .buffers
-            .drain(..)
-            .zip(&self.keys)
-            .map(|(b, k)| self.store.read(k, b).expect("submit read"))
-            .collect();
-        self.buffers = pending
-            .into_iter()
-            .map(|p| p.wait().expect("read"))
-            .collect();
+        self.buffers = pending.into_iter().map(|p| p.wait().expect(op)).collect();
         start.elapsed()
     }
 
@@ -264,10 +245,10 @@ fn criterion_groups(c: &mut Criterion, s: &Settings) {
             group.throughput(Throughput::Bytes(w.bytes() as u64));
             let label = format!("{} MiB objects", size / MIB);
             group.bench_function(BenchmarkId::new("write", &label), |b| {
-                b.iter_custom(|iters| (0..iters).map(|_| w.write_pass()).sum())
+                b.iter_custom(|iters| (0..iters).map(|_| w.pass("write")).sum())
             });
             group.bench_function(BenchmarkId::new("read", &label), |b| {
-                b.iter_custom(|iters| (0..iters).map(|_| w.read_pass()).sum())
+                b.iter_custom(|iters| (0..iters).map(|_| w.pass("read")).sum())
             });
         }
         group.finish();

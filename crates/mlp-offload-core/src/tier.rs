@@ -221,7 +221,9 @@ mod tests {
 
     #[test]
     fn work_disk_directory_supports_direct_io() {
-        let dir = tempfile::tempdir().unwrap();
+        // On the work disk (target/), not /tmp, which may be a tmpfs elsewhere.
+        let dir =
+            tempfile::tempdir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target")).unwrap();
         let info = probe_dir(dir.path()).unwrap();
         assert!(info.direct_io, "{info:?}");
         assert!(info.alignment().is_power_of_two() && info.alignment() >= 512);

@@ -82,6 +82,12 @@ impl IoBuffer for Misaligned {
     }
 }
 
+/// Writes `src` as `key`, waits, reads it back into `dst` and returns `dst`.
+fn write_then_read<S: IoBuffer, D: IoBuffer>(store: &ObjectStore, key: &str, src: S, dst: D) -> D {
+    store.write(key, src, None).unwrap().wait().unwrap();
+    store.read(key, dst).unwrap().wait().unwrap()
+}
+
 fn skip_unless_engine(engine: EngineChoice) -> bool {
     if engine == EngineChoice::IoUring {
         if let Some(why) = mlp_offload_core::engine::uring_unavailable_reason() {
@@ -170,32 +176,24 @@ fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
             let data = random_bytes(size, i as u64);
             // Page-aligned buffers take the O_DIRECT path (with a bounce block for the tail).
             let key = format!("aligned.{size}");
-            store
-                .write(&key, aligned_copy(&data), None)
-                .unwrap()
-                .wait()
-                .unwrap();
-            let back = store
-                .read(&key, AlignedBuf::new(size, false).unwrap())
-                .unwrap()
-                .wait()
-                .unwrap();
+            let back = write_then_read(
+                &store,
+                &key,
+                aligned_copy(&data),
+                AlignedBuf::new(size, false).unwrap(),
+            );
             assert!(
                 back.as_slice() == &data[..],
                 "{n_paths} paths, aligned, {size} bytes"
             );
             // Misaligned buffers take the buffered path; both must read what either wrote.
             let key = format!("misaligned.{size}");
-            store
-                .write(&key, Misaligned::new(&data), None)
-                .unwrap()
-                .wait()
-                .unwrap();
-            let back = store
-                .read(&key, Misaligned::new(&vec![0; size]))
-                .unwrap()
-                .wait()
-                .unwrap();
+            let back = write_then_read(
+                &store,
+                &key,
+                Misaligned::new(&data),
+                Misaligned::new(&vec![0; size]),
+            );
             assert!(
                 back.bytes() == &data[..],
                 "{n_paths} paths, misaligned, {size} bytes"
