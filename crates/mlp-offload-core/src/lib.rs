@@ -6,6 +6,7 @@ pub mod buffer;
 pub mod completion;
 pub mod engine;
 pub mod error;
+pub mod model;
 pub mod probe;
 pub mod store;
 pub mod tier;
