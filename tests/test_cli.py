@@ -65,3 +65,59 @@ def test_probe_of_a_missing_directory_names_it(work_dirs: list[Path]) -> None:
 )
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
+
+
+def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> None:
+    # Two directories on one disk: one device, so the weights split evenly and sum to 1.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlp_offload.cli",
+            "plan",
+            "--bytes",
+            "16M",
+            "--params",
+            "100M",
+            "--sub-group-size",
+            "2e7",
+            "--host-memory",
+            "2G",
+            "--json",
+            "-q",
+            str(work_dirs[0]),
+            str(work_dirs[1]),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    result = json.loads(out.stdout)
+    plan, workload = result["plan"], result["workload"]
+    assert workload["subgroups"] == 5 and workload["bytes_per_subgroup"] == 240_000_000
+    assert plan["weights"] == pytest.approx([0.5, 0.5])
+    # 2 GiB hold 8 buffers of 240 MB; 3 belong to the pipeline, so all 5 subgroups can stay cached.
+    assert plan["cached_subgroups"] == 5 and plan["io_floor_secs"] == 0.0
+
+
+def test_plan_rejects_a_budget_below_the_pipeline(work_dirs: list[Path]) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlp_offload.cli",
+            "plan",
+            "--bytes",
+            "16M",
+            "--params",
+            "1e9",
+            "--host-memory",
+            "1G",
+            str(work_dirs[0]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "host_memory" in out.stderr

@@ -11,6 +11,7 @@ __all__ = [
     "ObjectStore",
     "__version__",
     "io_uring_unavailable_reason",
+    "plan_update",
     "probe_bandwidth",
     "probe_directory",
 ]
@@ -106,3 +107,19 @@ def probe_bandwidth(
 
 def io_uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used in this process, or None when it can."""
+
+def plan_update(
+    paths: list[tuple[str, float, float, int]],
+    *,
+    subgroups: int,
+    read_bytes_per_subgroup: int,
+    write_bytes_per_subgroup: int,
+    host_bytes_per_subgroup: int,
+    host_memory: int,
+    pipeline_buffers: int = 3,
+    adam_secs_per_subgroup: float = 0.0,
+) -> dict[str, Any]:
+    """The performance model's plan: weights, in-flight limits, cache size, I/O floor, predicted time.
+
+    `paths` holds `(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)` per path.
+    """

@@ -5,6 +5,7 @@ use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use mlp_offload_core::model::{plan, PathProfile, UpdateWorkload};
 use mlp_offload_core::probe::{probe_path, ProbeOptions};
 use mlp_offload_core::{
     AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits,
@@ -410,6 +411,46 @@ fn probe_bandwidth(
     to_py_json(py, &result.map_err(to_py)?)
 }
 
+/// The performance model's plan for one update phase. `paths` holds, per path,
+/// `(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)`.
+#[pyfunction]
+#[pyo3(signature = (paths, *, subgroups, read_bytes_per_subgroup, write_bytes_per_subgroup,
+                    host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0))]
+#[allow(clippy::too_many_arguments)]
+fn plan_update(
+    py: Python<'_>,
+    paths: Vec<(String, f64, f64, usize)>,
+    subgroups: usize,
+    read_bytes_per_subgroup: u64,
+    write_bytes_per_subgroup: u64,
+    host_bytes_per_subgroup: u64,
+    host_memory: u64,
+    pipeline_buffers: usize,
+    adam_secs_per_subgroup: f64,
+) -> PyResult<Py<PyAny>> {
+    let profiles: Vec<PathProfile> = paths
+        .into_iter()
+        .map(
+            |(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)| PathProfile {
+                device_id,
+                read_bytes_per_s,
+                write_bytes_per_s,
+                best_inflight,
+            },
+        )
+        .collect();
+    let work = UpdateWorkload {
+        subgroups,
+        read_bytes_per_subgroup,
+        write_bytes_per_subgroup,
+        host_bytes_per_subgroup,
+        host_memory,
+        pipeline_buffers,
+        adam_secs_per_subgroup,
+    };
+    to_py_json(py, &plan(&profiles, &work).map_err(to_py)?)
+}
+
 /// Why io_uring cannot be used in this process, or None when it can.
 #[pyfunction]
 fn io_uring_unavailable_reason() -> Option<String> {
@@ -432,5 +473,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_update, m)?)?;
     Ok(())
 }
