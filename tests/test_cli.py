@@ -11,6 +11,17 @@ import pytest
 
 from mlp_offload.cli import parse_size
 
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlp_offload.cli", *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=300,
+    )
+
+
 PROBE = [
     sys.executable,
     "-m",
@@ -69,29 +80,9 @@ def test_parse_size(text: str, value: int) -> None:
 
 def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> None:
     # Two directories on one disk: one device, so the weights split evenly and sum to 1.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlp_offload.cli",
-            "plan",
-            "--bytes",
-            "16M",
-            "--params",
-            "100M",
-            "--sub-group-size",
-            "2e7",
-            "--host-memory",
-            "2G",
-            "--json",
-            "-q",
-            str(work_dirs[0]),
-            str(work_dirs[1]),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
+    out = run_cli(
+        *("plan", "--bytes", "16M", "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G"),
+        *("--json", "-q", str(work_dirs[0]), str(work_dirs[1])),
     )
     result = json.loads(out.stdout)
     plan, workload = result["plan"], result["workload"]
@@ -102,22 +93,7 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
 
 
 def test_plan_rejects_a_budget_below_the_pipeline(work_dirs: list[Path]) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlp_offload.cli",
-            "plan",
-            "--bytes",
-            "16M",
-            "--params",
-            "1e9",
-            "--host-memory",
-            "1G",
-            str(work_dirs[0]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    out = run_cli(
+        *("plan", "--bytes", "16M", "--params", "1e9", "--host-memory", "1G", str(work_dirs[0])), check=False
     )
     assert out.returncode == 2 and "host_memory" in out.stderr

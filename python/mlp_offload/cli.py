@@ -28,6 +28,15 @@ def _mib(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 2**20:,.0f}"
 
 
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns under a header and a rule."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return lines
+
+
 def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
     header = ["path", "device", "engine", "O_DIRECT", "read MiB/s", "best read", "write MiB/s", "best write"]
     rows = []
@@ -46,10 +55,7 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
                 f"{r['best_write']['chunk_size'] >> 20} MiB x{r['best_write']['max_inflight']}",
             ]
         )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines = render_table(header, rows)
     if any(devices.count(d) > 1 for d in devices):
         lines.append("(shared): these paths are on one device and share its bandwidth")
     return "\n".join(lines)
@@ -148,10 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ]
         for p, w, n in zip(probes, plan["weights"], plan["max_inflight"], strict=True)
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print("\n".join(render_table(header, rows)))
     print(
         f"\n{subgroups} subgroups of {group:,} parameters "
         f"({subgroup_bytes / 2**20:,.0f} MiB of fp32 state each); "
