@@ -78,17 +78,7 @@ pub fn probe_path(
     let bytes = opts.bytes.div_ceil(align) * align;
     let path = dir.join(format!(".mlp-offload-probe-{}.tmp", std::process::id()));
     let result = (|| {
-        let mut options = fs::OpenOptions::new();
-        options.read(true).write(true).create(true).truncate(true);
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-        if tier.direct_io {
-            options.custom_flags(libc::O_DIRECT);
-        }
-        let file = options
-            .open(&path)
-            .map_err(|e| Error::io("create", &path, e))?;
-        let file = Arc::new(IoFile::new(path.clone(), file, tier.direct_io));
+        let file = Arc::new(IoFile::open(&path, tier.direct_io, true)?);
         let mut buf = AlignedBuf::new(PROBE_BUFFER.min(bytes as usize), false)?;
         for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
             *b = (i % 253) as u8 | 1;

@@ -621,7 +621,7 @@ impl ObjectStore {
         for stripe in stripes {
             let path = self.object_path(stripe.path, key);
             let made =
-                open_object_file(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
+                IoFile::open(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
                     preallocate(file.primary(), &path, stripe.slot_stride * u64::from(slots))?;
                     Ok(file)
                 });
@@ -785,7 +785,7 @@ impl ObjectStore {
                 .iter()
                 .map(|s| {
                     let path = self.object_path(s.path, &key);
-                    open_object_file(&path, self.tiers[s.path].direct_io, false).map(Arc::new)
+                    IoFile::open(&path, self.tiers[s.path].direct_io, false).map(Arc::new)
                 })
                 .collect::<Result<Vec<_>>>()?;
             objects.insert(
@@ -867,21 +867,6 @@ unsafe fn stripe_bytes<'a>(buf: HostPtr, stripe: &Stripe) -> &'a [u8] {
         buf.0.add(stripe.object_offset as usize),
         stripe.len as usize,
     )
-}
-
-fn open_object_file(path: &Path, direct: bool, create: bool) -> Result<IoFile> {
-    let mut options = OpenOptions::new();
-    options.read(true).write(true).mode(0o600);
-    if create {
-        options.create(true).truncate(true);
-    }
-    if direct {
-        options.custom_flags(libc::O_DIRECT);
-    }
-    let file = options
-        .open(path)
-        .map_err(|e| Error::io(if create { "create" } else { "open" }, path, e))?;
-    Ok(IoFile::new(path.to_path_buf(), file, direct))
 }
 
 /// Reserves the file's blocks now so rewrites never run out of space; falls back to setting the length

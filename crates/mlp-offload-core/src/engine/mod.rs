@@ -139,6 +139,24 @@ impl IoFile {
         }
     }
 
+    /// Opens `path` read-write (mode 0600 when `create`, which also truncates), with O_DIRECT when
+    /// `direct`.
+    pub fn open(path: &std::path::Path, direct: bool, create: bool) -> Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true).write(true).mode(0o600);
+        if create {
+            options.create(true).truncate(true);
+        }
+        if direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let file = options
+            .open(path)
+            .map_err(|e| Error::io(if create { "create" } else { "open" }, path, e))?;
+        Ok(IoFile::new(path.to_path_buf(), file, direct))
+    }
+
     pub fn is_direct(&self) -> bool {
         self.primary_is_direct
     }
