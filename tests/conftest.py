@@ -20,6 +20,14 @@ def engine(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def profile_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Saved probe profiles go to a directory of the test's own (subprocesses inherit it)."""
+    d = tmp_path / "profiles"
+    monkeypatch.setenv("MLP_OFFLOAD_PROFILE_DIR", str(d))
+    return d
+
+
 @pytest.fixture
 def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
     """Three directories on the work disk (not /tmp, which may be tmpfs elsewhere)."""

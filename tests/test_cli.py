@@ -1,4 +1,4 @@
-"""`mlp-offload probe`, run as a user would: a subprocess on real directories."""
+"""`mlp-offload probe` and `plan`, run as a user would: a subprocess on real directories."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ PROBE = [
     "1M,4M",
     "--depths",
     "2,8",
+    "--together-secs",
+    "0.5",
 ]
+# The same small probe for `plan`.
+PROBE_OPTIONS = PROBE[4:]
 
 
 def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
@@ -48,9 +52,12 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
     assert [r["path"] for r in results] == [str(work_dirs[0]), str(work_dirs[1])]
     for r in results:
         assert r["read_bytes_per_s"] > 0 and r["write_bytes_per_s"] > 0
+        assert r["mixed_bytes_per_s"] > 0 and r["concurrent_bytes_per_s"] > 0
         assert r["engine"] in ("io_uring", "threads") and r["direct_io"] is True
         assert {s["op"] for s in r["samples"]} == {"read", "write"} and len(r["samples"]) == 8
     assert not any(p.name.startswith(".mlp-offload") for d in work_dirs for p in d.iterdir())
+    alone = json.loads(run_cli(*PROBE[3:], "--json", "-q", "--no-save", str(work_dirs[2])).stdout)
+    assert alone[0]["concurrent_bytes_per_s"] is None, "nothing to run together with"
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:
@@ -79,15 +86,17 @@ def test_parse_size(text: str, value: int) -> None:
 
 
 def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> None:
-    # Two directories on one disk: one device, so the weights split evenly and sum to 1.
+    # Two directories on one disk share it: measured together, each gives about half, so the weights
+    # are near even (this disk is noisy, hence the wide band) and sum to 1.
     out = run_cli(
-        *("plan", "--bytes", "16M", "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G"),
+        *("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G"),
         *("--json", "-q", str(work_dirs[0]), str(work_dirs[1])),
     )
     result = json.loads(out.stdout)
     plan, workload = result["plan"], result["workload"]
     assert workload["subgroups"] == 5 and workload["bytes_per_subgroup"] == 240_000_000
-    assert plan["weights"] == pytest.approx([0.5, 0.5])
+    assert sum(plan["weights"]) == pytest.approx(1.0)
+    assert all(0.2 < w < 0.8 for w in plan["weights"]), plan["weights"]
     # 2 GiB hold 8 buffers of 240 MB; 3 belong to the pipeline, so all 5 subgroups can stay cached.
     assert plan["cached_subgroups"] == 5 and plan["io_floor_secs"] == 0.0
 
@@ -97,3 +106,28 @@ def test_plan_rejects_a_budget_below_the_pipeline(work_dirs: list[Path]) -> None
         *("plan", "--bytes", "16M", "--params", "1e9", "--host-memory", "1G", str(work_dirs[0])), check=False
     )
     assert out.returncode == 2 and "host_memory" in out.stderr
+
+
+def test_plan_reuses_a_fresh_saved_profile_and_probes_again_when_stale(
+    work_dirs: list[Path], profile_dir: Path
+) -> None:
+    dirs = [str(work_dirs[0]), str(work_dirs[1])]
+    plan = ("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G")
+    # Each case: extra arguments, whether the saved profile is used.
+    cases = [
+        ((), True),
+        (("--reprobe",), False),
+        (("--max-age-hours", "0"), False),
+        (("--bytes", "8M"), False),  # other probe options
+    ]
+    run_cli(*PROBE[3:], "-q", *dirs)
+    saved = next(profile_dir.glob("*.json"))
+    for extra, reused in cases:
+        before = json.loads(saved.read_text())
+        out = run_cli(*plan, *extra, "--json", *dirs)
+        assert json.loads(out.stdout)["profile_source"] == ("saved" if reused else "probed"), extra
+        assert ("using the profile" in out.stderr) == reused, out.stderr
+        after = json.loads(saved.read_text())
+        assert (after == before) == reused, f"{extra}: a new probe replaces the saved one"
+        # Put the original back so every case starts from the same saved profile.
+        saved.write_text(json.dumps(before))

@@ -125,6 +125,34 @@ def test_reopen_and_telemetry(engine: str, work_dirs: list[Path]) -> None:
         assert torch.equal(back, data)
 
 
+def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
+    engine: str, work_dirs: list[Path]
+) -> None:
+    data = random_tensor(4 << 20, 6)
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        store.write("sg", data).wait()
+        reports = store.path_reports()
+        assert all(r["stats"]["busy_ns"] > 0 for r in reports), "busy time is counted per path"
+        tuner = mlp_offload.WeightTuner([1000.0, 1000.0])
+        # Path 1 delivered a quarter of path 0's bandwidth: its weight drops, the object follows.
+        new = tuner.observe([(4000, 1.0), (1000, 1.0)])
+        assert new is not None and new[0] > 0.6
+        store.weights = new
+        assert store.weights == pytest.approx(new)
+        store.write("sg", data).wait()
+        (_, on_0), (_, on_1) = store.placement("sg")
+        assert on_0 / (on_0 + on_1) == pytest.approx(new[0], abs=0.01)
+        back = torch.empty_like(data)
+        store.read("sg", back).wait()
+        assert torch.equal(back, data)
+        with pytest.raises(ValueError, match=r"^weights:"):
+            store.weights = [1.0]
+    with pytest.raises(ValueError, match=r"^samples:"):
+        tuner.observe([(1, 1.0)])
+    with pytest.raises(ValueError, match=r"^smoothing:"):
+        mlp_offload.WeightTuner([1.0], smoothing=0.0)
+
+
 def test_a_closed_store_says_so(work_dirs: list[Path]) -> None:
     store = ObjectStore(work_dirs[:1])
     store.close()

@@ -9,6 +9,7 @@ __all__ = [
     "HostBufferPool",
     "IoHandle",
     "ObjectStore",
+    "WeightTuner",
     "__version__",
     "io_uring_unavailable_reason",
     "plan_update",
@@ -90,26 +91,45 @@ class ObjectStore:
     @property
     def tiers(self) -> list[dict[str, Any]]: ...
     def path_reports(self) -> list[dict[str, Any]]: ...
+    @property
+    def weights(self) -> list[float]: ...
+    @weights.setter
+    def weights(self, weights: list[float]) -> None: ...
+
+@final
+class WeightTuner:
+    """Moves placement weights toward the bandwidth each path delivers, step by step."""
+
+    def __new__(
+        cls, bytes_per_s: list[float], *, smoothing: float = 0.5, dead_band: float = 0.05
+    ) -> Self: ...
+    @property
+    def weights(self) -> list[float]: ...
+    @property
+    def estimates(self) -> list[float]: ...
+    def observe(self, samples: list[tuple[int, float]]) -> list[float] | None:
+        """One step's `(bytes, busy_seconds)` per path; the new weights when they moved, else None."""
 
 def probe_directory(path: str) -> dict[str, Any]:
     """Alignment, tested O_DIRECT support and device identity of a directory."""
 
 def probe_bandwidth(
-    path: str,
+    paths: list[str],
     *,
     bytes: int | None = None,
     chunk_sizes: list[int] | None = None,
     depths: list[int] | None = None,
     engine: str = "auto",
+    together_secs: float | None = None,
     progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Best sequential read and write bandwidth of a directory through our engine."""
+) -> list[dict[str, Any]]:
+    """Per directory: best read and write bandwidth, mixed read+write, and all paths at once."""
 
 def io_uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used in this process, or None when it can."""
 
 def plan_update(
-    paths: list[tuple[str, float, float, int]],
+    paths: list[dict[str, Any]],
     *,
     subgroups: int,
     read_bytes_per_subgroup: int,
@@ -121,5 +141,6 @@ def plan_update(
 ) -> dict[str, Any]:
     """The performance model's plan: weights, in-flight limits, cache size, I/O floor, predicted time.
 
-    `paths` holds `(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)` per path.
+    `paths` holds a dict per path: `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight`,
+    and optionally `mixed_bytes_per_s` and `concurrent_bytes_per_s`.
     """

@@ -1,4 +1,5 @@
-"""`mlp-offload`: the command line. `mlp-offload probe DIR...` measures each storage path."""
+"""`mlp-offload`: the command line. `probe DIR...` measures storage paths and saves their profile;
+`plan DIR...` applies the performance model to a workload on those paths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mlp_offload import _core
+from mlp_offload import _core, profiles
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
@@ -38,7 +39,18 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
 
 
 def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
-    header = ["path", "device", "engine", "O_DIRECT", "read MiB/s", "best read", "write MiB/s", "best write"]
+    header = [
+        "path",
+        "device",
+        "engine",
+        "O_DIRECT",
+        "read MiB/s",
+        "best read",
+        "write MiB/s",
+        "best write",
+        "mixed MiB/s",
+        "together MiB/s",
+    ]
     rows = []
     devices = [r["device_id"] for r in results]
     for r in results:
@@ -53,38 +65,45 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
                 f"{r['best_read']['chunk_size'] >> 20} MiB x{r['best_read']['max_inflight']}",
                 _mib(r["write_bytes_per_s"]),
                 f"{r['best_write']['chunk_size'] >> 20} MiB x{r['best_write']['max_inflight']}",
+                _mib(r["mixed_bytes_per_s"]),
+                "-" if r["concurrent_bytes_per_s"] is None else _mib(r["concurrent_bytes_per_s"]),
             ]
         )
     lines = render_table(header, rows)
+    lines.append(
+        "mixed: reads and writes at once on that path alone; together: the same on every path at once"
+    )
     if any(devices.count(d) > 1 for d in devices):
         lines.append("(shared): these paths are on one device and share its bandwidth")
     return "\n".join(lines)
 
 
+def _progress(args: argparse.Namespace) -> Any:
+    if args.quiet:
+        return None
+    return lambda line: print(line, file=sys.stderr, flush=True)
+
+
+def _probe_options(args: argparse.Namespace) -> profiles.ProbeOptions:
+    return profiles.ProbeOptions(
+        bytes=args.bytes,
+        chunk_sizes=args.chunk_sizes,
+        depths=args.depths,
+        engine=args.engine,
+        together_secs=args.together_secs,
+    )
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
-    results = []
-    for path in args.dirs:
-
-        def progress(line: str) -> None:
-            if not args.quiet:
-                print(line, file=sys.stderr, flush=True)
-
-        results.append(
-            _core.probe_bandwidth(
-                path,
-                bytes=args.bytes,
-                chunk_sizes=args.chunk_sizes,
-                depths=args.depths,
-                engine=args.engine,
-                progress=progress,
-            )
-        )
-    for r in results:
-        r["path"] = str(r["path"])
+    profile = profiles.probe(args.dirs, _probe_options(args), _progress(args))
+    if not args.no_save:
+        file = profiles.save_profile(profile)
+        if not args.quiet:
+            print(f"profile saved in {file}", file=sys.stderr)
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps(profile.probes, indent=2))
     else:
-        print(render_probe_table(results))
+        print(render_probe_table(profile.probes))
     return 0
 
 
@@ -106,22 +125,21 @@ _STATE_BYTES_PER_PARAM = 12
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    probes = [
-        _core.probe_bandwidth(
-            path,
-            bytes=args.bytes,
-            progress=None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True),
-        )
-        for path in args.dirs
-    ]
+    profile, source = profiles.load_or_probe(
+        args.dirs,
+        _probe_options(args),
+        reprobe=args.reprobe,
+        max_age_s=args.max_age_hours * 3600,
+        progress=_progress(args),
+    )
+    if not args.quiet:
+        print(source, file=sys.stderr)
+    probes = profile.probes
     group = min(args.sub_group_size, args.params)
     subgroup_bytes = group * _STATE_BYTES_PER_PARAM
     subgroups = -(-args.params // group)
     plan = _core.plan_update(
-        [
-            (p["device_id"], p["read_bytes_per_s"], p["write_bytes_per_s"], p["best_read"]["max_inflight"])
-            for p in probes
-        ],
+        profile.model_inputs(),
         subgroups=subgroups,
         read_bytes_per_subgroup=subgroup_bytes,
         write_bytes_per_subgroup=subgroup_bytes,
@@ -138,17 +156,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "adam_secs_per_subgroup": args.adam_secs_per_subgroup,
     }
     if args.json:
-        for p in probes:
-            p["path"] = str(p["path"])
-        print(json.dumps({"workload": workload, "paths": probes, "plan": plan}, indent=2))
+        print(
+            json.dumps(
+                {"workload": workload, "profile_source": profile.source, "paths": probes, "plan": plan},
+                indent=2,
+            )
+        )
         return 0
-    header = ["path", "device", "read MiB/s", "write MiB/s", "weight", "in flight"]
+    header = [
+        "path",
+        "device",
+        "read MiB/s",
+        "write MiB/s",
+        "mixed MiB/s",
+        "together MiB/s",
+        "weight",
+        "in flight",
+    ]
     rows = [
         [
             str(p["path"]),
             f"{p['device_name']} {p['device_id']}",
             _mib(p["read_bytes_per_s"]),
             _mib(p["write_bytes_per_s"]),
+            _mib(p["mixed_bytes_per_s"]),
+            "-" if p["concurrent_bytes_per_s"] is None else _mib(p["concurrent_bytes_per_s"]),
             f"{w:.3f}",
             str(n),
         ]
@@ -171,28 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     probe = sub.add_parser(
         "probe",
-        help="measure each storage path's sequential read and write bandwidth",
-        description="Measures each directory's sequential O_DIRECT read and write bandwidth through "
-        "mlp-offload's own engine, over a sweep of chunk sizes and in-flight limits, and reports the "
-        "best of each. Writes and removes a temporary file of --bytes in each directory.",
+        help="measure each storage path and save the profile",
+        description="Measures each directory through mlp-offload's own engine with O_DIRECT: sequential "
+        "read and write bandwidth over a sweep of chunk sizes and in-flight limits (the best of each is "
+        "kept), then reads and writes at once, then, for several paths, all of them at once. Writes and "
+        "removes a temporary file of --bytes in each directory. The profile is saved per host "
+        f"({profiles.profile_file()}; MLP_OFFLOAD_PROFILE_DIR moves it) for `plan` and training to reuse.",
     )
     probe.add_argument("dirs", nargs="+", metavar="DIR", help="existing, writable directories")
     probe.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    probe.add_argument("--bytes", type=parse_size, default=None, help="bytes per measurement (512M)")
-    probe.add_argument(
-        "--chunk-sizes",
-        type=lambda s: [parse_size(x) for x in s.split(",")],
-        default=None,
-        help="comma-separated chunk sizes to try (1M,4M,16M)",
-    )
-    probe.add_argument(
-        "--depths",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=None,
-        help="comma-separated in-flight limits to try (4,16)",
-    )
-    probe.add_argument("--engine", choices=["auto", "io_uring", "threads"], default="auto")
-    probe.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    probe.add_argument("--no-save", action="store_true", help="do not save the profile")
+    _add_probe_options(probe)
     probe.set_defaults(func=cmd_probe)
 
     plan = sub.add_parser(
@@ -213,11 +234,38 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--adam-secs-per-subgroup", type=float, default=0.0, help="measured CPU Adam time per subgroup"
     )
-    plan.add_argument("--bytes", type=parse_size, default=None, help="bytes per probe measurement (512M)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    plan.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    plan.add_argument(
+        "--reprobe", action="store_true", help="measure the paths again even if a fresh profile is saved"
+    )
+    plan.add_argument(
+        "--max-age-hours",
+        type=float,
+        default=profiles.DEFAULT_MAX_AGE_S / 3600,
+        help="reuse saved profiles up to this age (168)",
+    )
+    _add_probe_options(plan)
     plan.set_defaults(func=cmd_plan)
     return parser
+
+
+def _add_probe_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bytes", type=parse_size, default=None, help="bytes per measurement (256M)")
+    parser.add_argument(
+        "--chunk-sizes",
+        type=lambda s: [parse_size(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated chunk sizes to try (1M,4M,16M)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="comma-separated in-flight limits to try (4,16)",
+    )
+    parser.add_argument("--together-secs", type=float, default=None, help="seconds all paths run at once (3)")
+    parser.add_argument("--engine", choices=["auto", "io_uring", "threads"], default="auto")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,15 @@ class ObjectStore:
     def path_reports(self) -> list[dict[str, Any]]:
         return self._store.path_reports()
 
+    @property
+    def weights(self) -> list[float]:
+        """The split of the next write; assigning moves each object to it on the object's next write."""
+        return self._store.weights
+
+    @weights.setter
+    def weights(self, weights: Sequence[float]) -> None:
+        self._store.weights = list(weights)
+
     def __enter__(self) -> ObjectStore:
         return self
 

@@ -2,17 +2,23 @@
 //! path bandwidths and a workload to a placement plan and a predicted update-phase time. The formulas are
 //! written out in `docs/model.md`.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// What the model needs to know about one storage path.
-#[derive(Debug, Clone, PartialEq)]
+/// What the model needs to know about one storage path (a probe's figures).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct PathProfile {
     /// Paths with the same device id share one device's bandwidth.
     pub device_id: String,
     pub read_bytes_per_s: f64,
     pub write_bytes_per_s: f64,
+    /// Reads and writes at once on this path alone, bytes of both per second.
+    #[serde(default)]
+    pub mixed_bytes_per_s: Option<f64>,
+    /// Mixed reads and writes while every path of the plan worked at once.
+    #[serde(default)]
+    pub concurrent_bytes_per_s: Option<f64>,
     /// The in-flight limit at which the path was fastest.
     pub best_inflight: usize,
 }
@@ -42,6 +48,9 @@ pub struct Plan {
     pub weights: Vec<f64>,
     /// In-flight limit per path.
     pub max_inflight: Vec<usize>,
+    /// The bandwidth (reads plus writes) each path gives in this plan, bytes/s: the starting point of
+    /// [`WeightTuner`].
+    pub path_bytes_per_s: Vec<f64>,
     /// Subgroups that stay in host memory between steps and skip their read and write.
     pub cached_subgroups: usize,
     /// Storage time of one uncached subgroup with every path working in parallel.
@@ -75,30 +84,48 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
             ),
         ));
     }
-    let (r, w) = (
+    let (r, w_bytes) = (
         work.read_bytes_per_subgroup as f64,
         work.write_bytes_per_subgroup as f64,
     );
-    // Seconds a device needs per subgroup if it held all of it: reads and writes share the device.
+    let usable = |bw: f64| bw.is_finite() && bw > 0.0;
+    // Figures measured with every path at once already show what shared devices give each path: then
+    // every path stands alone. Otherwise paths on one device share the best figure of any of them.
+    let concurrent = paths.iter().all(|p| p.concurrent_bytes_per_s.is_some());
+    // Seconds a path needs per subgroup if it held all of it, reads and writes sharing it.
     let cost = |p: &PathProfile| -> Option<f64> {
-        let usable = |bw: f64, bytes: f64| bytes == 0.0 || (bw.is_finite() && bw > 0.0);
-        if !usable(p.read_bytes_per_s, r) || !usable(p.write_bytes_per_s, w) {
+        if concurrent {
+            return p
+                .concurrent_bytes_per_s
+                .filter(|bw| usable(*bw))
+                .map(|bw| (r + w_bytes) / bw);
+        }
+        if let Some(mixed) = p.mixed_bytes_per_s {
+            return usable(mixed).then(|| (r + w_bytes) / mixed);
+        }
+        let needed = |bw: f64, bytes: f64| bytes == 0.0 || usable(bw);
+        if !needed(p.read_bytes_per_s, r) || !needed(p.write_bytes_per_s, w_bytes) {
             return None;
         }
         let part = |bytes: f64, bw: f64| if bytes == 0.0 { 0.0 } else { bytes / bw };
-        Some(part(r, p.read_bytes_per_s) + part(w, p.write_bytes_per_s))
+        Some(part(r, p.read_bytes_per_s) + part(w_bytes, p.write_bytes_per_s))
     };
     // Group paths by device: a device's share is split evenly among its paths.
     let mut devices: Vec<(String, f64, Vec<usize>)> = Vec::new();
     for (i, p) in paths.iter().enumerate() {
         let Some(c) = cost(p) else { continue };
-        match devices.iter_mut().find(|(id, _, _)| *id == p.device_id) {
+        let device = if concurrent {
+            format!("path {i}")
+        } else {
+            p.device_id.clone()
+        };
+        match devices.iter_mut().find(|(id, _, _)| *id == device) {
             // Figures measured one path at a time each show the whole device: keep the best.
             Some((_, best, members)) => {
                 *best = best.min(c);
                 members.push(i);
             }
-            None => devices.push((p.device_id.clone(), c, vec![i])),
+            None => devices.push((device, c, vec![i])),
         }
     }
     if devices.is_empty() {
@@ -129,7 +156,12 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
     };
     let predicted_update_secs =
         uncached * io_secs_per_subgroup.max(adam) + cached_subgroups as f64 * adam + fill;
+    let path_bytes_per_s = weights
+        .iter()
+        .map(|w| w * (r + w_bytes) / io_secs_per_subgroup)
+        .collect();
     Ok(Plan {
+        path_bytes_per_s,
         weights,
         max_inflight: paths.iter().map(|p| p.best_inflight.max(1)).collect(),
         cached_subgroups,
@@ -137,6 +169,111 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
         io_floor_secs,
         predicted_update_secs,
     })
+}
+
+/// Moves placement weights toward the bandwidth each path delivers while training runs, so a path that
+/// slows down (a busy parallel file system) gets less of the next step's data.
+///
+/// Each path's bandwidth is estimated from the bytes it moved over the time it was busy, which does not
+/// depend on the share it was given; the weights follow the estimates, so a new split cannot feed back
+/// into the next measurement and the weights do not oscillate. Estimates are smoothed exponentially
+/// (`smoothing` is the weight of the newest step), and the weights move only when one of them would
+/// change by more than `dead_band` (relative), so noise does not re-split objects every step.
+#[derive(Debug, Clone)]
+pub struct WeightTuner {
+    estimates: Vec<f64>,
+    weights: Vec<f64>,
+    smoothing: f64,
+    dead_band: f64,
+}
+
+/// What one path did during one step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PathSample {
+    pub bytes: u64,
+    pub busy_secs: f64,
+}
+
+impl WeightTuner {
+    /// Starts from the bandwidths the plan assumed, one per path (bytes/s; 0 keeps a path out).
+    pub fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> Result<Self> {
+        if bytes_per_s.is_empty()
+            || bytes_per_s.iter().any(|b| !b.is_finite() || *b < 0.0)
+            || bytes_per_s.iter().all(|b| *b == 0.0)
+        {
+            return Err(Error::config(
+                "bandwidths",
+                format!("{bytes_per_s:?} must be finite, non-negative and not all zero"),
+            ));
+        }
+        if !(smoothing > 0.0 && smoothing <= 1.0) {
+            return Err(Error::config(
+                "smoothing",
+                format!("{smoothing} is not in (0, 1]"),
+            ));
+        }
+        if !(0.0..1.0).contains(&dead_band) {
+            return Err(Error::config(
+                "dead_band",
+                format!("{dead_band} is not in [0, 1)"),
+            ));
+        }
+        let weights = normalise(&bytes_per_s);
+        Ok(WeightTuner {
+            estimates: bytes_per_s,
+            weights,
+            smoothing,
+            dead_band,
+        })
+    }
+
+    pub fn weights(&self) -> &[f64] {
+        &self.weights
+    }
+
+    /// The smoothed bandwidth of each path, bytes/s.
+    pub fn estimates(&self) -> &[f64] {
+        &self.estimates
+    }
+
+    /// Folds in one step's measurements, one per path; returns the new weights when they moved. A path
+    /// that moved nothing (or has weight 0) keeps its estimate.
+    pub fn observe(&mut self, samples: &[PathSample]) -> Result<Option<Vec<f64>>> {
+        if samples.len() != self.estimates.len() {
+            return Err(Error::config(
+                "samples",
+                format!(
+                    "{} samples for {} paths",
+                    samples.len(),
+                    self.estimates.len()
+                ),
+            ));
+        }
+        for ((estimate, sample), weight) in
+            self.estimates.iter_mut().zip(samples).zip(&self.weights)
+        {
+            if sample.bytes == 0 || sample.busy_secs <= 0.0 || *weight == 0.0 {
+                continue;
+            }
+            let measured = sample.bytes as f64 / sample.busy_secs;
+            *estimate += self.smoothing * (measured - *estimate);
+        }
+        let target = normalise(&self.estimates);
+        let moved = target
+            .iter()
+            .zip(&self.weights)
+            .any(|(t, w)| (t - w).abs() > self.dead_band * w.max(f64::MIN_POSITIVE));
+        if !moved {
+            return Ok(None);
+        }
+        self.weights = target;
+        Ok(Some(self.weights.clone()))
+    }
+}
+
+fn normalise(values: &[f64]) -> Vec<f64> {
+    let total: f64 = values.iter().sum();
+    values.iter().map(|v| v / total).collect()
 }
 
 #[cfg(test)]
@@ -150,7 +287,17 @@ mod tests {
             device_id: device.into(),
             read_bytes_per_s: read_mb * MB,
             write_bytes_per_s: write_mb * MB,
+            mixed_bytes_per_s: None,
+            concurrent_bytes_per_s: None,
             best_inflight: 16,
+        }
+    }
+
+    fn measured(device: &str, mixed_mb: Option<f64>, concurrent_mb: Option<f64>) -> PathProfile {
+        PathProfile {
+            mixed_bytes_per_s: mixed_mb.map(|m| m * MB),
+            concurrent_bytes_per_s: concurrent_mb.map(|c| c * MB),
+            ..path(device, 9999.0, 9999.0)
         }
     }
 
@@ -218,6 +365,39 @@ mod tests {
                 paths: vec![path("a", 2000.0, 2000.0), path("b", 0.0, 0.0)],
                 buffers: 3,
                 weights: vec![1.0, 0.0],
+                cached: 0,
+                io_per_subgroup: 0.24,
+            },
+            Case {
+                name: "a mixed figure replaces read and write: 480 MB at 1000 and 1000/3 MB/s",
+                paths: vec![
+                    measured("a", Some(1000.0), None),
+                    measured("b", Some(1000.0 / 3.0), None),
+                ],
+                buffers: 3,
+                weights: vec![0.75, 0.25],
+                cached: 0,
+                io_per_subgroup: 0.48 * 0.75,
+            },
+            Case {
+                name: "figures measured together stand alone, even on one device",
+                paths: vec![
+                    measured("a", Some(2000.0), Some(600.0)),
+                    measured("a", Some(2000.0), Some(200.0)),
+                ],
+                buffers: 3,
+                weights: vec![0.75, 0.25],
+                cached: 0,
+                io_per_subgroup: 0.48 / 800.0 * 1000.0,
+            },
+            Case {
+                name: "together figures only count when every path has one",
+                paths: vec![
+                    measured("a", Some(1000.0), Some(100.0)),
+                    measured("b", Some(1000.0), None),
+                ],
+                buffers: 3,
+                weights: vec![0.5, 0.5],
                 cached: 0,
                 io_per_subgroup: 0.24,
             },
@@ -303,5 +483,136 @@ mod tests {
                 "want {key}: {err}"
             );
         }
+    }
+
+    fn samples(bytes_per_s: &[f64]) -> Vec<PathSample> {
+        bytes_per_s
+            .iter()
+            .map(|b| PathSample {
+                bytes: (b * 0.5) as u64,
+                busy_secs: 0.5,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_tuner_follows_a_slowed_path_without_oscillating() {
+        struct Case {
+            name: &'static str,
+            start: Vec<f64>,
+            /// Per step, what each path delivers.
+            steps: Vec<Vec<f64>>,
+            /// Steps after which the weights changed.
+            moved_at: Vec<usize>,
+            final_weights: Vec<f64>,
+        }
+        let slow_b = |n| vec![vec![1500.0, 125.0]; n];
+        let cases = [
+            Case {
+                name: "as planned: nothing moves",
+                start: vec![1500.0, 500.0],
+                steps: vec![vec![1500.0, 500.0]; 6],
+                moved_at: vec![],
+                final_weights: vec![0.75, 0.25],
+            },
+            Case {
+                name: "noise inside the dead band: nothing moves",
+                start: vec![1500.0, 500.0],
+                steps: vec![
+                    vec![1530.0, 490.0],
+                    vec![1470.0, 510.0],
+                    vec![1520.0, 495.0],
+                    vec![1480.0, 505.0],
+                ],
+                moved_at: vec![],
+                final_weights: vec![0.75, 0.25],
+            },
+            Case {
+                name: "path b slows to a quarter: b's weight falls monotonically toward 125/1625",
+                start: vec![1500.0, 500.0],
+                steps: slow_b(8),
+                // The first step moves at once; later moves come while a step changes b by over 5%.
+                moved_at: vec![0, 1, 2, 3, 4, 6],
+                final_weights: vec![1500.0 / 1625.0, 125.0 / 1625.0],
+            },
+            Case {
+                name: "a path planned out stays out",
+                start: vec![1500.0, 0.0],
+                steps: vec![vec![1200.0, 0.0]; 3],
+                moved_at: vec![],
+                final_weights: vec![1.0, 0.0],
+            },
+        ];
+        for c in cases {
+            let mut tuner = WeightTuner::new(c.start.clone(), 0.5, 0.05).unwrap();
+            let mut moved = Vec::new();
+            let mut previous_b = tuner.weights()[1];
+            for (i, step) in c.steps.iter().enumerate() {
+                if tuner.observe(&samples(step)).unwrap().is_some() {
+                    moved.push(i);
+                }
+                let b = tuner.weights()[1];
+                assert!(
+                    b <= previous_b + 1e-12,
+                    "{}: b's weight went back up",
+                    c.name
+                );
+                previous_b = b;
+            }
+            assert_eq!(moved, c.moved_at, "{}", c.name);
+            for (got, want) in tuner.weights().iter().zip(&c.final_weights) {
+                assert!(
+                    (got - want).abs() < 0.01,
+                    "{}: {:?}",
+                    c.name,
+                    tuner.weights()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_path_that_moved_nothing_keeps_its_estimate_and_bad_input_is_named() {
+        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 0.5, 0.05).unwrap();
+        let idle = [
+            PathSample {
+                bytes: 0,
+                busy_secs: 0.0,
+            },
+            PathSample {
+                bytes: 500,
+                busy_secs: 0.5,
+            },
+        ];
+        assert_eq!(tuner.observe(&idle).unwrap(), None);
+        assert_eq!(tuner.estimates(), &[1000.0, 1000.0]);
+        let cases: Vec<(Result<WeightTuner>, &str)> = vec![
+            (WeightTuner::new(vec![], 0.5, 0.05), "bandwidths"),
+            (WeightTuner::new(vec![0.0, 0.0], 0.5, 0.05), "bandwidths"),
+            (
+                WeightTuner::new(vec![1.0, f64::NAN], 0.5, 0.05),
+                "bandwidths",
+            ),
+            (WeightTuner::new(vec![1.0], 0.0, 0.05), "smoothing"),
+            (WeightTuner::new(vec![1.0], 0.5, 1.0), "dead_band"),
+        ];
+        for (result, key) in cases {
+            let err = result.unwrap_err();
+            assert!(err.to_string().starts_with(&format!("{key}:")), "{err}");
+        }
+        let err = tuner.observe(&idle[..1]).unwrap_err();
+        assert!(err.to_string().starts_with("samples:"), "{err}");
+    }
+
+    #[test]
+    fn the_plan_gives_each_path_its_bandwidth() {
+        let p = plan(
+            &[path("a", 1500.0, 1500.0), path("b", 500.0, 500.0)],
+            &work(10, 3),
+        )
+        .unwrap();
+        // 480 MB per subgroup in 0.24 s: 2000 MB/s, three quarters on a.
+        assert!((p.path_bytes_per_s[0] - 1500.0 * MB).abs() < 1.0, "{p:?}");
+        assert!((p.path_bytes_per_s[1] - 500.0 * MB).abs() < 1.0, "{p:?}");
     }
 }

@@ -4,7 +4,11 @@
 //! On disk, each object has one file per path it touches (`<path>/rank<N>/<key>.mlpo`), created once,
 //! preallocated, and rewritten in place. With shadow slots (the default) the file holds two copies: a
 //! write goes to the slot not in use and becomes current only when every byte of it landed, so a failed
-//! write leaves the previous contents readable. A manifest (`manifest.json` in the first path's rank
+//! write leaves the previous contents readable. Each slot has its own split across the paths: a write
+//! places the object by the store's current weights ([`ObjectStore::set_weights`]), so a path that slows
+//! down gets less of every object from its next write on. Slot `s` of a path starts at `s` times the
+//! object's size (rounded to the path's alignment); only the stripe's own range is allocated, so a
+//! path's files use the disk its share needs. A manifest (`manifest.json` in every path's rank
 //! directory, replaced atomically by [`ObjectStore::sync`]) lets a store be reopened.
 
 use std::any::Any;
@@ -28,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::tier::{probe_dir, TierInfo};
 
 const MANIFEST_NAME: &str = "manifest.json";
-const MANIFEST_FORMAT: u32 = 1;
+const MANIFEST_FORMAT: u32 = 2;
 const OBJECT_SUFFIX: &str = ".mlpo";
 const MAX_KEY_LEN: usize = 200;
 
@@ -85,8 +89,9 @@ impl StoreConfig {
         self
     }
 
-    /// Default placement weights of new objects, one per path (an object is split into contiguous
-    /// stripes in these proportions; a zero weight keeps a path out). Default: equal weights.
+    /// Initial placement weights, one per path: a write splits the object into contiguous stripes in
+    /// these proportions (a zero weight keeps a path out). [`ObjectStore::set_weights`] changes them
+    /// while the store runs. Default: equal weights.
     pub fn with_weights(mut self, weights: Vec<f64>) -> Self {
         self.weights = Some(weights);
         self
@@ -118,8 +123,6 @@ struct Stripe {
     /// Where the stripe starts in the object.
     object_offset: u64,
     len: u64,
-    /// Distance between the slots in the file: `len` rounded up to the path's alignment.
-    slot_stride: u64,
 }
 
 /// The persistent description of one object (what the manifest stores).
@@ -127,7 +130,11 @@ struct Stripe {
 struct ObjectRecord {
     size: u64,
     slots: u8,
-    stripes: Vec<Stripe>,
+    /// Per path, where slot 1 starts in the path's file: the object's size rounded up to the path's
+    /// alignment, so a slot can hold any share of the object.
+    slot_strides: Vec<u64>,
+    /// Per slot, the stripes as last written (and allocated).
+    layouts: Vec<Vec<Stripe>>,
     /// The slot holding the current contents; `None` before the first complete write or after a failed
     /// write without shadow slots.
     active: Option<u8>,
@@ -138,7 +145,8 @@ struct ObjectRecord {
 
 struct ObjectEntry {
     key: String,
-    files: Vec<Arc<IoFile>>,
+    /// Per path, the object's file there; `None` until a layout puts a stripe on that path.
+    files: Mutex<Vec<Option<Arc<IoFile>>>>,
     record: Mutex<ObjectRecord>,
     /// Operations submitted and maybe not finished; a write waits for all of them, a read for writes.
     inflight: Mutex<Vec<(Op, Completion)>>,
@@ -165,6 +173,8 @@ pub struct PathReport {
 
 pub struct ObjectStore {
     config: StoreConfig,
+    /// The placement weights of the next write.
+    weights: Mutex<Vec<f64>>,
     tiers: Vec<TierInfo>,
     rank_dirs: Vec<PathBuf>,
     engines: Vec<Box<dyn IoEngine>>,
@@ -268,8 +278,13 @@ impl ObjectStore {
                 config.limits[i],
             )?);
         }
+        let weights = config
+            .weights
+            .clone()
+            .unwrap_or_else(|| vec![1.0; tiers.len()]);
         let store = ObjectStore {
             config,
+            weights: Mutex::new(weights),
             tiers,
             rank_dirs,
             engines,
@@ -323,15 +338,33 @@ impl ObjectStore {
         Some(size)
     }
 
-    /// How an object is split: `(path index, bytes)` per stripe.
+    /// How the object's current contents are split: `(path index, bytes)` per stripe.
     pub fn placement(&self, key: &str) -> Result<Vec<(usize, u64)>> {
         let entry = self.entry(key)?;
         let record = entry.record.lock().expect("record lock");
-        Ok(record.stripes.iter().map(|s| (s.path, s.len)).collect())
+        let slot = record.active.unwrap_or(0) as usize;
+        Ok(record.layouts[slot]
+            .iter()
+            .map(|s| (s.path, s.len))
+            .collect())
     }
 
-    /// Writes `buf` as object `key`, creating it on first write (placed by `weights`, or the store's
-    /// default weights). Returns when the I/O is submitted; the buffer comes back from `wait`.
+    /// The placement weights the next write uses.
+    pub fn weights(&self) -> Vec<f64> {
+        self.weights.lock().expect("weights lock").clone()
+    }
+
+    /// Changes the placement weights of every later write (one per path, finite, non-negative, not all
+    /// zero). An object moves to the new split when it is next written, into its free slot, so its
+    /// current contents stay readable throughout.
+    pub fn set_weights(&self, weights: &[f64]) -> Result<()> {
+        check_weights(weights, self.tiers.len())?;
+        *self.weights.lock().expect("weights lock") = weights.to_vec();
+        Ok(())
+    }
+
+    /// Writes `buf` as object `key`, creating it on first write, split by `weights` or else the
+    /// store's current weights. Returns when the I/O is submitted; the buffer comes back from `wait`.
     pub fn write<B: IoBuffer>(
         &self,
         key: &str,
@@ -369,17 +402,25 @@ impl ObjectStore {
         keepalive: Box<dyn Any + Send>,
         weights: Option<&[f64]>,
     ) -> Result<Completion> {
-        let entry = self.entry_for_write(key, len as u64, weights)?;
+        let weights = match weights {
+            Some(w) => w.to_vec(),
+            None => self.weights(),
+        };
+        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
+        let stripes = plan_stripes(len as u64, &weights, &aligns)?;
+        let entry = self.entry_for_write(key, len as u64, &stripes)?;
         let _submitting = entry.submit_lock.lock().expect("submit lock");
         wait_for(&entry, |_| true);
-        let (slot, stripes, slots) = {
+        let (slot, slots) = {
             let record = entry.record.lock().expect("record lock");
             let slot = match (record.slots, record.active) {
                 (2, Some(active)) => 1 - active,
                 _ => 0,
             };
-            (slot, record.stripes.clone(), record.slots)
+            (slot, record.slots)
         };
+        // The slot being written is not current, so changing its split disturbs no reader.
+        self.relayout(&entry, slot, &stripes)?;
         // Filled after the transfers are queued (below), read by the finisher, which cannot run before
         // `seal`.
         let checksums: Arc<Mutex<Vec<Option<u32>>>> = Arc::default();
@@ -441,7 +482,7 @@ impl ObjectStore {
         let _submitting = entry.submit_lock.lock().expect("submit lock");
         // Never read an object before its last write has completed.
         wait_for(&entry, |op| op == Op::Write);
-        let (slot, stripes, checksums) = {
+        let (slot, stripes, checksums, strides) = {
             let record = entry.record.lock().expect("record lock");
             if record.size != len as u64 {
                 return Err(Error::config(
@@ -455,23 +496,21 @@ impl ObjectStore {
             let Some(slot) = record.active else {
                 return Err(Error::Corrupt {
                     key: key.to_string(),
-                    path: entry
-                        .files
-                        .first()
-                        .map(|f| f.path.clone())
-                        .unwrap_or_default(),
+                    path: self.object_path(record.layouts[0].first().map_or(0, |s| s.path), key),
                     reason: "it has no complete contents (never written, or its last write failed)"
                         .into(),
                 });
             };
             (
                 slot,
-                record.stripes.clone(),
+                record.layouts[slot as usize].clone(),
                 record.checksums[slot as usize].clone(),
+                record.slot_strides.clone(),
             )
         };
-        for (stripe, file) in stripes.iter().zip(&entry.files) {
-            let needed = (u64::from(slot) + 1) * stripe.slot_stride;
+        let files = entry.stripe_files(&stripes);
+        for (stripe, file) in stripes.iter().zip(&files) {
+            let needed = u64::from(slot) * strides[stripe.path] + stripe.len;
             let have = file
                 .primary()
                 .metadata()
@@ -492,10 +531,10 @@ impl ObjectStore {
         let submit_list = stripes.clone();
         if self.config.checksum {
             let key = key.to_string();
-            let files: Vec<PathBuf> = entry.files.iter().map(|f| f.path.clone()).collect();
+            let paths: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
             completion.set_finisher(move |result| {
                 result?;
-                for ((stripe, expected), path) in stripes.iter().zip(&checksums).zip(&files) {
+                for ((stripe, expected), path) in stripes.iter().zip(&checksums).zip(&paths) {
                     let Some(expected) = expected else { continue };
                     // SAFETY: every transfer into the buffer is done; the caller keeps it valid.
                     let actual = crc32c::crc32c(unsafe { stripe_bytes(buf, stripe) });
@@ -530,7 +569,7 @@ impl ObjectStore {
             wait_for(&entry, |_| true);
         }
         self.lock_objects().remove(key);
-        for file in &entry.files {
+        for file in entry.all_files() {
             fs::remove_file(&file.path).map_err(|e| Error::io("remove", &file.path, e))?;
         }
         Ok(())
@@ -542,7 +581,7 @@ impl ObjectStore {
         let entries: Vec<Arc<ObjectEntry>> = self.lock_objects().values().cloned().collect();
         for entry in &entries {
             wait_for(entry, |_| true);
-            for file in &entry.files {
+            for file in entry.all_files() {
                 file.primary()
                     .sync_data()
                     .map_err(|e| Error::io("fdatasync", &file.path, e))?;
@@ -570,7 +609,7 @@ impl ObjectStore {
         &self,
         key: &str,
         size: u64,
-        weights: Option<&[f64]>,
+        stripes: &[Stripe],
     ) -> Result<Arc<ObjectEntry>> {
         validate_key(key)?;
         if let Some(entry) = self.lock_objects().get(key).cloned() {
@@ -585,28 +624,36 @@ impl ObjectStore {
             }
             return Ok(entry);
         }
-        let weights = match weights.or(self.config.weights.as_deref()) {
-            Some(w) => w.to_vec(),
-            None => vec![1.0; self.tiers.len()],
-        };
-        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
-        let stripes = plan_stripes(size, &weights, &aligns)?;
         let slots: u8 = if self.config.shadow_slots { 2 } else { 1 };
-        let files = self.create_files(key, &stripes, slots)?;
         let entry = Arc::new(ObjectEntry {
             key: key.to_string(),
-            files,
+            files: Mutex::new(vec![None; self.tiers.len()]),
             record: Mutex::new(ObjectRecord {
                 size,
                 slots,
-                checksums: vec![vec![None; stripes.len()]; slots as usize],
-                stripes,
+                slot_strides: self
+                    .tiers
+                    .iter()
+                    .map(|t| size.div_ceil(t.alignment()) * t.alignment())
+                    .collect(),
+                layouts: vec![Vec::new(); slots as usize],
+                checksums: vec![Vec::new(); slots as usize],
                 active: None,
                 generation: 0,
             }),
             inflight: Mutex::new(Vec::new()),
             submit_lock: Mutex::new(()),
         });
+        // Every slot's blocks are reserved now, so running out of space shows at creation, not in a
+        // rewrite.
+        for slot in 0..slots {
+            if let Err(e) = self.relayout(&entry, slot, stripes) {
+                for file in entry.all_files() {
+                    let _ = fs::remove_file(&file.path);
+                }
+                return Err(e);
+            }
+        }
         // Two threads creating the same key: the first one in wins, the other's files are the same paths.
         Ok(self
             .lock_objects()
@@ -615,28 +662,59 @@ impl ObjectStore {
             .clone())
     }
 
-    /// Creates and preallocates one file per stripe. On failure removes what it created.
-    fn create_files(&self, key: &str, stripes: &[Stripe], slots: u8) -> Result<Vec<Arc<IoFile>>> {
-        let mut files = Vec::with_capacity(stripes.len());
-        for stripe in stripes {
-            let path = self.object_path(stripe.path, key);
-            let made =
-                IoFile::open(&path, self.tiers[stripe.path].direct_io, true).and_then(|file| {
-                    preallocate(file.primary(), &path, stripe.slot_stride * u64::from(slots))?;
-                    Ok(file)
-                });
-            match made {
-                Ok(file) => files.push(Arc::new(file)),
-                Err(e) => {
-                    let _ = fs::remove_file(&path);
-                    for f in &files {
-                        let _ = fs::remove_file(&f.path);
-                    }
-                    return Err(e);
+    /// Gives `slot` the split `stripes`: allocates the ranges that grow (creating a path's file when it
+    /// gets its first stripe) and releases the ranges that shrink. Without shadow slots the slot is the
+    /// current one, so the object is marked unreadable first.
+    fn relayout(&self, entry: &ObjectEntry, slot: u8, stripes: &[Stripe]) -> Result<()> {
+        let (old, strides) = {
+            let mut record = entry.record.lock().expect("record lock");
+            if record.layouts[slot as usize] == stripes {
+                return Ok(());
+            }
+            if record.active == Some(slot) {
+                record.active = None;
+            }
+            (
+                record.layouts[slot as usize].clone(),
+                record.slot_strides.clone(),
+            )
+        };
+        let len_on = |layout: &[Stripe], path: usize| {
+            layout.iter().find(|s| s.path == path).map_or(0, |s| s.len)
+        };
+        for (path, tier) in self.tiers.iter().enumerate() {
+            let align = tier.alignment();
+            let had = len_on(&old, path).div_ceil(align) * align;
+            let wants = len_on(stripes, path).div_ceil(align) * align;
+            let base = u64::from(slot) * strides[path];
+            if wants > had {
+                let file = self.object_file(entry, path)?;
+                preallocate(file.primary(), &file.path, base + had, wants - had)?;
+            } else if wants < had {
+                if let Some(file) = entry.files.lock().expect("files lock")[path].clone() {
+                    release(file.primary(), base + wants, had - wants);
                 }
             }
         }
-        Ok(files)
+        let mut record = entry.record.lock().expect("record lock");
+        record.layouts[slot as usize] = stripes.to_vec();
+        record.checksums[slot as usize] = vec![None; stripes.len()];
+        Ok(())
+    }
+
+    /// The object's file on `path`, created on first use.
+    fn object_file(&self, entry: &ObjectEntry, path: usize) -> Result<Arc<IoFile>> {
+        let mut files = entry.files.lock().expect("files lock");
+        if let Some(file) = &files[path] {
+            return Ok(file.clone());
+        }
+        let file = Arc::new(IoFile::open(
+            &self.object_path(path, &entry.key),
+            self.tiers[path].direct_io,
+            true,
+        )?);
+        files[path] = Some(file.clone());
+        Ok(file)
     }
 
     fn object_path(&self, path_index: usize, key: &str) -> PathBuf {
@@ -655,8 +733,16 @@ impl ObjectStore {
         buf: HostPtr,
         completion: &Completion,
     ) {
-        for (stripe, file) in stripes.iter().zip(&entry.files) {
-            if let Err(e) = self.submit_stripe(op, file, stripe, slot, buf, completion) {
+        let files = entry.stripe_files(stripes);
+        let strides = entry
+            .record
+            .lock()
+            .expect("record lock")
+            .slot_strides
+            .clone();
+        for (stripe, file) in stripes.iter().zip(&files) {
+            let file_base = u64::from(slot) * strides[stripe.path];
+            if let Err(e) = self.submit_stripe(op, file, stripe, file_base, buf, completion) {
                 completion.add_part();
                 completion.part_done(Err(e));
                 return;
@@ -671,14 +757,13 @@ impl ObjectStore {
         op: Op,
         file: &Arc<IoFile>,
         stripe: &Stripe,
-        slot: u8,
+        file_base: u64,
         buf: HostPtr,
         completion: &Completion,
     ) -> Result<()> {
         let tier = &self.tiers[stripe.path];
         let align = tier.alignment();
         let engine = &self.engines[stripe.path];
-        let file_base = u64::from(slot) * stripe.slot_stride;
         // SAFETY: stripes lie inside the caller's buffer (checked against the object size).
         let mem = HostPtr(unsafe { buf.0.add(stripe.object_offset as usize) });
         let aligned_mem = (mem.0 as usize) % (tier.dio_mem_align.max(512) as usize) == 0;
@@ -780,19 +865,22 @@ impl ObjectStore {
         let mut objects = self.lock_objects();
         for (key, record) in manifest.objects {
             validate_key(&key)?;
-            let files = record
-                .stripes
-                .iter()
-                .map(|s| {
-                    let path = self.object_path(s.path, &key);
-                    IoFile::open(&path, self.tiers[s.path].direct_io, false).map(Arc::new)
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let mut files = vec![None; self.tiers.len()];
+            for stripe in record.layouts.iter().flatten() {
+                if files[stripe.path].is_none() {
+                    let path = self.object_path(stripe.path, &key);
+                    files[stripe.path] = Some(Arc::new(IoFile::open(
+                        &path,
+                        self.tiers[stripe.path].direct_io,
+                        false,
+                    )?));
+                }
+            }
             objects.insert(
                 key.clone(),
                 Arc::new(ObjectEntry {
                     key,
-                    files,
+                    files: Mutex::new(files),
                     record: Mutex::new(record),
                     inflight: Mutex::new(Vec::new()),
                     submit_lock: Mutex::new(()),
@@ -841,6 +929,28 @@ impl Drop for ObjectStore {
     }
 }
 
+impl ObjectEntry {
+    /// The files holding `stripes`, in their order. Every stripe's file exists: the layout that named
+    /// it created it.
+    fn stripe_files(&self, stripes: &[Stripe]) -> Vec<Arc<IoFile>> {
+        let files = self.files.lock().expect("files lock");
+        stripes
+            .iter()
+            .map(|s| files[s.path].clone().expect("a stripe's file exists"))
+            .collect()
+    }
+
+    fn all_files(&self) -> Vec<Arc<IoFile>> {
+        self.files
+            .lock()
+            .expect("files lock")
+            .iter()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+}
+
 /// Blocks until the object's in-flight operations selected by `which` are done, and forgets finished ones.
 fn wait_for(entry: &ObjectEntry, which: impl Fn(Op) -> bool) {
     let waiting: Vec<Completion> = {
@@ -869,24 +979,55 @@ unsafe fn stripe_bytes<'a>(buf: HostPtr, stripe: &Stripe) -> &'a [u8] {
     )
 }
 
-/// Reserves the file's blocks now so rewrites never run out of space; falls back to setting the length
-/// on file systems without `fallocate`.
-fn preallocate(file: &File, path: &Path, len: u64) -> Result<()> {
+/// Reserves `len` bytes at `offset` now so rewrites never run out of space; falls back to extending the
+/// length on file systems without `fallocate`.
+fn preallocate(file: &File, path: &Path, offset: u64, len: u64) -> Result<()> {
     if len == 0 {
         return Ok(());
     }
     // SAFETY: plain syscall on an open descriptor.
-    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            0,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
     if rc == 0 {
         return Ok(());
     }
     let e = io::Error::last_os_error();
     if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        let have = file
+            .metadata()
+            .map_err(|e| Error::io("stat", path, e))?
+            .len();
         return file
-            .set_len(len)
+            .set_len(have.max(offset + len))
             .map_err(|e| Error::io("set length of", path, e));
     }
     Err(Error::io("preallocate", path, e))
+}
+
+/// Gives back the blocks of a range that no longer holds a stripe. Best effort: a file system that
+/// cannot punch holes keeps them, which costs space, not correctness.
+fn release(file: &File, offset: u64, len: u64) {
+    // SAFETY: plain syscall on an open descriptor; KEEP_SIZE leaves the file's length alone.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc != 0 {
+        log::debug!(
+            "could not release {len} bytes at {offset}: {}",
+            io::Error::last_os_error()
+        );
+    }
 }
 
 fn validate_config(config: &StoreConfig) -> Result<()> {
@@ -977,7 +1118,6 @@ fn plan_stripes(size: u64, weights: &[f64], aligns: &[u64]) -> Result<Vec<Stripe
                 path: i,
                 object_offset: offset,
                 len,
-                slot_stride: len.div_ceil(aligns[i]) * aligns[i],
             });
         }
         offset += len;
@@ -1055,10 +1195,10 @@ mod tests {
             let got: Vec<(usize, u64)> = stripes.iter().map(|s| (s.path, s.len)).collect();
             assert_eq!(got, c.want, "size {} weights {:?}", c.size, c.weights);
             assert_eq!(stripes.iter().map(|s| s.len).sum::<u64>(), c.size);
-            for s in &stripes {
-                assert_eq!(s.slot_stride % 4096, 0);
-                assert!(s.slot_stride >= s.len);
-            }
+            assert!(
+                stripes.iter().all(|s| s.object_offset % 4096 == 0),
+                "{stripes:?}"
+            );
         }
     }
 

@@ -146,6 +146,7 @@ for_each_engine!(
     a_read_waits_for_the_write_before_it,
     the_in_flight_limit_holds,
     stripes_go_where_the_weights_say,
+    new_weights_move_an_object_on_its_next_write,
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
@@ -545,6 +546,78 @@ fn stripes_go_where_the_weights_say(engine: EngineChoice) {
         .wait()
         .unwrap();
     assert!(back == data);
+}
+
+/// Blocks the file system holds for a file (`st_blocks` is in 512-byte units).
+fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).map_or(0, |m| m.blocks() * 512)
+}
+
+fn new_weights_move_an_object_on_its_next_write(engine: EngineChoice) {
+    const SIZE: usize = 8 << 20;
+    let (_root, paths) = dirs(2);
+    let file_on = |i: usize| paths[i].join("rank0/m.mlpo");
+    // Each step: the store's weights, then the share of the object path 0 holds after one write.
+    let steps: [(&[f64], f64); 4] = [
+        (&[1.0, 1.0], 0.5),
+        (&[3.0, 1.0], 0.75),
+        (&[0.0, 1.0], 0.0),
+        (&[1.0, 0.0], 1.0),
+    ];
+    {
+        let store = ObjectStore::open(
+            StoreConfig::new(paths.iter().cloned())
+                .with_engine(engine)
+                .with_limits(SMALL_LIMITS)
+                .with_weights(vec![0.0, 1.0]),
+        )
+        .unwrap();
+        // Created on path 1 only: path 0 has no file until a split puts a stripe there.
+        store
+            .write("m", aligned_copy(&random_bytes(SIZE, 0)), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(!file_on(0).exists());
+        for (i, (weights, share)) in steps.iter().enumerate() {
+            store.set_weights(weights).unwrap();
+            let data = random_bytes(SIZE, i as u64 + 1);
+            store
+                .write("m", aligned_copy(&data), None)
+                .unwrap()
+                .wait()
+                .unwrap();
+            let on_0: u64 = store
+                .placement("m")
+                .unwrap()
+                .iter()
+                .filter(|p| p.0 == 0)
+                .map(|p| p.1)
+                .sum();
+            assert!(
+                (on_0 as f64 / SIZE as f64 - share).abs() < 0.01,
+                "weights {weights:?}: {on_0} bytes on path 0"
+            );
+            let back = store.read("m", vec![0u8; SIZE]).unwrap().wait().unwrap();
+            assert!(back == data, "weights {weights:?}: contents differ");
+        }
+        // The slots now hold the splits [0, 1] and [1, 0]: one whole object per path. Without giving
+        // back the blocks of shrunk stripes, path 1 would still hold [3, 1]'s quarter as well.
+        for i in 0..2 {
+            let bytes = allocated(&file_on(i));
+            assert!(
+                (SIZE as u64..=SIZE as u64 + (64 << 10)).contains(&bytes),
+                "path {i}: {bytes} bytes allocated"
+            );
+        }
+        let bad = store.set_weights(&[1.0]).unwrap_err();
+        assert!(bad.to_string().starts_with("weights:"), "{bad}");
+    }
+    // The split of each slot is in the manifest: a reopened store reads the last contents.
+    let store = open(&paths, engine);
+    let back = store.read("m", vec![0u8; SIZE]).unwrap().wait().unwrap();
+    assert!(back == random_bytes(SIZE, steps.len() as u64));
 }
 
 #[test]

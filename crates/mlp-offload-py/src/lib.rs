@@ -5,8 +5,8 @@ use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use mlp_offload_core::model::{plan, PathProfile, UpdateWorkload};
-use mlp_offload_core::probe::{probe_path, ProbeOptions};
+use mlp_offload_core::model::{plan, PathProfile, PathSample, UpdateWorkload, WeightTuner};
+use mlp_offload_core::probe::{probe_paths, ProbeOptions};
 use mlp_offload_core::{
     AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits,
     PooledBuf, StoreConfig,
@@ -15,7 +15,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pythonize::pythonize;
+use pythonize::{depythonize, pythonize};
 use std::sync::Arc;
 
 create_exception!(
@@ -352,9 +352,59 @@ impl PyObjectStore {
         to_py_json(py, &self.get()?.tiers())
     }
 
-    /// Per path: tier facts, engine, limits and counters (bytes read/written, in-flight maximum).
+    /// Per path: tier facts, engine, limits and counters (bytes read/written, in-flight maximum,
+    /// nanoseconds busy).
     fn path_reports(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_json(py, &self.get()?.path_reports())
+    }
+
+    /// The placement weights of the next write; assigning moves each object to the new split on its
+    /// next write.
+    #[getter]
+    fn weights(&self) -> PyResult<Vec<f64>> {
+        Ok(self.get()?.weights())
+    }
+
+    #[setter]
+    fn set_weights(&self, weights: Vec<f64>) -> PyResult<()> {
+        self.get()?.set_weights(&weights).map_err(to_py)
+    }
+}
+
+/// Moves placement weights toward the bandwidth each path delivers, step by step (see the core's
+/// `WeightTuner`).
+#[pyclass(module = "mlp_offload._core", name = "WeightTuner")]
+struct PyWeightTuner {
+    tuner: WeightTuner,
+}
+
+#[pymethods]
+impl PyWeightTuner {
+    #[new]
+    #[pyo3(signature = (bytes_per_s, *, smoothing=0.5, dead_band=0.05))]
+    fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> PyResult<Self> {
+        Ok(PyWeightTuner {
+            tuner: WeightTuner::new(bytes_per_s, smoothing, dead_band).map_err(to_py)?,
+        })
+    }
+
+    #[getter]
+    fn weights(&self) -> Vec<f64> {
+        self.tuner.weights().to_vec()
+    }
+
+    #[getter]
+    fn estimates(&self) -> Vec<f64> {
+        self.tuner.estimates().to_vec()
+    }
+
+    /// One step's `(bytes, busy_seconds)` per path; returns the new weights when they moved, else None.
+    fn observe(&mut self, samples: Vec<(u64, f64)>) -> PyResult<Option<Vec<f64>>> {
+        let samples: Vec<PathSample> = samples
+            .into_iter()
+            .map(|(bytes, busy_secs)| PathSample { bytes, busy_secs })
+            .collect();
+        self.tuner.observe(&samples).map_err(to_py)
     }
 }
 
@@ -376,28 +426,44 @@ fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
     to_py_json(py, &info)
 }
 
-/// Sequential read/write bandwidth of a directory through our engine, best over the sweep.
-/// `progress`, if given, is called with a line of text per measurement.
+/// Probes each directory (read and write over a sweep of chunk sizes and in-flight limits, then mixed
+/// read+write), then all of them at once. `progress`, if given, is called with a line per measurement.
 #[pyfunction]
-#[pyo3(signature = (path, *, bytes=None, chunk_sizes=None, depths=None, engine="auto", progress=None))]
+#[pyo3(signature = (paths, *, bytes=None, chunk_sizes=None, depths=None, engine="auto",
+                    together_secs=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
 fn probe_bandwidth(
     py: Python<'_>,
-    path: PathBuf,
+    paths: Vec<PathBuf>,
     bytes: Option<u64>,
     chunk_sizes: Option<Vec<usize>>,
     depths: Option<Vec<usize>>,
     engine: &str,
+    together_secs: Option<f64>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let defaults = ProbeOptions::default();
+    let together = match together_secs {
+        None => defaults.together,
+        Some(secs) => Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                to_py(Error::config(
+                    "together_secs",
+                    format!("{secs} is not a positive number of seconds"),
+                ))
+            })?,
+    };
     let opts = ProbeOptions {
         bytes: bytes.unwrap_or(defaults.bytes),
         chunk_sizes: chunk_sizes.unwrap_or(defaults.chunk_sizes),
         depths: depths.unwrap_or(defaults.depths),
         engine: engine.parse().map_err(to_py)?,
+        together,
     };
     let result = py.detach(|| {
-        probe_path(&path, &opts, &mut |line| {
+        probe_paths(&paths, &opts, &mut |line| {
             if let Some(cb) = &progress {
                 // Progress lines are advisory; a failing callback must not abort the probe.
                 Python::attach(|py| {
@@ -411,15 +477,16 @@ fn probe_bandwidth(
     to_py_json(py, &result.map_err(to_py)?)
 }
 
-/// The performance model's plan for one update phase. `paths` holds, per path,
-/// `(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)`.
+/// The performance model's plan for one update phase. `paths` holds one dict per path with
+/// `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight` and optionally
+/// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures).
 #[pyfunction]
 #[pyo3(signature = (paths, *, subgroups, read_bytes_per_subgroup, write_bytes_per_subgroup,
                     host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn plan_update(
     py: Python<'_>,
-    paths: Vec<(String, f64, f64, usize)>,
+    paths: Vec<Bound<'_, PyAny>>,
     subgroups: usize,
     read_bytes_per_subgroup: u64,
     write_bytes_per_subgroup: u64,
@@ -428,17 +495,14 @@ fn plan_update(
     pipeline_buffers: usize,
     adam_secs_per_subgroup: f64,
 ) -> PyResult<Py<PyAny>> {
-    let profiles: Vec<PathProfile> = paths
-        .into_iter()
-        .map(
-            |(device_id, read_bytes_per_s, write_bytes_per_s, best_inflight)| PathProfile {
-                device_id,
-                read_bytes_per_s,
-                write_bytes_per_s,
-                best_inflight,
-            },
-        )
-        .collect();
+    let profiles = paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            depythonize::<PathProfile>(p)
+                .map_err(|e| to_py(Error::config(format!("paths[{i}]"), e.to_string())))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     let work = UpdateWorkload {
         subgroups,
         read_bytes_per_subgroup,
@@ -470,6 +534,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HostBuffer>()?;
     m.add_class::<HostBufferPool>()?;
     m.add_class::<PyObjectStore>()?;
+    m.add_class::<PyWeightTuner>()?;
     m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;

@@ -14,6 +14,7 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -224,16 +225,42 @@ pub struct PathCounters {
     pub retries: AtomicU64,
     pub inflight: AtomicUsize,
     pub inflight_max: AtomicUsize,
+    busy: Mutex<BusyClock>,
+}
+
+/// Time with at least one chunk in the kernel: bytes over busy time is the bandwidth the path gave,
+/// whatever share of the wall clock it was kept busy.
+#[derive(Default, Debug)]
+struct BusyClock {
+    since: Option<Instant>,
+    total: Duration,
 }
 
 impl PathCounters {
     fn started(&self) {
+        // The idle-to-busy edge and the count change under one lock, so a chunk ending on another
+        // thread cannot close an interval that this one is opening.
+        let mut busy = self.busy.lock().expect("busy clock lock");
         let now = self.inflight.fetch_add(1, Ordering::Relaxed) + 1;
         self.inflight_max.fetch_max(now, Ordering::Relaxed);
+        if now == 1 {
+            busy.since = Some(Instant::now());
+        }
     }
 
     fn ended(&self) {
-        self.inflight.fetch_sub(1, Ordering::Relaxed);
+        let mut busy = self.busy.lock().expect("busy clock lock");
+        if self.inflight.fetch_sub(1, Ordering::Relaxed) == 1 {
+            if let Some(since) = busy.since.take() {
+                busy.total += since.elapsed();
+            }
+        }
+    }
+
+    fn busy_ns(&self) -> u64 {
+        let busy = self.busy.lock().expect("busy clock lock");
+        let open = busy.since.map_or(Duration::ZERO, |s| s.elapsed());
+        (busy.total + open).as_nanos() as u64
     }
 
     fn moved(&self, op: Op, n: usize) {
@@ -251,6 +278,7 @@ impl PathCounters {
             chunks: self.chunks.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
             inflight_max: self.inflight_max.load(Ordering::Relaxed),
+            busy_ns: self.busy_ns(),
         }
     }
 }
@@ -263,6 +291,28 @@ pub struct PathStats {
     pub retries: u64,
     /// The most chunks ever in the kernel at once on this path.
     pub inflight_max: usize,
+    /// Nanoseconds with at least one chunk in the kernel.
+    pub busy_ns: u64,
+}
+
+impl PathStats {
+    /// What happened between `earlier` and `self` (counters only grow; the maximum is kept).
+    pub fn since(&self, earlier: &PathStats) -> PathStats {
+        PathStats {
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            bytes_written: self.bytes_written - earlier.bytes_written,
+            chunks: self.chunks - earlier.chunks,
+            retries: self.retries - earlier.retries,
+            inflight_max: self.inflight_max,
+            busy_ns: self.busy_ns - earlier.busy_ns,
+        }
+    }
+
+    /// Bytes moved per busy second; `None` before any I/O.
+    pub fn bytes_per_busy_s(&self) -> Option<f64> {
+        (self.busy_ns > 0)
+            .then(|| (self.bytes_read + self.bytes_written) as f64 / (self.busy_ns as f64 * 1e-9))
+    }
 }
 
 /// The engine of one storage path.

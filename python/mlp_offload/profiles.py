@@ -1,0 +1,168 @@
+"""Saved path profiles: what `mlp-offload probe` measured, kept per host and reused until stale.
+
+Location: `$MLP_OFFLOAD_PROFILE_DIR/<hostname>.json`, by default `$XDG_CACHE_HOME/mlp-offload/profiles`
+(`~/.cache/mlp-offload/profiles`). A file holds one entry per set of paths probed together, because
+what paths give each other when used at once belongs to the set. An entry is stale when it is older
+than `max_age_s`, when any path now sits on another device or file system, or when it was measured
+with other probe options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlp_offload import _core
+
+FORMAT = 1
+DEFAULT_MAX_AGE_S = 7 * 24 * 3600
+
+
+def profile_dir() -> Path:
+    if explicit := os.environ.get("MLP_OFFLOAD_PROFILE_DIR"):
+        return Path(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "mlp-offload" / "profiles"
+
+
+def profile_file() -> Path:
+    return profile_dir() / f"{socket.gethostname()}.json"
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """The probe's knobs; `None` means the runtime's default."""
+
+    bytes: int | None = None
+    chunk_sizes: list[int] | None = None
+    depths: list[int] | None = None
+    engine: str = "auto"
+    together_secs: float | None = None
+
+
+@dataclass
+class Profile:
+    paths: list[str]
+    probes: list[dict[str, Any]]
+    probed_at: float
+    options: dict[str, Any] = field(default_factory=dict)
+    source: str = "probed"  # or "saved"
+
+    def model_inputs(self) -> list[dict[str, Any]]:
+        """What the performance model reads from each path's probe."""
+        return [
+            {
+                "device_id": p["device_id"],
+                "read_bytes_per_s": p["read_bytes_per_s"],
+                "write_bytes_per_s": p["write_bytes_per_s"],
+                "mixed_bytes_per_s": p["mixed_bytes_per_s"],
+                "concurrent_bytes_per_s": p["concurrent_bytes_per_s"],
+                "best_inflight": p["best_read"]["max_inflight"],
+            }
+            for p in self.probes
+        ]
+
+
+def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
+    return [os.path.realpath(p) for p in paths]
+
+
+def _identity(path: str) -> tuple[str, str]:
+    info = _core.probe_directory(path)
+    return info["device_id"], info["fs_type"]
+
+
+def _read_entries(file: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        # An unreadable cache is only a cache: measure again and replace it.
+        return []
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return []
+    return list(data.get("entries", []))
+
+
+def saved_profile(
+    paths: Sequence[str | os.PathLike[str]], options: ProbeOptions, max_age_s: float = DEFAULT_MAX_AGE_S
+) -> tuple[Profile | None, str]:
+    """The saved profile of exactly these paths if it is fresh, else None and why not."""
+    key = _key(paths)
+    for entry in _read_entries(profile_file()):
+        if entry.get("paths") != key:
+            continue
+        age = time.time() - float(entry.get("probed_at", 0))
+        if age > max_age_s:
+            return None, f"the saved profile is {age / 3600:.0f} h old (limit {max_age_s / 3600:.0f} h)"
+        if entry.get("options") != asdict(options):
+            return None, "the saved profile was measured with other probe options"
+        for path, probe in zip(key, entry["probes"], strict=True):
+            if _identity(path) != (probe["device_id"], probe.get("fs_type")):
+                return None, f"{path} is now on another device or file system"
+        return Profile(key, entry["probes"], float(entry["probed_at"]), entry["options"], "saved"), ""
+    return None, "no saved profile for these paths"
+
+
+def save_profile(profile: Profile) -> Path:
+    """Adds or replaces the entry for the profile's paths; the file is replaced atomically."""
+    file = profile_file()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    entries = [e for e in _read_entries(file) if e.get("paths") != profile.paths]
+    entries.append(
+        {
+            "paths": profile.paths,
+            "probed_at": profile.probed_at,
+            "options": profile.options,
+            "probes": profile.probes,
+        }
+    )
+    tmp = file.with_suffix(f".tmp.{os.getpid()}")
+    tmp.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=2))
+    os.replace(tmp, file)
+    return file
+
+
+def probe(
+    paths: Sequence[str | os.PathLike[str]],
+    options: ProbeOptions = ProbeOptions(),
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Measures the paths now (see `_core.probe_bandwidth`)."""
+    key = _key(paths)
+    probes = _core.probe_bandwidth(key, progress=progress, **asdict(options))
+    for path, p in zip(key, probes, strict=True):
+        p["path"] = str(p["path"])
+        p["fs_type"] = _identity(path)[1]
+    return Profile(key, probes, time.time(), asdict(options))
+
+
+def load_or_probe(
+    paths: Sequence[str | os.PathLike[str]],
+    options: ProbeOptions = ProbeOptions(),
+    *,
+    reprobe: bool = False,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[Profile, str]:
+    """The saved profile when fresh, else a new probe (saved). Also returns a line saying which."""
+    if not reprobe:
+        saved, why_not = saved_profile(paths, options, max_age_s)
+        if saved is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(saved.probed_at))
+            return (
+                saved,
+                f"using the profile measured {when}, saved in {profile_file()} (--reprobe to measure again)",
+            )
+    else:
+        why_not = "a new probe was asked for"
+    profile = probe(paths, options, progress)
+    file = save_profile(profile)
+    return profile, f"probed now ({why_not}); saved in {file}"
