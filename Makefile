@@ -67,6 +67,15 @@ bench-two-paths: setup ## the fio comparison on the work disk plus the 500 MiB/s
 	  MLP_OFFLOAD_BENCH_QUICK=1 MLP_OFFLOAD_BENCH_PATHS=$(CURDIR)/target/bench-data:/mnt/mlp-offload-testbed/bench \
 	  $(TESTBED) run -- cargo bench --bench io_throughput
 
+.PHONY: bench-model
+bench-model: setup ## the model on the work disk plus the test bed: prediction, splits, adaptation (root; CAP_LOCAL=1000M caps the work disk too)
+	@$(TESTBED) up --size 8G --bps 500M >/dev/null
+	@trap '$(TESTBED) down' EXIT; mkdir -p $(CURDIR)/target/bench-model /mnt/mlp-offload-testbed/model && \
+	  $(TESTBED) run -- $(VENV)/bin/python benches/update_model.py \
+	    --paths $(CURDIR)/target/bench-model /mnt/mlp-offload-testbed/model \
+	    --testbed $(TESTBED) --cap-from 500M --cap-to 150M \
+	    $(if $(CAP_LOCAL),--cap-local $(CAP_LOCAL) --out docs/data/bench-model-local-capped.json,--out docs/data/bench-model.json)
+
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)
 	$(TESTBED) up

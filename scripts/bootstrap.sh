@@ -50,4 +50,9 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 
 say "building the native module (release)"
-VIRTUAL_ENV="$PWD/.venv" PYO3_PYTHON="$PWD/.venv/bin/python" .venv/bin/maturin develop --release -q
+# Once the package is installed (editable, with its console script), rebuilding the module in place is
+# enough; installing again would only re-resolve every dependency through pip.
+install=()
+[[ -x .venv/bin/mlp-offload ]] && install=(--skip-install)
+VIRTUAL_ENV="$PWD/.venv" PYO3_PYTHON="$PWD/.venv/bin/python" \
+    .venv/bin/maturin develop --release -q "${install[@]}"

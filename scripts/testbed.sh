@@ -56,6 +56,12 @@ Commands:
       I/O and reads are; buffered writes are flushed later by kernel
       writeback threads (outside the cgroup under cgroup v1) and are NOT.
 
+  cap DIR BPS
+      Also throttle the disk holding DIR (read and write, BPS bytes/s; 0
+      removes the rule) for processes in the test bed's cgroup, e.g. to
+      take a noisy shared work disk's swings out of a measurement. The rule
+      goes with the cgroup at 'down'. Needs the test bed to be up.
+
   down
       Unmount, detach the loop device, move leftover processes back to the
       root blkio cgroup, remove the cgroup, the backing file and the state
@@ -348,6 +354,34 @@ cmd_run() {
     exec "$@"
 }
 
+# The whole disk holding DIR, as MAJ:MIN (blkio throttles whole disks, not partitions).
+disk_of() {
+    local dir=$1 src name
+    src=$(findmnt -n -o SOURCE --target "$dir") || return 1
+    name=$(basename "$(readlink -f "$src")")
+    [[ -e /sys/class/block/$name ]] || return 1
+    if [[ -e /sys/class/block/$name/partition ]]; then
+        name=$(basename "$(readlink -f "/sys/class/block/$name/..")")
+    fi
+    cat "/sys/class/block/$name/dev"
+}
+
+cmd_cap() {
+    (($# == 2)) || die "cap: usage: $PROG cap DIR BPS"
+    local dir=$1 bps devno
+    [[ -d $dir ]] || die "cap: $dir is not a directory"
+    bps=$(to_bytes "$2") || die "cap: bad BPS '$2' (e.g. 1200M, 0 to remove)"
+    is_up || die "cap: test bed is not up; run '$PROG up' first"
+    devno=$(disk_of "$dir") || die "cap: cannot find the block device holding $dir"
+    echo "$devno $bps" >"$CGROUP/blkio.throttle.read_bps_device"
+    echo "$devno $bps" >"$CGROUP/blkio.throttle.write_bps_device"
+    if ((bps)); then
+        msg "throttle: $devno (holding $dir) read+write capped at $bps bytes/s ($((bps / 1048576)) MiB/s) in $CGROUP"
+    else
+        msg "throttle: rule for $devno (holding $dir) removed"
+    fi
+}
+
 cmd_down() {
     local root loops=() l
     load_state || true
@@ -446,6 +480,7 @@ main() {
         check) cmd_check "$@" ;;
         up) cmd_up "$@" ;;
         run) cmd_run "$@" ;;
+        cap) cmd_cap "$@" ;;
         down)
             (($#)) && die "down takes no arguments"
             cmd_down ;;

@@ -107,8 +107,11 @@ class WeightTuner:
     def weights(self) -> list[float]: ...
     @property
     def estimates(self) -> list[float]: ...
-    def observe(self, samples: list[tuple[int, float]]) -> list[float] | None:
-        """One step's `(bytes, busy_seconds)` per path; the new weights when they moved, else None."""
+    @property
+    def direction_estimates(self) -> tuple[list[float], list[float]]: ...
+    def observe(self, samples: list[dict[str, Any]]) -> list[float] | None:
+        """One step's figures per path (`read_bytes`, `read_busy_secs`, `write_bytes`, `write_busy_secs`,
+        `busy_secs`); the new weights when they moved, else None."""
 
 def probe_directory(path: str) -> dict[str, Any]:
     """Alignment, tested O_DIRECT support and device identity of a directory."""
@@ -138,6 +141,7 @@ def plan_update(
     host_memory: int,
     pipeline_buffers: int = 3,
     adam_secs_per_subgroup: float = 0.0,
+    fwd_bwd_secs: float = 0.0,
 ) -> dict[str, Any]:
     """The performance model's plan: weights, in-flight limits, cache size, I/O floor, predicted time.
 

@@ -146,6 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         host_bytes_per_subgroup=subgroup_bytes,
         host_memory=args.host_memory,
         adam_secs_per_subgroup=args.adam_secs_per_subgroup,
+        fwd_bwd_secs=args.fwd_bwd_secs,
     )
     workload = {
         "params": args.params,
@@ -154,6 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "bytes_per_subgroup": subgroup_bytes,
         "host_memory": args.host_memory,
         "adam_secs_per_subgroup": args.adam_secs_per_subgroup,
+        "fwd_bwd_secs": args.fwd_bwd_secs,
     }
     if args.json:
         print(
@@ -194,6 +196,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(f"I/O per uncached subgroup: {plan['io_secs_per_subgroup']:.3f} s")
     print(f"I/O floor of the update phase: {plan['io_floor_secs']:.2f} s")
+    if plan["hidden_io_secs"] > 0:
+        print(f"of which forward and backward hide: {plan['hidden_io_secs']:.2f} s")
     print(f"predicted update phase: {plan['predicted_update_secs']:.2f} s")
     return 0
 
@@ -233,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", type=parse_size, required=True, help="host memory for buffers (16G)")
     plan.add_argument(
         "--adam-secs-per-subgroup", type=float, default=0.0, help="measured CPU Adam time per subgroup"
+    )
+    plan.add_argument(
+        "--fwd-bwd-secs", type=float, default=0.0, help="forward+backward time per step, when known"
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument(

@@ -40,6 +40,8 @@ pub struct UpdateWorkload {
     pub pipeline_buffers: usize,
     /// CPU Adam time for one subgroup (measured), in seconds.
     pub adam_secs_per_subgroup: f64,
+    /// Forward plus backward time of one step, when known (0 otherwise): storage can work meanwhile.
+    pub fwd_bwd_secs: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -57,6 +59,8 @@ pub struct Plan {
     pub io_secs_per_subgroup: f64,
     /// All uncached subgroups' bytes over the aggregate bandwidth: no schedule can beat it.
     pub io_floor_secs: f64,
+    /// Of the I/O floor, what runs while forward and backward do.
+    pub hidden_io_secs: f64,
     /// The update phase with reads ahead and writes behind overlapping CPU Adam.
     pub predicted_update_secs: f64,
 }
@@ -143,19 +147,55 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
         }
     }
     let io_secs_per_subgroup = 1.0 / speed;
+    // The first read of a step overlaps no write and the last write no read: each runs at the
+    // one-direction bandwidth, the slowest device's stripe deciding.
+    let alone = |bytes: f64, bw: fn(&PathProfile) -> f64| -> f64 {
+        devices
+            .iter()
+            .map(|(_, c, members)| {
+                let share = (1.0 / c) / speed;
+                let best = members.iter().map(|&i| bw(&paths[i])).fold(0.0, f64::max);
+                if usable(best) {
+                    share * bytes / best
+                } else {
+                    // No one-direction figure: its part of the mixed cost.
+                    share * c * bytes / (r + w_bytes)
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    let first_read_secs = alone(r, |p| p.read_bytes_per_s);
+    let last_write_secs = alone(w_bytes, |p| p.write_bytes_per_s);
     let cached_subgroups = (buffers - work.pipeline_buffers).min(work.subgroups);
     let uncached = (work.subgroups - cached_subgroups) as f64;
     let io_floor_secs = uncached * io_secs_per_subgroup;
     let adam = work.adam_secs_per_subgroup.max(0.0);
-    // Steady state: each uncached subgroup costs the slower of its I/O and its Adam step; cached ones
-    // cost their Adam step. The first read and the last write cannot overlap anything.
-    let fill = if uncached > 0.0 {
-        io_secs_per_subgroup
+    let t = io_secs_per_subgroup;
+    let n = work.subgroups as f64;
+    // Storage working while forward and backward run: the previous step's last writes and the next
+    // step's first reads, at most the pipeline's buffers' worth.
+    let hidden_secs = if uncached > 0.0 {
+        work.fwd_bwd_secs
+            .max(0.0)
+            .min(work.pipeline_buffers as f64 * t)
+            .min(io_floor_secs)
     } else {
         0.0
     };
-    let predicted_update_secs =
-        uncached * io_secs_per_subgroup.max(adam) + cached_subgroups as f64 * adam + fill;
+    let predicted_update_secs = if uncached == 0.0 {
+        n * adam
+    } else if hidden_secs > 0.0 {
+        // The first reads ran during backward and the last writes run into the next forward.
+        (io_floor_secs - hidden_secs + adam).max(n * adam)
+    } else {
+        // Bound by I/O: reads of one subgroup overlap writes of another, but the first read and the
+        // last write run alone, and the last update sits between its read and its write. Bound by
+        // Adam: updates back to back; the first read hides behind the cached subgroups' updates as
+        // far as they last, the last write behind nothing.
+        let io_bound = (uncached - 1.0) * t + first_read_secs + last_write_secs + adam;
+        let exposed = (first_read_secs - cached_subgroups as f64 * adam).max(0.0) + last_write_secs;
+        io_bound.max(n * adam + exposed)
+    };
     let path_bytes_per_s = weights
         .iter()
         .map(|w| w * (r + w_bytes) / io_secs_per_subgroup)
@@ -167,6 +207,7 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
         cached_subgroups,
         io_secs_per_subgroup,
         io_floor_secs,
+        hidden_io_secs: hidden_secs,
         predicted_update_secs,
     })
 }
@@ -174,28 +215,44 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
 /// Moves placement weights toward the bandwidth each path delivers while training runs, so a path that
 /// slows down (a busy parallel file system) gets less of the next step's data.
 ///
-/// Each path's bandwidth is estimated from the bytes it moved over the time it was busy, which does not
-/// depend on the share it was given; the weights follow the estimates, so a new split cannot feed back
-/// into the next measurement and the weights do not oscillate. Estimates are smoothed exponentially
+/// Per path it estimates the read and the write bandwidth from the bytes moved over the time the path
+/// had reads (writes) in flight, and the bandwidth of both together over the time it was busy at all.
+/// The split follows the per-direction figures: they are properties of the path, whereas how much of
+/// a path's reads overlap its writes depends on the schedule and on the share it was given. The
+/// combined figure is what the path delivered in this schedule: what to predict step times with.
+///
+/// None of these depends on the share a path was given, so a new split does not feed back into the
+/// next measurement and the weights do not oscillate. Estimates are smoothed exponentially
 /// (`smoothing` is the weight of the newest step), and the weights move only when one of them would
 /// change by more than `dead_band` (relative), so noise does not re-split objects every step.
 #[derive(Debug, Clone)]
 pub struct WeightTuner {
-    estimates: Vec<f64>,
+    read: Vec<f64>,
+    write: Vec<f64>,
+    combined: Vec<f64>,
+    /// The reads' share of the bytes moved, smoothed like the rest.
+    read_fraction: f64,
     weights: Vec<f64>,
     smoothing: f64,
     dead_band: f64,
 }
 
 /// What one path did during one step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
+#[serde(default)]
 pub struct PathSample {
-    pub bytes: u64,
+    pub read_bytes: u64,
+    /// Seconds with at least one read in flight.
+    pub read_busy_secs: f64,
+    pub write_bytes: u64,
+    pub write_busy_secs: f64,
+    /// Seconds with anything in flight.
     pub busy_secs: f64,
 }
 
 impl WeightTuner {
-    /// Starts from the bandwidths the plan assumed, one per path (bytes/s; 0 keeps a path out).
+    /// Starts from the bandwidths the plan assumed, one per path (bytes/s of reads and writes
+    /// together; 0 keeps a path out), taking each path's read and write bandwidth to be the same.
     pub fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> Result<Self> {
         if bytes_per_s.is_empty()
             || bytes_per_s.iter().any(|b| !b.is_finite() || *b < 0.0)
@@ -220,7 +277,10 @@ impl WeightTuner {
         }
         let weights = normalise(&bytes_per_s);
         Ok(WeightTuner {
-            estimates: bytes_per_s,
+            read: bytes_per_s.clone(),
+            write: bytes_per_s.clone(),
+            combined: bytes_per_s,
+            read_fraction: 0.5,
             weights,
             smoothing,
             dead_band,
@@ -231,34 +291,70 @@ impl WeightTuner {
         &self.weights
     }
 
-    /// The smoothed bandwidth of each path, bytes/s.
+    /// The smoothed bandwidth of each path with reads and writes as this schedule mixes them, bytes/s.
     pub fn estimates(&self) -> &[f64] {
-        &self.estimates
+        &self.combined
+    }
+
+    /// The smoothed read and write bandwidth of each path, bytes/s.
+    pub fn direction_estimates(&self) -> (&[f64], &[f64]) {
+        (&self.read, &self.write)
     }
 
     /// Folds in one step's measurements, one per path; returns the new weights when they moved. A path
-    /// that moved nothing (or has weight 0) keeps its estimate.
+    /// that moved nothing in a direction (or has weight 0) keeps that estimate.
     pub fn observe(&mut self, samples: &[PathSample]) -> Result<Option<Vec<f64>>> {
-        if samples.len() != self.estimates.len() {
+        if samples.len() != self.combined.len() {
             return Err(Error::config(
                 "samples",
                 format!(
                     "{} samples for {} paths",
                     samples.len(),
-                    self.estimates.len()
+                    self.combined.len()
                 ),
             ));
         }
-        for ((estimate, sample), weight) in
-            self.estimates.iter_mut().zip(samples).zip(&self.weights)
-        {
-            if sample.bytes == 0 || sample.busy_secs <= 0.0 || *weight == 0.0 {
+        let a = self.smoothing;
+        let fold = |estimate: &mut f64, bytes: u64, secs: f64| {
+            if bytes > 0 && secs > 0.0 {
+                *estimate += a * (bytes as f64 / secs - *estimate);
+            }
+        };
+        for (i, sample) in samples.iter().enumerate() {
+            if self.weights[i] == 0.0 {
                 continue;
             }
-            let measured = sample.bytes as f64 / sample.busy_secs;
-            *estimate += self.smoothing * (measured - *estimate);
+            fold(&mut self.read[i], sample.read_bytes, sample.read_busy_secs);
+            fold(
+                &mut self.write[i],
+                sample.write_bytes,
+                sample.write_busy_secs,
+            );
+            fold(
+                &mut self.combined[i],
+                sample.read_bytes + sample.write_bytes,
+                sample.busy_secs,
+            );
         }
-        let target = normalise(&self.estimates);
+        let (read, written) = samples.iter().fold((0u64, 0u64), |(r, w), s| {
+            (r + s.read_bytes, w + s.write_bytes)
+        });
+        if read + written > 0 {
+            self.read_fraction += a * (read as f64 / (read + written) as f64 - self.read_fraction);
+        }
+        // Seconds per byte of this step's mix of reads and writes on each path; the split is its
+        // inverse.
+        let rho = self.read_fraction;
+        let speed: Vec<f64> = (0..self.combined.len())
+            .map(|i| {
+                if self.weights[i] == 0.0 || self.read[i] <= 0.0 || self.write[i] <= 0.0 {
+                    0.0
+                } else {
+                    1.0 / (rho / self.read[i] + (1.0 - rho) / self.write[i])
+                }
+            })
+            .collect();
+        let target = normalise(&speed);
         let moved = target
             .iter()
             .zip(&self.weights)
@@ -310,6 +406,7 @@ mod tests {
             host_memory: buffers * 240_000_000,
             pipeline_buffers: 3,
             adam_secs_per_subgroup: 0.05,
+            fwd_bwd_secs: 0.0,
         }
     }
 
@@ -438,8 +535,9 @@ mod tests {
                 "{}",
                 c.name
             );
+            // Every uncached subgroup but one overlaps its read with another's write.
             assert!(
-                plan.predicted_update_secs >= plan.io_floor_secs,
+                plan.predicted_update_secs >= (uncached - 1.0) * c.io_per_subgroup,
                 "{}",
                 c.name
             );
@@ -449,14 +547,76 @@ mod tests {
     #[test]
     fn prediction_takes_the_slower_of_io_and_adam_and_counts_the_cache() {
         let paths = vec![path("a", 2000.0, 2000.0)];
-        let mut w = work(10, 7); // 4 cached, 6 uncached
-        w.adam_secs_per_subgroup = 0.5; // slower than the 0.24 s of I/O
-        let p = plan(&paths, &w).unwrap();
-        assert_eq!(p.cached_subgroups, 4);
-        assert!(
-            (p.predicted_update_secs - (6.0 * 0.5 + 4.0 * 0.5 + 0.24)).abs() < 1e-9,
-            "{p:?}"
-        );
+        // 10 subgroups, 7 buffers: 4 cached, 6 uncached at 0.24 s of I/O each.
+        struct Case {
+            name: &'static str,
+            adam: f64,
+            fwd_bwd: f64,
+            hidden: f64,
+            predicted: f64,
+        }
+        let cases = [
+            Case {
+                name: "Adam slower than I/O: Adam back to back, plus the last write (the first read hides behind the cached updates)",
+                adam: 0.5,
+                fwd_bwd: 0.0,
+                hidden: 0.0,
+                predicted: 10.0 * 0.5 + 0.12,
+            },
+            Case {
+                name: "I/O bound: the I/O floor plus the last update",
+                adam: 0.01,
+                fwd_bwd: 0.0,
+                hidden: 0.0,
+                predicted: 6.0 * 0.24 + 0.01,
+            },
+            Case {
+                name: "I/O bound, first read and last write at one-direction speed (the same here)",
+                adam: 0.0,
+                fwd_bwd: 0.0,
+                hidden: 0.0,
+                predicted: 5.0 * 0.24 + 0.12 + 0.12,
+            },
+            Case {
+                name: "a short backward hides part of the I/O",
+                adam: 0.01,
+                fwd_bwd: 0.5,
+                hidden: 0.5,
+                predicted: 6.0 * 0.24 - 0.5 + 0.01,
+            },
+            Case {
+                name: "a long backward hides at most the pipeline's three buffers",
+                adam: 0.01,
+                fwd_bwd: 10.0,
+                hidden: 3.0 * 0.24,
+                predicted: 3.0 * 0.24 + 0.01,
+            },
+            Case {
+                name: "Adam bound with I/O in backward: nothing exposed",
+                adam: 0.5,
+                fwd_bwd: 10.0,
+                hidden: 3.0 * 0.24,
+                predicted: 10.0 * 0.5,
+            },
+        ];
+        for c in cases {
+            let mut w = work(10, 7);
+            w.adam_secs_per_subgroup = c.adam;
+            w.fwd_bwd_secs = c.fwd_bwd;
+            let p = plan(&paths, &w).unwrap();
+            assert_eq!(p.cached_subgroups, 4, "{}", c.name);
+            assert!((p.io_floor_secs - 6.0 * 0.24).abs() < 1e-9, "{}", c.name);
+            assert!(
+                (p.hidden_io_secs - c.hidden).abs() < 1e-9,
+                "{}: {p:?}",
+                c.name
+            );
+            assert!(
+                (p.predicted_update_secs - c.predicted).abs() < 1e-9,
+                "{}: {p:?}",
+                c.name
+            );
+        }
         let all_cached = plan(&paths, &work(2, 10)).unwrap();
         assert_eq!(all_cached.cached_subgroups, 2);
         assert_eq!(all_cached.io_floor_secs, 0.0);
@@ -485,11 +645,15 @@ mod tests {
         }
     }
 
+    /// Each path reading and writing at `bytes_per_s`, a quarter second each, with full overlap.
     fn samples(bytes_per_s: &[f64]) -> Vec<PathSample> {
         bytes_per_s
             .iter()
             .map(|b| PathSample {
-                bytes: (b * 0.5) as u64,
+                read_bytes: (b * 0.25) as u64,
+                read_busy_secs: 0.25,
+                write_bytes: (b * 0.25) as u64,
+                write_busy_secs: 0.25,
                 busy_secs: 0.5,
             })
             .collect()
@@ -572,20 +736,48 @@ mod tests {
     }
 
     #[test]
+    fn the_split_follows_per_direction_bandwidth_not_the_overlap() {
+        // Path a reads and writes twice as fast as path b, and its reads and writes also overlapped
+        // more this step, so its combined bandwidth looks 3x path b's: the split stays 2:1.
+        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 1.0, 0.05).unwrap();
+        let a = PathSample {
+            read_bytes: 200,
+            read_busy_secs: 0.1,
+            write_bytes: 200,
+            write_busy_secs: 0.1,
+            busy_secs: 0.1,
+        };
+        let b = PathSample {
+            read_bytes: 100,
+            read_busy_secs: 0.1,
+            write_bytes: 100,
+            write_busy_secs: 0.1,
+            busy_secs: 0.15,
+        };
+        let weights = tuner.observe(&[a, b]).unwrap().unwrap();
+        assert!((weights[0] - 2.0 / 3.0).abs() < 1e-9, "{weights:?}");
+        assert!((tuner.estimates()[0] / tuner.estimates()[1] - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn a_path_that_moved_nothing_keeps_its_estimate_and_bad_input_is_named() {
         let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 0.5, 0.05).unwrap();
         let idle = [
+            PathSample::default(),
             PathSample {
-                bytes: 0,
-                busy_secs: 0.0,
-            },
-            PathSample {
-                bytes: 500,
+                read_bytes: 250,
+                read_busy_secs: 0.25,
+                write_bytes: 250,
+                write_busy_secs: 0.25,
                 busy_secs: 0.5,
             },
         ];
         assert_eq!(tuner.observe(&idle).unwrap(), None);
         assert_eq!(tuner.estimates(), &[1000.0, 1000.0]);
+        assert_eq!(
+            tuner.direction_estimates(),
+            (&[1000.0, 1000.0][..], &[1000.0, 1000.0][..])
+        );
         let cases: Vec<(Result<WeightTuner>, &str)> = vec![
             (WeightTuner::new(vec![], 0.5, 0.05), "bandwidths"),
             (WeightTuner::new(vec![0.0, 0.0], 0.5, 0.05), "bandwidths"),

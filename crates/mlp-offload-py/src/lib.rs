@@ -398,13 +398,25 @@ impl PyWeightTuner {
         self.tuner.estimates().to_vec()
     }
 
-    /// One step's `(bytes, busy_seconds)` per path; returns the new weights when they moved, else None.
-    fn observe(&mut self, samples: Vec<(u64, f64)>) -> PyResult<Option<Vec<f64>>> {
-        let samples: Vec<PathSample> = samples
-            .into_iter()
-            .map(|(bytes, busy_secs)| PathSample { bytes, busy_secs })
-            .collect();
+    /// One step's figures per path, dicts with `read_bytes`, `read_busy_secs`, `write_bytes`,
+    /// `write_busy_secs` and `busy_secs`; returns the new weights when they moved, else None.
+    fn observe(&mut self, samples: Vec<Bound<'_, PyAny>>) -> PyResult<Option<Vec<f64>>> {
+        let samples = samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                depythonize::<PathSample>(s)
+                    .map_err(|e| to_py(Error::config(format!("samples[{i}]"), e.to_string())))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         self.tuner.observe(&samples).map_err(to_py)
+    }
+
+    /// The smoothed read and write bandwidth of each path, bytes/s.
+    #[getter]
+    fn direction_estimates(&self) -> (Vec<f64>, Vec<f64>) {
+        let (read, write) = self.tuner.direction_estimates();
+        (read.to_vec(), write.to_vec())
     }
 }
 
@@ -482,7 +494,8 @@ fn probe_bandwidth(
 /// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures).
 #[pyfunction]
 #[pyo3(signature = (paths, *, subgroups, read_bytes_per_subgroup, write_bytes_per_subgroup,
-                    host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0))]
+                    host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0,
+                    fwd_bwd_secs=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn plan_update(
     py: Python<'_>,
@@ -494,6 +507,7 @@ fn plan_update(
     host_memory: u64,
     pipeline_buffers: usize,
     adam_secs_per_subgroup: f64,
+    fwd_bwd_secs: f64,
 ) -> PyResult<Py<PyAny>> {
     let profiles = paths
         .iter()
@@ -511,6 +525,7 @@ fn plan_update(
         host_memory,
         pipeline_buffers,
         adam_secs_per_subgroup,
+        fwd_bwd_secs,
     };
     to_py_json(py, &plan(&profiles, &work).map_err(to_py)?)
 }

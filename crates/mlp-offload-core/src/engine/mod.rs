@@ -225,42 +225,75 @@ pub struct PathCounters {
     pub retries: AtomicU64,
     pub inflight: AtomicUsize,
     pub inflight_max: AtomicUsize,
-    busy: Mutex<BusyClock>,
+    busy: Mutex<BusyClocks>,
 }
 
-/// Time with at least one chunk in the kernel: bytes over busy time is the bandwidth the path gave,
-/// whatever share of the wall clock it was kept busy.
+/// Time with at least one chunk in the kernel, in all and per direction: bytes over busy time is the
+/// bandwidth the path gave, whatever share of the wall clock it was kept busy.
+#[derive(Default, Debug)]
+struct BusyClocks {
+    any: BusyClock,
+    read: BusyClock,
+    write: BusyClock,
+}
+
 #[derive(Default, Debug)]
 struct BusyClock {
+    inflight: usize,
     since: Option<Instant>,
     total: Duration,
 }
 
-impl PathCounters {
-    fn started(&self) {
-        // The idle-to-busy edge and the count change under one lock, so a chunk ending on another
-        // thread cannot close an interval that this one is opening.
-        let mut busy = self.busy.lock().expect("busy clock lock");
-        let now = self.inflight.fetch_add(1, Ordering::Relaxed) + 1;
-        self.inflight_max.fetch_max(now, Ordering::Relaxed);
-        if now == 1 {
-            busy.since = Some(Instant::now());
+impl BusyClock {
+    fn start(&mut self, now: Instant) {
+        self.inflight += 1;
+        if self.inflight == 1 {
+            self.since = Some(now);
         }
     }
 
-    fn ended(&self) {
-        let mut busy = self.busy.lock().expect("busy clock lock");
-        if self.inflight.fetch_sub(1, Ordering::Relaxed) == 1 {
-            if let Some(since) = busy.since.take() {
-                busy.total += since.elapsed();
+    fn end(&mut self, now: Instant) {
+        self.inflight -= 1;
+        if self.inflight == 0 {
+            if let Some(since) = self.since.take() {
+                self.total += now - since;
             }
         }
     }
 
-    fn busy_ns(&self) -> u64 {
-        let busy = self.busy.lock().expect("busy clock lock");
-        let open = busy.since.map_or(Duration::ZERO, |s| s.elapsed());
-        (busy.total + open).as_nanos() as u64
+    fn ns(&self, now: Instant) -> u64 {
+        let open = self.since.map_or(Duration::ZERO, |s| now - s);
+        (self.total + open).as_nanos() as u64
+    }
+}
+
+impl BusyClocks {
+    fn of(&mut self, op: Op) -> &mut BusyClock {
+        match op {
+            Op::Read => &mut self.read,
+            Op::Write => &mut self.write,
+        }
+    }
+}
+
+impl PathCounters {
+    fn started(&self, op: Op) {
+        // The clocks change under one lock, so a chunk ending on another thread cannot close an
+        // interval that this one is opening.
+        let mut busy = self.busy.lock().expect("busy clock lock");
+        let now = Instant::now();
+        busy.any.start(now);
+        busy.of(op).start(now);
+        let inflight = self.inflight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.inflight_max.fetch_max(inflight, Ordering::Relaxed);
+    }
+
+    fn ended(&self, op: Op) {
+        let mut busy = self.busy.lock().expect("busy clock lock");
+        let now = Instant::now();
+        busy.any.end(now);
+        busy.of(op).end(now);
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 
     fn moved(&self, op: Op, n: usize) {
@@ -272,13 +305,17 @@ impl PathCounters {
     }
 
     pub fn snapshot(&self) -> PathStats {
+        let busy = self.busy.lock().expect("busy clock lock");
+        let now = Instant::now();
         PathStats {
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
             chunks: self.chunks.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
             inflight_max: self.inflight_max.load(Ordering::Relaxed),
-            busy_ns: self.busy_ns(),
+            busy_ns: busy.any.ns(now),
+            read_busy_ns: busy.read.ns(now),
+            write_busy_ns: busy.write.ns(now),
         }
     }
 }
@@ -293,6 +330,10 @@ pub struct PathStats {
     pub inflight_max: usize,
     /// Nanoseconds with at least one chunk in the kernel.
     pub busy_ns: u64,
+    /// Nanoseconds with at least one read chunk in the kernel.
+    pub read_busy_ns: u64,
+    /// Nanoseconds with at least one write chunk in the kernel.
+    pub write_busy_ns: u64,
 }
 
 impl PathStats {
@@ -305,6 +346,8 @@ impl PathStats {
             retries: self.retries - earlier.retries,
             inflight_max: self.inflight_max,
             busy_ns: self.busy_ns - earlier.busy_ns,
+            read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
+            write_busy_ns: self.write_busy_ns - earlier.write_busy_ns,
         }
     }
 

@@ -44,9 +44,9 @@ impl ThreadPoolEngine {
 fn worker(rx: Receiver<Chunk>, counters: &PathCounters) {
     while let Ok(mut chunk) = rx.recv() {
         let error = loop {
-            counters.started();
+            counters.started(chunk.state.op);
             let result = syscall(&chunk);
-            counters.ended();
+            counters.ended(chunk.state.op);
             match chunk.outcome(result, counters) {
                 ChunkOutcome::Done => break None,
                 ChunkOutcome::Again => continue,

@@ -239,9 +239,9 @@ impl RingWorker {
                 self.queued.push_front(chunk);
                 return;
             }
+            self.counters.started(chunk.state.op);
             self.slots[slot] = Some(chunk);
             self.inflight += 1;
-            self.counters.started();
         }
     }
 
@@ -251,7 +251,7 @@ impl RingWorker {
         };
         self.free_slots.push(slot);
         self.inflight -= 1;
-        self.counters.ended();
+        self.counters.ended(chunk.state.op);
         let result = if result < 0 {
             Err(io::Error::from_raw_os_error(-result))
         } else {

@@ -1,0 +1,60 @@
+"""The update phase's subgroup pipeline against the real store: order, cache, and state kept exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlp_offload import ObjectStore
+from mlp_offload.pipeline import SubgroupPipeline, step_order
+
+
+@pytest.mark.parametrize(
+    ("subgroups", "buffers", "cached"),
+    [
+        (5, 3, 0),  # the bare pipeline: nothing stays
+        (5, 5, 2),  # some stay
+        (4, 9, 4),  # all stay: after the first step no I/O at all
+        (1, 3, 0),
+    ],
+)
+def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
+    engine: str, work_dirs: list[Path], subgroups: int, buffers: int, cached: int
+) -> None:
+    sizes = [(64 << 10) + 4096 * i for i in range(subgroups)]
+    seen: list[list[int]] = []
+
+    def bump(index: int, view: torch.Tensor) -> None:
+        seen[-1].append(index)
+        view.add_(1)
+
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        pipeline = SubgroupPipeline(store, sizes, buffers)
+        assert pipeline.cache_slots == cached
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        steps = 4
+        for step in range(steps):
+            seen.append([])
+            stats = pipeline.run_step(bump)
+            assert seen[-1] == step_order(step, subgroups)
+            # The first step reads everything; later ones skip the subgroups kept from the step before.
+            assert stats.reads == subgroups - (cached if step else 0)
+            assert stats.writes == subgroups - cached
+            assert stats.cached == (cached if step else 0)
+            assert sorted(pipeline.resident) == sorted(step_order(step, subgroups)[subgroups - cached :])
+        pipeline.flush()
+        for i, size in enumerate(sizes):
+            back = torch.empty(size, dtype=torch.uint8)
+            store.read(pipeline.key(i), back).wait()
+            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"subgroup {i}"
+
+
+def test_the_order_alternates() -> None:
+    assert step_order(0, 3) == [0, 1, 2] and step_order(1, 3) == [2, 1, 0] and step_order(2, 3) == [0, 1, 2]
+
+
+def test_too_few_buffers_is_a_clear_error(work_dirs: list[Path]) -> None:
+    with ObjectStore(work_dirs[:1]) as store, pytest.raises(ValueError, match=r"^buffers:"):
+        SubgroupPipeline(store, [4096], 2)
