@@ -12,16 +12,19 @@ from mlp_offload.pipeline import SubgroupPipeline, step_order
 
 
 @pytest.mark.parametrize(
-    ("subgroups", "buffers", "cached"),
+    ("subgroups", "buffers", "cache", "cached"),
     [
-        (5, 3, 0),  # the bare pipeline: nothing stays
-        (5, 5, 2),  # some stay
-        (4, 9, 4),  # all stay: after the first step no I/O at all
-        (1, 3, 0),
+        (5, 1, None, 0),  # one buffer: read, update, write, one subgroup at a time
+        (5, 2, None, 0),
+        (5, 3, None, 0),  # the bare pipeline: nothing stays
+        (5, 5, None, 2),  # some stay
+        (5, 5, 4, 4),  # as many as asked, one buffer left for the rest
+        (4, 9, None, 4),  # all stay: after the first step no I/O at all
+        (1, 3, None, 0),
     ],
 )
 def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
-    engine: str, work_dirs: list[Path], subgroups: int, buffers: int, cached: int
+    engine: str, work_dirs: list[Path], subgroups: int, buffers: int, cache: int | None, cached: int
 ) -> None:
     sizes = [(64 << 10) + 4096 * i for i in range(subgroups)]
     seen: list[list[int]] = []
@@ -31,7 +34,7 @@ def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
         view.add_(1)
 
     with ObjectStore(work_dirs[:2], engine=engine) as store:
-        pipeline = SubgroupPipeline(store, sizes, buffers)
+        pipeline = SubgroupPipeline(store, sizes, buffers, cache_subgroups=cache)
         assert pipeline.cache_slots == cached
         pipeline.initialize(lambda i, view: view.fill_(i))
         steps = 4
@@ -56,5 +59,8 @@ def test_the_order_alternates() -> None:
 
 
 def test_too_few_buffers_is_a_clear_error(work_dirs: list[Path]) -> None:
-    with ObjectStore(work_dirs[:1]) as store, pytest.raises(ValueError, match=r"^buffers:"):
-        SubgroupPipeline(store, [4096], 2)
+    with ObjectStore(work_dirs[:1]) as store:
+        with pytest.raises(ValueError, match=r"^buffers:"):
+            SubgroupPipeline(store, [4096], 0)
+        with pytest.raises(ValueError, match=r"^cache_subgroups:"):
+            SubgroupPipeline(store, [4096] * 3, 2, cache_subgroups=2)

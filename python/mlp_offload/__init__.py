@@ -1,6 +1,8 @@
 """mlp-offload: multi-level, multi-path optimizer-state offload for DeepSpeed ZeRO-3.
 
-The heavy lifting is in the Rust core (`mlp_offload._core`); this package adapts it to torch tensors.
+`mlp_offload.initialize(...)` is `deepspeed.initialize(...)` with the optimizer state of configs that have
+an `"mlp_offload"` section in our object store; `mlp_offload.install()` does the same for frameworks that
+call `deepspeed.initialize` themselves. The heavy lifting is in the Rust core (`mlp_offload._core`).
 """
 
 from mlp_offload._core import (
@@ -15,6 +17,7 @@ from mlp_offload._core import (
     probe_directory,
 )
 from mlp_offload.buffers import PinnedBufferPool, as_tensor, register_with_cuda
+from mlp_offload.integration import initialize, install
 from mlp_offload.store import ObjectStore
 
 __all__ = [
@@ -27,6 +30,8 @@ __all__ = [
     "WeightTuner",
     "__version__",
     "as_tensor",
+    "initialize",
+    "install",
     "io_uring_unavailable_reason",
     "probe_bandwidth",
     "probe_directory",

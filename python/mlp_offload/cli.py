@@ -6,23 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mlp_offload import _core, profiles
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+from mlp_offload import _core, profiles, units
 
 
 def parse_size(text: str) -> int:
-    """`"512M"` -> 536870912. K/M/G/T are powers of 1024."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M or 2G")
-    scale = 1024 ** " KMGT".index((m.group(2) or " ").upper())
-    return int(float(m.group(1)) * scale)
+    """`"512M"` -> 536870912 (see `mlp_offload.units`), as an argparse type."""
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _mib(bytes_per_s: float) -> str:
@@ -108,16 +104,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def parse_count(text: str) -> int:
-    """`"1.3e9"`, `"130M"`, `"20000000"` -> a count (K/M/G/T are powers of 1000 here)."""
-    t = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12}.get(t[-1:], 1)
+    """`"1.3e9"`, `"130M"` -> a count (see `mlp_offload.units`), as an argparse type."""
     try:
-        value = float(t[:-1] if scale != 1 else t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count like 1.3e9 or 130M") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return int(value)
+        return units.parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # fp32 master weights plus Adam's exp_avg and exp_avg_sq, per parameter.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlp_offload import _core
-from mlp_offload.buffers import as_tensor
+from mlp_offload.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.store import ObjectStore
 
 # One buffer being read ahead, one being updated, one being written behind.
@@ -52,21 +52,38 @@ class SubgroupPipeline:
     """Drives one update phase per `run_step` over subgroup objects `{prefix}{i}` in `store`.
 
     `sizes` are the subgroups' state sizes in bytes; `buffers` is how many host buffers of the largest
-    size the budget allows (at least `PIPELINE_BUFFERS`).
+    size the budget allows (at least 1). `cache_subgroups` (default: `buffers - PIPELINE_BUFFERS`, at
+    least 0) of them hold subgroups across steps; at least one buffer must stay for the rest.
+    `lock` page-locks the buffers (and registers them with CUDA when it is there).
     """
 
-    def __init__(self, store: ObjectStore, sizes: Sequence[int], buffers: int, *, prefix: str = "sg") -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        sizes: Sequence[int],
+        buffers: int,
+        *,
+        cache_subgroups: int | None = None,
+        prefix: str = "sg",
+        lock: bool = False,
+    ) -> None:
         if not sizes:
             raise ValueError("sizes: there are no subgroups")
-        if buffers < PIPELINE_BUFFERS:
+        if buffers < 1:
+            raise ValueError(f"buffers: {buffers} host buffers; the pipeline needs at least 1")
+        n = len(sizes)
+        cache = max(0, buffers - PIPELINE_BUFFERS) if cache_subgroups is None else cache_subgroups
+        cache = min(cache, n)
+        if n > cache > buffers - 1:
             raise ValueError(
-                f"buffers: {buffers} host buffers; the pipeline needs at least {PIPELINE_BUFFERS}"
+                f"cache_subgroups: {cache} cached subgroups leave none of the {buffers} buffers for the others"
             )
         self.store = store
         self.sizes = list(sizes)
         self.prefix = prefix
-        self.cache_slots = min(len(self.sizes), buffers - PIPELINE_BUFFERS)
-        self._pool = _core.HostBufferPool(min(buffers, len(self.sizes) + PIPELINE_BUFFERS), max(self.sizes))
+        self.cache_slots = cache
+        self.buffer_count = min(buffers, n + PIPELINE_BUFFERS)
+        self._pool = PinnedBufferPool(self.buffer_count, max(self.sizes), lock=lock)
         self._free: list[_core.HostBuffer] = []
         while (b := self._pool.acquire()) is not None:
             self._free.append(b)
@@ -92,6 +109,17 @@ class SubgroupPipeline:
     def resident(self) -> list[int]:
         return sorted(self._resident)
 
+    def resident_view(self, index: int) -> torch.Tensor | None:
+        """The state of a cached subgroup (newer than the store's), or None when it is not cached."""
+        buffer = self._resident.get(index)
+        return None if buffer is None else self.view(index, buffer)
+
+    def _take_buffer(self) -> _core.HostBuffer | None:
+        if self._free:
+            return self._free.pop()
+        # A step that failed dropped its buffers; they came back to the pool when their last user went.
+        return self._pool.acquire()
+
     def run_step(self, update: Callable[[int, torch.Tensor], None]) -> StepStats:
         """One update phase: `update(index, view)` changes each subgroup's state in place."""
         n = len(self.sizes)
@@ -115,9 +143,8 @@ class SubgroupPipeline:
 
         def read_ahead() -> None:
             reclaim(block=False)
-            while to_read and self._free:
+            while to_read and (buffer := self._take_buffer()) is not None:
                 i = to_read.popleft()
-                buffer = self._free.pop()
                 reading[i] = (buffer, self.store.read(self.key(i), self.view(i, buffer)))
                 stats.reads += 1
                 stats.bytes_read += self.sizes[i]
@@ -170,3 +197,9 @@ class SubgroupPipeline:
             h.wait()
             self._free.append(b)
             del self._resident[i]
+
+    def close(self) -> None:
+        """Gives the buffers back (and their CUDA registration); cached state not flushed is lost."""
+        self._resident.clear()
+        self._free.clear()
+        self._pool.close()

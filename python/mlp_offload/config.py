@@ -1,0 +1,111 @@
+"""The `"mlp_offload"` section of a DeepSpeed config: typed, validated, every key documented.
+
+```json
+"mlp_offload": {
+  "paths": ["/nvme0/offload", "/lustre/scratch/me/offload"],
+  "host_memory": "auto",
+  "weights": "auto",
+  "adapt": true,
+  "telemetry_file": "logs/mlp-offload-rank{rank}.jsonl"
+}
+```
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from mlp_offload import units
+
+SECTION = "mlp_offload"
+
+
+def _size(value: Any) -> Any:
+    return value if value in (None, "auto") else units.parse_size(value)
+
+
+Size = Annotated[int, BeforeValidator(_size)]
+
+
+class MLPOffloadConfig(BaseModel):
+    """What the section may hold. Unknown keys are errors that name the key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    paths: list[str] = Field(min_length=1)
+    """Storage directories, any number (node-local NVMe, a parallel file system...). Each rank uses its
+    own `rank<N>` subdirectory in each."""
+
+    host_memory: Size | Literal["auto"] = "auto"
+    """Host memory for subgroup buffers, the host cache and the fp32 gradient buffer, in bytes or as
+    `"16G"`. `"auto"`: what stock DeepSpeed would pin for the same config, `offload_optimizer.buffer_count`
+    x the largest subgroup x 4 bytes."""
+
+    weights: list[float] | Literal["auto", "equal"] = "auto"
+    """How each subgroup's state is split across `paths`. `"auto"`: the performance model's split from
+    the saved probe profile of these paths (probed at start-up when there is none or it is stale);
+    `"equal"`: the same share everywhere; or one weight per path."""
+
+    adapt: bool = True
+    """Move the weights toward each path's measured bandwidth after every step."""
+
+    cache_subgroups: int | Literal["auto"] = "auto"
+    """Subgroups kept in host memory across steps (they skip a read and a write each step). `"auto"`:
+    as many as `host_memory` holds beyond the pipeline's buffers."""
+
+    engine: Literal["auto", "io_uring", "threads"] = "auto"
+    """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
+
+    chunk_size: Size | None = None
+    """Bytes per I/O request (4M by default)."""
+
+    max_inflight: int | None = Field(default=None, ge=1)
+    """Requests in flight per path. Default: the best of the probe, else 8."""
+
+    checksum: bool = True
+    """A CRC32C of every stripe, checked on every read."""
+
+    shadow_slots: bool = True
+    """Two slots per subgroup on disk, so a failed write leaves the previous state readable."""
+
+    telemetry_file: str | None = None
+    """JSON lines, one per step (and one at start-up with the plan); `{rank}` becomes the rank."""
+
+    probe_max_age_hours: float = Field(default=168.0, gt=0)
+    """Reuse a saved probe profile up to this age (with `weights: "auto"`)."""
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, value: Any) -> Any:
+        if isinstance(value, list) and (any(w < 0 for w in value) or not any(w > 0 for w in value)):
+            raise ValueError(f"{value} must be non-negative and not all zero")
+        return value
+
+    @field_validator("cache_subgroups")
+    @classmethod
+    def _cache(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{value} must be 0 or more")
+        return value
+
+
+def from_ds_config(ds_config: dict[str, Any] | None) -> MLPOffloadConfig | None:
+    """The section of a DeepSpeed config dict, validated; None when there is none. Invalid input
+    raises `ValueError` naming the key as `mlp_offload.<key>`."""
+    if not ds_config or SECTION not in ds_config:
+        return None
+    section = ds_config[SECTION]
+    if not isinstance(section, dict):
+        raise ValueError(f"{SECTION}: must be an object with at least 'paths', not {type(section).__name__}")
+    try:
+        config = MLPOffloadConfig.model_validate(section)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{SECTION}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(problems) from None
+    if isinstance(config.weights, list) and len(config.weights) != len(config.paths):
+        raise ValueError(f"{SECTION}.weights: {len(config.weights)} weights for {len(config.paths)} paths")
+    return config

@@ -1,0 +1,454 @@
+"""The ZeRO-3 optimizer with its fp32 state in mlp-offload's object store.
+
+`MLPOffloadStage3` is DeepSpeed's own `DeepSpeedZeroOptimizer_Stage3` (0.19.x) with four changes; the rest
+(partitioning, gradient reduction, norms, clipping, loss scaling, CPU Adam, the copy back to half
+precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
+
+1. The fp32 master weights and both Adam moments of every subgroup live in the store, one object per
+   subgroup, `[params | exp_avg | exp_avg_sq]` in fp32, split across every path.
+2. Backward records only the gradient norms DeepSpeed needs: the reduced half-precision gradient stays
+   where DeepSpeed put it (its host buffer) and nothing is cast or written.
+3. `step()` runs the subgroups through `SubgroupPipeline`: alternating order, the last ones cached in host
+   memory, reads ahead, writes behind. Each subgroup's half-precision gradient is converted into one
+   reusable fp32 buffer just before its update (an exact widening, as DeepSpeed's own cast).
+4. After each step the `WeightTuner` moves the split toward what each path delivered.
+
+Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
+same operations: DeepSpeed 0.19.8's CPU Adam keeps its bias correction per step, not per call, so the
+order of subgroups does not change any result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOptimizer_Stage3
+
+from mlp_offload import _core, profiles
+from mlp_offload.config import MLPOffloadConfig, from_ds_config
+from mlp_offload.pipeline import PIPELINE_BUFFERS, StepStats, SubgroupPipeline
+from mlp_offload.store import ObjectStore
+
+log = logging.getLogger("mlp_offload")
+
+FP32 = torch.float32
+# fp32 params, exp_avg and exp_avg_sq per element.
+STATE_TENSORS = 3
+STATE_BYTES = 4 * STATE_TENSORS
+
+
+class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
+    """DeepSpeed's ZeRO-3 optimizer with the optimizer state in the object store (see module docs)."""
+
+    def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any, ds_config: Any, **kwargs: Any):
+        config = from_ds_config(ds_config)
+        if config is None:
+            raise ValueError(f"mlp_offload: the DeepSpeed config has no {'mlp_offload'!r} section")
+        offload = kwargs.get("offload_optimizer_config")
+        if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":
+            raise ValueError(
+                "zero_optimization.offload_optimizer.device: mlp-offload needs \"cpu\" (CPU Adam on host "
+                "memory); it replaces the NVMe swapping itself"
+            )
+        # Set before the base __init__, which calls the overridden hooks below.
+        self._mlp_config: MLPOffloadConfig = config
+        self._mlp_buffer_count = int(offload.buffer_count)
+        self._mlp_pin = bool(offload.pin_memory)
+        self._mlp_rank = dist.get_rank()
+        self._mlp_store = ObjectStore(
+            config.paths,
+            rank=self._mlp_rank,
+            engine=config.engine,
+            chunk_size=config.chunk_size,
+            max_inflight=config.max_inflight,
+            weights=config.weights if isinstance(config.weights, list) else None,
+            checksum=config.checksum,
+            shadow_slots=config.shadow_slots,
+        )
+        self._mlp_pipeline: SubgroupPipeline | None = None
+        self._mlp_step_log: list[dict[str, Any]] = []
+        super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        self._mlp_start()
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction hooks (called from DeepSpeed's __init__)
+
+    def _swappable_optimizer_subgroup(self, sub_group_id: int) -> bool:
+        # Every subgroup's state is in the store: the `safe_get/set_*` helpers go through the swap-in
+        # and swap-out protocol, which `_StateSwapper` serves.
+        return True
+
+    def _configure_tensor_swapping(self, offload_optimizer_config: Any, aio_config: Any) -> None:
+        pass
+
+    def _create_fp32_partitions(self) -> None:
+        """Writes each subgroup's initial state (fp32 copy of the half-precision partition, zero moments)
+        to the store and leaves an empty fp32 tensor in DeepSpeed's list."""
+        self.subgroup_to_device = dict.fromkeys(range(len(self.fp16_partitioned_groups_flat)), "cpu")
+        self.optimizer_swapper = _StateSwapper(self)
+        largest = max(self.fp16_partitioned_groups_flat_numel)
+        staging = torch.empty(STATE_TENSORS * largest, dtype=FP32)
+        for i, fp16_flat in enumerate(self.fp16_partitioned_groups_flat):
+            n = int(self.fp16_partitioned_groups_flat_numel[i])
+            ids = self.fp16_partitioned_groups_flat_id[i]
+            if fp16_flat is None:
+                raise ValueError("zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload")
+            state = staging[: STATE_TENSORS * n]
+            state[:n].copy_(fp16_flat)  # an exact widening, as DeepSpeed's `.to(float32)`
+            state[n:].zero_()
+            self._mlp_store.write(self._mlp_key(i), state).wait()
+            placeholder = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
+            placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
+            placeholder.requires_grad = True
+            self.fp32_partitioned_groups_flat.append(placeholder)
+            self._create_momentum_buffer(n, i, placeholder.ds_id)
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+
+    def initialize_optimizer_states(self) -> None:
+        # CPU Adam creates its state at the first step; ours is already in the store (zero moments).
+        pass
+
+    def _offload_grad_partition_at_boundary(
+        self, param: Any, grad_buffer: Any, offload_fp32_gradients: Any, offload_fp32_offsets: Any
+    ) -> None:
+        # Only the norm: the half-precision gradient stays in DeepSpeed's host buffer until its subgroup
+        # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+
+    # ----------------------------------------------------------------------------------------------
+    # Start-up: budget, plan, pipeline
+
+    def _mlp_key(self, i: int) -> str:
+        return f"subgroup{i}"
+
+    def _mlp_start(self) -> None:
+        config = self._mlp_config
+        numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
+        largest = max(numels)
+        grad_bytes = 4 * largest
+        buffer_bytes = STATE_BYTES * largest
+        host_memory = (
+            self._mlp_buffer_count * largest * 4 if config.host_memory == "auto" else int(config.host_memory)
+        )
+        buffers = (host_memory - grad_bytes) // buffer_bytes
+        if buffers < 1:
+            raise ValueError(
+                f"mlp_offload.host_memory: {host_memory:,} bytes hold no subgroup: one needs {buffer_bytes:,} "
+                f"bytes of fp32 state ({largest:,} elements x {STATE_BYTES}) plus {grad_bytes:,} for the fp32 "
+                "gradient buffer"
+            )
+        n = len(numels)
+        if config.cache_subgroups == "auto":
+            cache = min(n, max(0, buffers - PIPELINE_BUFFERS))
+        else:
+            cache = min(int(config.cache_subgroups), n)
+            if cache > buffers - 1 and cache < n:
+                raise ValueError(
+                    f"mlp_offload.cache_subgroups: {cache} cached subgroups need {cache + 1} buffers of "
+                    f"{buffer_bytes:,} bytes; host_memory {host_memory:,} holds {buffers}"
+                )
+        self._mlp_grad = torch.empty(largest, dtype=FP32)
+        self._mlp_pipeline = SubgroupPipeline(
+            self._mlp_store,
+            [STATE_BYTES * k for k in numels],
+            buffers,
+            cache_subgroups=cache,
+            prefix="subgroup",
+            lock=self._mlp_pin,
+        )
+        self._mlp_plan = self._mlp_make_plan(numels, host_memory, buffers)
+        self._mlp_tuner = (
+            _core.WeightTuner(self._mlp_plan["path_bytes_per_s"]) if config.adapt and self._mlp_plan else None
+        )
+        if self._mlp_plan is not None and config.weights == "auto":
+            self._mlp_store.weights = self._mlp_plan["weights"]
+            # The initial state was written with equal weights; each object moves on its next write.
+        self._mlp_telemetry = self._mlp_open_telemetry()
+        self._mlp_emit(
+            {
+                "event": "start",
+                "rank": self._mlp_rank,
+                "paths": config.paths,
+                "subgroups": n,
+                "largest_subgroup_elements": largest,
+                "host_memory": host_memory,
+                "buffers": buffers,
+                "buffer_bytes": buffer_bytes,
+                "cached_subgroups": cache,
+                "weights": self._mlp_store.weights,
+                "plan": self._mlp_plan,
+            }
+        )
+        log.info(
+            "mlp-offload: rank %d, %d subgroups over %d paths, host memory %.2f GiB = %d buffers of %.1f MiB "
+            "+ %.1f MiB fp32 gradient; %d cached; weights %s; predicted update %.2f s",
+            self._mlp_rank,
+            n,
+            len(config.paths),
+            host_memory / 2**30,
+            buffers,
+            buffer_bytes / 2**20,
+            grad_bytes / 2**20,
+            cache,
+            [round(w, 3) for w in self._mlp_store.weights],
+            self._mlp_plan["predicted_update_secs"] if self._mlp_plan else float("nan"),
+        )
+
+    def _mlp_make_plan(self, numels: list[int], host_memory: int, buffers: int) -> dict[str, Any] | None:
+        """The performance model's plan from the paths' profile (probing them when needed)."""
+        config = self._mlp_config
+        if config.weights != "auto":
+            # Fixed weights: plan with the profile only when one is saved, never probe for it.
+            profile, _ = profiles.saved_profile(config.paths, profiles.ProbeOptions(), config.probe_max_age_hours * 3600)
+        else:
+            profile, source = profiles.load_or_probe(
+                config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
+            )
+            log.info("mlp-offload: %s", source)
+        if profile is None:
+            return None
+        largest = max(numels)
+        return _core.plan_update(
+            profile.model_inputs(),
+            subgroups=len(numels),
+            read_bytes_per_subgroup=STATE_BYTES * largest,
+            write_bytes_per_subgroup=STATE_BYTES * largest,
+            host_bytes_per_subgroup=STATE_BYTES * largest,
+            host_memory=buffers * STATE_BYTES * largest,
+            pipeline_buffers=min(PIPELINE_BUFFERS, buffers),
+        )
+
+    def _mlp_open_telemetry(self) -> Any:
+        path = self._mlp_config.telemetry_file
+        if not path:
+            return None
+        path = path.replace("{rank}", str(self._mlp_rank))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the optimizer
+
+    def _mlp_emit(self, record: dict[str, Any]) -> None:
+        self._mlp_step_log.append(record)
+        if self._mlp_telemetry is not None:
+            self._mlp_telemetry.write(json.dumps(record) + "\n")
+
+    # ----------------------------------------------------------------------------------------------
+    # Binding a subgroup's state to DeepSpeed's tensors
+
+    def _mlp_bind(self, i: int, state_bytes: torch.Tensor) -> None:
+        """Points DeepSpeed's fp32 tensor, its Adam state and its gradient at subgroup `i`'s buffers."""
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        state = state_bytes.view(FP32)
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        fp32.data = state[:n]
+        adam = self.optimizer.state[fp32]
+        adam.setdefault("step", 0)
+        adam["exp_avg"] = state[n : 2 * n]
+        adam["exp_avg_sq"] = state[2 * n : 3 * n]
+        grad = self._mlp_grad[:n]
+        grad.copy_(self._mlp_half_grad(i))  # the delayed conversion, in place into one reusable buffer
+        fp32.grad = grad
+
+    def _mlp_unbind(self, i: int) -> None:
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        fp32.data = torch.empty(0, dtype=FP32)
+        fp32.grad = None
+        adam = self.optimizer.state[fp32]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in adam:
+                adam[key] = torch.empty(0, dtype=FP32)
+
+    def _mlp_half_grad(self, i: int) -> torch.Tensor:
+        """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
+        slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
+        params = self.fp16_groups[i]
+        first = slices[params[0].ds_id]
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        # The buffer lays partitions out subgroup after subgroup in this order: one contiguous range.
+        whole = first.as_strided((n,), (1,), first.storage_offset())
+        last = slices[params[-1].ds_id]
+        assert last.storage_offset() + last.numel() == whole.storage_offset() + n, "gradient layout changed"
+        return whole
+
+    # ----------------------------------------------------------------------------------------------
+    # The step
+
+    def step(self, closure: Any = None) -> None:
+        """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup)."""
+        step_start = time.perf_counter()
+        self._pre_step()
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        scaled_global_grad_norm = None
+        if not self.overflow:
+            self._apply_muon_to_accumulated_grads()
+            norm_groups = self._get_norm_groups()
+            scaled_global_grad_norm = combine_grad_norm_groups(norm_groups)
+            if is_invalid_grad_norm(scaled_global_grad_norm):
+                self.overflow = True
+        if self._loss_scale_update_and_overflow_cleanup():
+            # An fp16 overflow skips the update: no state is read, changed or written.
+            self._mlp_emit({"event": "skipped", "rank": self._mlp_rank, "loss_scale": float(self.loss_scale)})
+            return
+        self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
+        timer_names: set[str] = set()
+        timer_names.add(OPTIMIZER_STEP_TIMER)
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+
+        def update(i: int, state_bytes: torch.Tensor) -> None:
+            self._mlp_bind(i, state_bytes)
+            try:
+                if self._muon_update_lacks_loss_scale(i):
+                    self.fp32_partitioned_groups_flat[i].grad.mul_(self.loss_scale)
+                self.unscale_and_clip_grads(i, scaled_global_grad_norm)
+                self._optimizer_step(i)
+                self._reassign_or_swap_out_partitioned_parameters(i)
+            finally:
+                self._mlp_unbind(i)
+
+        assert self._mlp_pipeline is not None
+        stats = self._mlp_pipeline.run_step(update)
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._post_step(timer_names)
+        self._mlp_after_step(stats, time.perf_counter() - step_start)
+
+    def _mlp_after_step(self, stats: StepStats, seconds: float) -> None:
+        moved = None
+        if self._mlp_tuner is not None:
+            moved = self._mlp_tuner.observe(stats.per_path)
+            if moved is not None:
+                self._mlp_store.weights = moved
+        per_path = []
+        for path, p in zip(self._mlp_config.paths, stats.per_path, strict=True):
+            moved_bytes = p["read_bytes"] + p["write_bytes"]
+            per_path.append(
+                {
+                    "path": path,
+                    "read_bytes": p["read_bytes"],
+                    "write_bytes": p["write_bytes"],
+                    "busy_secs": p["busy_secs"],
+                    "bytes_per_s": moved_bytes / stats.seconds if stats.seconds > 0 else 0.0,
+                }
+            )
+        self._mlp_emit(
+            {
+                "event": "step",
+                "rank": self._mlp_rank,
+                "step": stats.step,
+                "update_secs": seconds,
+                "pipeline_secs": stats.seconds,
+                "read_wait_secs": stats.read_wait_seconds,
+                "write_wait_secs": stats.write_wait_seconds,
+                "reads": stats.reads,
+                "writes": stats.writes,
+                "cached": stats.cached,
+                "paths": per_path,
+                "weights_next": moved,
+                "predicted_update_secs": self._mlp_plan["predicted_update_secs"] if self._mlp_plan else None,
+            }
+        )
+
+    @property
+    def mlp_offload_telemetry(self) -> list[dict[str, Any]]:
+        """Every record so far: the start-up plan, then one per step (the same as the JSON lines)."""
+        return self._mlp_step_log
+
+    def mlp_offload_flush(self) -> None:
+        """Writes the cached subgroups back and syncs the store (at the end of training, before copying
+        the store's directories)."""
+        if self._mlp_pipeline is not None:
+            self._mlp_pipeline.flush()
+        self._mlp_store.sync()
+
+    def destroy(self) -> None:
+        if self._mlp_pipeline is not None:
+            self._mlp_pipeline.close()
+        self._mlp_store.close()
+        if self._mlp_telemetry is not None:
+            self._mlp_telemetry.close()
+        super_destroy = getattr(super(), "destroy", None)
+        if super_destroy is not None:
+            super_destroy()
+
+
+class _StateSwapper:
+    """DeepSpeed's optimizer-swapper protocol over the store, for what still calls it: the
+    `safe_get/set_*` helpers and checkpoint code swap one subgroup in, look or write, and swap it out."""
+
+    def __init__(self, optimizer: MLPOffloadStage3) -> None:
+        self.optimizer = optimizer
+        self.swap_folder = optimizer._mlp_store.tiers[0]["path"]
+        # Subgroup -> (state buffer, whether it is the pipeline's cached copy).
+        self._held: dict[int, tuple[torch.Tensor, bool]] = {}
+
+    def _index(self, parameter: torch.Tensor) -> int:
+        for i, t in enumerate(self.optimizer.fp32_partitioned_groups_flat):
+            if t is parameter:
+                return i
+        raise KeyError("not one of this optimizer's fp32 partitions")
+
+    def is_swappable_tensor(self, tensor: Any = None, numel: Any = None) -> bool:
+        return True
+
+    def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: Any = None) -> None:
+        opt = self.optimizer
+        i = self._index(parameter)
+        pipeline = opt._mlp_pipeline
+        cached = pipeline.resident_view(i) if pipeline is not None else None
+        if cached is not None:
+            state = cached
+        else:
+            state = torch.empty(STATE_BYTES * int(opt.fp16_partitioned_groups_flat_numel[i]), dtype=torch.uint8)
+            opt._mlp_store.read(opt._mlp_key(i), state).wait()
+        self._held[i] = (state, cached is not None)
+        opt._mlp_bind(i, state)
+
+    def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
+        opt = self.optimizer
+        i = self._index(parameter)
+        state, cached = self._held.pop(i)
+        if not cached:
+            opt._mlp_store.write(opt._mlp_key(i), state).wait()
+        opt._mlp_unbind(i)
+
+    def release_swap_buffers(self, parameter: torch.Tensor) -> None:
+        i = self._index(parameter)
+        self._held.pop(i, None)
+        self.optimizer._mlp_unbind(i)
+
+    def writeback_optimizer_state_and_gradients(
+        self, parameter: torch.Tensor, write_opt_state: bool, write_gradients: bool
+    ) -> None:
+        # Gradients live in DeepSpeed's half-precision buffer, not in the store.
+        if write_opt_state:
+            self.swap_out_optimizer_state(parameter)
+        else:
+            self.release_swap_buffers(parameter)
+
+    def swap_out_gradients(self, parameter: Any, gradient_offsets: Any, gradient_tensors: Any) -> None:
+        pass
+
+    def flush_gradients(self) -> None:
+        pass
+
+    def pre_backward(self) -> None:
+        pass
+
+    def post_backward(self) -> None:
+        pass
+
+    def init_timers(self) -> None:
+        pass
+
+    def log_timers(self) -> None:
+        pass
+
+    def purge_state(self) -> None:
+        pass

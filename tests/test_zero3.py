@@ -1,0 +1,112 @@
+"""mlp-offload inside real DeepSpeed ZeRO-3 (CPU accelerator): after ten steps of the same model, seed
+and data, the fp32 master weights and both Adam moments equal DeepSpeed's own `offload_optimizer.device:
+cpu` bit for bit, in every configuration below. Each run is its own process (`zero3_harness.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+
+HARNESS = Path(__file__).with_name("zero3_harness.py")
+_ports = iter(range(29600, 29900))
+
+
+def run_case(case: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]:
+    case = {**case, "port": next(_ports)}
+    spec = tmp_path / f"{name}.json"
+    out = tmp_path / f"{name}.pt"
+    spec.write_text(json.dumps(case))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), str(spec), str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    result: dict[str, Any] = torch.load(out, weights_only=False)
+    result["stderr"] = proc.stderr
+    return result
+
+
+def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
+    assert ours["skipped"] == stock["skipped"]
+    assert ours["losses"] == stock["losses"]
+    for name, tensors in stock["state"].items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            a, b = ours["state"][name][key], tensors[key]
+            assert a.dtype == b.dtype == torch.float32, (name, key)
+            assert torch.equal(a, b), f"{name}.{key} differs: max |diff| {(a - b).abs().max().item()}"
+        if tensors["half"] is not None:
+            assert torch.equal(ours["state"][name]["half"], tensors["half"]), f"{name} half-precision params"
+
+
+def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
+    return {"paths": [str(p) for p in paths], "weights": "equal", **extra}
+
+
+# name, the DeepSpeed side of the case, the mlp_offload section's extra keys, paths used
+CASES = [
+    ("bf16, one path, no cache (default budget)", {}, {}, 1),
+    ("bf16, three paths, some cached", {}, {"host_memory": "64M", "cache_subgroups": 2}, 3),
+    ("bf16, every subgroup cached", {}, {"host_memory": "64M", "cache_subgroups": 1000}, 2),
+    ("gradient accumulation 2", {"grad_accum": 2}, {"host_memory": "64M"}, 2),
+    ("clipping active", {"clip": 0.05}, {"host_memory": "64M", "cache_subgroups": 1}, 2),
+    ("two parameter groups and a scheduler", {
+        "param_groups": True,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
+    }, {"host_memory": "64M"}, 3),
+    ("fp16 with a forced overflow step", {"fp16": True, "overflow_at_step": 3}, {"host_memory": "64M"}, 2),
+]
+
+
+@pytest.mark.parametrize(("name", "ds_case", "extra", "n_paths"), CASES, ids=[c[0] for c in CASES])
+def test_state_is_bit_equal_to_deepspeed_cpu_offload(
+    name: str, ds_case: dict[str, Any], extra: dict[str, Any], n_paths: int, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    stock = run_case(ds_case, tmp_path, "stock")
+    ours = run_case({**ds_case, "mlp_offload": section(work_dirs[:n_paths], **extra)}, tmp_path, "ours")
+    assert_bit_equal(ours, stock)
+    steps = [r for r in ours["telemetry"] if r["event"] == "step"]
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["subgroups"] > 2, "the model must span several subgroups"
+    if ds_case.get("overflow_at_step") is not None:
+        assert ours["skipped"] == 1 and len(steps) == 9
+    # Every subgroup is read or cached, and written or kept, every step after the first.
+    for r in steps[1:]:
+        assert r["reads"] + r["cached"] == start["subgroups"]
+        assert r["writes"] + start["cached_subgroups"] == start["subgroups"]
+    used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
+    assert len(used) == n_paths, "every path holds a share of the state"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"bogus": 1}, r"mlp_offload\.bogus"),
+        ({"host_memory": "1K"}, r"mlp_offload\.host_memory"),
+        ({"weights": [1.0, 2.0]}, r"mlp_offload\.weights"),
+        ({"paths": []}, r"mlp_offload\.paths"),
+    ],
+)
+def test_bad_sections_are_named_before_the_first_step(
+    extra: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    case = {"mlp_offload": {**section(work_dirs[:1]), **extra}, "steps": 1}
+    with pytest.raises(AssertionError, match=message):
+        run_case(case, tmp_path, "bad")
+
+
+def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
+    missing = work_dirs[0] / "not-there"
+    with pytest.raises(AssertionError, match=str(missing)):
+        run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")

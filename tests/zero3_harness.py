@@ -1,0 +1,140 @@
+"""Trains a small GPT-style model with real DeepSpeed ZeRO-3 on the CPU, stock or with mlp-offload, and
+returns the fp32 master weights and both Adam moments of every parameter, for bit-for-bit comparisons.
+
+Run in its own process per case (`python tests/zero3_harness.py CASE.json OUT.pt`): DeepSpeed keeps
+process-wide state (patched modules, the process group), so each engine gets a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    os.environ.setdefault(key, value)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+VOCAB, DIM, LAYERS, HEADS, SEQ = 96, 48, 2, 4, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, 4 * DIM)
+        self.out = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).unbind(2)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(tokens.shape[1] - 1))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x)).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def ds_config(case: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": case.get("grad_accum", 1),
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": case.get("sub_group_size", 12000),
+            "offload_optimizer": {"device": "cpu"},
+        },
+        "steps_per_print": 10**9,
+    }
+    if case.get("fp16"):
+        config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
+    else:
+        config["bf16"] = {"enabled": True}
+    if "clip" in case:
+        config["gradient_clipping"] = case["clip"]
+    if "scheduler" in case:
+        config["scheduler"] = case["scheduler"]
+    if "mlp_offload" in case:
+        config["mlp_offload"] = case["mlp_offload"]
+    return config
+
+
+def train(case: dict[str, Any]) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import mlp_offload
+
+    if case.get("fp16"):
+        # This CPU lacks mkldnn fp16, so DeepSpeed's CPU accelerator declines fp16; the arithmetic works,
+        # slowly, and both contenders run exactly the same DeepSpeed fp16 code.
+        get_accelerator().is_fp16_supported = lambda: True
+    torch.manual_seed(1234)
+    model = TinyGPT()
+    if case.get("param_groups"):
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        params: Any = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    else:
+        params = model.parameters()
+    init = mlp_offload.initialize if "mlp_offload" in case else deepspeed.initialize
+    engine, optimizer, _, _ = init(model=model, model_parameters=params, config=ds_config(case))
+    data = torch.Generator().manual_seed(99)
+    losses = []
+    overflow_at = case.get("overflow_at_step")
+    for step in range(case.get("steps", 10)):
+        for _ in range(case.get("grad_accum", 1)):
+            tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+            loss = engine(tokens)
+            if step == overflow_at:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss))
+    state = {}
+    for name, p in engine.module.named_parameters():
+        state[name] = {
+            "fp32": safe_get_full_fp32_param(p).clone(),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+            "half": p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None,
+        }
+    result: dict[str, Any] = {"state": state, "losses": losses, "skipped": engine.skipped_steps}
+    telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
+    if telemetry is not None:
+        result["telemetry"] = telemetry
+    engine.destroy()
+    return result
+
+
+if __name__ == "__main__":
+    case = json.loads(Path(sys.argv[1]).read_text())
+    os.environ["MASTER_PORT"] = str(case.get("port", 29500))
+    torch.save(train(case), sys.argv[2])
