@@ -27,12 +27,24 @@ def run_case(case: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]:
     spec = tmp_path / f"{name}.json"
     out = tmp_path / f"{name}.pt"
     spec.write_text(json.dumps(case))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    env = {
+        # DeepSpeed's just-in-time ops (cpu_adam, shm comm) build once into target/, not per run.
+        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "2",
+    }
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(spec), str(out)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, str(HARNESS), str(spec), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     if proc.returncode != 0:
-        raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     result: dict[str, Any] = torch.load(out, weights_only=False)
     result["stderr"] = proc.stderr
     return result
@@ -61,17 +73,30 @@ CASES = [
     ("bf16, every subgroup cached", {}, {"host_memory": "64M", "cache_subgroups": 1000}, 2),
     ("gradient accumulation 2", {"grad_accum": 2}, {"host_memory": "64M"}, 2),
     ("clipping active", {"clip": 0.05}, {"host_memory": "64M", "cache_subgroups": 1}, 2),
-    ("two parameter groups and a scheduler", {
-        "param_groups": True,
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}},
-    }, {"host_memory": "64M"}, 3),
+    (
+        "two parameter groups and a scheduler",
+        {
+            "param_groups": True,
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5},
+            },
+        },
+        {"host_memory": "64M"},
+        3,
+    ),
     ("fp16 with a forced overflow step", {"fp16": True, "overflow_at_step": 3}, {"host_memory": "64M"}, 2),
 ]
 
 
 @pytest.mark.parametrize(("name", "ds_case", "extra", "n_paths"), CASES, ids=[c[0] for c in CASES])
 def test_state_is_bit_equal_to_deepspeed_cpu_offload(
-    name: str, ds_case: dict[str, Any], extra: dict[str, Any], n_paths: int, work_dirs: list[Path], tmp_path: Path
+    name: str,
+    ds_case: dict[str, Any],
+    extra: dict[str, Any],
+    n_paths: int,
+    work_dirs: list[Path],
+    tmp_path: Path,
 ) -> None:
     stock = run_case(ds_case, tmp_path, "stock")
     ours = run_case({**ds_case, "mlp_offload": section(work_dirs[:n_paths], **extra)}, tmp_path, "ours")

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed builds its CPU ops just in time with ninja, which it looks up on PATH: the one installed
+# next to this interpreter.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
     os.environ.setdefault(key, value)
 
@@ -117,7 +120,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     state = {}
     for name, p in engine.module.named_parameters():
         state[name] = {

@@ -24,10 +24,9 @@ def install() -> None:
             f"mlp-offload supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}; "
             f"this is {deepspeed.__version__}"
         )
-    from deepspeed.runtime.zero import stage3
-
     # SuperOffload subclasses the stock class at import: import it while the name is still the stock one.
-    import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
+    import deepspeed.runtime.superoffload.superoffload_stage3
+    from deepspeed.runtime.zero import stage3
 
     if getattr(stage3.DeepSpeedZeroOptimizer_Stage3, "_mlp_offload_dispatch", False):
         return
@@ -37,6 +36,7 @@ def install() -> None:
         """What the engine constructs: ours when the config has our section, else DeepSpeed's own."""
 
         _mlp_offload_dispatch = True
+        _mlp_offload_stock = stock
 
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)

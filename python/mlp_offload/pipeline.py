@@ -76,7 +76,8 @@ class SubgroupPipeline:
         cache = min(cache, n)
         if n > cache > buffers - 1:
             raise ValueError(
-                f"cache_subgroups: {cache} cached subgroups leave none of the {buffers} buffers for the others"
+                f"cache_subgroups: {cache} cached subgroups leave none of the {buffers} buffers "
+                "for the others"
             )
         self.store = store
         self.sizes = list(sizes)

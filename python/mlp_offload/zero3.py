@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
-from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER, DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero import stage3
+from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
 from mlp_offload import _core, profiles
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
@@ -37,6 +38,11 @@ from mlp_offload.pipeline import PIPELINE_BUFFERS, StepStats, SubgroupPipeline
 from mlp_offload.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
+
+# DeepSpeed's own class, also when `install()` has already put its dispatcher in the module.
+DeepSpeedZeroOptimizer_Stage3: Any = getattr(
+    stage3.DeepSpeedZeroOptimizer_Stage3, "_mlp_offload_stock", stage3.DeepSpeedZeroOptimizer_Stage3
+)
 
 FP32 = torch.float32
 # fp32 params, exp_avg and exp_avg_sq per element.
@@ -47,14 +53,18 @@ STATE_BYTES = 4 * STATE_TENSORS
 class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with the optimizer state in the object store (see module docs)."""
 
-    def __init__(self, module: Any, init_optimizer: Any, param_names: Any, timers: Any, ds_config: Any, **kwargs: Any):
+    overflow: bool  # set by DeepSpeed's overflow check
+
+    def __init__(
+        self, module: Any, init_optimizer: Any, param_names: Any, timers: Any, ds_config: Any, **kwargs: Any
+    ):
         config = from_ds_config(ds_config)
         if config is None:
             raise ValueError(f"mlp_offload: the DeepSpeed config has no {'mlp_offload'!r} section")
         offload = kwargs.get("offload_optimizer_config")
         if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":
             raise ValueError(
-                "zero_optimization.offload_optimizer.device: mlp-offload needs \"cpu\" (CPU Adam on host "
+                'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host '
                 "memory); it replaces the NVMe swapping itself"
             )
         # Set before the base __init__, which calls the overridden hooks below.
@@ -99,12 +109,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             ids = self.fp16_partitioned_groups_flat_id[i]
             if fp16_flat is None:
-                raise ValueError("zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload")
+                raise ValueError(
+                    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload"
+                )
             state = staging[: STATE_TENSORS * n]
             state[:n].copy_(fp16_flat)  # an exact widening, as DeepSpeed's `.to(float32)`
             state[n:].zero_()
             self._mlp_store.write(self._mlp_key(i), state).wait()
-            placeholder = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
+            # DeepSpeed tags tensors with attributes (`ds_id`), which torch's types do not declare.
+            placeholder: Any = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
             placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
             placeholder.requires_grad = True
             self.fp32_partitioned_groups_flat.append(placeholder)
@@ -141,9 +154,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         buffers = (host_memory - grad_bytes) // buffer_bytes
         if buffers < 1:
             raise ValueError(
-                f"mlp_offload.host_memory: {host_memory:,} bytes hold no subgroup: one needs {buffer_bytes:,} "
-                f"bytes of fp32 state ({largest:,} elements x {STATE_BYTES}) plus {grad_bytes:,} for the fp32 "
-                "gradient buffer"
+                f"mlp_offload.host_memory: {host_memory:,} bytes hold no subgroup: one needs "
+                f"{buffer_bytes:,} bytes of fp32 state ({largest:,} elements x {STATE_BYTES}) plus "
+                f"{grad_bytes:,} for the fp32 gradient buffer"
             )
         n = len(numels)
         if config.cache_subgroups == "auto":
@@ -207,7 +220,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         config = self._mlp_config
         if config.weights != "auto":
             # Fixed weights: plan with the profile only when one is saved, never probe for it.
-            profile, _ = profiles.saved_profile(config.paths, profiles.ProbeOptions(), config.probe_max_age_hours * 3600)
+            profile, _ = profiles.saved_profile(
+                config.paths, profiles.ProbeOptions(), config.probe_max_age_hours * 3600
+            )
         else:
             profile, source = profiles.load_or_probe(
                 config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
@@ -232,7 +247,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             return None
         path = path.replace("{rank}", str(self._mlp_rank))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the optimizer
+        # Line-buffered and open as long as the optimizer lives: each record is on disk when written.
+        return open(path, "a", buffering=1)
 
     def _mlp_emit(self, record: dict[str, Any]) -> None:
         self._mlp_step_log.append(record)
@@ -405,7 +421,9 @@ class _StateSwapper:
         if cached is not None:
             state = cached
         else:
-            state = torch.empty(STATE_BYTES * int(opt.fp16_partitioned_groups_flat_numel[i]), dtype=torch.uint8)
+            state = torch.empty(
+                STATE_BYTES * int(opt.fp16_partitioned_groups_flat_numel[i]), dtype=torch.uint8
+            )
             opt._mlp_store.read(opt._mlp_key(i), state).wait()
         self._held[i] = (state, cached is not None)
         opt._mlp_bind(i, state)
