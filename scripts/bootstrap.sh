@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a fresh machine needs, idempotent and quick when already done:
 #   1. Debian packages, when missing: fio (the benchmark's ceiling), e2fsprogs and util-linux (the
-#      two-path test bed and the tests' tmpfs mounts);
+#      two-path test bed and the tests' tmpfs mounts), libaio-dev (DeepSpeed's own NVMe offload, the
+#      baseline of the end-to-end benchmark);
 #   2. the Rust toolchain's clippy and rustfmt (checked, they ship with the toolchain);
 #   3. a virtual environment at .venv with requirements-dev.txt;
 #   4. the native module, built in release mode into .venv (maturin develop).
@@ -14,14 +15,15 @@ missing=()
 command -v fio >/dev/null 2>&1 || missing+=(fio)
 command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(util-linux)
+[[ -e /usr/include/libaio.h ]] || missing+=(libaio-dev)
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
         say "installing Debian packages: ${missing[*]}"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        say "missing ${missing[*]} and cannot apt-get install them (not root or no apt): the fio ceiling" \
-            "and the two-path test bed will be unavailable"
+        say "missing ${missing[*]} and cannot apt-get install them (not root or no apt): the fio ceiling," \
+            "the two-path test bed and the DeepSpeed NVMe baseline will be unavailable"
     fi
 fi
 

@@ -40,13 +40,20 @@ def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
         steps = 4
         for step in range(steps):
             seen.append([])
-            stats = pipeline.run_step(bump)
+            # Odd steps leave their last writes in flight, as training does; even ones wait for them.
+            drain = step % 2 == 0
+            retained_before = len(pipeline.retained)
+            stats = pipeline.run_step(bump, drain=drain)
             assert seen[-1] == step_order(step, subgroups)
-            # The first step reads everything; later ones skip the subgroups kept from the step before.
-            assert stats.reads == subgroups - (cached if step else 0)
+            # The first step reads everything; later ones skip the subgroups kept from the step before,
+            # and those whose buffers still hold them from the last writes.
+            assert stats.retained == retained_before
+            assert stats.reads == subgroups - (cached if step else 0) - stats.retained
             assert stats.writes == subgroups - cached
             assert stats.cached == (cached if step else 0)
             assert sorted(pipeline.resident) == sorted(step_order(step, subgroups)[subgroups - cached :])
+            if not drain and subgroups > cached:
+                assert pipeline.retained, "the last writes keep their buffers"
         pipeline.flush()
         for i, size in enumerate(sizes):
             back = torch.empty(size, dtype=torch.uint8)

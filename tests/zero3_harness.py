@@ -21,46 +21,10 @@ for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_AD
     os.environ.setdefault(key, value)
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
-VOCAB, DIM, LAYERS, HEADS, SEQ = 96, 48, 2, 4, 16
+from mlp_offload.models import GPT, SIZES  # noqa: E402
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, 4 * DIM)
-        self.out = nn.Linear(4 * DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).unbind(2)
-        att = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, DIM))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Embedding(SEQ, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(tokens.shape[1] - 1))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x)).float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+VOCAB, SEQ = SIZES["tiny"][0], 16
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +64,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         # slowly, and both contenders run exactly the same DeepSpeed fp16 code.
         get_accelerator().is_fp16_supported = lambda: True
     torch.manual_seed(1234)
-    model = TinyGPT()
+    model = GPT.from_size("tiny", max_seq=SEQ)
     if case.get("param_groups"):
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

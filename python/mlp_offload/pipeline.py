@@ -35,6 +35,8 @@ class StepStats:
     cached: int
     bytes_read: int
     bytes_written: int
+    # Subgroups whose buffer still held their state from the end of the last step (no read).
+    retained: int = 0
     # Seconds spent waiting for reads, and for writes to free a buffer or to finish at the end.
     read_wait_seconds: float = 0.0
     write_wait_seconds: float = 0.0
@@ -90,7 +92,10 @@ class SubgroupPipeline:
             self._free.append(b)
         # Subgroup -> buffer holding its current state; not yet written back.
         self._resident: dict[int, _core.HostBuffer] = {}
+        # Subgroup -> (buffer, its write-back, maybe still in flight) from the end of the last step.
+        self._retained: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
         self._step = 0
+        self._snapshot = [r["stats"] for r in store.path_reports()]
 
     def key(self, index: int) -> str:
         return f"{self.prefix}{index}"
@@ -108,12 +113,32 @@ class SubgroupPipeline:
 
     @property
     def resident(self) -> list[int]:
+        """Subgroups cached in host memory, not written back since their last update."""
         return sorted(self._resident)
 
-    def resident_view(self, index: int) -> torch.Tensor | None:
-        """The state of a cached subgroup (newer than the store's), or None when it is not cached."""
-        buffer = self._resident.get(index)
-        return None if buffer is None else self.view(index, buffer)
+    @property
+    def retained(self) -> list[int]:
+        """Subgroups written back at the end of the last step whose buffers still hold their state."""
+        return sorted(self._retained)
+
+    def in_memory(self, index: int) -> tuple[torch.Tensor, str] | None:
+        """The host copy of a subgroup's current state and what it is (`"resident"`: newer than the
+        store's; `"retained"`: the same as the store's once its write completes, which this waits for),
+        or None when the store alone has it."""
+        if (buffer := self._resident.get(index)) is not None:
+            return self.view(index, buffer), "resident"
+        if (entry := self._retained.get(index)) is not None:
+            entry[1].wait()
+            return self.view(index, entry[0]), "retained"
+        return None
+
+    def rewrite(self, index: int) -> None:
+        """Writes a retained subgroup's buffer again (after someone changed it in place)."""
+        buffer, handle = self._retained[index]
+        handle.wait()
+        new = self.store.write(self.key(index), self.view(index, buffer))
+        new.wait()
+        self._retained[index] = (buffer, new)
 
     def _take_buffer(self) -> _core.HostBuffer | None:
         if self._free:
@@ -121,30 +146,41 @@ class SubgroupPipeline:
         # A step that failed dropped its buffers; they came back to the pool when their last user went.
         return self._pool.acquire()
 
-    def run_step(self, update: Callable[[int, torch.Tensor], None]) -> StepStats:
-        """One update phase: `update(index, view)` changes each subgroup's state in place."""
+    def run_step(self, update: Callable[[int, torch.Tensor], None], *, drain: bool = True) -> StepStats:
+        """One update phase: `update(index, view)` changes each subgroup's state in place.
+
+        With `drain=False` the step returns while its last writes are still in flight: they go on while
+        forward and backward run, and their buffers keep the state, so the next step (whose order starts
+        where this one ended) uses them without reading them back.
+        """
         n = len(self.sizes)
         order = step_order(self._step, n)
         keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
-        to_read = deque(i for i in order if i not in self._resident)
+        retained, self._retained = self._retained, {}
+        to_read = deque(i for i in order if i not in self._resident and i not in retained)
         reading: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
-        writing: deque[tuple[_core.HostBuffer, _core.IoHandle]] = deque()
+        writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
         stats = StepStats(self._step, 0.0, 0, 0, 0, 0, 0)
-        before = [r["stats"] for r in self.store.path_reports()]
         start = time.perf_counter()
 
-        def reclaim(block: bool) -> None:
-            while writing and (block or writing[0][1].done()):
-                buffer, handle = writing.popleft()
-                t = time.perf_counter()
-                handle.wait()
-                stats.write_wait_seconds += time.perf_counter() - t
-                self._free.append(buffer)
-                block = False
+        def reclaim(block: bool) -> bool:
+            """Frees the buffer of the oldest write if it is done (or, with `block`, once it is)."""
+            if not writing or not (block or writing[0][2].done()):
+                return False
+            _, buffer, handle = writing.popleft()
+            t = time.perf_counter()
+            handle.wait()
+            stats.write_wait_seconds += time.perf_counter() - t
+            self._free.append(buffer)
+            return True
 
         def read_ahead() -> None:
-            reclaim(block=False)
-            while to_read and (buffer := self._take_buffer()) is not None:
+            while to_read:
+                buffer = self._take_buffer()
+                if buffer is None:
+                    if not reclaim(block=False):
+                        return
+                    continue
                 i = to_read.popleft()
                 reading[i] = (buffer, self.store.read(self.key(i), self.view(i, buffer)))
                 stats.reads += 1
@@ -155,10 +191,17 @@ class SubgroupPipeline:
             if i in self._resident:
                 buffer = self._resident.pop(i)
                 stats.cached += 1
+            elif i in retained:
+                # Its write from the last step reads this buffer: let it finish before changing it.
+                buffer, handle = retained.pop(i)
+                t = time.perf_counter()
+                handle.wait()
+                stats.write_wait_seconds += time.perf_counter() - t
+                stats.retained += 1
             else:
                 while i not in reading:
                     # Every buffer is held by a write in flight: the oldest frees one. (Reads go out in
-                    # order and at least PIPELINE_BUFFERS buffers are never cached, so one is in flight.)
+                    # order and cached or retained subgroups come first, so a write is in flight.)
                     if not writing:
                         raise RuntimeError(f"subgroup {i}: no buffer to read into and no write to wait for")
                     reclaim(block=True)
@@ -171,13 +214,17 @@ class SubgroupPipeline:
             if i in keep:
                 self._resident[i] = buffer
             else:
-                writing.append((buffer, self.store.write(self.key(i), self.view(i, buffer))))
+                writing.append((i, buffer, self.store.write(self.key(i), self.view(i, buffer))))
                 stats.writes += 1
                 stats.bytes_written += self.sizes[i]
-        while writing:
-            reclaim(block=True)
+        if drain:
+            while reclaim(block=True):
+                pass
+        self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
         stats.seconds = time.perf_counter() - start
-        after = [r["stats"] for r in self.store.path_reports()]
+        # Since the end of the last step: writes that ran on during forward and backward count here.
+        before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
+        self._snapshot = after
         for b, a in zip(before, after, strict=True):
             stats.per_path.append(
                 {
@@ -192,7 +239,12 @@ class SubgroupPipeline:
         return stats
 
     def flush(self) -> None:
-        """Writes the cached subgroups back, so the store alone holds the current state."""
+        """Writes the cached subgroups back and waits for every write, so the store alone holds the
+        current state."""
+        for buffer, handle in self._retained.values():
+            handle.wait()
+            self._free.append(buffer)
+        self._retained.clear()
         handles = [(i, b, self.store.write(self.key(i), self.view(i, b))) for i, b in self._resident.items()]
         for i, b, h in handles:
             h.wait()
@@ -201,6 +253,9 @@ class SubgroupPipeline:
 
     def close(self) -> None:
         """Gives the buffers back (and their CUDA registration); cached state not flushed is lost."""
+        for _, handle in self._retained.values():
+            handle.wait()
+        self._retained.clear()
         self._resident.clear()
         self._free.clear()
         self._pool.close()

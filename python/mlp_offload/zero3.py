@@ -330,7 +330,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_unbind(i)
 
         assert self._mlp_pipeline is not None
-        stats = self._mlp_pipeline.run_step(update)
+        # The last writes go on while the next forward and backward run.
+        stats = self._mlp_pipeline.run_step(update, drain=False)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
         self._mlp_after_step(stats, time.perf_counter() - step_start)
@@ -365,6 +366,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "reads": stats.reads,
                 "writes": stats.writes,
                 "cached": stats.cached,
+                "retained": stats.retained,
                 "paths": per_path,
                 "weights_next": moved,
                 "predicted_update_secs": self._mlp_plan["predicted_update_secs"] if self._mlp_plan else None,
@@ -401,8 +403,8 @@ class _StateSwapper:
     def __init__(self, optimizer: MLPOffloadStage3) -> None:
         self.optimizer = optimizer
         self.swap_folder = optimizer._mlp_store.tiers[0]["path"]
-        # Subgroup -> (state buffer, whether it is the pipeline's cached copy).
-        self._held: dict[int, tuple[torch.Tensor, bool]] = {}
+        # Subgroup -> (state buffer, "resident" / "retained" for the pipeline's own copy, else "store").
+        self._held: dict[int, tuple[torch.Tensor, str]] = {}
 
     def _index(self, parameter: torch.Tensor) -> int:
         for i, t in enumerate(self.optimizer.fp32_partitioned_groups_flat):
@@ -417,23 +419,28 @@ class _StateSwapper:
         opt = self.optimizer
         i = self._index(parameter)
         pipeline = opt._mlp_pipeline
-        cached = pipeline.resident_view(i) if pipeline is not None else None
-        if cached is not None:
-            state = cached
+        found = pipeline.in_memory(i) if pipeline is not None else None
+        if found is not None:
+            state, kind = found
         else:
             state = torch.empty(
                 STATE_BYTES * int(opt.fp16_partitioned_groups_flat_numel[i]), dtype=torch.uint8
             )
             opt._mlp_store.read(opt._mlp_key(i), state).wait()
-        self._held[i] = (state, cached is not None)
+            kind = "store"
+        self._held[i] = (state, kind)
         opt._mlp_bind(i, state)
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         opt = self.optimizer
         i = self._index(parameter)
-        state, cached = self._held.pop(i)
-        if not cached:
+        state, kind = self._held.pop(i)
+        if kind == "store":
             opt._mlp_store.write(opt._mlp_key(i), state).wait()
+        elif kind == "retained" and opt._mlp_pipeline is not None:
+            # Changed in the pipeline's buffer, which the store's copy must follow.
+            opt._mlp_pipeline.rewrite(i)
+        # A resident subgroup's buffer is the newest state; the pipeline writes it back in time.
         opt._mlp_unbind(i)
 
     def release_swap_buffers(self, parameter: torch.Tensor) -> None:

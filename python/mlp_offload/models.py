@@ -1,0 +1,62 @@
+"""A GPT-style decoder for tests and benchmarks: pre-norm blocks, causal attention, a GELU MLP, an untied
+head. `GPT.from_size("130M")` gives the issue's reference size (768 wide, 12 layers, 32k vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+SIZES = {
+    # name: (vocab, width, layers, heads)
+    "tiny": (96, 48, 2, 4),
+    "20M": (8192, 384, 6, 6),
+    "130M": (32000, 768, 12, 12),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """`forward(tokens)` returns the next-token cross-entropy over `tokens[:, 1:]`."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    @classmethod
+    def from_size(cls, size: str, max_seq: int) -> GPT:
+        if size not in SIZES:
+            raise ValueError(f"size: {size!r} is not one of {', '.join(SIZES)}")
+        return cls(*SIZES[size], max_seq=max_seq)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(tokens.shape[1] - 1, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x)).float()
+        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
