@@ -76,6 +76,11 @@ bench-model: setup ## the model on the work disk plus the test bed: prediction, 
 	    --testbed $(TESTBED) --cap-from 500M --cap-to 150M \
 	    $(if $(CAP_LOCAL),--cap-local $(CAP_LOCAL) --out docs/data/bench-model-local-capped.json,--out docs/data/bench-model.json)
 
+.PHONY: bench-zero3
+bench-zero3: setup ## ZeRO-3 end to end, 130M GPT: DeepSpeed NVMe offload vs mlp-offload (same path, same pinned memory) vs DRAM
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(VENV)/bin/python benches/zero3_offload.py --out docs/data/bench-zero3.json
+
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)
 	$(TESTBED) up

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -118,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for contender in runs:
             target = path / contender
-            target.mkdir(parents=True, exist_ok=True)
+            # Each run starts from empty storage: no state or swap files of an earlier run.
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
             spec = {
                 "contender": contender,
                 "size": args.size,

@@ -4,6 +4,7 @@ cpu` bit for bit, in every configuration below. Each run is its own process (`ze
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ HARNESS = Path(__file__).with_name("zero3_harness.py")
 _ports = iter(range(29600, 29900))
 
 
-def run_case(case: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]:
+def run_case(case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None) -> dict[str, Any]:
     case = {**case, "port": next(_ports)}
     spec = tmp_path / f"{name}.json"
     out = tmp_path / f"{name}.pt"
@@ -34,13 +35,11 @@ def run_case(case: dict[str, Any], tmp_path: Path, name: str) -> dict[str, Any]:
         "DS_ACCELERATOR": "cpu",
         "OMP_NUM_THREADS": "2",
     }
-    proc = subprocess.run(
-        [sys.executable, str(HARNESS), str(spec), str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    command = [sys.executable, str(HARNESS), str(spec), str(out)]
+    if cgroup is not None:
+        # Join the cgroup first, so the throttle applies to everything the run does.
+        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(
             f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -136,3 +135,65 @@ def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
     missing = work_dirs[0] / "not-there"
     with pytest.raises(AssertionError, match=str(missing)):
         run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")
+
+
+def test_a_failed_write_raises_and_leaves_the_stored_state_readable(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chattr +i needs root")
+    # Three steps, then the object files turn immutable: the fourth step's writes fail with EPERM.
+    case = {"steps": 5, "immutable_at_step": 3, "mlp_offload": section(work_dirs[:2])}
+    result = run_case(case, tmp_path, "fail")
+    error = result["error"]
+    assert error, "the step must raise"
+    assert error["errno"] == errno.EPERM and error["filename"].endswith(".mlpo"), error
+    assert len(result["readable"]) > 2, "every subgroup object reads back, checksums and all"
+
+
+def test_an_earlier_runs_state_in_the_paths_is_replaced(work_dirs: list[Path], tmp_path: Path) -> None:
+    # Same paths, another subgroup size: the second run starts from its own model, not the old objects.
+    first = run_case({"steps": 2, "mlp_offload": section(work_dirs[:1])}, tmp_path, "first")
+    second_case = {"steps": 2, "sub_group_size": 30000, "mlp_offload": section(work_dirs[:1])}
+    second = run_case(second_case, tmp_path, "second")
+    stock = run_case({"steps": 2, "sub_group_size": 30000}, tmp_path, "stock")
+    assert_bit_equal(second, stock)
+    subgroups = [
+        next(r for r in x["telemetry"] if r["event"] == "start")["subgroups"] for x in (first, second)
+    ]
+    assert subgroups[0] > subgroups[1]
+    assert len(list(work_dirs[0].rglob("subgroup*.mlpo"))) == subgroups[1]
+
+
+def blkio_root() -> Path | None:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mnt, kind, opts, *_ = line.split()
+        if kind == "cgroup" and "blkio" in opts.split(","):
+            return Path(mnt)
+    return None
+
+
+def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> None:
+    """Writes throttled to 2 MiB/s (reads not): the last writes of each step are still in flight when
+    the next step reads those objects. A read that did not wait would see the old state and break the
+    bit-for-bit equality."""
+    root = blkio_root()
+    if os.geteuid() != 0 or root is None or not (root / "blkio.throttle.write_bps_device").exists():
+        pytest.skip("needs root and the cgroup v1 blkio throttle")
+    dev = os.stat(work_dirs[0]).st_dev
+    cgroup = root / f"mlp-offload-test-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "blkio.throttle.write_bps_device").write_text(
+            f"{os.major(dev)}:{os.minor(dev)} {2 << 20}\n"
+        )
+        ours = run_case({"mlp_offload": section(work_dirs[:1])}, tmp_path, "slow", cgroup=cgroup)
+    finally:
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            (root / "cgroup.procs").write_text(pid)
+        cgroup.rmdir()
+    stock = run_case({}, tmp_path, "stock")
+    assert_bit_equal(ours, stock)
+    steps = [r for r in ours["telemetry"] if r["event"] == "step"]
+    assert sum(r["write_wait_secs"] for r in steps) > 0.5, "the throttle must have slowed the writes"
+    assert all(r["retained"] > 0 for r in steps[1:]), "steps start on subgroups whose writes ran on"

@@ -76,7 +76,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     data = torch.Generator().manual_seed(99)
     losses = []
     overflow_at = case.get("overflow_at_step")
+    fail_at = case.get("immutable_at_step")
     for step in range(case.get("steps", 10)):
+        if step == fail_at:
+            return fail_step(engine, optimizer, case, data)
         for _ in range(case.get("grad_accum", 1)):
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
             loss = engine(tokens)
@@ -99,6 +102,35 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         result["telemetry"] = telemetry
     engine.destroy()
     return result
+
+
+def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:
+    """Makes every object file immutable (writes then fail with EPERM), runs a step, and reports the
+    error and whether a fresh store over the same paths reads every subgroup afterwards."""
+    import subprocess
+
+    import mlp_offload
+
+    paths = case["mlp_offload"]["paths"]
+    files = [str(f) for p in paths for f in Path(p).rglob("*.mlpo")]
+    subprocess.run(["chattr", "+i", *files], check=True)
+    error: dict[str, Any] = {}
+    try:
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+        engine.backward(engine(tokens))
+        engine.step()
+    except OSError as e:
+        error = {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
+    finally:
+        subprocess.run(["chattr", "-i", *files], check=True)
+    optimizer._mlp_store.sync()
+    readable = {}
+    with mlp_offload.ObjectStore(paths) as store:
+        for key in store.keys():
+            buf = torch.empty(store.size(key) or 0, dtype=torch.uint8)
+            store.read(key, buf).wait()
+            readable[key] = buf.numel()
+    return {"error": error, "readable": readable}
 
 
 if __name__ == "__main__":

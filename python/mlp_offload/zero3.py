@@ -105,6 +105,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self.optimizer_swapper = _StateSwapper(self)
         largest = max(self.fp16_partitioned_groups_flat_numel)
         staging = torch.empty(STATE_TENSORS * largest, dtype=FP32)
+        # A new engine starts from the model's weights: state left in these paths by an earlier run
+        # (another model or subgroup size) is replaced.
+        wanted = {self._mlp_key(i) for i in range(len(self.fp16_partitioned_groups_flat))}
+        stale = [k for k in self._mlp_store.keys() if k.startswith("subgroup") and k not in wanted]
+        for key in stale:
+            self._mlp_store.delete(key)
+        if stale:
+            log.info("mlp-offload: removed %d subgroup objects left by an earlier run", len(stale))
         for i, fp16_flat in enumerate(self.fp16_partitioned_groups_flat):
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             ids = self.fp16_partitioned_groups_flat_id[i]
@@ -115,6 +123,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             state = staging[: STATE_TENSORS * n]
             state[:n].copy_(fp16_flat)  # an exact widening, as DeepSpeed's `.to(float32)`
             state[n:].zero_()
+            size = self._mlp_store.size(self._mlp_key(i))
+            if size is not None and size != state.numel() * state.element_size():
+                self._mlp_store.delete(self._mlp_key(i))
             self._mlp_store.write(self._mlp_key(i), state).wait()
             # DeepSpeed tags tensors with attributes (`ds_id`), which torch's types do not declare.
             placeholder: Any = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
@@ -372,6 +383,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "predicted_update_secs": self._mlp_plan["predicted_update_secs"] if self._mlp_plan else None,
             }
         )
+
+    def state_dict(self) -> Any:
+        # DeepSpeed's checkpoint would save the empty placeholders, silently: refuse instead.
+        raise NotImplementedError(
+            "mlp_offload: DeepSpeed checkpoints of the optimizer state are not supported yet; the state is "
+            "in the store's directories (call optimizer.mlp_offload_flush() first)"
+        )
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("mlp_offload: loading DeepSpeed optimizer checkpoints is not supported yet")
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:
