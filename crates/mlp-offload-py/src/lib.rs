@@ -42,6 +42,21 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// A list of dicts as core values; a bad one is a `ValueError` naming `key[index]`.
+fn from_dicts<T: serde::de::DeserializeOwned>(
+    items: &[Bound<'_, PyAny>],
+    key: &str,
+) -> PyResult<Vec<T>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            depythonize::<T>(item)
+                .map_err(|e| to_py(Error::config(format!("{key}[{i}]"), e.to_string())))
+        })
+        .collect()
+}
+
 fn to_py_json<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
     Ok(pythonize(py, value)
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))?
@@ -401,14 +416,7 @@ impl PyWeightTuner {
     /// One step's figures per path, dicts with `read_bytes`, `read_busy_secs`, `write_bytes`,
     /// `write_busy_secs` and `busy_secs`; returns the new weights when they moved, else None.
     fn observe(&mut self, samples: Vec<Bound<'_, PyAny>>) -> PyResult<Option<Vec<f64>>> {
-        let samples = samples
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                depythonize::<PathSample>(s)
-                    .map_err(|e| to_py(Error::config(format!("samples[{i}]"), e.to_string())))
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+        let samples: Vec<PathSample> = from_dicts(&samples, "samples")?;
         self.tuner.observe(&samples).map_err(to_py)
     }
 
@@ -509,14 +517,7 @@ fn plan_update(
     adam_secs_per_subgroup: f64,
     fwd_bwd_secs: f64,
 ) -> PyResult<Py<PyAny>> {
-    let profiles = paths
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            depythonize::<PathProfile>(p)
-                .map_err(|e| to_py(Error::config(format!("paths[{i}]"), e.to_string())))
-        })
-        .collect::<PyResult<Vec<_>>>()?;
+    let profiles: Vec<PathProfile> = from_dicts(&paths, "paths")?;
     let work = UpdateWorkload {
         subgroups,
         read_bytes_per_subgroup,
