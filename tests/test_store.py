@@ -135,7 +135,7 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
         assert all(r["stats"]["busy_ns"] > 0 for r in reports), "busy time is counted per path"
         # Only a write so far: the write clock ran, the read clock did not.
         assert all(r["stats"]["write_busy_ns"] > 0 and r["stats"]["read_busy_ns"] == 0 for r in reports)
-        tuner = mlp_offload.WeightTuner([1000.0, 1000.0], window=1)
+        tuner = mlp_offload.WeightTuner([1000.0, 1000.0])
         # Path 1 delivered a quarter of path 0's bandwidth: its weight drops, the object follows.
         new = tuner.observe(
             [
@@ -168,8 +168,8 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
             store.weights = [1.0]
     with pytest.raises(ValueError, match=r"^samples:"):
         tuner.observe([{"read_bytes": 1}])
-    with pytest.raises(ValueError, match=r"^window:"):
-        mlp_offload.WeightTuner([1.0], window=0)
+    with pytest.raises(ValueError, match=r"^smoothing:"):
+        mlp_offload.WeightTuner([1.0], smoothing=0.0)
 
 
 def test_a_closed_store_says_so(work_dirs: list[Path]) -> None:

@@ -100,7 +100,9 @@ class ObjectStore:
 class WeightTuner:
     """Moves placement weights toward the bandwidth each path delivers, step by step."""
 
-    def __new__(cls, bytes_per_s: list[float], *, window: int = 5, dead_band: float = 0.05) -> Self: ...
+    def __new__(
+        cls, bytes_per_s: list[float], *, smoothing: float = 0.5, dead_band: float = 0.05
+    ) -> Self: ...
     @property
     def weights(self) -> list[float]: ...
     @property

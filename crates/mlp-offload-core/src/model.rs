@@ -2,8 +2,6 @@
 //! path bandwidths and a workload to a placement plan and a predicted update-phase time. The formulas are
 //! written out in `docs/model.md`.
 
-use std::collections::VecDeque;
-
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -217,22 +215,25 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
 /// Moves placement weights toward the bandwidth each path delivers while training runs, so a path that
 /// slows down (a busy parallel file system) gets less of the next step's data.
 ///
-/// A path's bandwidth in a step is the bytes it moved (reads and writes) over the time it had anything
-/// in flight. Splitting in proportion to it makes every path busy for the same time, which is what
-/// ends a step soonest. It does not depend on the share a path was given, so a new split does not feed
-/// back into the next measurement and the weights do not oscillate.
+/// Per path it estimates the read and the write bandwidth from the bytes moved over the time the path
+/// had reads (writes) in flight, and the bandwidth of both together over the time it was busy at all.
+/// The split follows the per-direction figures: they are properties of the path, whereas how much of
+/// a path's reads overlap its writes depends on the schedule and on the share it was given. The
+/// combined figure is what the path delivered in this schedule: what to predict step times with.
 ///
-/// The estimate is the median of the last `window` steps, which starts filled with the plan's figure:
-/// a single step's burst (a device cache, a throttle's carried-over budget) moves nothing, a lasting
-/// change moves the weights after half a window. The weights move only when one of them would change by
-/// more than `dead_band` (relative), so noise does not re-split objects every step.
+/// None of these depends on the share a path was given, so a new split does not feed back into the
+/// next measurement and the weights do not oscillate. Estimates are smoothed exponentially
+/// (`smoothing` is the weight of the newest step), and the weights move only when one of them would
+/// change by more than `dead_band` (relative), so noise does not re-split objects every step.
 #[derive(Debug, Clone)]
 pub struct WeightTuner {
-    combined: Vec<VecDeque<f64>>,
-    read: Vec<VecDeque<f64>>,
-    write: Vec<VecDeque<f64>>,
+    read: Vec<f64>,
+    write: Vec<f64>,
+    combined: Vec<f64>,
+    /// The reads' share of the bytes moved, smoothed like the rest.
+    read_fraction: f64,
     weights: Vec<f64>,
-    window: usize,
+    smoothing: f64,
     dead_band: f64,
 }
 
@@ -251,8 +252,8 @@ pub struct PathSample {
 
 impl WeightTuner {
     /// Starts from the bandwidths the plan assumed, one per path (bytes/s of reads and writes
-    /// together; 0 keeps a path out).
-    pub fn new(bytes_per_s: Vec<f64>, window: usize, dead_band: f64) -> Result<Self> {
+    /// together; 0 keeps a path out), taking each path's read and write bandwidth to be the same.
+    pub fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> Result<Self> {
         if bytes_per_s.is_empty()
             || bytes_per_s.iter().any(|b| !b.is_finite() || *b < 0.0)
             || bytes_per_s.iter().all(|b| *b == 0.0)
@@ -262,8 +263,11 @@ impl WeightTuner {
                 format!("{bytes_per_s:?} must be finite, non-negative and not all zero"),
             ));
         }
-        if window == 0 {
-            return Err(Error::config("window", "must be at least 1 step"));
+        if !(smoothing > 0.0 && smoothing <= 1.0) {
+            return Err(Error::config(
+                "smoothing",
+                format!("{smoothing} is not in (0, 1]"),
+            ));
         }
         if !(0.0..1.0).contains(&dead_band) {
             return Err(Error::config(
@@ -271,13 +275,14 @@ impl WeightTuner {
                 format!("{dead_band} is not in [0, 1)"),
             ));
         }
-        let filled = |b: &f64| VecDeque::from(vec![*b; window]);
+        let weights = normalise(&bytes_per_s);
         Ok(WeightTuner {
-            combined: bytes_per_s.iter().map(filled).collect(),
-            read: bytes_per_s.iter().map(filled).collect(),
-            write: bytes_per_s.iter().map(filled).collect(),
-            weights: normalise(&bytes_per_s),
-            window,
+            read: bytes_per_s.clone(),
+            write: bytes_per_s.clone(),
+            combined: bytes_per_s,
+            read_fraction: 0.5,
+            weights,
+            smoothing,
             dead_band,
         })
     }
@@ -286,22 +291,18 @@ impl WeightTuner {
         &self.weights
     }
 
-    /// Each path's bandwidth, reads and writes together, as the weights see it: bytes/s.
-    pub fn estimates(&self) -> Vec<f64> {
-        self.combined.iter().map(median).collect()
+    /// The smoothed bandwidth of each path with reads and writes as this schedule mixes them, bytes/s.
+    pub fn estimates(&self) -> &[f64] {
+        &self.combined
     }
 
-    /// Each path's read and write bandwidth over the time it had reads (writes) in flight, bytes/s:
-    /// for telemetry. (Bursts skew these more than the combined figure.)
-    pub fn direction_estimates(&self) -> (Vec<f64>, Vec<f64>) {
-        (
-            self.read.iter().map(median).collect(),
-            self.write.iter().map(median).collect(),
-        )
+    /// The smoothed read and write bandwidth of each path, bytes/s.
+    pub fn direction_estimates(&self) -> (&[f64], &[f64]) {
+        (&self.read, &self.write)
     }
 
     /// Folds in one step's measurements, one per path; returns the new weights when they moved. A path
-    /// that moved nothing (or has weight 0) keeps its estimate.
+    /// that moved nothing in a direction (or has weight 0) keeps that estimate.
     pub fn observe(&mut self, samples: &[PathSample]) -> Result<Option<Vec<f64>>> {
         if samples.len() != self.combined.len() {
             return Err(Error::config(
@@ -313,34 +314,47 @@ impl WeightTuner {
                 ),
             ));
         }
-        let window = self.window;
-        let push = |history: &mut VecDeque<f64>, bytes: u64, secs: f64| {
+        let a = self.smoothing;
+        let fold = |estimate: &mut f64, bytes: u64, secs: f64| {
             if bytes > 0 && secs > 0.0 {
-                if history.len() == window {
-                    history.pop_front();
-                }
-                history.push_back(bytes as f64 / secs);
+                *estimate += a * (bytes as f64 / secs - *estimate);
             }
         };
-        for (i, s) in samples.iter().enumerate() {
+        for (i, sample) in samples.iter().enumerate() {
             if self.weights[i] == 0.0 {
                 continue;
             }
-            push(
-                &mut self.combined[i],
-                s.read_bytes + s.write_bytes,
-                s.busy_secs,
+            fold(&mut self.read[i], sample.read_bytes, sample.read_busy_secs);
+            fold(
+                &mut self.write[i],
+                sample.write_bytes,
+                sample.write_busy_secs,
             );
-            push(&mut self.read[i], s.read_bytes, s.read_busy_secs);
-            push(&mut self.write[i], s.write_bytes, s.write_busy_secs);
+            fold(
+                &mut self.combined[i],
+                sample.read_bytes + sample.write_bytes,
+                sample.busy_secs,
+            );
         }
-        let estimates: Vec<f64> = self
-            .estimates()
-            .iter()
-            .zip(&self.weights)
-            .map(|(e, w)| if *w == 0.0 { 0.0 } else { *e })
+        let (read, written) = samples.iter().fold((0u64, 0u64), |(r, w), s| {
+            (r + s.read_bytes, w + s.write_bytes)
+        });
+        if read + written > 0 {
+            self.read_fraction += a * (read as f64 / (read + written) as f64 - self.read_fraction);
+        }
+        // Seconds per byte of this step's mix of reads and writes on each path; the split is its
+        // inverse.
+        let rho = self.read_fraction;
+        let speed: Vec<f64> = (0..self.combined.len())
+            .map(|i| {
+                if self.weights[i] == 0.0 || self.read[i] <= 0.0 || self.write[i] <= 0.0 {
+                    0.0
+                } else {
+                    1.0 / (rho / self.read[i] + (1.0 - rho) / self.write[i])
+                }
+            })
             .collect();
-        let target = normalise(&estimates);
+        let target = normalise(&speed);
         let moved = target
             .iter()
             .zip(&self.weights)
@@ -350,17 +364,6 @@ impl WeightTuner {
         }
         self.weights = target;
         Ok(Some(self.weights.clone()))
-    }
-}
-
-fn median(values: &VecDeque<f64>) -> f64 {
-    let mut sorted: Vec<f64> = values.iter().copied().collect();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
     }
 }
 
@@ -667,6 +670,7 @@ mod tests {
             moved_at: Vec<usize>,
             final_weights: Vec<f64>,
         }
+        let slow_b = |n| vec![vec![1500.0, 125.0]; n];
         let cases = [
             Case {
                 name: "as planned: nothing moves",
@@ -688,23 +692,11 @@ mod tests {
                 final_weights: vec![0.75, 0.25],
             },
             Case {
-                name: "one step's burst on path b: nothing moves",
+                name: "path b slows to a quarter: b's weight falls monotonically toward 125/1625",
                 start: vec![1500.0, 500.0],
-                steps: vec![
-                    vec![1500.0, 2000.0],
-                    vec![1500.0, 500.0],
-                    vec![1500.0, 500.0],
-                    vec![1400.0, 1800.0],
-                    vec![1500.0, 500.0],
-                ],
-                moved_at: vec![],
-                final_weights: vec![0.75, 0.25],
-            },
-            Case {
-                name: "path b slows to a quarter: after half a window, once, to 125/1625",
-                start: vec![1500.0, 500.0],
-                steps: vec![vec![1500.0, 125.0]; 8],
-                moved_at: vec![2],
+                steps: slow_b(8),
+                // The first step moves at once; later moves come while a step changes b by over 5%.
+                moved_at: vec![0, 1, 2, 3, 4, 6],
                 final_weights: vec![1500.0 / 1625.0, 125.0 / 1625.0],
             },
             Case {
@@ -716,7 +708,7 @@ mod tests {
             },
         ];
         for c in cases {
-            let mut tuner = WeightTuner::new(c.start.clone(), 5, 0.05).unwrap();
+            let mut tuner = WeightTuner::new(c.start.clone(), 0.5, 0.05).unwrap();
             let mut moved = Vec::new();
             let mut previous_b = tuner.weights()[1];
             for (i, step) in c.steps.iter().enumerate() {
@@ -744,21 +736,57 @@ mod tests {
     }
 
     #[test]
+    fn the_split_follows_per_direction_bandwidth_not_the_overlap() {
+        // Path a reads and writes twice as fast as path b, and its reads and writes also overlapped
+        // more this step, so its combined bandwidth looks 3x path b's: the split stays 2:1.
+        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 1.0, 0.05).unwrap();
+        let a = PathSample {
+            read_bytes: 200,
+            read_busy_secs: 0.1,
+            write_bytes: 200,
+            write_busy_secs: 0.1,
+            busy_secs: 0.1,
+        };
+        let b = PathSample {
+            read_bytes: 100,
+            read_busy_secs: 0.1,
+            write_bytes: 100,
+            write_busy_secs: 0.1,
+            busy_secs: 0.15,
+        };
+        let weights = tuner.observe(&[a, b]).unwrap().unwrap();
+        assert!((weights[0] - 2.0 / 3.0).abs() < 1e-9, "{weights:?}");
+        assert!((tuner.estimates()[0] / tuner.estimates()[1] - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn a_path_that_moved_nothing_keeps_its_estimate_and_bad_input_is_named() {
-        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 1, 0.05).unwrap();
-        let idle = [PathSample::default(), samples(&[1000.0])[0]];
+        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 0.5, 0.05).unwrap();
+        let idle = [
+            PathSample::default(),
+            PathSample {
+                read_bytes: 250,
+                read_busy_secs: 0.25,
+                write_bytes: 250,
+                write_busy_secs: 0.25,
+                busy_secs: 0.5,
+            },
+        ];
         assert_eq!(tuner.observe(&idle).unwrap(), None);
-        assert_eq!(tuner.estimates(), vec![1000.0, 1000.0]);
+        assert_eq!(tuner.estimates(), &[1000.0, 1000.0]);
         assert_eq!(
             tuner.direction_estimates(),
-            (vec![1000.0, 1000.0], vec![1000.0, 1000.0])
+            (&[1000.0, 1000.0][..], &[1000.0, 1000.0][..])
         );
         let cases: Vec<(Result<WeightTuner>, &str)> = vec![
-            (WeightTuner::new(vec![], 5, 0.05), "bandwidths"),
-            (WeightTuner::new(vec![0.0, 0.0], 5, 0.05), "bandwidths"),
-            (WeightTuner::new(vec![1.0, f64::NAN], 5, 0.05), "bandwidths"),
-            (WeightTuner::new(vec![1.0], 0, 0.05), "window"),
-            (WeightTuner::new(vec![1.0], 5, 1.0), "dead_band"),
+            (WeightTuner::new(vec![], 0.5, 0.05), "bandwidths"),
+            (WeightTuner::new(vec![0.0, 0.0], 0.5, 0.05), "bandwidths"),
+            (
+                WeightTuner::new(vec![1.0, f64::NAN], 0.5, 0.05),
+                "bandwidths",
+            ),
+            (WeightTuner::new(vec![1.0], 0.0, 0.05), "smoothing"),
+            (WeightTuner::new(vec![1.0], 0.5, 1.0), "dead_band"),
         ];
         for (result, key) in cases {
             let err = result.unwrap_err();

@@ -396,10 +396,10 @@ struct PyWeightTuner {
 #[pymethods]
 impl PyWeightTuner {
     #[new]
-    #[pyo3(signature = (bytes_per_s, *, window=5, dead_band=0.05))]
-    fn new(bytes_per_s: Vec<f64>, window: usize, dead_band: f64) -> PyResult<Self> {
+    #[pyo3(signature = (bytes_per_s, *, smoothing=0.5, dead_band=0.05))]
+    fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> PyResult<Self> {
         Ok(PyWeightTuner {
-            tuner: WeightTuner::new(bytes_per_s, window, dead_band).map_err(to_py)?,
+            tuner: WeightTuner::new(bytes_per_s, smoothing, dead_band).map_err(to_py)?,
         })
     }
 
@@ -410,7 +410,7 @@ impl PyWeightTuner {
 
     #[getter]
     fn estimates(&self) -> Vec<f64> {
-        self.tuner.estimates()
+        self.tuner.estimates().to_vec()
     }
 
     /// One step's figures per path, dicts with `read_bytes`, `read_busy_secs`, `write_bytes`,
@@ -420,10 +420,11 @@ impl PyWeightTuner {
         self.tuner.observe(&samples).map_err(to_py)
     }
 
-    /// Each path's read and write bandwidth over its read (write) busy time, bytes/s.
+    /// The smoothed read and write bandwidth of each path, bytes/s.
     #[getter]
     fn direction_estimates(&self) -> (Vec<f64>, Vec<f64>) {
-        self.tuner.direction_estimates()
+        let (read, write) = self.tuner.direction_estimates();
+        (read.to_vec(), write.to_vec())
     }
 }
 
