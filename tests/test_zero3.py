@@ -197,3 +197,22 @@ def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> No
     steps = [r for r in ours["telemetry"] if r["event"] == "step"]
     assert sum(r["write_wait_secs"] for r in steps) > 0.5, "the throttle must have slowed the writes"
     assert all(r["retained"] > 0 for r in steps[1:]), "steps start on subgroups whose writes ran on"
+
+
+def test_after_install_deepspeed_without_our_section_is_stock(work_dirs: list[Path], tmp_path: Path) -> None:
+    stock = run_case({"steps": 3}, tmp_path, "stock")
+    installed = run_case({"steps": 3, "install_first": True}, tmp_path, "installed")
+    assert (
+        installed["optimizer_class"]
+        == stock["optimizer_class"]
+        == ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3")
+    )
+    assert_bit_equal(installed, stock)
+    # With the section, plain deepspeed.initialize (as a framework would call it) builds ours.
+    ours = run_case(
+        {"steps": 3, "install_first": True, "plain_initialize": True, "mlp_offload": section(work_dirs[:1])},
+        tmp_path,
+        "ours",
+    )
+    assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    assert_bit_equal(ours, stock)

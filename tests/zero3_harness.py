@@ -71,7 +71,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         params: Any = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     else:
         params = model.parameters()
-    init = mlp_offload.initialize if "mlp_offload" in case else deepspeed.initialize
+    if case.get("install_first"):
+        # What a framework that calls deepspeed.initialize itself sees after mlp_offload.install().
+        mlp_offload.install()
+    use_ours = "mlp_offload" in case and not case.get("plain_initialize")
+    init = mlp_offload.initialize if use_ours else deepspeed.initialize
     engine, optimizer, _, _ = init(model=model, model_parameters=params, config=ds_config(case))
     data = torch.Generator().manual_seed(99)
     losses = []
@@ -96,7 +100,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
             "half": p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None,
         }
-    result: dict[str, Any] = {"state": state, "losses": losses, "skipped": engine.skipped_steps}
+    result: dict[str, Any] = {
+        "state": state,
+        "losses": losses,
+        "skipped": engine.skipped_steps,
+        "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+    }
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry is not None:
         result["telemetry"] = telemetry
