@@ -216,3 +216,21 @@ def test_after_install_deepspeed_without_our_section_is_stock(work_dirs: list[Pa
     )
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
     assert_bit_equal(ours, stock)
+
+
+def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a ramfs needs root")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    # ramfs has no O_DIRECT (tmpfs has it since Linux 6.6): the store falls back to buffered I/O on
+    # that path and says so.
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], check=True)
+    try:
+        ours = run_case({"steps": 2, "mlp_offload": section([mnt])}, tmp_path, "ramfs")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    warning = [line for line in ours["stderr"].splitlines() if "refuses O_DIRECT" in line]
+    assert warning and str(mnt) in warning[0], ours["stderr"][-2000:]
+    stock = run_case({"steps": 2}, tmp_path, "stock")
+    assert_bit_equal(ours, stock)
