@@ -223,7 +223,6 @@ pub struct PathCounters {
     pub bytes_written: AtomicU64,
     pub chunks: AtomicU64,
     pub retries: AtomicU64,
-    pub inflight: AtomicUsize,
     pub inflight_max: AtomicUsize,
     busy: Mutex<BusyClocks>,
 }
@@ -284,8 +283,9 @@ impl PathCounters {
         let now = Instant::now();
         busy.any.start(now);
         busy.of(op).start(now);
-        let inflight = self.inflight.fetch_add(1, Ordering::Relaxed) + 1;
-        self.inflight_max.fetch_max(inflight, Ordering::Relaxed);
+        // The clock of all chunks counts what is in flight.
+        self.inflight_max
+            .fetch_max(busy.any.inflight, Ordering::Relaxed);
     }
 
     fn ended(&self, op: Op) {
@@ -293,7 +293,6 @@ impl PathCounters {
         let now = Instant::now();
         busy.any.end(now);
         busy.of(op).end(now);
-        self.inflight.fetch_sub(1, Ordering::Relaxed);
     }
 
     fn moved(&self, op: Op, n: usize) {
