@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlp_offload import ObjectStore, WeightTuner, _core, profiles
+from mlp_offload import ObjectStore, WeightTuner, profiles
 from mlp_offload.cli import parse_size, render_table
 from mlp_offload.pipeline import PIPELINE_BUFFERS, SubgroupPipeline
 
@@ -49,17 +49,11 @@ def plan_for(
     measured: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """The model's plan from the probe, or from bandwidths measured while steps ran (`measured`)."""
-    inputs = profile.model_inputs()
-    if measured is not None:
-        for path, bytes_per_s in zip(inputs, measured, strict=True):
-            path["concurrent_bytes_per_s"] = bytes_per_s
-    return _core.plan_update(
-        inputs,
+    return profile.plan_subgroups(
         subgroups=subgroups,
-        read_bytes_per_subgroup=size,
-        write_bytes_per_subgroup=size,
-        host_bytes_per_subgroup=size,
+        bytes_per_subgroup=size,
         host_memory=buffers * size,
+        measured_bytes_per_s=measured,
         pipeline_buffers=PIPELINE_BUFFERS,
     )
 

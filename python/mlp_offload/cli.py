@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mlp_offload import _core, profiles, units
+from mlp_offload import profiles, units
 
 
 def parse_size(text: str) -> int:
@@ -129,12 +129,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     group = min(args.sub_group_size, args.params)
     subgroup_bytes = group * _STATE_BYTES_PER_PARAM
     subgroups = -(-args.params // group)
-    plan = _core.plan_update(
-        profile.model_inputs(),
+    plan = profile.plan_subgroups(
         subgroups=subgroups,
-        read_bytes_per_subgroup=subgroup_bytes,
-        write_bytes_per_subgroup=subgroup_bytes,
-        host_bytes_per_subgroup=subgroup_bytes,
+        bytes_per_subgroup=subgroup_bytes,
         host_memory=args.host_memory,
         adam_secs_per_subgroup=args.adam_secs_per_subgroup,
         fwd_bwd_secs=args.fwd_bwd_secs,

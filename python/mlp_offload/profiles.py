@@ -68,6 +68,32 @@ class Profile:
             for p in self.probes
         ]
 
+    def plan_subgroups(
+        self,
+        *,
+        subgroups: int,
+        bytes_per_subgroup: int,
+        host_memory: int,
+        measured_bytes_per_s: Sequence[float] | None = None,
+        **model_options: Any,
+    ) -> dict[str, Any]:
+        """The performance model's plan for `subgroups` objects of `bytes_per_subgroup`, each read and
+        written whole per update (see `_core.plan_update` for `model_options`). `measured_bytes_per_s`,
+        one per path, replaces the probe's concurrent figures with what the paths gave while running."""
+        inputs = self.model_inputs()
+        if measured_bytes_per_s is not None:
+            for path, bytes_per_s in zip(inputs, measured_bytes_per_s, strict=True):
+                path["concurrent_bytes_per_s"] = bytes_per_s
+        return _core.plan_update(
+            inputs,
+            subgroups=subgroups,
+            read_bytes_per_subgroup=bytes_per_subgroup,
+            write_bytes_per_subgroup=bytes_per_subgroup,
+            host_bytes_per_subgroup=bytes_per_subgroup,
+            host_memory=host_memory,
+            **model_options,
+        )
+
 
 def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     return [os.path.realpath(p) for p in paths]

@@ -170,24 +170,23 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"{grad_bytes:,} for the fp32 gradient buffer"
             )
         n = len(numels)
-        if config.cache_subgroups == "auto":
-            cache = min(n, max(0, buffers - PIPELINE_BUFFERS))
-        else:
-            cache = min(int(config.cache_subgroups), n)
-            if cache > buffers - 1 and cache < n:
-                raise ValueError(
-                    f"mlp_offload.cache_subgroups: {cache} cached subgroups need {cache + 1} buffers of "
-                    f"{buffer_bytes:,} bytes; host_memory {host_memory:,} holds {buffers}"
-                )
         self._mlp_grad = torch.empty(largest, dtype=FP32)
-        self._mlp_pipeline = SubgroupPipeline(
-            self._mlp_store,
-            [STATE_BYTES * k for k in numels],
-            buffers,
-            cache_subgroups=cache,
-            prefix="subgroup",
-            lock=self._mlp_pin,
-        )
+        try:
+            # The pipeline sizes the cache ("auto": what the buffers hold beyond its own) and checks it.
+            self._mlp_pipeline = SubgroupPipeline(
+                self._mlp_store,
+                [STATE_BYTES * k for k in numels],
+                buffers,
+                cache_subgroups=None if config.cache_subgroups == "auto" else config.cache_subgroups,
+                prefix="subgroup",
+                lock=self._mlp_pin,
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"mlp_offload.{e} (host_memory {host_memory:,} holds {buffers} buffers "
+                f"of {buffer_bytes:,} bytes)"
+            ) from None
+        cache = self._mlp_pipeline.cache_slots
         self._mlp_plan = self._mlp_make_plan(numels, host_memory, buffers)
         self._mlp_tuner = (
             _core.WeightTuner(self._mlp_plan["path_bytes_per_s"]) if config.adapt and self._mlp_plan else None
@@ -241,14 +240,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             log.info("mlp-offload: %s", source)
         if profile is None:
             return None
-        largest = max(numels)
-        return _core.plan_update(
-            profile.model_inputs(),
+        buffer_bytes = STATE_BYTES * max(numels)
+        return profile.plan_subgroups(
             subgroups=len(numels),
-            read_bytes_per_subgroup=STATE_BYTES * largest,
-            write_bytes_per_subgroup=STATE_BYTES * largest,
-            host_bytes_per_subgroup=STATE_BYTES * largest,
-            host_memory=buffers * STATE_BYTES * largest,
+            bytes_per_subgroup=buffer_bytes,
+            host_memory=buffers * buffer_bytes,
             pipeline_buffers=min(PIPELINE_BUFFERS, buffers),
         )
 
