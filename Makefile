@@ -28,15 +28,15 @@ build-prod: ## build the abi3 wheel into dist/
 .PHONY: format
 format: ## format Rust and Python sources
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests
-	$(VENV)/bin/ruff check --fix -q python tests
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix -q python tests benches
 
 .PHONY: lint
 lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against the module
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
-	$(VENV)/bin/ruff format --check -q python tests
-	$(VENV)/bin/ruff check -q python tests
+	$(VENV)/bin/ruff format --check -q python tests benches
+	$(VENV)/bin/ruff check -q python tests benches
 	$(VENV)/bin/mypy python/mlp_offload
 	$(VENV)/bin/python -m mypy.stubtest mlp_offload._core
 

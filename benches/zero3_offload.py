@@ -187,13 +187,16 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     print(f"{report['params'] / 1e6:.0f}M parameters; median seconds per iteration")
-    header = f"{'contender':16} {'forward':>8} {'backward':>9} {'update':>8} {'iteration':>10}  update x  iteration x"
-    print(header)
+    print(
+        f"{'contender':16} {'forward':>8} {'backward':>9} {'update':>8} {'iteration':>10}"
+        "  update x  iteration x"
+    )
     for contender, m in report["median_secs"].items():
         r = report["speedup_over_deepspeed_nvme"].get(contender, {})
         print(
-            f"{contender:16} {m['forward']:8.3f} {m['backward']:9.3f} {m['update']:8.3f} {m['iteration']:10.3f}"
-            f"  {r.get('update', float('nan')):8.2f} {r.get('iteration', float('nan')):10.2f}"
+            f"{contender:16} {m['forward']:8.3f} {m['backward']:9.3f} {m['update']:8.3f} "
+            f"{m['iteration']:10.3f}  {r.get('update', float('nan')):8.2f} "
+            f"{r.get('iteration', float('nan')):10.2f}"
         )
     print("x: DeepSpeed NVMe offload's median time over this contender's")
 
