@@ -234,3 +234,41 @@ def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> N
     assert warning and str(mnt) in warning[0], ours["stderr"][-2000:]
     stock = run_case({"steps": 2}, tmp_path, "stock")
     assert_bit_equal(ours, stock)
+
+
+@pytest.fixture(scope="module")
+def stock_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """DeepSpeed's own round trip: stock saves at step 5, a stock engine resumes."""
+    d = tmp_path_factory.mktemp("stock")
+    return run_case({"checkpoint_at": 5, "checkpoint_dir": str(d / "ckpt")}, d, "stock-resumed")
+
+
+# name, who saves at step 5 (ours: our section), who resumes from the checkpoint
+CHECKPOINT_CASES = [("ours saves, ours resumes", True, True), ("stock saves, ours resumes", False, True)]
+CHECKPOINT_CASES += [("ours saves, stock resumes", True, False)]
+
+
+@pytest.mark.parametrize(
+    ("name", "ours_saves", "ours_resumes"), CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES]
+)
+def test_a_checkpoint_resumes_bit_for_bit_and_interoperates_with_deepspeed(
+    name: str,
+    ours_saves: bool,
+    ours_resumes: bool,
+    stock_resumed: dict[str, Any],
+    work_dirs: list[Path],
+    tmp_path: Path,
+) -> None:
+    """`engine.save_checkpoint` at step 5, a new engine from other initial weights, `load_checkpoint`,
+    five more steps: the same state as DeepSpeed's own save and resume, bit for bit. Two subgroups are
+    cached when the checkpoint is taken, so it must include host copies newer than the store's."""
+    ours = section(work_dirs[:2], host_memory="64M", cache_subgroups=2)
+    case: dict[str, Any] = {"checkpoint_at": 5, "checkpoint_dir": str(tmp_path / "ckpt")}
+    if ours_saves:
+        case["mlp_offload"] = ours
+    if ours_resumes:
+        case["resume_mlp_offload"] = ours
+    resumed = run_case(case, tmp_path, "resumed")
+    assert_bit_equal(resumed, stock_resumed)
+    expected = "mlp_offload.zero3.MLPOffloadStage3" if ours_resumes else "deepspeed.runtime.zero.stage3."
+    assert resumed["optimizer_class"].startswith(expected)

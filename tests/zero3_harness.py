@@ -63,20 +63,28 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         # This CPU lacks mkldnn fp16, so DeepSpeed's CPU accelerator declines fp16; the arithmetic works,
         # slowly, and both contenders run exactly the same DeepSpeed fp16 code.
         get_accelerator().is_fp16_supported = lambda: True
-    torch.manual_seed(1234)
-    model = GPT.from_size("tiny", max_seq=SEQ)
-    if case.get("param_groups"):
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        params: Any = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    else:
-        params = model.parameters()
     if case.get("install_first"):
         # What a framework that calls deepspeed.initialize itself sees after mlp_offload.install().
         mlp_offload.install()
-    use_ours = "mlp_offload" in case and not case.get("plain_initialize")
-    init = mlp_offload.initialize if use_ours else deepspeed.initialize
-    engine, optimizer, _, _ = init(model=model, model_parameters=params, config=ds_config(case))
+
+    def make_engine(ours: bool, section: dict[str, Any] | None, seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        model = GPT.from_size("tiny", max_seq=SEQ)
+        if case.get("param_groups"):
+            decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+            no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+            params: Any = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        else:
+            params = model.parameters()
+        config = ds_config({k: v for k, v in case.items() if k != "mlp_offload"})
+        if section is not None:
+            config["mlp_offload"] = section
+        init = mlp_offload.initialize if ours else deepspeed.initialize
+        engine, optimizer, _, _ = init(model=model, model_parameters=params, config=config)
+        return engine, optimizer
+
+    section = case.get("mlp_offload")
+    engine, optimizer = make_engine(section is not None and not case.get("plain_initialize"), section, 1234)
     data = torch.Generator().manual_seed(99)
     losses = []
     overflow_at = case.get("overflow_at_step")
@@ -84,6 +92,14 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     for step in range(case.get("steps", 10)):
         if step == fail_at:
             return fail_step(engine, optimizer, case, data)
+        if step == case.get("checkpoint_at"):
+            # Save, drop the engine, build another from other initial weights (stock or ours, as the
+            # case says), load, and go on with the same data.
+            engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
+            engine.destroy()
+            resume = case.get("resume_mlp_offload")
+            engine, optimizer = make_engine(resume is not None, resume, 4321)
+            engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt")
         for _ in range(case.get("grad_accum", 1)):
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
             loss = engine(tokens)

@@ -30,7 +30,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
-from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
+from deepspeed.runtime.zero.stage3 import (
+    FP32_FLAT_GROUPS,
+    LOSS_SCALER,
+    OPTIMIZER_STATE_DICT,
+    OPTIMIZER_STEP_TIMER,
+)
 
 from mlp_offload import _core, profiles
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
@@ -83,6 +88,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             shadow_slots=config.shadow_slots,
         )
         self._mlp_pipeline: SubgroupPipeline | None = None
+        self._mlp_profile: profiles.Profile | None = None
+        # When the last step ended (forward and backward run until the next one starts), and the update
+        # time the model predicts for the next step.
+        self._mlp_last_step_end: float | None = None
+        self._mlp_prediction: float | None = None
         self._mlp_step_log: list[dict[str, Any]] = []
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
@@ -187,7 +197,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         cache = self._mlp_pipeline.cache_slots
+        self._mlp_numels, self._mlp_buffers = numels, buffers
         self._mlp_plan = self._mlp_make_plan(numels, host_memory, buffers)
+        if self._mlp_plan is not None:
+            self._mlp_prediction = self._mlp_plan["predicted_update_secs"]
         self._mlp_tuner = (
             _core.WeightTuner(self._mlp_plan["path_bytes_per_s"]) if config.adapt and self._mlp_plan else None
         )
@@ -238,14 +251,29 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
             )
             log.info("mlp-offload: %s", source)
+        self._mlp_profile = profile
         if profile is None:
             return None
+        return self._mlp_replan(numels, buffers)
+
+    def _mlp_replan(
+        self,
+        numels: list[int],
+        buffers: int,
+        fwd_bwd_secs: float = 0.0,
+        adam_secs_per_subgroup: float = 0.0,
+        measured_bytes_per_s: list[float] | None = None,
+    ) -> dict[str, Any]:
+        assert self._mlp_profile is not None
         buffer_bytes = STATE_BYTES * max(numels)
-        return profile.plan_subgroups(
+        return self._mlp_profile.plan_subgroups(
             subgroups=len(numels),
             bytes_per_subgroup=buffer_bytes,
             host_memory=buffers * buffer_bytes,
             pipeline_buffers=min(PIPELINE_BUFFERS, buffers),
+            fwd_bwd_secs=fwd_bwd_secs,
+            adam_secs_per_subgroup=adam_secs_per_subgroup,
+            measured_bytes_per_s=measured_bytes_per_s,
         )
 
     def _mlp_open_telemetry(self) -> Any:
@@ -306,6 +334,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup)."""
         step_start = time.perf_counter()
+        fwd_bwd = None if self._mlp_last_step_end is None else step_start - self._mlp_last_step_end
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -325,7 +354,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         timer_names.add(OPTIMIZER_STEP_TIMER)
         self.timers(OPTIMIZER_STEP_TIMER).start()
 
+        compute_secs = 0.0
+
         def update(i: int, state_bytes: torch.Tensor) -> None:
+            nonlocal compute_secs
+            t = time.perf_counter()
             self._mlp_bind(i, state_bytes)
             try:
                 if self._muon_update_lacks_loss_scale(i):
@@ -335,20 +368,35 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._reassign_or_swap_out_partitioned_parameters(i)
             finally:
                 self._mlp_unbind(i)
+                compute_secs += time.perf_counter() - t
 
         assert self._mlp_pipeline is not None
         # The last writes go on while the next forward and backward run.
         stats = self._mlp_pipeline.run_step(update, drain=False)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
-        self._mlp_after_step(stats, time.perf_counter() - step_start)
+        self._mlp_after_step(stats, time.perf_counter() - step_start, fwd_bwd, compute_secs)
+        self._mlp_last_step_end = time.perf_counter()
 
-    def _mlp_after_step(self, stats: StepStats, seconds: float) -> None:
+    def _mlp_after_step(
+        self, stats: StepStats, seconds: float, fwd_bwd: float | None, compute_secs: float
+    ) -> None:
         moved = None
         if self._mlp_tuner is not None:
             moved = self._mlp_tuner.observe(stats.per_path)
             if moved is not None:
                 self._mlp_store.weights = moved
+        predicted = self._mlp_prediction
+        if self._mlp_profile is not None and fwd_bwd is not None:
+            # The next step's prediction, from what this one measured: forward and backward (which hide
+            # the write-back), Adam and the gradient conversion per subgroup, each path's bandwidth.
+            self._mlp_prediction = self._mlp_replan(
+                self._mlp_numels,
+                self._mlp_buffers,
+                fwd_bwd_secs=fwd_bwd,
+                adam_secs_per_subgroup=compute_secs / len(self._mlp_numels),
+                measured_bytes_per_s=self._mlp_tuner.estimates if self._mlp_tuner is not None else None,
+            )["predicted_update_secs"]
         per_path = []
         for path, p in zip(self._mlp_config.paths, stats.per_path, strict=True):
             moved_bytes = p["read_bytes"] + p["write_bytes"]
@@ -376,19 +424,115 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "retained": stats.retained,
                 "paths": per_path,
                 "weights_next": moved,
-                "predicted_update_secs": self._mlp_plan["predicted_update_secs"] if self._mlp_plan else None,
+                "compute_secs": compute_secs,
+                "fwd_bwd_secs": fwd_bwd,
+                # Made before this step, from the steps before it (the start-up plan's for the first two).
+                "predicted_update_secs": predicted,
             }
         )
 
-    def state_dict(self) -> Any:
-        # DeepSpeed's checkpoint would save the empty placeholders, silently: refuse instead.
-        raise NotImplementedError(
-            "mlp_offload: DeepSpeed checkpoints of the optimizer state are not supported yet; the state is "
-            "in the store's directories (call optimizer.mlp_offload_flush() first)"
-        )
+    # ----------------------------------------------------------------------------------------------
+    # Checkpoints: DeepSpeed's own ZeRO-3 format, so they load into stock DeepSpeed and back
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("mlp_offload: loading DeepSpeed optimizer checkpoints is not supported yet")
+    def _mlp_current_state(self, i: int) -> torch.Tensor:
+        """A fresh fp32 copy of subgroup `i`'s newest `[params | exp_avg | exp_avg_sq]`: the pipeline's
+        host copy when it has one (cached, or still in its buffer from the last write-back), else the
+        store's."""
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        state = torch.empty(STATE_TENSORS * n, dtype=FP32)
+        found = self._mlp_pipeline.in_memory(i) if self._mlp_pipeline is not None else None
+        if found is not None:
+            state.view(torch.uint8).copy_(found[0])
+        else:
+            self._mlp_store.read(self._mlp_key(i), state).wait()
+        return state
+
+    def state_dict(self) -> Any:
+        """DeepSpeed's ZeRO-3 optimizer state dict (`_rigid_state_dict`'s keys and layout), with each
+        subgroup's fp32 weights and Adam moments brought in from the store. The whole optimizer state is
+        in host memory while the checkpoint is written, as with DeepSpeed's own NVMe offload."""
+        if self.elastic_checkpoint:
+            raise NotImplementedError("mlp_offload: ZeRO-3 elastic checkpoints are not supported")
+        subgroups = range(len(self.fp32_partitioned_groups_flat))
+        states = [self._mlp_current_state(i) for i in subgroups]
+        for i, state in zip(subgroups, states, strict=True):
+            n = int(self.fp16_partitioned_groups_flat_numel[i])
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            fp32.data = state[:n]
+            adam = self.optimizer.state[fp32]
+            adam.setdefault("step", 0)
+            adam["exp_avg"] = state[n : 2 * n]
+            adam["exp_avg_sq"] = state[2 * n :]
+        try:
+            # DeepSpeed's own code; it refers to the tensors just bound, which stay valid after unbinding.
+            saved = DeepSpeedZeroOptimizer_Stage3._rigid_state_dict(self)
+            saved[FP32_FLAT_GROUPS] = [t.data for t in saved[FP32_FLAT_GROUPS]]
+            # torch's state_dict shares each parameter's state dict, which unbinding empties: copy them.
+            optimizer_state = saved[OPTIMIZER_STATE_DICT]
+            optimizer_state["state"] = {k: dict(v) for k, v in optimizer_state["state"].items()}
+        finally:
+            for i in subgroups:
+                self._mlp_unbind(i)
+        return saved
+
+    def load_state_dict(
+        self,
+        state_dict_list: Any,
+        load_optimizer_states: bool = True,
+        load_from_fp32_weights: bool = False,
+        checkpoint_folder: Any = None,
+        load_serial: Any = None,
+        param_shapes: Any = None,
+    ) -> None:
+        """Loads a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same data-parallel
+        degree): fp32 weights and Adam moments go to the store, the half-precision partitions follow."""
+        if checkpoint_folder:
+            raise NotImplementedError(
+                "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
+            )
+        saved = state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        self.loss_scaler = saved[LOSS_SCALER]
+        self.dynamic_loss_scale = saved["dynamic_loss_scale"]
+        self.overflow = saved["overflow"]
+        subgroups = range(len(self.fp32_partitioned_groups_flat))
+        fp32_groups = saved[FP32_FLAT_GROUPS]
+        if len(fp32_groups) != len(subgroups):
+            raise ValueError(
+                f"checkpoint: {len(fp32_groups)} fp32 subgroups, this engine has {len(subgroups)} "
+                "(another model, sub_group_size or data-parallel degree)"
+            )
+        if load_optimizer_states:
+            # torch's loader matches the saved moments to our (empty) fp32 placeholders by position.
+            self._set_fp32_optimizer_param_groups()
+            try:
+                self.optimizer.load_state_dict(saved[OPTIMIZER_STATE_DICT])
+            finally:
+                self._clear_fp32_optimizer_param_groups()
+        assert self._mlp_pipeline is not None
+        # Host copies in the pipeline are older than the checkpoint now.
+        self._mlp_pipeline.discard()
+        for i in subgroups:
+            n = int(self.fp16_partitioned_groups_flat_numel[i])
+            if fp32_groups[i].numel() != n:
+                raise ValueError(
+                    f"checkpoint: subgroup {i} has {fp32_groups[i].numel():,} fp32 elements, this engine's "
+                    f"{n:,} (another model, sub_group_size or data-parallel degree)"
+                )
+            fp32 = self.fp32_partitioned_groups_flat[i]
+            adam = self.optimizer.state[fp32]
+            state = (
+                self._mlp_current_state(i) if not load_optimizer_states else torch.empty(3 * n, dtype=FP32)
+            )
+            state[:n].copy_(fp32_groups[i])
+            if load_optimizer_states:
+                state[n : 2 * n].copy_(adam["exp_avg"])
+                state[2 * n :].copy_(adam["exp_avg_sq"])
+            self._mlp_store.write(self._mlp_key(i), state).wait()
+            self._mlp_unbind(i)  # the loaded moments now live in the store only
+            self.fp16_partitioned_groups_flat[i].data.copy_(fp32_groups[i])
+            updated = self.unflatten(self.fp16_partitioned_groups_flat[i], self.fp16_partitioned_groups[i])
+            for partitioned, q in zip(self.fp16_partitioned_groups[i], updated, strict=True):
+                partitioned.data = q.data
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:
