@@ -52,9 +52,10 @@ test-python: ## pytest (the bindings and the CLI, both engines)
 test: setup lint test-rust test-python ## everything CI runs: set-up, lint, Rust and Python tests
 
 .PHONY: run
-run: setup ## the main job: probe the default tiers (TIERS=dir1:dir2 to choose)
+run: setup ## the main job: train a small LLaMA-style model, state on the default tiers (TIERS=dir1:dir2, STEPS=100)
 	@mkdir -p $(subst :, ,$(TIERS))
-	$(VENV)/bin/mlp-offload probe $(subst :, ,$(TIERS))
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/mlp-offload train --paths $(subst :, ,$(TIERS)) \
+	  --steps $(or $(STEPS),100)
 
 .PHONY: bench
 bench: setup ## cargo bench: store throughput per path, and the ratio to fio (MLP_OFFLOAD_BENCH_PATHS)
@@ -76,10 +77,10 @@ bench-model: setup ## the model on the work disk plus the test bed: prediction, 
 	    --testbed $(TESTBED) --cap-from 500M --cap-to 150M \
 	    $(if $(CAP_LOCAL),--cap-local $(CAP_LOCAL) --out docs/data/bench-model-local-capped.json,--out docs/data/bench-model.json)
 
-.PHONY: bench-zero3
-bench-zero3: setup ## ZeRO-3 end to end, 130M GPT: DeepSpeed NVMe offload vs mlp-offload (same path, same pinned memory) vs DRAM
+.PHONY: bench-e2e
+bench-e2e: setup ## end to end, 130M LLaMA (SIZE=...): DeepSpeed NVMe offload vs mlp-offload on 1 and 2 paths vs DRAM
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
-	  $(VENV)/bin/python benches/zero3_offload.py --out docs/data/bench-zero3.json
+	  $(VENV)/bin/python benches/e2e.py --size $(or $(SIZE),130M) --out docs/data/bench-e2e.json
 
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)

@@ -1,5 +1,5 @@
 """`mlp-offload`: the command line. `probe DIR...` measures storage paths and saves their profile;
-`plan DIR...` applies the performance model to a workload on those paths."""
+`plan DIR...` applies the performance model to a workload on those paths; `train` is the main job."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlp_offload import profiles, units
+from mlp_offload import train as train_job
 
 
 def parse_size(text: str) -> int:
@@ -241,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_probe_options(plan)
     plan.set_defaults(func=cmd_plan)
+    train = sub.add_parser(
+        "train",
+        help="the main job: train a small LLaMA-style model with the optimizer state offloaded",
+        description="Trains a byte-level LLaMA-style model on the corpus mlp-offload ships, under DeepSpeed "
+        "ZeRO-3 with the optimizer state in mlp-offload's store on the given paths, with a progress bar, a "
+        "summary table (phase times, bytes per tier, predicted against measured update time) and a chart.",
+    )
+    train_job.add_arguments(train)
+    train.set_defaults(func=train_job.run)
     return parser
 
 

@@ -60,3 +60,39 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln(x)).float()
         return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+# name: (hidden, layers, heads, intermediate); LLaMA's shapes at the large end. The vocabulary is the
+# caller's: LLaMA's 32,000 for the benchmark, 256 bytes for the training job's byte-level text.
+LLAMA_SIZES = {
+    "tiny": (64, 2, 4, 172),
+    "20M": (512, 6, 8, 1376),
+    "130M": (768, 12, 12, 2048),
+    "350M": (1024, 24, 16, 2816),
+    "1B": (2048, 16, 16, 5632),
+    "3B": (3200, 26, 32, 8640),
+    "7B": (4096, 32, 32, 11008),
+}
+
+
+def llama(size: str, vocab: int = 32000, max_seq: int = 2048) -> nn.Module:
+    """A LLaMA-style decoder (Hugging Face `LlamaForCausalLM`, random initialization, untied head) of a
+    size in `LLAMA_SIZES`: 130M is 768 wide with 12 layers, 7B is LLaMA-2 7B's shape."""
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"size: {size!r} is not one of {', '.join(LLAMA_SIZES)}")
+    # Imported here: transformers is needed by the benchmark and the training job only.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, intermediate = LLAMA_SIZES[size]
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_seq,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)

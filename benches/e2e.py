@@ -1,0 +1,440 @@
+"""The end-to-end benchmark: ZeRO-3 training iterations of a LLaMA-style decoder (Hugging Face
+`transformers`, random init, bf16) under real DeepSpeed, DeepSpeed's own NVMe offload against mlp-offload.
+
+    make bench-e2e                                     # 130M parameters, micro-batch 1, seq 128
+    .venv/bin/python benches/e2e.py --size 20M --rounds 1 --steps 2    # a quick look
+
+Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 by default):
+- `ds-nvme-partitioned`, `ds-nvme-pipelined`: `offload_optimizer: {device: nvme}` with buffer_count 4
+  (no pipelining) and 12 (pipelined reads and writes); the faster of the two is the baseline (a);
+- `mlp-offload`: our engine on the same single path with the same pinned host memory as the pipelined
+  baseline (12 x the largest subgroup x 4 bytes);
+- `mlp-offload-2path`: the same budget on two paths, the work disk plus the test bed's bandwidth-capped
+  loop device (`scripts/testbed.sh`), when this machine can host it (root, loop devices, cgroup v1 blkio);
+- `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload.
+
+Each (contender, round) runs in its own process, contenders interleaved round by round; figures are
+medians over the measured steps of every round (warm-up steps dropped). The report has forward,
+backward, update and iteration time, the ratios to the baseline, bytes moved per step (from
+/proc/self/io, and per path from our telemetry), achieved bandwidth, the I/O floor (bytes moved over
+the paths' measured mixed read/write bandwidth) and the update time over it, and the peak resident set.
+It writes JSON and a PNG chart. On a machine with a GPU it runs unchanged (the model on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CONTENDERS = ("ds-nvme-partitioned", "ds-nvme-pipelined", "mlp-offload", "mlp-offload-2path", "ds-cpu")
+BASELINES = ("ds-nvme-partitioned", "ds-nvme-pipelined")
+TESTBED = "scripts/testbed.sh"
+TESTBED_MOUNT = "/mnt/mlp-offload-testbed"
+
+
+def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
+    contender = spec["contender"]
+    offload: dict[str, Any] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": spec["sub_group_size"],
+            "offload_optimizer": offload,
+        },
+        "steps_per_print": 10**9,
+    }
+    if contender.startswith("ds-nvme"):
+        pipelined = contender == "ds-nvme-pipelined"
+        offload.update(
+            device="nvme",
+            nvme_path=spec["paths"][0],
+            pin_memory=True,
+            pipeline_read=pipelined,
+            pipeline_write=pipelined,
+            buffer_count=12 if pipelined else 4,
+        )
+    elif contender.startswith("mlp-offload"):
+        # The pipelined baseline's pinned budget: "auto" host_memory is buffer_count x largest x 4 bytes.
+        offload.update(pin_memory=True, buffer_count=12)
+        config["mlp_offload"] = {"paths": spec["paths"]}
+    return config
+
+
+def proc_io() -> tuple[int, int]:
+    """Bytes this process (all its threads, io_uring workers included) read from and wrote to storage."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One contender, one round: build the engine, run the steps, time each phase."""
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    import mlp_offload
+    from mlp_offload.models import GPT, llama
+
+    accelerator = get_accelerator()
+    torch.manual_seed(0)
+    if spec["model"] == "gpt":
+        model = GPT.from_size(spec["size"], max_seq=spec["seq"])
+        vocab = model.vocab
+    else:
+        model = llama(spec["size"], vocab=32000, max_seq=spec["seq"])
+        vocab = 32000
+    params = sum(p.numel() for p in model.parameters())
+    config = ds_config(spec)
+    init = mlp_offload.initialize if spec["contender"].startswith("mlp-offload") else deepspeed.initialize
+    t0 = time.perf_counter()
+    engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
+    init_secs = time.perf_counter() - t0
+    data = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(spec["warmup"] + spec["steps"]):
+        tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
+        tokens = tokens.to(engine.device)
+        io0 = proc_io()
+        accelerator.synchronize()
+        t0 = time.perf_counter()
+        if spec["model"] == "gpt":
+            loss = engine(tokens)
+        else:
+            loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+        accelerator.synchronize()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        accelerator.synchronize()
+        t2 = time.perf_counter()
+        engine.step()
+        accelerator.synchronize()
+        t3 = time.perf_counter()
+        io1 = proc_io()
+        steps.append(
+            {
+                "forward": t1 - t0,
+                "backward": t2 - t1,
+                "update": t3 - t2,
+                "iteration": t3 - t0,
+                "loss": float(loss.detach()),
+                "bytes_read": io1[0] - io0[0],
+                "bytes_written": io1[1] - io0[1],
+            }
+        )
+    result: dict[str, Any] = {
+        "params": params,
+        "init_secs": init_secs,
+        "steps": steps[spec["warmup"] :],
+        "device": str(engine.device),
+        # Kernel's high-water mark of the resident set, pinned buffers included (KiB on Linux).
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
+    if telemetry:
+        result["telemetry"] = telemetry
+    engine.destroy()
+    return result
+
+
+def testbed_available() -> tuple[bool, str]:
+    proc = subprocess.run(["bash", TESTBED, "check"], capture_output=True, text=True)
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def path_bandwidths(paths: list[str], testbed_up: bool) -> list[float]:
+    """Each path's mixed read/write bandwidth (bytes/s), probed now and saved (`mlp-offload probe`), in the
+    test bed's cgroup when it is up so the loop device's cap applies: the I/O floor's denominator. Paths
+    probed together give their concurrent figures."""
+    command = [str(Path(sys.executable).with_name("mlp-offload")), "probe", *paths, "--json", "-q"]
+    if testbed_up:
+        command = ["bash", TESTBED, "run", "--", *command]
+    probes = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    rates = [float(p.get("concurrent_bytes_per_s") or p["mixed_bytes_per_s"]) for p in probes]
+    print(f"probed {paths}: {[f'{r / 2**20:.0f} MiB/s' for r in rates]}", file=sys.stderr)
+    return rates
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=("llama", "gpt"), default="llama")
+    parser.add_argument("--size", default="130M", help="model size, see mlp_offload.models (130M)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--sub-group-size", type=int, default=20_000_000)
+    parser.add_argument("--path", default="target/bench-e2e", help="the local storage directory")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--testbed-bps", default="500M", help="the second path's cap (500M)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results; the chart goes beside it")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker.read_text())
+        Path(spec["result"]).write_text(json.dumps(worker(spec)))
+        return 0
+
+    contenders = args.contenders.split(",")
+    unknown = set(contenders) - set(CONTENDERS)
+    if unknown:
+        parser.error(f"--contenders: {', '.join(sorted(unknown))} not among {', '.join(CONTENDERS)}")
+    notes: list[str] = []
+    testbed_up = False
+    if "mlp-offload-2path" in contenders:
+        ok, why = testbed_available()
+        if not ok:
+            contenders.remove("mlp-offload-2path")
+            notes.append(f"mlp-offload-2path not run: this machine cannot host the test bed: {why}")
+            print(notes[-1], file=sys.stderr)
+    try:
+        if "mlp-offload-2path" in contenders:
+            subprocess.run(
+                ["bash", TESTBED, "up", "--size", "6G", "--bps", args.testbed_bps],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            testbed_up = True
+        report = run(args, contenders, testbed_up)
+    finally:
+        if testbed_up:
+            subprocess.run(["bash", TESTBED, "down"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    report["notes"] = notes
+    print_report(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        chart = args.out.with_suffix(".png")
+        draw_chart(report, chart)
+        print(f"results: {args.out}, chart: {chart}", file=sys.stderr)
+    return 0
+
+
+def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> dict[str, Any]:
+    root = Path(args.path).resolve()
+    local = root / "data"
+    second = Path(TESTBED_MOUNT) / "e2e"
+    # Single-path contenders take turns in one directory (emptied before each run), so one profile of
+    # it is every such contender's I/O floor; the two-path one has its own pair.
+    paths_of = {c: [str(local / "one-path")] for c in contenders}
+    if "mlp-offload-2path" in contenders:
+        paths_of["mlp-offload-2path"] = [str(local / "two-path"), str(second / "two-path")]
+    for paths in paths_of.values():
+        for p in paths:
+            Path(p).mkdir(parents=True, exist_ok=True)
+    # Profiles first, of the very directories the contenders use: saved, so our engine plans from them
+    # instead of probing inside a timed run, and the I/O floor has its bandwidth.
+    bandwidths = {
+        paths: path_bandwidths(list(paths), testbed_up) for paths in {tuple(p) for p in paths_of.values()}
+    }
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    for rnd in range(args.rounds):
+        for k, contender in enumerate(contenders):
+            # Each run starts from empty storage: no state or swap files of an earlier run.
+            run_paths = paths_of[contender]
+            for p in run_paths:
+                shutil.rmtree(p, ignore_errors=True)
+                Path(p).mkdir(parents=True)
+            spec = {
+                "contender": contender,
+                "model": args.model,
+                "size": args.size,
+                "seq": args.seq,
+                "micro_batch": args.micro_batch,
+                "sub_group_size": args.sub_group_size,
+                "paths": run_paths,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "result": str(root / f"{contender}.result.json"),
+            }
+            spec_file = root / f"{contender}.spec.json"
+            spec_file.write_text(json.dumps(spec))
+            env = {**os.environ}
+            if not _has_cuda():
+                env["DS_ACCELERATOR"] = "cpu"
+            env.setdefault("TORCH_EXTENSIONS_DIR", str(Path("target/torch_extensions").resolve()))
+            for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+                env.setdefault(key, value)
+            env["MASTER_ADDR"] = "127.0.0.1"
+            env["MASTER_PORT"] = str(29700 + (rnd * len(contenders) + k) % 200)
+            command = [sys.executable, __file__, "--worker", str(spec_file)]
+            if testbed_up:
+                # Only this process's I/O to the loop device is capped; every contender runs the same way.
+                command = ["bash", TESTBED, "run", "--", *command]
+            print(f"round {rnd + 1}/{args.rounds}: {contender} ...", file=sys.stderr, flush=True)
+            proc = subprocess.run(command, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"{contender} failed in round {rnd + 1}")
+            result = json.loads(Path(spec["result"]).read_text())
+            result["paths"] = run_paths
+            result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
+            runs[contender].append(result)
+    for p in (local, second):
+        shutil.rmtree(p, ignore_errors=True)
+    report = summarize(runs)
+    report.update(
+        {
+            "machine": {
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "kernel": platform.release(),
+                "device": runs[contenders[0]][0]["device"],
+            },
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "args": {k: str(v) for k, v in vars(args).items() if k != "worker"},
+            "runs": runs,
+        }
+    )
+    return report
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    phases = ("forward", "backward", "update", "iteration", "bytes_read", "bytes_written")
+    rows: dict[str, dict[str, Any]] = {}
+    for contender, rounds in runs.items():
+        steps = [s for r in rounds for s in r["steps"]]
+        row: dict[str, Any] = {k: statistics.median(s[k] for s in steps) for k in phases}
+        row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+        moved = row["bytes_read"] + row["bytes_written"]
+        bandwidth = sum(rounds[0]["path_bytes_per_s"])
+        row["io_floor_secs"] = moved / bandwidth if contender != "ds-cpu" and bandwidth > 0 else 0.0
+        row["update_over_io_floor"] = row["update"] / row["io_floor_secs"] if row["io_floor_secs"] else None
+        row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
+        records = [t for r in rounds for t in r.get("telemetry", []) if t.get("event") == "step"]
+        if records:
+            row["per_path"] = per_path_medians(rounds[0]["paths"], records)
+            predicted = [t["predicted_update_secs"] for t in records if t.get("predicted_update_secs")]
+            row["predicted_update_secs"] = statistics.median(predicted) if predicted else None
+        rows[contender] = row
+    present = [b for b in BASELINES if b in rows]
+    baseline = min(present, key=lambda b: rows[b]["iteration"]) if present else None
+    ratios = {}
+    if baseline:
+        base = rows[baseline]
+        for contender, m in rows.items():
+            ratios[contender] = {k: base[k] / m[k] for k in ("update", "iteration")}
+    params = next(iter(runs.values()))[0]["params"]
+    return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
+
+
+def per_path_medians(paths: list[str], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per path, medians over steps of bytes moved (also while forward and backward ran) and of bytes
+    per busy second."""
+    out = []
+    for i, path in enumerate(paths):
+        moved = [t["paths"][i]["read_bytes"] + t["paths"][i]["write_bytes"] for t in records]
+        rates = [
+            (t["paths"][i]["read_bytes"] + t["paths"][i]["write_bytes"]) / t["paths"][i]["busy_secs"]
+            for t in records
+            if t["paths"][i]["busy_secs"] > 0
+        ]
+        out.append(
+            {
+                "path": path,
+                "bytes_per_step": statistics.median(moved),
+                "bytes_per_busy_s": statistics.median(rates) if rates else 0.0,
+            }
+        )
+    return out
+
+
+def print_report(report: dict[str, Any]) -> None:
+    gib = 2**30
+    print(f"\n{report['params'] / 1e6:.0f}M parameters; medians, seconds per iteration")
+    print(
+        f"{'contender':20} {'fwd':>6} {'bwd':>6} {'update':>7} {'iter':>6} {'upd x':>6} {'iter x':>6} "
+        f"{'GiB/step':>8} {'MiB/s':>7} {'floor s':>7} {'upd/floor':>9} {'peak GiB':>8}"
+    )
+    for contender, m in report["median"].items():
+        r = report["speedup_over_baseline"].get(contender, {})
+        floor = m["update_over_io_floor"]
+        print(
+            f"{contender:20} {m['forward']:6.2f} {m['backward']:6.2f} {m['update']:7.2f} "
+            f"{m['iteration']:6.2f} {r.get('update', math.nan):6.2f} {r.get('iteration', math.nan):6.2f} "
+            f"{(m['bytes_read'] + m['bytes_written']) / gib:8.2f} {m['update_bytes_per_s'] / 2**20:7.0f} "
+            f"{m['io_floor_secs']:7.2f} {floor if floor is not None else math.nan:9.2f} "
+            f"{m['peak_rss_bytes'] / gib:8.2f}"
+        )
+        for p in m.get("per_path", []):
+            print(
+                f"  {p['path']}: {p['bytes_per_step'] / gib:.2f} GiB/step, "
+                f"{p['bytes_per_busy_s'] / 2**20:.0f} MiB per busy second"
+            )
+        if m.get("predicted_update_secs"):
+            print(f"  predicted update {m['predicted_update_secs']:.2f} s, measured {m['update']:.2f} s")
+    print(
+        f"x: the baseline's ({report['baseline']}) median time over the contender's. "
+        "GiB/step: bytes read and written per iteration (/proc/self/io); MiB/s: those bytes over the "
+        "update time; floor: those bytes over the paths' measured mixed bandwidth."
+    )
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+
+
+def draw_chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = list(report["median"])
+    phases = ("forward", "backward", "update")
+    colors = {"forward": "#8da0cb", "backward": "#66c2a5", "update": "#fc8d62"}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottoms = [0.0] * len(names)
+    for phase in phases:
+        values = [report["median"][n][phase] for n in names]
+        ax.bar(names, values, bottom=bottoms, label=phase, color=colors[phase])
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for i, n in enumerate(names):
+        r = report["speedup_over_baseline"].get(n)
+        if r:
+            ax.annotate(
+                f"{r['iteration']:.2f}x iter\n{r['update']:.2f}x update",
+                (i, bottoms[i]),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+    ax.set_ylabel("seconds per iteration (median)")
+    ax.set_ylim(0, max(bottoms) * 1.25)
+    ax.set_title(
+        f"ZeRO-3, {report['params'] / 1e6:.0f}M parameters, {report['machine']['device']}: "
+        f"ratios to {report['baseline']}",
+        fontsize=10,
+    )
+    ax.legend(loc="upper right")
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The main job (`mlp-offload train`) end to end, on a tiny model: it trains, reports and charts, and its
+bad input is named before the first step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).with_name("mlp-offload")
+
+
+def train(args: list[str], port: int) -> subprocess.CompletedProcess[str]:
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess.run([str(BIN), "train", *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_main_job_trains_on_two_tiers_and_reports(work_dirs: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    steps = 6
+    tiers = [str(p) for p in work_dirs[:2]]
+    # 20k-parameter subgroups: the tiny model has several, so the pipeline reads, writes and retains.
+    options = ["--size", "tiny", "--steps", str(steps), "--sub-group-size", "20000", "--no-progress"]
+    proc = train([*options, "--out", str(out), "--paths", *tiers], port=29581)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    losses = [s["loss"] for s in summary["steps"]]
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses)
+    assert summary["last_loss"] < summary["first_loss"], losses
+    assert summary["subgroups"] > 3
+    assert [t["path"] for t in summary["tiers"]] == tiers
+    for tier in summary["tiers"]:
+        assert tier["bytes_read_per_step"] > 0 and tier["bytes_written_per_step"] > 0, tier
+    records = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["start"] + ["step"] * steps
+    assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "update phase: measured" in proc.stdout and "tier" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--host-memory", "1K"], "mlp_offload.host_memory"),
+        (["--steps", "2"], "--steps"),
+        (["--size", "5B"], "size: '5B'"),
+    ],
+)
+def test_bad_input_is_named(args: list[str], named: str, work_dirs: list[Path], tmp_path: Path) -> None:
+    proc = train(
+        ["--size", "tiny", "--paths", str(work_dirs[0]), "--out", str(tmp_path / "run"), *args], port=29582
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert named in proc.stderr
