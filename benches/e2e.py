@@ -87,12 +87,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     import deepspeed
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     import mlp_offload
     from mlp_offload.models import GPT, llama
+    from mlp_offload.train import timed_iteration
 
-    accelerator = get_accelerator()
     torch.manual_seed(0)
     if spec["model"] == "gpt":
         model = GPT.from_size(spec["size"], max_seq=spec["seq"])
@@ -112,32 +111,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
         tokens = tokens.to(engine.device)
         io0 = proc_io()
-        accelerator.synchronize()
-        t0 = time.perf_counter()
         if spec["model"] == "gpt":
-            loss = engine(tokens)
+            step = timed_iteration(engine, tokens)
         else:
-            loss = engine(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
-        accelerator.synchronize()
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        accelerator.synchronize()
-        t2 = time.perf_counter()
-        engine.step()
-        accelerator.synchronize()
-        t3 = time.perf_counter()
+            step = timed_iteration(engine, input_ids=tokens[:, :-1], labels=tokens[:, :-1])
         io1 = proc_io()
-        steps.append(
-            {
-                "forward": t1 - t0,
-                "backward": t2 - t1,
-                "update": t3 - t2,
-                "iteration": t3 - t0,
-                "loss": float(loss.detach()),
-                "bytes_read": io1[0] - io0[0],
-                "bytes_written": io1[1] - io0[1],
-            }
-        )
+        steps.append({**step, "bytes_read": io1[0] - io0[0], "bytes_written": io1[1] - io0[1]})
     result: dict[str, Any] = {
         "params": params,
         "init_secs": init_secs,

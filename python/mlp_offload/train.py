@@ -109,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
             "mlp-offload train needs Hugging Face transformers: pip install 'mlp-offload[train]'"
         ) from None
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     import mlp_offload
     from mlp_offload.models import llama
@@ -136,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
     engine, optimizer, _, _ = mlp_offload.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(args, paths, telemetry)
     )
-    accelerator = get_accelerator()
     windows = torch.Generator().manual_seed(args.seed + 1)
     steps: list[dict[str, float]] = []
     bar = None
@@ -147,18 +145,7 @@ def run(args: argparse.Namespace) -> int:
     for step in range(args.steps):
         starts = torch.randint(0, len(corpus) - args.seq - 1, (args.micro_batch,), generator=windows)
         batch = torch.stack([corpus[s : s + args.seq] for s in starts.tolist()]).to(engine.device)
-        accelerator.synchronize()
-        t0 = time.perf_counter()
-        loss = engine(input_ids=batch, labels=batch).loss
-        accelerator.synchronize()
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        accelerator.synchronize()
-        t2 = time.perf_counter()
-        engine.step()
-        accelerator.synchronize()
-        t3 = time.perf_counter()
-        record = {"loss": float(loss.detach()), "forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2}
+        record = timed_iteration(engine, input_ids=batch, labels=batch)
         steps.append(record)
         if bar is not None:
             bar.set_postfix(
@@ -186,6 +173,35 @@ def run(args: argparse.Namespace) -> int:
     draw_chart(steps, summary, args.out / "chart.png")
     print(f"\nchart: {args.out / 'chart.png'}; telemetry: {telemetry}; summary: {args.out / 'summary.json'}")
     return 0
+
+
+def timed_iteration(engine: Any, *inputs: Any, **named_inputs: Any) -> dict[str, float]:
+    """One training iteration: forward (`engine(*inputs, **named_inputs)`, giving the loss or a model
+    output with `.loss`), then DeepSpeed's backward and step, each timed on its own (the device
+    synchronized in between, so a GPU's queued work counts where it ran)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    synchronize = get_accelerator().synchronize
+    synchronize()
+    t0 = time.perf_counter()
+    out = engine(*inputs, **named_inputs)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    synchronize()
+    t1 = time.perf_counter()
+    engine.backward(loss)
+    synchronize()
+    t2 = time.perf_counter()
+    engine.step()
+    synchronize()
+    t3 = time.perf_counter()
+    return {
+        "loss": float(loss.detach()),
+        "forward": t1 - t0,
+        "backward": t2 - t1,
+        "update": t3 - t2,
+        "iteration": t3 - t0,
+    }
 
 
 def summarize(
