@@ -108,6 +108,7 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     # Every subgroup is read, cached or still in its buffer from the last step's write-back, and
     # written or kept, every step after the first.
     for r in steps[1:]:
+        assert r["forward_secs"] > 0 and r["backward_secs"] > 0 and r["update_secs"] > 0, r
         assert r["reads"] + r["cached"] + r["retained"] == start["subgroups"]
         assert r["writes"] + start["cached_subgroups"] == start["subgroups"]
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]

@@ -92,6 +92,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # When the last step ended (forward and backward run until the next one starts), and the update
         # time the model predicts for the next step.
         self._mlp_last_step_end: float | None = None
+        # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks.
+        self._mlp_backward_secs = 0.0
+        self._mlp_backward_start = 0.0
         self._mlp_prediction: float | None = None
         self._mlp_step_log: list[dict[str, Any]] = []
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
@@ -331,6 +334,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # The step
 
+    def backward_prologue(self) -> None:
+        self._mlp_backward_start = time.perf_counter()
+        super().backward_prologue()
+
+    def backward_epilogue(self) -> None:
+        super().backward_epilogue()
+        self._mlp_backward_secs += time.perf_counter() - self._mlp_backward_start
+
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup)."""
         step_start = time.perf_counter()
@@ -348,6 +359,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if self._loss_scale_update_and_overflow_cleanup():
             # An fp16 overflow skips the update: no state is read, changed or written.
             self._mlp_emit({"event": "skipped", "rank": self._mlp_rank, "loss_scale": float(self.loss_scale)})
+            self._mlp_last_step_end, self._mlp_backward_secs = time.perf_counter(), 0.0
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
         timer_names: set[str] = set()
@@ -377,6 +389,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._post_step(timer_names)
         self._mlp_after_step(stats, time.perf_counter() - step_start, fwd_bwd, compute_secs)
         self._mlp_last_step_end = time.perf_counter()
+        self._mlp_backward_secs = 0.0
 
     def _mlp_after_step(
         self, stats: StepStats, seconds: float, fwd_bwd: float | None, compute_secs: float
@@ -425,6 +438,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "paths": per_path,
                 "weights_next": moved,
                 "compute_secs": compute_secs,
+                # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
+                "forward_secs": fwd_bwd - self._mlp_backward_secs if fwd_bwd is not None else None,
+                "backward_secs": self._mlp_backward_secs,
                 "fwd_bwd_secs": fwd_bwd,
                 # Made before this step, from the steps before it (the start-up plan's for the first two).
                 "predicted_update_secs": predicted,
