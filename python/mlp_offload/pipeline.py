@@ -251,16 +251,6 @@ class SubgroupPipeline:
             self._free.append(b)
             del self._resident[i]
 
-    def discard(self) -> None:
-        """Forgets every host copy (cached or retained), after their writes complete: the store's
-        objects are about to be replaced (a checkpoint being loaded)."""
-        for buffer, handle in self._retained.values():
-            handle.wait()
-            self._free.append(buffer)
-        self._retained.clear()
-        self._free.extend(self._resident.values())
-        self._resident.clear()
-
     def close(self) -> None:
         """Gives the buffers back (and their CUDA registration); cached state not flushed is lost."""
         for _, handle in self._retained.values():

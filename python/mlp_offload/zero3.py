@@ -30,12 +30,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero import stage3
-from deepspeed.runtime.zero.stage3 import (
-    FP32_FLAT_GROUPS,
-    LOSS_SCALER,
-    OPTIMIZER_STATE_DICT,
-    OPTIMIZER_STEP_TIMER,
-)
+from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, OPTIMIZER_STEP_TIMER
 
 from mlp_offload import _core, profiles
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
@@ -296,8 +291,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # Binding a subgroup's state to DeepSpeed's tensors
 
-    def _mlp_bind(self, i: int, state_bytes: torch.Tensor) -> None:
-        """Points DeepSpeed's fp32 tensor, its Adam state and its gradient at subgroup `i`'s buffers."""
+    def _mlp_bind_state(self, i: int, state_bytes: torch.Tensor) -> None:
+        """Points DeepSpeed's fp32 tensor and its Adam state at subgroup `i`'s `[params | exp_avg |
+        exp_avg_sq]`."""
         n = int(self.fp16_partitioned_groups_flat_numel[i])
         state = state_bytes.view(FP32)
         fp32 = self.fp32_partitioned_groups_flat[i]
@@ -306,6 +302,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         adam.setdefault("step", 0)
         adam["exp_avg"] = state[n : 2 * n]
         adam["exp_avg_sq"] = state[2 * n : 3 * n]
+
+    def _mlp_bind(self, i: int, state_bytes: torch.Tensor) -> None:
+        """`_mlp_bind_state`, and DeepSpeed's fp32 gradient converted from the half-precision one."""
+        self._mlp_bind_state(i, state_bytes)
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        fp32 = self.fp32_partitioned_groups_flat[i]
         grad = self._mlp_grad[:n]
         grad.copy_(self._mlp_half_grad(i))  # the delayed conversion, in place into one reusable buffer
         fp32.grad = grad
@@ -470,15 +472,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if self.elastic_checkpoint:
             raise NotImplementedError("mlp_offload: ZeRO-3 elastic checkpoints are not supported")
         subgroups = range(len(self.fp32_partitioned_groups_flat))
-        states = [self._mlp_current_state(i) for i in subgroups]
-        for i, state in zip(subgroups, states, strict=True):
-            n = int(self.fp16_partitioned_groups_flat_numel[i])
-            fp32 = self.fp32_partitioned_groups_flat[i]
-            fp32.data = state[:n]
-            adam = self.optimizer.state[fp32]
-            adam.setdefault("step", 0)
-            adam["exp_avg"] = state[n : 2 * n]
-            adam["exp_avg_sq"] = state[2 * n :]
+        for i in subgroups:
+            self._mlp_bind_state(i, self._mlp_current_state(i))
         try:
             # DeepSpeed's own code; it refers to the tensors just bound, which stay valid after unbinding.
             saved = DeepSpeedZeroOptimizer_Stage3._rigid_state_dict(self)
@@ -507,9 +502,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
             )
         saved = state_dict_list[dist.get_rank(group=self.dp_process_group)]
-        self.loss_scaler = saved[LOSS_SCALER]
-        self.dynamic_loss_scale = saved["dynamic_loss_scale"]
-        self.overflow = saved["overflow"]
         subgroups = range(len(self.fp32_partitioned_groups_flat))
         fp32_groups = saved[FP32_FLAT_GROUPS]
         if len(fp32_groups) != len(subgroups):
@@ -517,16 +509,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"checkpoint: {len(fp32_groups)} fp32 subgroups, this engine has {len(subgroups)} "
                 "(another model, sub_group_size or data-parallel degree)"
             )
-        if load_optimizer_states:
-            # torch's loader matches the saved moments to our (empty) fp32 placeholders by position.
-            self._set_fp32_optimizer_param_groups()
-            try:
-                self.optimizer.load_state_dict(saved[OPTIMIZER_STATE_DICT])
-            finally:
-                self._clear_fp32_optimizer_param_groups()
-        assert self._mlp_pipeline is not None
-        # Host copies in the pipeline are older than the checkpoint now.
-        self._mlp_pipeline.discard()
         for i in subgroups:
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             if fp32_groups[i].numel() != n:
@@ -534,21 +516,31 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                     f"checkpoint: subgroup {i} has {fp32_groups[i].numel():,} fp32 elements, this engine's "
                     f"{n:,} (another model, sub_group_size or data-parallel degree)"
                 )
-            fp32 = self.fp32_partitioned_groups_flat[i]
-            adam = self.optimizer.state[fp32]
-            state = (
-                self._mlp_current_state(i) if not load_optimizer_states else torch.empty(3 * n, dtype=FP32)
-            )
-            state[:n].copy_(fp32_groups[i])
-            if load_optimizer_states:
+        assert self._mlp_pipeline is not None
+        # The store alone then holds the current state (what is kept when the moments are not loaded),
+        # and no host copy outlives the checkpoint.
+        self._mlp_pipeline.flush()
+        states = []
+        for i in subgroups:
+            n = int(self.fp16_partitioned_groups_flat_numel[i])
+            keep = not load_optimizer_states
+            state = self._mlp_current_state(i) if keep else torch.empty(STATE_TENSORS * n, dtype=FP32)
+            self._mlp_bind_state(i, state)
+            states.append(state)
+        try:
+            # DeepSpeed's own loader: loss scaling, the moments (torch's loader matches them to our fp32
+            # tensors by position), the fp32 weights into the bound tensors, the half-precision partitions.
+            DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict(self, saved, load_optimizer_states)
+            for i, state in zip(subgroups, states, strict=True):
+                n = int(self.fp16_partitioned_groups_flat_numel[i])
+                adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
+                # torch's loader replaces the moments with tensors of its own; ours still hold the rest.
                 state[n : 2 * n].copy_(adam["exp_avg"])
                 state[2 * n :].copy_(adam["exp_avg_sq"])
-            self._mlp_store.write(self._mlp_key(i), state).wait()
-            self._mlp_unbind(i)  # the loaded moments now live in the store only
-            self.fp16_partitioned_groups_flat[i].data.copy_(fp32_groups[i])
-            updated = self.unflatten(self.fp16_partitioned_groups_flat[i], self.fp16_partitioned_groups[i])
-            for partitioned, q in zip(self.fp16_partitioned_groups[i], updated, strict=True):
-                partitioned.data = q.data
+                self._mlp_store.write(self._mlp_key(i), state).wait()
+        finally:
+            for i in subgroups:
+                self._mlp_unbind(i)  # the loaded state lives in the store only
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:
