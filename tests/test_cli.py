@@ -86,8 +86,9 @@ def test_parse_size(text: str, value: int) -> None:
 
 
 def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> None:
-    # Two directories on one disk share it: measured together, each gives about half, so the weights
-    # are near even (this disk is noisy, hence the wide band) and sum to 1.
+    # Two directories on one disk share it, so the plan splits by what each gave while both ran, not by
+    # what each gave alone. (How even that split comes out is up to this noisy disk in a half-second
+    # window, so the test checks the rule, not the figures.)
     out = run_cli(
         *("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G"),
         *("--json", "-q", str(work_dirs[0]), str(work_dirs[1])),
@@ -95,8 +96,10 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     result = json.loads(out.stdout)
     plan, workload = result["plan"], result["workload"]
     assert workload["subgroups"] == 5 and workload["bytes_per_subgroup"] == 240_000_000
-    assert sum(plan["weights"]) == pytest.approx(1.0)
-    assert all(0.2 < w < 0.8 for w in plan["weights"]), plan["weights"]
+    paths = result["paths"]
+    assert paths[0]["device_id"] == paths[1]["device_id"]
+    together = [p["concurrent_bytes_per_s"] for p in paths]
+    assert plan["weights"] == pytest.approx([bw / sum(together) for bw in together], rel=1e-9)
     # 2 GiB hold 8 buffers of 240 MB; 3 belong to the pipeline, so all 5 subgroups can stay cached.
     assert plan["cached_subgroups"] == 5 and plan["io_floor_secs"] == 0.0
 
