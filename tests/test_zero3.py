@@ -23,30 +23,51 @@ HARNESS = Path(__file__).with_name("zero3_harness.py")
 _ports = iter(range(29600, 29900))
 
 
-def run_case(case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None) -> dict[str, Any]:
+def run_case(
+    case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
+) -> dict[str, Any]:
+    """Runs the harness on `case`, one process per rank, and returns rank 0's result; with several
+    ranks, the others' results are under `"ranks"` (rank 0's first)."""
     case = {**case, "port": next(_ports)}
     spec = tmp_path / f"{name}.json"
-    out = tmp_path / f"{name}.pt"
     spec.write_text(json.dumps(case))
     env = {
         # DeepSpeed's just-in-time ops (cpu_adam, shm comm) build once into target/, not per run.
         "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
         **os.environ,
         "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "2",
+        # The machine's cores shared among the ranks.
+        "OMP_NUM_THREADS": str(max(1, 2 // ranks)),
+        "WORLD_SIZE": str(ranks),
     }
-    command = [sys.executable, str(HARNESS), str(spec), str(out)]
-    if cgroup is not None:
-        # Join the cgroup first, so the throttle applies to everything the run does.
-        command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    result: dict[str, Any] = torch.load(out, weights_only=False)
-    result["stderr"] = proc.stderr
-    return result
+    procs = []
+    for rank in range(ranks):
+        out, log = tmp_path / f"{name}.rank{rank}.pt", tmp_path / f"{name}.rank{rank}.log"
+        command = [sys.executable, str(HARNESS), str(spec), str(out)]
+        if cgroup is not None:
+            # Join the cgroup first, so the throttle applies to everything the run does.
+            command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        # Output to a file, not a pipe: a rank blocked on a full pipe would stall the others' collectives.
+        with log.open("w") as sink:
+            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=rank_env)
+        procs.append((proc, out, log))
+    results = []
+    try:
+        for rank, (proc, out, log) in enumerate(procs):
+            returncode = proc.wait(timeout=600)
+            if returncode != 0:
+                raise AssertionError(f"{name} rank {rank} failed ({returncode}):\n{log.read_text()[-8000:]}")
+            result: dict[str, Any] = torch.load(out, weights_only=False)
+            result["stderr"] = log.read_text()
+            results.append(result)
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()  # the other ranks of a failed one would wait in a collective for ever
+    if ranks > 1:
+        results[0]["ranks"] = results
+    return results[0]
 
 
 def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
@@ -113,6 +134,20 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
         assert r["writes"] + start["cached_subgroups"] == start["subgroups"]
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
     assert len(used) == n_paths, "every path holds a share of the state"
+
+
+def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path], tmp_path: Path) -> None:
+    """Two ranks (torch.distributed over gloo, as across nodes), each with its own batches, sharing the
+    same two paths: every rank's state equals stock DeepSpeed's two-rank run, and each rank keeps its
+    partition in its own directory of each path."""
+    stock = run_case({}, tmp_path, "stock", ranks=2)
+    ours = run_case({"mlp_offload": section(work_dirs[:2], host_memory="64M")}, tmp_path, "ours", ranks=2)
+    assert stock["losses"] != stock["ranks"][1]["losses"], "the ranks must see different data"
+    for rank, (a, b) in enumerate(zip(ours["ranks"], stock["ranks"], strict=True)):
+        assert a["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3", rank
+        assert_bit_equal(a, b)
+    for path in work_dirs[:2]:
+        assert sorted(d.name for d in path.iterdir() if any(d.glob("*.mlpo"))) == ["rank0", "rank1"], path
 
 
 @pytest.mark.parametrize(

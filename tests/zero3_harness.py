@@ -2,7 +2,8 @@
 returns the fp32 master weights and both Adam moments of every parameter, for bit-for-bit comparisons.
 
 Run in its own process per case (`python tests/zero3_harness.py CASE.json OUT.pt`): DeepSpeed keeps
-process-wide state (patched modules, the process group), so each engine gets a fresh interpreter.
+process-wide state (patched modules, the process group), so each engine gets a fresh interpreter. With
+several ranks, one process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own OUT.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
     section = case.get("mlp_offload")
     engine, optimizer = make_engine(section is not None and not case.get("plain_initialize"), section, 1234)
-    data = torch.Generator().manual_seed(99)
+    # Each data-parallel rank gets its own batches, as a sampler would give it.
+    data = torch.Generator().manual_seed(99 + int(os.environ["RANK"]))
     losses = []
     overflow_at = case.get("overflow_at_step")
     fail_at = case.get("immutable_at_step")
