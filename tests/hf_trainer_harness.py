@@ -1,0 +1,101 @@
+"""Trains a tiny LLaMA-style model with the Hugging Face `Trainer` and its DeepSpeed ZeRO-3 integration
+on the CPU, after `mlp_offload.install()`, and saves the final fp32 weights and Adam moments.
+
+`python tests/hf_trainer_harness.py PATHS_JSON OUT.pt`: PATHS_JSON is a JSON list of storage paths for an
+`"mlp_offload"` section, or `null` for stock DeepSpeed. One process per run (DeepSpeed keeps
+process-wide state). The Trainer calls `deepspeed.initialize` itself: nothing here names our engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    os.environ.setdefault(key, value)
+
+import torch  # noqa: E402
+
+import mlp_offload  # noqa: E402
+from mlp_offload.models import llama  # noqa: E402
+
+VOCAB, SEQ = 256, 32
+
+
+class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.tokens = torch.randint(0, VOCAB, (64, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def main(paths: list[str] | None, out: str) -> None:
+    mlp_offload.install()
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from transformers import Trainer, TrainingArguments
+
+    # "auto" values are the Trainer's to fill in, as users write them.
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"},
+        },
+        "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
+    }
+    if paths is not None:
+        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    args = TrainingArguments(
+        output_dir=os.path.join(os.path.dirname(out), "trainer-output"),
+        deepspeed=config,
+        use_cpu=True,  # the Trainer's own check refuses bf16 without a GPU otherwise
+        bf16=True,
+        max_steps=6,
+        warmup_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        seed=1,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    torch.manual_seed(1)
+    trainer = Trainer(model=llama("tiny", vocab=VOCAB, max_seq=SEQ), args=args, train_dataset=RandomTokens())
+    trainer.train()
+    optimizer = trainer.model_wrapped.optimizer
+    state = {
+        name: {
+            "fp32": safe_get_full_fp32_param(p).clone(),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+        }
+        for name, p in trainer.model_wrapped.module.named_parameters()
+    }
+    torch.save(
+        {
+            "state": state,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        },
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]), sys.argv[2])
