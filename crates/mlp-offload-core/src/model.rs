@@ -172,8 +172,9 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
     let adam = work.adam_secs_per_subgroup.max(0.0);
     let t = io_secs_per_subgroup;
     let n = work.subgroups as f64;
-    // Storage working while forward and backward run: the previous step's last writes and the next
-    // step's first reads, at most the pipeline's buffers' worth.
+    // Storage working while forward and backward run: the previous step's last writes, at most the
+    // pipeline's buffers' worth. Their buffers keep the state, so the next step also skips those
+    // subgroups' reads (the same I/O time, saved rather than hidden).
     let hidden_secs = if uncached > 0.0 {
         work.fwd_bwd_secs
             .max(0.0)
