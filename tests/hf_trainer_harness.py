@@ -1,5 +1,6 @@
 """Trains a tiny LLaMA-style model with the Hugging Face `Trainer` and its DeepSpeed ZeRO-3 integration
-on the CPU, after `mlp_offload.install()`, and saves the final fp32 weights and Adam moments.
+on the CPU, after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments and bf16
+partitions (what `deepspeed_runs.assert_bit_equal` compares).
 
 `python tests/hf_trainer_harness.py PATHS_JSON OUT.pt`: PATHS_JSON is a JSON list of storage paths for an
 `"mlp_offload"` section, or `null` for stock DeepSpeed. One process per run (DeepSpeed keeps
@@ -84,6 +85,7 @@ def main(paths: list[str] | None, out: str) -> None:
             "fp32": safe_get_full_fp32_param(p).clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+            "half": p.ds_tensor.clone(),
         }
         for name, p in trainer.model_wrapped.module.named_parameters()
     }
@@ -91,6 +93,7 @@ def main(paths: list[str] | None, out: str) -> None:
         {
             "state": state,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "skipped": trainer.model_wrapped.skipped_steps,
             "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         },
         out,

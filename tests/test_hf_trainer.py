@@ -6,7 +6,6 @@ warm-up scheduler, "auto" values filled in by the Trainer)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from deepspeed_runs import assert_bit_equal, harness_env
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
@@ -24,13 +25,7 @@ HARNESS = Path(__file__).with_name("hf_trainer_harness.py")
 
 def train(paths: list[Path] | None, tmp_path: Path, name: str, port: int) -> dict[str, Any]:
     out = tmp_path / f"{name}.pt"
-    env = {
-        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "2",
-        "MASTER_PORT": str(port),
-    }
+    env = harness_env(MASTER_PORT=str(port))
     arg = json.dumps(None if paths is None else [str(p) for p in paths])
     proc = subprocess.run(
         [sys.executable, str(HARNESS), arg, str(out)],
@@ -52,8 +47,6 @@ def test_the_trainer_uses_our_engine_and_matches_stock_deepspeed(
     ours = train(work_dirs[:2], tmp_path, "ours", 29592)
     assert stock["optimizer_class"].startswith("deepspeed.runtime.zero.stage3.")
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
-    assert len(ours["losses"]) == 6 and ours["losses"] == stock["losses"]
-    for name, tensors in stock["state"].items():
-        for key, expected in tensors.items():
-            assert torch.equal(ours["state"][name][key], expected), f"{name}.{key}"
+    assert len(ours["losses"]) == 6
+    assert_bit_equal(ours, stock)
     assert all(any(p.rglob("*.mlpo")) for p in work_dirs[:2]), "the state is in the paths"

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from deepspeed_runs import assert_bit_equal, harness_env
+
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
@@ -26,20 +28,13 @@ _ports = iter(range(29600, 29900))
 def run_case(
     case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
 ) -> dict[str, Any]:
-    """Runs the harness on `case`, one process per rank, and returns rank 0's result; with several
-    ranks, the others' results are under `"ranks"` (rank 0's first)."""
+    """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
+    stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`."""
     case = {**case, "port": next(_ports)}
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps(case))
-    env = {
-        # DeepSpeed's just-in-time ops (cpu_adam, shm comm) build once into target/, not per run.
-        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        # The machine's cores shared among the ranks.
-        "OMP_NUM_THREADS": str(max(1, 2 // ranks)),
-        "WORLD_SIZE": str(ranks),
-    }
+    # The machine's cores shared among the ranks.
+    env = harness_env(OMP_NUM_THREADS=str(max(1, 2 // ranks)), WORLD_SIZE=str(ranks))
     procs = []
     for rank in range(ranks):
         out, log = tmp_path / f"{name}.rank{rank}.pt", tmp_path / f"{name}.rank{rank}.log"
@@ -59,7 +54,7 @@ def run_case(
             if returncode != 0:
                 raise AssertionError(f"{name} rank {rank} failed ({returncode}):\n{log.read_text()[-8000:]}")
             result: dict[str, Any] = torch.load(out, weights_only=False)
-            result["stderr"] = log.read_text()
+            result["output"] = log.read_text()
             results.append(result)
     finally:
         for proc, _, _ in procs:
@@ -68,18 +63,6 @@ def run_case(
     if ranks > 1:
         results[0]["ranks"] = results
     return results[0]
-
-
-def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
-    assert ours["skipped"] == stock["skipped"]
-    assert ours["losses"] == stock["losses"]
-    for name, tensors in stock["state"].items():
-        for key in ("fp32", "exp_avg", "exp_avg_sq"):
-            a, b = ours["state"][name][key], tensors[key]
-            assert a.dtype == b.dtype == torch.float32, (name, key)
-            assert torch.equal(a, b), f"{name}.{key} differs: max |diff| {(a - b).abs().max().item()}"
-        if tensors["half"] is not None:
-            assert torch.equal(ours["state"][name]["half"], tensors["half"]), f"{name} half-precision params"
 
 
 def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
@@ -266,8 +249,8 @@ def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> N
         ours = run_case({"steps": 2, "mlp_offload": section([mnt])}, tmp_path, "ramfs")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-    warning = [line for line in ours["stderr"].splitlines() if "refuses O_DIRECT" in line]
-    assert warning and str(mnt) in warning[0], ours["stderr"][-2000:]
+    warning = [line for line in ours["output"].splitlines() if "refuses O_DIRECT" in line]
+    assert warning and str(mnt) in warning[0], ours["output"][-2000:]
     stock = run_case({"steps": 2}, tmp_path, "stock")
     assert_bit_equal(ours, stock)
 
