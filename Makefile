@@ -69,13 +69,13 @@ bench-two-paths: setup ## the fio comparison on the work disk plus the 500 MiB/s
 	  $(TESTBED) run -- cargo bench --bench io_throughput
 
 .PHONY: bench-model
-bench-model: setup ## the model on the work disk plus the test bed: prediction, splits, adaptation (root; CAP_LOCAL=1000M caps the work disk too)
+bench-model: setup ## the model on the work disk plus the test bed: prediction, splits, adaptation (root; CAP_LOCAL=1000M caps the work disk too, figures in docs/data/bench-model-local-1000M.json)
 	@$(TESTBED) up --size 8G --bps 500M >/dev/null
 	@trap '$(TESTBED) down' EXIT; mkdir -p $(CURDIR)/target/bench-model /mnt/mlp-offload-testbed/model && \
 	  $(TESTBED) run -- $(VENV)/bin/python benches/update_model.py \
 	    --paths $(CURDIR)/target/bench-model /mnt/mlp-offload-testbed/model \
 	    --testbed $(TESTBED) --cap-from 500M --cap-to 150M \
-	    $(if $(CAP_LOCAL),--cap-local $(CAP_LOCAL) --out docs/data/bench-model-local-capped.json,--out docs/data/bench-model.json)
+	    $(if $(CAP_LOCAL),--cap-local $(CAP_LOCAL) --out docs/data/bench-model-local-$(CAP_LOCAL).json,--out docs/data/bench-model.json)
 
 .PHONY: bench-e2e
 bench-e2e: setup ## end to end, 130M LLaMA (SIZE=...): DeepSpeed NVMe offload vs mlp-offload on 1 and 2 paths vs DRAM

@@ -33,9 +33,10 @@ WORKLOADS = [
     ("8 x 128 MiB, 3 cached", 8, 128 * MiB, 6),
     ("6 x 256 MiB, none cached", 6, 256 * MiB, 3),
 ]
-# Steps run on the probe's split while the tuner measures the paths, before the model plans again.
-CALIBRATION_STEPS = 4
+# Steps from the probe's split while the tuner balances the paths, before the rounds start.
+CALIBRATION_STEPS = 16
 FIXED_SPLITS = {"all-local": [1.0, 0.0], "3:1": [3.0, 1.0], "2:1": [2.0, 1.0], "1:1": [1.0, 1.0]}
+ADAPTING = "model, adapting"
 
 
 def log(line: str) -> None:
@@ -48,14 +49,17 @@ def plan_for(
     size: int,
     buffers: int,
     measured: Sequence[float] | None = None,
+    weights: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """The model's plan from the probe, or from bandwidths measured while steps ran (`measured`)."""
+    """The model's plan from the probe, or from bandwidths measured while steps ran (`measured`); at
+    its own split, or at `weights`."""
     return profile.plan_subgroups(
         subgroups=subgroups,
         bytes_per_subgroup=size,
         host_memory=buffers * size,
         measured_bytes_per_s=measured,
         pipeline_buffers=PIPELINE_BUFFERS,
+        weights=None if weights is None else list(weights),
     )
 
 
@@ -84,16 +88,26 @@ def compare_splits(
     store, pipeline = open_pipeline(paths, probed, subgroups, size, buffers)
     rounds: list[dict[str, Any]] = []
     try:
-        # Calibration: a few steps on the probe's split, the tuner measuring what each path gives while
-        # the pipeline runs. Every round, the model then plans (split and predicted time) from the
-        # tuner's figures so far, as it would while training, before its steps run.
+        # Calibration: steps from the probe's split while the tuner searches, as it does while
+        # training. Each round, "model" is the split the tuner has kept so far, held for the round like
+        # the fixed splits, and its predicted time the model's plan at that split from the tuner's
+        # measured bandwidths. "model, adapting" runs the tuner's current weights and lets it go on
+        # searching through those steps, as training does: its cost over "model" is the search's.
         tuner = WeightTuner(probed["path_bytes_per_s"])
+        store.weights = tuner.weights
         for _ in range(CALIBRATION_STEPS):
-            observe(tuner, pipeline.run_step(no_update))
+            adapt(tuner, store, pipeline.run_step(no_update))
         for rep in range(reps):
-            plan = plan_for(profile, subgroups, size, buffers, tuner.estimates)
-            configs = {"model": plan["weights"], "probe only": probed["weights"], **FIXED_SPLITS}
+            kept = tuner.kept_weights
+            plan = plan_for(profile, subgroups, size, buffers, tuner.estimates, kept)
+            configs = {
+                "model": kept,
+                ADAPTING: tuner.weights,
+                "probe only": probed["weights"],
+                **FIXED_SPLITS,
+            }
             secs: dict[str, float] = {}
+            adapting_weights = []
             # A new order each round. Rotating one order kept every configuration behind the same one,
             # and a throttle's burst credit carries over from one configuration to the next: 2:1 always
             # followed 3:1, which leaves the second path credit, and the model always followed 1:1,
@@ -101,21 +115,26 @@ def compare_splits(
             names = list(configs)
             random.Random(rep).shuffle(names)
             for config in names:
-                store.weights = configs[config]
-                # Two steps move every object to the new split (cached ones are written a step later).
+                store.weights = tuner.weights if config == ADAPTING else configs[config]
+                # Two steps move every object to the new split (cached ones are written a step later);
+                # until then a step's reads come from the last configuration's split, so the tuner
+                # does not learn from them.
                 for _ in range(2):
                     pipeline.run_step(no_update)
                 times = []
                 for _ in range(steps):
+                    if config == ADAPTING:
+                        adapting_weights.append(store.weights)
                     stats = pipeline.run_step(no_update)
                     times.append(stats.seconds)
-                    if config == "model":
-                        observe(tuner, stats)
+                    if config == ADAPTING:
+                        adapt(tuner, store, stats)
                 secs[config] = statistics.median(times)
                 log(f"{name}: round {rep + 1} {config}: {secs[config]:.3f} s")
             rounds.append(
                 {
-                    "weights": plan["weights"],
+                    "weights": kept,
+                    "adapting_weights": adapting_weights,
                     "estimates_bytes_per_s": plan["path_bytes_per_s"],
                     "predicted_secs": plan["predicted_update_secs"],
                     "median_secs": secs,
@@ -133,6 +152,7 @@ def compare_splits(
         "buffers": buffers,
         "probe_only_plan": probed,
         "last_plan": plan,
+        "model_weights": tuner.kept_weights,
         "rounds": rounds,
         "median_secs": {c: statistics.median(r["median_secs"][c] for r in rounds) for c in names},
         "predicted_secs": statistics.median(r["predicted_secs"] for r in rounds),
@@ -154,8 +174,13 @@ def compare_splits(
     }
 
 
-def observe(tuner: WeightTuner, stats: Any) -> Any:
-    return tuner.observe(stats.per_path)
+def adapt(tuner: WeightTuner, store: ObjectStore, stats: Any) -> list[float] | None:
+    """What the engine does after each step: the tuner sees each path's figures, the store its new
+    weights when they moved."""
+    moved = tuner.observe(stats.per_path, stats.seconds)
+    if moved is not None:
+        store.weights = moved
+    return moved
 
 
 def set_cap(testbed: str, bps: str) -> None:
@@ -179,9 +204,7 @@ def adaptation(
                 log(f"adaptation: second path capped at {cap_to}/s before step {step}")
             weights = store.weights
             stats = pipeline.run_step(no_update)
-            moved = observe(tuner, stats)
-            if moved is not None:
-                store.weights = moved
+            adapt(tuner, store, stats)
             record.append(
                 {
                     "step": step,
@@ -283,13 +306,13 @@ def _cpus() -> int:
 
 def print_report(results: dict[str, Any]) -> None:
     rows = []
-    others = ["probe only", *FIXED_SPLITS]
+    others = [ADAPTING, "probe only", *FIXED_SPLITS]
     for w in results["workloads"]:
         m = w["median_secs"]
         rows.append(
             [
                 w["workload"],
-                "/".join(f"{x:.2f}" for x in w["last_plan"]["weights"]),
+                "/".join(f"{x:.2f}" for x in w["model_weights"]),
                 f"{w['predicted_secs']:.2f}",
                 f"{m['model']:.2f}",
                 f"{w['measured_over_predicted']:.3f}",

@@ -98,20 +98,21 @@ class ObjectStore:
 
 @final
 class WeightTuner:
-    """Moves placement weights toward the bandwidth each path delivers, step by step."""
+    """Keeps placement weights balanced by the time each path was busy, step by step."""
 
     def __new__(
-        cls, bytes_per_s: list[float], *, smoothing: float = 0.5, dead_band: float = 0.05
+        cls, bytes_per_s: list[float], *, smoothing: float = 0.5, tolerance: float = 0.05
     ) -> Self: ...
     @property
     def weights(self) -> list[float]: ...
     @property
-    def estimates(self) -> list[float]: ...
+    def kept_weights(self) -> list[float]:
+        """The weights of the last kept move (the split settled on so far, without a move on trial)."""
     @property
-    def direction_estimates(self) -> tuple[list[float], list[float]]: ...
-    def observe(self, samples: list[dict[str, Any]]) -> list[float] | None:
+    def estimates(self) -> list[float]: ...
+    def observe(self, samples: list[dict[str, Any]], step_secs: float) -> list[float] | None:
         """One step's figures per path (`read_bytes`, `read_busy_secs`, `write_bytes`, `write_busy_secs`,
-        `busy_secs`); the new weights when they moved, else None."""
+        `busy_secs`) and the step's time; the new weights when they moved, else None."""
 
 def probe_directory(path: str) -> dict[str, Any]:
     """Alignment, tested O_DIRECT support and device identity of a directory."""
@@ -142,9 +143,11 @@ def plan_update(
     pipeline_buffers: int = 3,
     adam_secs_per_subgroup: float = 0.0,
     fwd_bwd_secs: float = 0.0,
+    weights: list[float] | None = None,
 ) -> dict[str, Any]:
     """The performance model's plan: weights, in-flight limits, cache size, I/O floor, predicted time.
 
     `paths` holds a dict per path: `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight`,
-    and optionally `mixed_bytes_per_s` and `concurrent_bytes_per_s`.
+    and optionally `mixed_bytes_per_s` and `concurrent_bytes_per_s`. `weights`, one per path: plan at
+    that split instead of the model's own.
     """

@@ -49,7 +49,8 @@ class MLPOffloadConfig(BaseModel):
     `"equal"`: the same share everywhere; or one weight per path."""
 
     adapt: bool = True
-    """Move the weights toward each path's measured bandwidth after every step."""
+    """After every step, move share from the busiest path to the idler ones; a move is kept only if the
+    update got no slower (`WeightTuner`, docs/model.md)."""
 
     cache_subgroups: int | Literal["auto"] = "auto"
     """Subgroups kept in host memory across steps (they skip a read and a write each step). `"auto"`:

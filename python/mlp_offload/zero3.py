@@ -11,7 +11,8 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
 3. `step()` runs the subgroups through `SubgroupPipeline`: alternating order, the last ones cached in host
    memory, reads ahead, writes behind. Each subgroup's half-precision gradient is converted into one
    reusable fp32 buffer just before its update (an exact widening, as DeepSpeed's own cast).
-4. After each step the `WeightTuner` moves the split toward what each path delivered.
+4. After each step the `WeightTuner` moves share from the busiest path to the idler ones, and keeps a move
+   only if the update got no slower.
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
 same operations: DeepSpeed 0.19.8's CPU Adam keeps its bias correction per step, not per call, so the
@@ -261,6 +262,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         fwd_bwd_secs: float = 0.0,
         adam_secs_per_subgroup: float = 0.0,
         measured_bytes_per_s: list[float] | None = None,
+        weights: list[float] | None = None,
     ) -> dict[str, Any]:
         assert self._mlp_profile is not None
         buffer_bytes = STATE_BYTES * max(numels)
@@ -272,6 +274,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             fwd_bwd_secs=fwd_bwd_secs,
             adam_secs_per_subgroup=adam_secs_per_subgroup,
             measured_bytes_per_s=measured_bytes_per_s,
+            weights=weights,
         )
 
     def _mlp_open_telemetry(self) -> Any:
@@ -398,7 +401,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     ) -> None:
         moved = None
         if self._mlp_tuner is not None:
-            moved = self._mlp_tuner.observe(stats.per_path)
+            moved = self._mlp_tuner.observe(stats.per_path, stats.seconds)
             if moved is not None:
                 self._mlp_store.weights = moved
         predicted = self._mlp_prediction
@@ -411,6 +414,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 fwd_bwd_secs=fwd_bwd,
                 adam_secs_per_subgroup=compute_secs / len(self._mlp_numels),
                 measured_bytes_per_s=self._mlp_tuner.estimates if self._mlp_tuner is not None else None,
+                # At the tuner's split, which the next step's writes use; without a tuner the plan's.
+                weights=self._mlp_tuner.weights if self._mlp_tuner is not None else None,
             )["predicted_update_secs"]
         per_path = []
         for path, p in zip(self._mlp_config.paths, stats.per_path, strict=True):

@@ -67,6 +67,17 @@ pub struct Plan {
 
 /// Plans one update phase. Paths without bandwidth get weight 0; paths on one device share it.
 pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
+    plan_split(paths, work, None)
+}
+
+/// Plans one update phase at a split chosen elsewhere (the `WeightTuner`'s, a fixed one), one weight
+/// per path, or at the model's own split when `split` is None. At a given split, a device's time per
+/// subgroup is its share times its cost, and the slowest device sets the pace.
+pub fn plan_split(
+    paths: &[PathProfile],
+    work: &UpdateWorkload,
+    split: Option<&[f64]>,
+) -> Result<Plan> {
     if paths.is_empty() {
         return Err(Error::config(
             "paths",
@@ -140,20 +151,59 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
     }
     // Minimising the slowest device's time, max_g f_g c_g with sum f_g = 1, gives f_g ∝ 1/c_g.
     let speed: f64 = devices.iter().map(|(_, c, _)| 1.0 / c).sum();
-    let mut weights = vec![0.0; paths.len()];
-    for (_, c, members) in &devices {
-        for &i in members {
-            weights[i] = (1.0 / c) / speed / members.len() as f64;
+    let (weights, shares) = match split {
+        None => {
+            let mut weights = vec![0.0; paths.len()];
+            for (_, c, members) in &devices {
+                for &i in members {
+                    weights[i] = (1.0 / c) / speed / members.len() as f64;
+                }
+            }
+            let shares: Vec<f64> = devices.iter().map(|(_, c, _)| (1.0 / c) / speed).collect();
+            (weights, shares)
         }
-    }
-    let io_secs_per_subgroup = 1.0 / speed;
+        Some(split) => {
+            if split.len() != paths.len()
+                || split.iter().any(|w| !w.is_finite() || *w < 0.0)
+                || split.iter().sum::<f64>() <= 0.0
+            {
+                return Err(Error::config(
+                    "weights",
+                    format!(
+                        "{split:?}: need {} finite, non-negative weights, not all zero",
+                        paths.len()
+                    ),
+                ));
+            }
+            let weights = normalise(split);
+            if let Some(i) = (0..paths.len())
+                .find(|&i| weights[i] > 0.0 && !devices.iter().any(|(_, _, m)| m.contains(&i)))
+            {
+                return Err(Error::config(
+                    "weights",
+                    format!("path {i} has weight {} but no usable bandwidth", weights[i]),
+                ));
+            }
+            let shares: Vec<f64> = devices
+                .iter()
+                .map(|(_, _, members)| members.iter().map(|&i| weights[i]).sum())
+                .collect();
+            (weights, shares)
+        }
+    };
+    // The slowest device's time for its share of one subgroup: 1 / speed at the model's own split.
+    let io_secs_per_subgroup = devices
+        .iter()
+        .zip(&shares)
+        .map(|((_, c, _), share)| share * c)
+        .fold(0.0, f64::max);
     // The first read of a step overlaps no write and the last write no read: each runs at the
     // one-direction bandwidth, the slowest device's stripe deciding.
     let alone = |bytes: f64, bw: fn(&PathProfile) -> f64| -> f64 {
         devices
             .iter()
-            .map(|(_, c, members)| {
-                let share = (1.0 / c) / speed;
+            .zip(&shares)
+            .map(|((_, c, members), &share)| {
                 let best = members.iter().map(|&i| bw(&paths[i])).fold(0.0, f64::max);
                 if usable(best) {
                     share * bytes / best
@@ -213,30 +263,91 @@ pub fn plan(paths: &[PathProfile], work: &UpdateWorkload) -> Result<Plan> {
     })
 }
 
-/// Moves placement weights toward the bandwidth each path delivers while training runs, so a path that
-/// slows down (a busy parallel file system) gets less of the next step's data.
+/// Keeps the placement weights balanced while training runs, so a path that slows down (a busy parallel
+/// file system) gets less of the next step's data. The formulas and the reasons are in `docs/model.md`.
 ///
-/// Per path it estimates the read and the write bandwidth from the bytes moved over the time the path
-/// had reads (writes) in flight, and the bandwidth of both together over the time it was busy at all.
-/// The split follows the per-direction figures: they are properties of the path, whereas how much of
-/// a path's reads overlap its writes depends on the schedule and on the share it was given. The
-/// combined figure is what the path delivered in this schedule: what to predict step times with.
+/// Busy time proposes: a step's I/O ends when its busiest path does, so paths busier than the mean
+/// (beyond `tolerance`) should give share to the less busy ones. The step time decides: the first step
+/// after a move is not judged (its reads still come from the old split), the second is compared with
+/// the last step before the move, and a move that made the step slower is undone. Busy time alone
+/// misleads on a throttled or burst-credited device (a cloud volume, the cgroup throttle of our test
+/// bed): it serves bytes from credit earned while idle, so it looks idle at the very share it can
+/// sustain, and more share makes it the bottleneck a step or two later.
 ///
-/// None of these depends on the share a path was given, so a new split does not feed back into the
-/// next measurement and the weights do not oscillate. Estimates are smoothed exponentially
-/// (`smoothing` is the weight of the newest step), and the weights move only when one of them would
-/// change by more than `dead_band` (relative), so noise does not re-split objects every step.
+/// Moves come in searches. The first move goes the way busy time points, or every other search the
+/// opposite way, so busy time's bias cannot walk the split off one way on moves that noise lets pass.
+/// An undone first move is followed by one the other way; a kept move by another the same way, its
+/// relative step doubling (up to `MAX_STEP`); undoing halves it (down to `MIN_STEP`). After both ways
+/// were undone at the smallest step the tuner waits `COOLDOWN_STEPS`. A step time `CHANGED_RATIO` away
+/// from the last one at the same weights means the paths changed: every step starts again at
+/// `CHANGED_STEP`, so a path that slowed a lot is followed within a few steps.
+///
+/// The tuner also smooths each path's bytes per busy second (`smoothing` is the weight of the newest
+/// step): what the path delivered in this schedule, for the model to predict step times with.
 #[derive(Debug, Clone)]
 pub struct WeightTuner {
-    read: Vec<f64>,
-    write: Vec<f64>,
     combined: Vec<f64>,
-    /// The reads' share of the bytes moved, smoothed like the rest.
-    read_fraction: f64,
     weights: Vec<f64>,
+    /// Per path: the relative step of its next move, and the direction of its last kept one.
+    steps: Vec<f64>,
+    last_direction: Vec<i8>,
     smoothing: f64,
-    dead_band: f64,
+    tolerance: f64,
+    /// Steps observed at the current weights.
+    age: usize,
+    /// While a move is on trial: the weights before it, the step time measured there, and the
+    /// direction each path moved.
+    trial: Option<Trial>,
+    /// Steps to wait before proposing again.
+    cooldown: usize,
+    /// The last judged step's time at the weights in force.
+    reference_secs: Option<f64>,
+    /// The next move's directions when a search is under way.
+    next: Option<(Vec<i8>, Move)>,
+    /// Whether the next new search starts against what busy time says.
+    first_against_busy: bool,
 }
+
+#[derive(Debug, Clone)]
+struct Trial {
+    before: Vec<f64>,
+    before_secs: f64,
+    directions: Vec<i8>,
+    kind: Move,
+}
+
+/// Where a move stands in a search, and whether the search goes the way busy time points (then each
+/// move stops where the path's busy time would meet the mean) or against it (a fixed step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Move {
+    /// The first of a search.
+    First { with_busy: bool },
+    /// The opposite of a first move that was undone.
+    OtherWay { with_busy: bool },
+    /// On the way a kept move went.
+    Further { with_busy: bool },
+}
+
+impl Move {
+    fn with_busy(self) -> bool {
+        match self {
+            Move::First { with_busy }
+            | Move::OtherWay { with_busy }
+            | Move::Further { with_busy } => with_busy,
+        }
+    }
+}
+
+/// The first relative step of a path's weight, and the bounds the step doubles and halves within.
+const FIRST_STEP: f64 = 0.05;
+const MIN_STEP: f64 = 0.01;
+const MAX_STEP: f64 = 0.5;
+/// Steps without proposals after a move at the smallest step was undone.
+const COOLDOWN_STEPS: usize = 4;
+/// A step this many times slower or faster than the last at the same weights: the paths changed.
+const CHANGED_RATIO: f64 = 1.5;
+/// Every path's step after such a change.
+const CHANGED_STEP: f64 = 0.25;
 
 /// What one path did during one step.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Deserialize)]
@@ -253,8 +364,8 @@ pub struct PathSample {
 
 impl WeightTuner {
     /// Starts from the bandwidths the plan assumed, one per path (bytes/s of reads and writes
-    /// together; 0 keeps a path out), taking each path's read and write bandwidth to be the same.
-    pub fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> Result<Self> {
+    /// together; 0 keeps a path out): the first weights are proportional to them.
+    pub fn new(bytes_per_s: Vec<f64>, smoothing: f64, tolerance: f64) -> Result<Self> {
         if bytes_per_s.is_empty()
             || bytes_per_s.iter().any(|b| !b.is_finite() || *b < 0.0)
             || bytes_per_s.iter().all(|b| *b == 0.0)
@@ -270,21 +381,27 @@ impl WeightTuner {
                 format!("{smoothing} is not in (0, 1]"),
             ));
         }
-        if !(0.0..1.0).contains(&dead_band) {
+        if !(0.0..1.0).contains(&tolerance) {
             return Err(Error::config(
-                "dead_band",
-                format!("{dead_band} is not in [0, 1)"),
+                "tolerance",
+                format!("{tolerance} is not in [0, 1)"),
             ));
         }
-        let weights = normalise(&bytes_per_s);
+        let n = bytes_per_s.len();
         Ok(WeightTuner {
-            read: bytes_per_s.clone(),
-            write: bytes_per_s.clone(),
+            weights: normalise(&bytes_per_s),
             combined: bytes_per_s,
-            read_fraction: 0.5,
-            weights,
+            steps: vec![FIRST_STEP; n],
+            last_direction: vec![0; n],
             smoothing,
-            dead_band,
+            tolerance,
+            // The objects were placed with the starting weights: the first step is judged.
+            age: 1,
+            trial: None,
+            cooldown: 0,
+            reference_secs: None,
+            next: None,
+            first_against_busy: false,
         })
     }
 
@@ -292,79 +409,194 @@ impl WeightTuner {
         &self.weights
     }
 
+    /// The weights of the last kept move: the current ones, or while a move is on trial the ones
+    /// before it. The split the tuner has settled on so far.
+    pub fn kept_weights(&self) -> &[f64] {
+        self.trial.as_ref().map_or(&self.weights, |t| &t.before)
+    }
+
     /// The smoothed bandwidth of each path with reads and writes as this schedule mixes them, bytes/s.
     pub fn estimates(&self) -> &[f64] {
         &self.combined
     }
 
-    /// The smoothed read and write bandwidth of each path, bytes/s.
-    pub fn direction_estimates(&self) -> (&[f64], &[f64]) {
-        (&self.read, &self.write)
-    }
-
-    /// Folds in one step's measurements, one per path; returns the new weights when they moved. A path
-    /// that moved nothing in a direction (or has weight 0) keeps that estimate.
-    pub fn observe(&mut self, samples: &[PathSample]) -> Result<Option<Vec<f64>>> {
-        if samples.len() != self.combined.len() {
+    /// Folds in one step's measurements, one per path, and the step's time (the update phase, or
+    /// whatever the split should make short); returns the new weights when they moved. A path that
+    /// moved nothing keeps its estimate; a path with weight 0 stays out.
+    pub fn observe(&mut self, samples: &[PathSample], step_secs: f64) -> Result<Option<Vec<f64>>> {
+        if samples.len() != self.weights.len() {
             return Err(Error::config(
                 "samples",
-                format!(
-                    "{} samples for {} paths",
-                    samples.len(),
-                    self.combined.len()
-                ),
+                format!("{} samples for {} paths", samples.len(), self.weights.len()),
             ));
         }
-        let a = self.smoothing;
-        let fold = |estimate: &mut f64, bytes: u64, secs: f64| {
-            if bytes > 0 && secs > 0.0 {
-                *estimate += a * (bytes as f64 / secs - *estimate);
-            }
-        };
-        for (i, sample) in samples.iter().enumerate() {
-            if self.weights[i] == 0.0 {
-                continue;
-            }
-            fold(&mut self.read[i], sample.read_bytes, sample.read_busy_secs);
-            fold(
-                &mut self.write[i],
-                sample.write_bytes,
-                sample.write_busy_secs,
-            );
-            fold(
-                &mut self.combined[i],
-                sample.read_bytes + sample.write_bytes,
-                sample.busy_secs,
-            );
+        if let Some(bad) = samples
+            .iter()
+            .map(|s| s.busy_secs)
+            .find(|b| !b.is_finite() || *b < 0.0)
+        {
+            return Err(Error::config(
+                "samples",
+                format!("busy_secs {bad} is not a finite, non-negative time"),
+            ));
         }
-        let (read, written) = samples.iter().fold((0u64, 0u64), |(r, w), s| {
-            (r + s.read_bytes, w + s.write_bytes)
-        });
-        if read + written > 0 {
-            self.read_fraction += a * (read as f64 / (read + written) as f64 - self.read_fraction);
+        if !(step_secs.is_finite() && step_secs > 0.0) {
+            return Err(Error::config(
+                "step_secs",
+                format!("{step_secs} is not a positive time"),
+            ));
         }
-        // Seconds per byte of this step's mix of reads and writes on each path; the split is its
-        // inverse.
-        let rho = self.read_fraction;
-        let speed: Vec<f64> = (0..self.combined.len())
-            .map(|i| {
-                if self.weights[i] == 0.0 || self.read[i] <= 0.0 || self.write[i] <= 0.0 {
-                    0.0
-                } else {
-                    1.0 / (rho / self.read[i] + (1.0 - rho) / self.write[i])
-                }
+        // Only paths in the split that moved bytes this step say anything about the balance.
+        let active: Vec<usize> = (0..samples.len())
+            .filter(|&i| {
+                let s = &samples[i];
+                self.weights[i] > 0.0 && s.read_bytes + s.write_bytes > 0 && s.busy_secs > 0.0
             })
             .collect();
-        let target = normalise(&speed);
-        let moved = target
-            .iter()
-            .zip(&self.weights)
-            .any(|(t, w)| (t - w).abs() > self.dead_band * w.max(f64::MIN_POSITIVE));
-        if !moved {
+        for &i in &active {
+            let s = &samples[i];
+            let measured = (s.read_bytes + s.write_bytes) as f64 / s.busy_secs;
+            self.combined[i] += self.smoothing * (measured - self.combined[i]);
+        }
+        self.age += 1;
+        if self.age < 2 {
+            // The first step after a move read the objects where the previous split put them.
             return Ok(None);
         }
-        self.weights = target;
-        Ok(Some(self.weights.clone()))
+        if let Some(trial) = self.trial.take() {
+            if step_secs > trial.before_secs {
+                // Slower than before the move: undo it and take smaller steps.
+                let mut smallest = true;
+                for (i, d) in trial.directions.iter().enumerate() {
+                    if *d != 0 {
+                        smallest &= self.steps[i] <= MIN_STEP;
+                        self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+                        self.last_direction[i] = 0;
+                    }
+                }
+                match trial.kind {
+                    // The first move of a search: try the other way next.
+                    Move::First { with_busy } => {
+                        let back = trial.directions.iter().map(|d| -d).collect();
+                        let with_busy = !with_busy;
+                        self.next = Some((back, Move::OtherWay { with_busy }));
+                    }
+                    // Both ways were slower: the split is as good as the step time can tell.
+                    Move::OtherWay { .. } if smallest => self.cooldown = COOLDOWN_STEPS,
+                    // Too far, or both ways slower at a larger step: a new search from here.
+                    Move::OtherWay { .. } | Move::Further { .. } => {}
+                }
+                return Ok(Some(self.set_weights(trial.before)));
+            }
+            // Kept: keep going that way, the step doubling, until a move makes the step slower.
+            for (i, d) in trial.directions.iter().enumerate() {
+                if *d != 0 {
+                    self.last_direction[i] = *d;
+                }
+            }
+            let with_busy = trial.kind.with_busy();
+            self.next = Some((trial.directions, Move::Further { with_busy }));
+        } else if let Some(reference) = self.reference_secs {
+            if step_secs > CHANGED_RATIO * reference || step_secs * CHANGED_RATIO < reference {
+                // Same weights, a very different step: the paths changed. Search afresh, the way
+                // busy time points first.
+                self.steps.fill(CHANGED_STEP);
+                self.last_direction.fill(0);
+                self.cooldown = 0;
+                self.next = None;
+                self.first_against_busy = false;
+            }
+        }
+        self.reference_secs = Some(step_secs);
+        if self.cooldown > 0 {
+            self.cooldown -= 1;
+            return Ok(None);
+        }
+        if active.len() < 2 {
+            return Ok(None);
+        }
+        // Less busy than the others: take more. Within the tolerance: balanced, stay.
+        let mean = active.iter().map(|&i| samples[i].busy_secs).sum::<f64>() / active.len() as f64;
+        let mut busy_directions = vec![0i8; self.weights.len()];
+        for &i in &active {
+            let busy = samples[i].busy_secs;
+            if (busy - mean).abs() > self.tolerance * mean {
+                busy_directions[i] = if busy < mean { 1 } else { -1 };
+            }
+        }
+        // A search the way busy time points ends once the paths it moves are balanced.
+        let next = self.next.take().filter(|(directions, kind)| {
+            !kind.with_busy()
+                || directions
+                    .iter()
+                    .zip(&busy_directions)
+                    .any(|(d, b)| *d != 0 && d == b)
+        });
+        let (directions, kind) = match next {
+            Some(next) => next,
+            None => {
+                if busy_directions.iter().all(|d| *d == 0) {
+                    for &i in &active {
+                        self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+                        self.last_direction[i] = 0;
+                    }
+                    return Ok(None);
+                }
+                // A new search goes the way busy time points, and every other one the opposite
+                // way, so a bias in busy time (burst credit) cannot walk the split off one way on
+                // moves that noise let pass.
+                let with_busy = !self.first_against_busy;
+                self.first_against_busy = with_busy;
+                let sign = if with_busy { 1 } else { -1 };
+                let directions = busy_directions.iter().map(|d| sign * d).collect();
+                (directions, Move::First { with_busy })
+            }
+        };
+        let mut weights = self.weights.clone();
+        for (i, &d) in directions.iter().enumerate() {
+            if d == 0 {
+                continue;
+            }
+            let previous = self.last_direction[i];
+            if previous == d {
+                self.steps[i] = (self.steps[i] * 2.0).min(MAX_STEP);
+            } else if previous == -d {
+                self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+            }
+            let step = self.steps[i];
+            // The way busy time points: no further than the share at which this path's busy time
+            // would be the mean (if its time grew with its bytes).
+            let change = if kind.with_busy() && active.contains(&i) {
+                (mean / samples[i].busy_secs - 1.0).clamp(-step, step)
+            } else {
+                f64::from(d) * step
+            };
+            weights[i] *= 1.0 + change;
+        }
+        Ok(Some(self.try_weights(weights, step_secs, directions, kind)))
+    }
+
+    /// Moves to `weights` (normalised) on trial, to be judged against `step_secs`.
+    fn try_weights(
+        &mut self,
+        weights: Vec<f64>,
+        step_secs: f64,
+        directions: Vec<i8>,
+        kind: Move,
+    ) -> Vec<f64> {
+        self.trial = Some(Trial {
+            before: self.weights.clone(),
+            before_secs: step_secs,
+            directions,
+            kind,
+        });
+        self.set_weights(normalise(&weights))
+    }
+
+    fn set_weights(&mut self, weights: Vec<f64>) -> Vec<f64> {
+        self.weights = weights;
+        self.age = 0;
+        self.weights.clone()
     }
 }
 
@@ -646,118 +878,280 @@ mod tests {
         }
     }
 
-    /// Each path reading and writing at `bytes_per_s`, a quarter second each, with full overlap.
-    fn samples(bytes_per_s: &[f64]) -> Vec<PathSample> {
-        bytes_per_s
-            .iter()
-            .map(|b| PathSample {
-                read_bytes: (b * 0.25) as u64,
-                read_busy_secs: 0.25,
-                write_bytes: (b * 0.25) as u64,
-                write_busy_secs: 0.25,
-                busy_secs: 0.5,
-            })
-            .collect()
+    /// A simulated path: how long it is busy as the tuner sees it, and how long it holds the step up,
+    /// for `bytes` moved in a step. For most paths the two are the same.
+    struct SimPath {
+        busy: Box<dyn Fn(usize, f64) -> f64>,
+        holds: Box<dyn Fn(usize, f64) -> f64>,
+    }
+
+    /// A path sustaining `mb_per_s`.
+    fn steady(mb_per_s: f64) -> SimPath {
+        SimPath {
+            busy: Box::new(move |_, bytes| bytes / (mb_per_s * MB)),
+            holds: Box::new(move |_, bytes| bytes / (mb_per_s * MB)),
+        }
+    }
+
+    /// A path sustaining `mb_per_s` averaged over the step but serving bytes in bursts from credit it
+    /// earned while idle, as a throttle with burst credit does: it looks busy a tenth of the time it
+    /// needs, at every share.
+    fn credited(mb_per_s: f64) -> SimPath {
+        SimPath {
+            busy: Box::new(move |_, bytes| bytes / (10.0 * mb_per_s * MB)),
+            holds: Box::new(move |_, bytes| bytes / (mb_per_s * MB)),
+        }
+    }
+
+    /// A path sustaining `mb_per_s` until step `at`, then `slowed_mb_per_s`.
+    fn slows(mb_per_s: f64, slowed_mb_per_s: f64, at: usize) -> SimPath {
+        let rate = move |step| if step < at { mb_per_s } else { slowed_mb_per_s } * MB;
+        SimPath {
+            busy: Box::new(move |step, bytes| bytes / rate(step)),
+            holds: Box::new(move |step, bytes| bytes / rate(step)),
+        }
+    }
+
+    /// Runs the tuner against simulated paths. Each step every path reads its share of 0.5 GB where the
+    /// previous step's weights put it and writes its share of 0.5 GB at the current weights; the step
+    /// takes as long as the slowest path holds it. Returns the weights after each step and the steps
+    /// after which they moved.
+    fn simulate(
+        tuner: &mut WeightTuner,
+        paths: &[SimPath],
+        steps: usize,
+    ) -> (Vec<Vec<f64>>, Vec<usize>) {
+        let half = 0.5e9;
+        let mut history = Vec::new();
+        let mut moved = Vec::new();
+        let mut previous = tuner.weights().to_vec();
+        for step in 0..steps {
+            let current = tuner.weights().to_vec();
+            let bytes: Vec<(f64, f64)> = previous
+                .iter()
+                .zip(&current)
+                .map(|(p, c)| (p * half, c * half))
+                .collect();
+            let step_secs = paths
+                .iter()
+                .zip(&bytes)
+                .map(|(path, (r, w))| (path.holds)(step, r + w))
+                .fold(0.0, f64::max);
+            let samples: Vec<PathSample> = paths
+                .iter()
+                .zip(&bytes)
+                .map(|(path, (r, w))| PathSample {
+                    read_bytes: *r as u64,
+                    write_bytes: *w as u64,
+                    busy_secs: if r + w > 0.0 {
+                        (path.busy)(step, r + w)
+                    } else {
+                        0.0
+                    },
+                    ..PathSample::default()
+                })
+                .collect();
+            if tuner.observe(&samples, step_secs).unwrap().is_some() {
+                moved.push(step);
+            }
+            previous = current;
+            history.push(tuner.weights().to_vec());
+        }
+        (history, moved)
     }
 
     #[test]
-    fn the_tuner_follows_a_slowed_path_without_oscillating() {
+    fn the_tuner_balances_the_paths_and_settles() {
         struct Case {
             name: &'static str,
             start: Vec<f64>,
-            /// Per step, what each path delivers.
-            steps: Vec<Vec<f64>>,
-            /// Steps after which the weights changed.
-            moved_at: Vec<usize>,
-            final_weights: Vec<f64>,
+            paths: Vec<SimPath>,
+            steps: usize,
+            /// Where the weights should end up, and how close.
+            balance: Vec<f64>,
+            within: f64,
+            /// How far from the balance they may be over the last 6 steps.
+            settled_within: f64,
+            moves_at_most: usize,
         }
-        let slow_b = |n| vec![vec![1500.0, 125.0]; n];
         let cases = [
             Case {
                 name: "as planned: nothing moves",
                 start: vec![1500.0, 500.0],
-                steps: vec![vec![1500.0, 500.0]; 6],
-                moved_at: vec![],
-                final_weights: vec![0.75, 0.25],
+                paths: vec![steady(1500.0), steady(500.0)],
+                steps: 6,
+                balance: vec![0.75, 0.25],
+                within: 1e-12,
+                settled_within: 1e-12,
+                moves_at_most: 0,
             },
             Case {
-                name: "noise inside the dead band: nothing moves",
+                name: "noise inside the tolerance: nothing moves",
                 start: vec![1500.0, 500.0],
-                steps: vec![
-                    vec![1530.0, 490.0],
-                    vec![1470.0, 510.0],
-                    vec![1520.0, 495.0],
-                    vec![1480.0, 505.0],
+                paths: vec![
+                    SimPath {
+                        busy: Box::new(|step, bytes| {
+                            bytes / (1500.0 * MB) * [1.02, 0.98][step % 2]
+                        }),
+                        holds: Box::new(|_, bytes| bytes / (1500.0 * MB)),
+                    },
+                    steady(500.0),
                 ],
-                moved_at: vec![],
-                final_weights: vec![0.75, 0.25],
+                steps: 6,
+                balance: vec![0.75, 0.25],
+                within: 1e-12,
+                settled_within: 1e-12,
+                moves_at_most: 0,
             },
             Case {
-                name: "path b slows to a quarter: b's weight falls monotonically toward 125/1625",
+                name: "path b four times slower than planned: followed, then settled",
                 start: vec![1500.0, 500.0],
-                steps: slow_b(8),
-                // The first step moves at once; later moves come while a step changes b by over 5%.
-                moved_at: vec![0, 1, 2, 3, 4, 6],
-                final_weights: vec![1500.0 / 1625.0, 125.0 / 1625.0],
+                paths: vec![steady(1500.0), steady(125.0)],
+                steps: 24,
+                balance: vec![1500.0 / 1625.0, 125.0 / 1625.0],
+                within: 0.01,
+                settled_within: 0.02,
+                moves_at_most: 24,
+            },
+            Case {
+                name: "burst credit: b looks idle at every share, the step time holds 2:1",
+                start: vec![1000.0, 500.0],
+                paths: vec![steady(1000.0), credited(500.0)],
+                steps: 30,
+                balance: vec![2.0 / 3.0, 1.0 / 3.0],
+                within: 0.02,
+                settled_within: 0.03,
+                moves_at_most: 30,
+            },
+            Case {
+                name: "burst credit, started on b's side: moves against busy time find 2:1",
+                start: vec![0.6, 0.4],
+                paths: vec![steady(1000.0), credited(500.0)],
+                steps: 40,
+                balance: vec![2.0 / 3.0, 1.0 / 3.0],
+                within: 0.02,
+                settled_within: 0.03,
+                moves_at_most: 40,
+            },
+            Case {
+                name: "three paths",
+                start: vec![1.0, 1.0, 1.0],
+                paths: vec![steady(2000.0), steady(1000.0), steady(1000.0)],
+                steps: 30,
+                balance: vec![0.5, 0.25, 0.25],
+                within: 0.02,
+                settled_within: 0.03,
+                moves_at_most: 30,
             },
             Case {
                 name: "a path planned out stays out",
                 start: vec![1500.0, 0.0],
-                steps: vec![vec![1200.0, 0.0]; 3],
-                moved_at: vec![],
-                final_weights: vec![1.0, 0.0],
+                paths: vec![steady(1200.0), steady(500.0)],
+                steps: 3,
+                balance: vec![1.0, 0.0],
+                within: 0.0,
+                settled_within: 0.0,
+                moves_at_most: 0,
             },
         ];
         for c in cases {
             let mut tuner = WeightTuner::new(c.start.clone(), 0.5, 0.05).unwrap();
-            let mut moved = Vec::new();
-            let mut previous_b = tuner.weights()[1];
-            for (i, step) in c.steps.iter().enumerate() {
-                if tuner.observe(&samples(step)).unwrap().is_some() {
-                    moved.push(i);
-                }
-                let b = tuner.weights()[1];
-                assert!(
-                    b <= previous_b + 1e-12,
-                    "{}: b's weight went back up",
-                    c.name
-                );
-                previous_b = b;
+            let (history, moved) = simulate(&mut tuner, &c.paths, c.steps);
+            assert!(
+                moved.len() <= c.moves_at_most,
+                "{}: moved at {moved:?}",
+                c.name
+            );
+            for (got, want) in tuner.weights().iter().zip(&c.balance) {
+                assert!((got - want).abs() <= c.within, "{}: {:?}", c.name, history);
             }
-            assert_eq!(moved, c.moved_at, "{}", c.name);
-            for (got, want) in tuner.weights().iter().zip(&c.final_weights) {
-                assert!(
-                    (got - want).abs() < 0.01,
-                    "{}: {:?}",
-                    c.name,
-                    tuner.weights()
-                );
+            // No swinging once settled.
+            for weights in &history[history.len().saturating_sub(6)..] {
+                for (got, want) in weights.iter().zip(&c.balance) {
+                    assert!(
+                        (got - want).abs() <= c.settled_within,
+                        "{}: swings: {history:?}",
+                        c.name
+                    );
+                }
             }
         }
     }
 
     #[test]
-    fn the_split_follows_per_direction_bandwidth_not_the_overlap() {
-        // Path a reads and writes twice as fast as path b, and its reads and writes also overlapped
-        // more this step, so its combined bandwidth looks 3x path b's: the split stays 2:1.
-        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 1.0, 0.05).unwrap();
-        let a = PathSample {
-            read_bytes: 200,
-            read_busy_secs: 0.1,
-            write_bytes: 200,
-            write_busy_secs: 0.1,
-            busy_secs: 0.1,
+    fn a_path_that_slows_after_the_weights_settled_is_followed_within_eight_steps() {
+        let mut tuner = WeightTuner::new(vec![1000.0, 1000.0], 0.5, 0.05).unwrap();
+        // Settles at 2:1 first (its steps shrink to the smallest), then b drops to 150 MB/s.
+        let paths = [steady(1000.0), slows(500.0, 150.0, 20)];
+        let (history, _) = simulate(&mut tuner, &paths, 40);
+        assert!((history[19][0] - 2.0 / 3.0).abs() < 0.02, "{history:?}");
+        let balance = 1000.0 / 1150.0;
+        for weights in &history[28..] {
+            assert!((weights[0] - balance).abs() < 0.03, "{history:?}");
+        }
+    }
+
+    #[test]
+    fn a_slowed_path_loses_most_of_its_share_within_eight_steps() {
+        let mut tuner = WeightTuner::new(vec![1500.0, 500.0], 0.5, 0.05).unwrap();
+        let (history, _) = simulate(&mut tuner, &[steady(1500.0), steady(125.0)], 8);
+        // From 0.25 toward 0.077: at least three quarters of the way.
+        let b = history[7][1];
+        assert!(b < 0.25 - 0.75 * (0.25 - 125.0 / 1625.0), "{history:?}");
+    }
+
+    #[test]
+    fn a_move_that_made_the_step_slower_is_undone() {
+        let mut tuner = WeightTuner::new(vec![2.0, 1.0], 1.0, 0.05).unwrap();
+        let sample = |bytes: u64, busy_secs| PathSample {
+            read_bytes: bytes,
+            write_bytes: bytes,
+            busy_secs,
+            ..PathSample::default()
         };
-        let b = PathSample {
-            read_bytes: 100,
-            read_busy_secs: 0.1,
-            write_bytes: 100,
-            write_busy_secs: 0.1,
-            busy_secs: 0.15,
+        let looks_idle = [sample(200, 1.0), sample(100, 0.1)];
+        let start = tuner.weights().to_vec();
+        let tried = tuner.observe(&looks_idle, 1.0).unwrap().unwrap();
+        assert!(tried[1] > start[1]);
+        assert_eq!(
+            tuner.kept_weights(),
+            &start[..],
+            "on trial, the kept weights are the old ones"
+        );
+        // The step after the move is not judged; the next one was slower: back to the start.
+        assert_eq!(tuner.observe(&looks_idle, 1.5).unwrap(), None);
+        assert_eq!(tuner.observe(&looks_idle, 1.2).unwrap().unwrap(), start);
+        // Then the other way, against what busy time says.
+        assert_eq!(tuner.observe(&looks_idle, 1.0).unwrap(), None);
+        let other = tuner.observe(&looks_idle, 1.0).unwrap().unwrap();
+        assert!(other[1] < start[1], "{start:?} {other:?}");
+        // It did not slow the step: kept, and followed by a bigger move the same way.
+        assert_eq!(tuner.observe(&looks_idle, 1.0).unwrap(), None);
+        let further = tuner.observe(&looks_idle, 0.9).unwrap().unwrap();
+        assert!(
+            other[1] - further[1] > start[1] - other[1],
+            "{start:?} {other:?} {further:?}"
+        );
+    }
+
+    #[test]
+    fn a_move_is_a_bounded_step_not_a_jump_to_the_measured_bandwidth() {
+        // Path b moved 1/3 of the bytes in a tenth of the time (bursts): bytes per busy second say
+        // 5:1 for b, but the tuner moves by its first step only.
+        let mut tuner = WeightTuner::new(vec![2.0, 1.0], 1.0, 0.05).unwrap();
+        let sample = |bytes: u64, busy_secs| PathSample {
+            read_bytes: bytes,
+            write_bytes: bytes,
+            busy_secs,
+            ..PathSample::default()
         };
-        let weights = tuner.observe(&[a, b]).unwrap().unwrap();
-        assert!((weights[0] - 2.0 / 3.0).abs() < 1e-9, "{weights:?}");
-        assert!((tuner.estimates()[0] / tuner.estimates()[1] - 3.0).abs() < 1e-9);
+        let weights = tuner
+            .observe(&[sample(200, 1.0), sample(100, 0.1)], 1.0)
+            .unwrap()
+            .unwrap();
+        let want_b = 1.0 / 3.0 * 1.05 / (2.0 / 3.0 * 0.95 + 1.0 / 3.0 * 1.05);
+        assert!((weights[1] - want_b).abs() < 1e-12, "{weights:?}");
+        assert!((tuner.estimates()[1] / tuner.estimates()[0] - 5.0).abs() < 1e-9);
     }
 
     #[test]
@@ -773,12 +1167,8 @@ mod tests {
                 busy_secs: 0.5,
             },
         ];
-        assert_eq!(tuner.observe(&idle).unwrap(), None);
+        assert_eq!(tuner.observe(&idle, 0.5).unwrap(), None);
         assert_eq!(tuner.estimates(), &[1000.0, 1000.0]);
-        assert_eq!(
-            tuner.direction_estimates(),
-            (&[1000.0, 1000.0][..], &[1000.0, 1000.0][..])
-        );
         let cases: Vec<(Result<WeightTuner>, &str)> = vec![
             (WeightTuner::new(vec![], 0.5, 0.05), "bandwidths"),
             (WeightTuner::new(vec![0.0, 0.0], 0.5, 0.05), "bandwidths"),
@@ -787,14 +1177,62 @@ mod tests {
                 "bandwidths",
             ),
             (WeightTuner::new(vec![1.0], 0.0, 0.05), "smoothing"),
-            (WeightTuner::new(vec![1.0], 0.5, 1.0), "dead_band"),
+            (WeightTuner::new(vec![1.0], 0.5, 1.0), "tolerance"),
         ];
         for (result, key) in cases {
             let err = result.unwrap_err();
             assert!(err.to_string().starts_with(&format!("{key}:")), "{err}");
         }
-        let err = tuner.observe(&idle[..1]).unwrap_err();
+        let err = tuner.observe(&idle[..1], 0.5).unwrap_err();
         assert!(err.to_string().starts_with("samples:"), "{err}");
+        let nan = [
+            idle[1],
+            PathSample {
+                busy_secs: f64::NAN,
+                ..idle[1]
+            },
+        ];
+        let err = tuner.observe(&nan, 0.5).unwrap_err();
+        assert!(err.to_string().contains("busy_secs NaN"), "{err}");
+        let err = tuner.observe(&idle, f64::NAN).unwrap_err();
+        assert!(err.to_string().starts_with("step_secs:"), "{err}");
+    }
+
+    #[test]
+    fn a_given_split_is_paced_by_its_slowest_device() {
+        // a costs 0.32 s per subgroup alone, b 0.96 s: the model's own split is 3:1, 0.24 s.
+        let paths = [path("a", 1500.0, 1500.0), path("b", 500.0, 500.0)];
+        let cases: [(Option<Vec<f64>>, f64); 5] = [
+            (None, 0.24),
+            (Some(vec![3.0, 1.0]), 0.24),
+            (Some(vec![2.0, 1.0]), 0.96 / 3.0),
+            (Some(vec![1.0, 0.0]), 0.32),
+            (Some(vec![0.9, 0.1]), 0.9 * 0.32),
+        ];
+        for (split, secs) in cases {
+            let p = plan_split(&paths, &work(10, 3), split.as_deref()).unwrap();
+            assert!(
+                (p.io_secs_per_subgroup - secs).abs() < 1e-9,
+                "{split:?}: {p:?}"
+            );
+            if let Some(split) = &split {
+                let total: f64 = split.iter().sum();
+                for (got, want) in p.weights.iter().zip(split) {
+                    assert!((got - want / total).abs() < 1e-12, "{split:?}: {p:?}");
+                }
+            }
+        }
+        let dead = [path("a", 1500.0, 1500.0), path("b", 0.0, 0.0)];
+        let bad: [(&[PathProfile], Vec<f64>); 4] = [
+            (&paths, vec![1.0]),
+            (&paths, vec![f64::NAN, 1.0]),
+            (&paths, vec![0.0, 0.0]),
+            (&dead, vec![1.0, 1.0]),
+        ];
+        for (paths, split) in bad {
+            let err = plan_split(paths, &work(10, 3), Some(&split)).unwrap_err();
+            assert!(err.to_string().starts_with("weights:"), "{split:?}: {err}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use mlp_offload_core::model::{plan, PathProfile, PathSample, UpdateWorkload, WeightTuner};
+use mlp_offload_core::model::{plan_split, PathProfile, PathSample, UpdateWorkload, WeightTuner};
 use mlp_offload_core::probe::{probe_paths, ProbeOptions};
 use mlp_offload_core::{
     AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits,
@@ -386,7 +386,7 @@ impl PyObjectStore {
     }
 }
 
-/// Moves placement weights toward the bandwidth each path delivers, step by step (see the core's
+/// Keeps placement weights balanced by the time each path was busy, step by step (see the core's
 /// `WeightTuner`).
 #[pyclass(module = "mlp_offload._core", name = "WeightTuner")]
 struct PyWeightTuner {
@@ -396,10 +396,10 @@ struct PyWeightTuner {
 #[pymethods]
 impl PyWeightTuner {
     #[new]
-    #[pyo3(signature = (bytes_per_s, *, smoothing=0.5, dead_band=0.05))]
-    fn new(bytes_per_s: Vec<f64>, smoothing: f64, dead_band: f64) -> PyResult<Self> {
+    #[pyo3(signature = (bytes_per_s, *, smoothing=0.5, tolerance=0.05))]
+    fn new(bytes_per_s: Vec<f64>, smoothing: f64, tolerance: f64) -> PyResult<Self> {
         Ok(PyWeightTuner {
-            tuner: WeightTuner::new(bytes_per_s, smoothing, dead_band).map_err(to_py)?,
+            tuner: WeightTuner::new(bytes_per_s, smoothing, tolerance).map_err(to_py)?,
         })
     }
 
@@ -408,23 +408,27 @@ impl PyWeightTuner {
         self.tuner.weights().to_vec()
     }
 
+    /// The weights of the last kept move (the split settled on so far, without a move on trial).
+    #[getter]
+    fn kept_weights(&self) -> Vec<f64> {
+        self.tuner.kept_weights().to_vec()
+    }
+
     #[getter]
     fn estimates(&self) -> Vec<f64> {
         self.tuner.estimates().to_vec()
     }
 
     /// One step's figures per path, dicts with `read_bytes`, `read_busy_secs`, `write_bytes`,
-    /// `write_busy_secs` and `busy_secs`; returns the new weights when they moved, else None.
-    fn observe(&mut self, samples: Vec<Bound<'_, PyAny>>) -> PyResult<Option<Vec<f64>>> {
+    /// `write_busy_secs` and `busy_secs`, and the step's time in seconds; returns the new weights when
+    /// they moved, else None.
+    fn observe(
+        &mut self,
+        samples: Vec<Bound<'_, PyAny>>,
+        step_secs: f64,
+    ) -> PyResult<Option<Vec<f64>>> {
         let samples: Vec<PathSample> = from_dicts(&samples, "samples")?;
-        self.tuner.observe(&samples).map_err(to_py)
-    }
-
-    /// The smoothed read and write bandwidth of each path, bytes/s.
-    #[getter]
-    fn direction_estimates(&self) -> (Vec<f64>, Vec<f64>) {
-        let (read, write) = self.tuner.direction_estimates();
-        (read.to_vec(), write.to_vec())
+        self.tuner.observe(&samples, step_secs).map_err(to_py)
     }
 }
 
@@ -499,11 +503,12 @@ fn probe_bandwidth(
 
 /// The performance model's plan for one update phase. `paths` holds one dict per path with
 /// `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight` and optionally
-/// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures).
+/// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures). `weights`, one per path:
+/// plan at that split instead of the model's own.
 #[pyfunction]
 #[pyo3(signature = (paths, *, subgroups, read_bytes_per_subgroup, write_bytes_per_subgroup,
                     host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0,
-                    fwd_bwd_secs=0.0))]
+                    fwd_bwd_secs=0.0, weights=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_update(
     py: Python<'_>,
@@ -516,6 +521,7 @@ fn plan_update(
     pipeline_buffers: usize,
     adam_secs_per_subgroup: f64,
     fwd_bwd_secs: f64,
+    weights: Option<Vec<f64>>,
 ) -> PyResult<Py<PyAny>> {
     let profiles: Vec<PathProfile> = from_dicts(&paths, "paths")?;
     let work = UpdateWorkload {
@@ -528,7 +534,8 @@ fn plan_update(
         adam_secs_per_subgroup,
         fwd_bwd_secs,
     };
-    to_py_json(py, &plan(&profiles, &work).map_err(to_py)?)
+    let planned = plan_split(&profiles, &work, weights.as_deref()).map_err(to_py)?;
+    to_py_json(py, &planned)
 }
 
 /// Why io_uring cannot be used in this process, or None when it can.
