@@ -153,13 +153,13 @@ pub fn plan_split(
     let speed: f64 = devices.iter().map(|(_, c, _)| 1.0 / c).sum();
     let (weights, shares) = match split {
         None => {
+            let shares: Vec<f64> = devices.iter().map(|(_, c, _)| (1.0 / c) / speed).collect();
             let mut weights = vec![0.0; paths.len()];
-            for (_, c, members) in &devices {
+            for ((_, _, members), share) in devices.iter().zip(&shares) {
                 for &i in members {
-                    weights[i] = (1.0 / c) / speed / members.len() as f64;
+                    weights[i] = share / members.len() as f64;
                 }
             }
-            let shares: Vec<f64> = devices.iter().map(|(_, c, _)| (1.0 / c) / speed).collect();
             (weights, shares)
         }
         Some(split) => {
@@ -316,26 +316,22 @@ struct Trial {
     kind: Move,
 }
 
-/// Where a move stands in a search, and whether the search goes the way busy time points (then each
-/// move stops where the path's busy time would meet the mean) or against it (a fixed step).
+/// Where a move stands in a search, and whether it goes the way busy time points (then it stops where
+/// the path's busy time would meet the mean) or against it (a fixed step).
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Move {
-    /// The first of a search.
-    First { with_busy: bool },
-    /// The opposite of a first move that was undone.
-    OtherWay { with_busy: bool },
-    /// On the way a kept move went.
-    Further { with_busy: bool },
+struct Move {
+    stage: Stage,
+    with_busy: bool,
 }
 
-impl Move {
-    fn with_busy(self) -> bool {
-        match self {
-            Move::First { with_busy }
-            | Move::OtherWay { with_busy }
-            | Move::Further { with_busy } => with_busy,
-        }
-    }
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Stage {
+    /// The first of a search.
+    First,
+    /// The opposite of a first move that was undone.
+    OtherWay,
+    /// On the way a kept move went.
+    Further,
 }
 
 /// The first relative step of a path's weight, and the bounds the step doubles and halves within.
@@ -470,21 +466,22 @@ impl WeightTuner {
                 for (i, d) in trial.directions.iter().enumerate() {
                     if *d != 0 {
                         smallest &= self.steps[i] <= MIN_STEP;
-                        self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+                        self.steps[i] = halved(self.steps[i]);
                         self.last_direction[i] = 0;
                     }
                 }
-                match trial.kind {
+                match trial.kind.stage {
                     // The first move of a search: try the other way next.
-                    Move::First { with_busy } => {
+                    Stage::First => {
                         let back = trial.directions.iter().map(|d| -d).collect();
-                        let with_busy = !with_busy;
-                        self.next = Some((back, Move::OtherWay { with_busy }));
+                        let with_busy = !trial.kind.with_busy;
+                        let stage = Stage::OtherWay;
+                        self.next = Some((back, Move { stage, with_busy }));
                     }
                     // Both ways were slower: the split is as good as the step time can tell.
-                    Move::OtherWay { .. } if smallest => self.cooldown = COOLDOWN_STEPS,
+                    Stage::OtherWay if smallest => self.cooldown = COOLDOWN_STEPS,
                     // Too far, or both ways slower at a larger step: a new search from here.
-                    Move::OtherWay { .. } | Move::Further { .. } => {}
+                    Stage::OtherWay | Stage::Further => {}
                 }
                 return Ok(Some(self.set_weights(trial.before)));
             }
@@ -494,8 +491,11 @@ impl WeightTuner {
                     self.last_direction[i] = *d;
                 }
             }
-            let with_busy = trial.kind.with_busy();
-            self.next = Some((trial.directions, Move::Further { with_busy }));
+            let further = Move {
+                stage: Stage::Further,
+                ..trial.kind
+            };
+            self.next = Some((trial.directions, further));
         } else if let Some(reference) = self.reference_secs {
             if step_secs > CHANGED_RATIO * reference || step_secs * CHANGED_RATIO < reference {
                 // Same weights, a very different step: the paths changed. Search afresh, the way
@@ -526,7 +526,7 @@ impl WeightTuner {
         }
         // A search the way busy time points ends once the paths it moves are balanced.
         let next = self.next.take().filter(|(directions, kind)| {
-            !kind.with_busy()
+            !kind.with_busy
                 || directions
                     .iter()
                     .zip(&busy_directions)
@@ -537,7 +537,7 @@ impl WeightTuner {
             None => {
                 if busy_directions.iter().all(|d| *d == 0) {
                     for &i in &active {
-                        self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+                        self.steps[i] = halved(self.steps[i]);
                         self.last_direction[i] = 0;
                     }
                     return Ok(None);
@@ -549,7 +549,8 @@ impl WeightTuner {
                 self.first_against_busy = with_busy;
                 let sign = if with_busy { 1 } else { -1 };
                 let directions = busy_directions.iter().map(|d| sign * d).collect();
-                (directions, Move::First { with_busy })
+                let stage = Stage::First;
+                (directions, Move { stage, with_busy })
             }
         };
         let mut weights = self.weights.clone();
@@ -559,38 +560,28 @@ impl WeightTuner {
             }
             let previous = self.last_direction[i];
             if previous == d {
-                self.steps[i] = (self.steps[i] * 2.0).min(MAX_STEP);
+                self.steps[i] = doubled(self.steps[i]);
             } else if previous == -d {
-                self.steps[i] = (self.steps[i] / 2.0).max(MIN_STEP);
+                self.steps[i] = halved(self.steps[i]);
             }
             let step = self.steps[i];
             // The way busy time points: no further than the share at which this path's busy time
             // would be the mean (if its time grew with its bytes).
-            let change = if kind.with_busy() && active.contains(&i) {
+            let change = if kind.with_busy && active.contains(&i) {
                 (mean / samples[i].busy_secs - 1.0).clamp(-step, step)
             } else {
                 f64::from(d) * step
             };
             weights[i] *= 1.0 + change;
         }
-        Ok(Some(self.try_weights(weights, step_secs, directions, kind)))
-    }
-
-    /// Moves to `weights` (normalised) on trial, to be judged against `step_secs`.
-    fn try_weights(
-        &mut self,
-        weights: Vec<f64>,
-        step_secs: f64,
-        directions: Vec<i8>,
-        kind: Move,
-    ) -> Vec<f64> {
+        // On trial, to be judged against this step's time.
         self.trial = Some(Trial {
             before: self.weights.clone(),
             before_secs: step_secs,
             directions,
             kind,
         });
-        self.set_weights(normalise(&weights))
+        Ok(Some(self.set_weights(normalise(&weights))))
     }
 
     fn set_weights(&mut self, weights: Vec<f64>) -> Vec<f64> {
@@ -598,6 +589,16 @@ impl WeightTuner {
         self.age = 0;
         self.weights.clone()
     }
+}
+
+/// A path's relative step after a move is undone, the path turns or is balanced; and after a kept
+/// move the same way.
+fn halved(step: f64) -> f64 {
+    (step / 2.0).max(MIN_STEP)
+}
+
+fn doubled(step: f64) -> f64 {
+    (step * 2.0).min(MAX_STEP)
 }
 
 fn normalise(values: &[f64]) -> Vec<f64> {
