@@ -33,8 +33,9 @@ WORKLOADS = [
     ("8 x 128 MiB, 3 cached", 8, 128 * MiB, 6),
     ("6 x 256 MiB, none cached", 6, 256 * MiB, 3),
 ]
-# Steps from the probe's split while the tuner balances the paths, before the rounds start.
-CALIBRATION_STEPS = 16
+# Steps from the probe's split while the tuner balances the paths, before the rounds start (a move
+# takes three: one that still reads the old split, two it is judged on).
+CALIBRATION_STEPS = 24
 FIXED_SPLITS = {"all-local": [1.0, 0.0], "3:1": [3.0, 1.0], "2:1": [2.0, 1.0], "1:1": [1.0, 1.0]}
 ADAPTING = "model, adapting"
 
@@ -89,57 +90,45 @@ def compare_splits(
     rounds: list[dict[str, Any]] = []
     try:
         # Calibration: steps from the probe's split while the tuner searches, as it does while
-        # training. Each round, "model" is the split the tuner has kept so far, held for the round like
-        # the fixed splits, and its predicted time the model's plan at that split from the tuner's
-        # measured bandwidths. "model, adapting" runs the tuner's current weights and lets it go on
-        # searching through those steps, as training does: its cost over "model" is the search's.
+        # training. "model" is the split the tuner kept, held for every round like the fixed splits,
+        # and its predicted time the model's plan at that split from the tuner's measured bandwidths.
+        # "model, adapting" runs the tuner's current weights and lets it go on searching through its
+        # steps, as training does: its cost over "model" is the search's. The other configurations ran
+        # in between, so each round it starts judging afresh.
         tuner = WeightTuner(probed["path_bytes_per_s"])
         store.weights = tuner.weights
         for _ in range(CALIBRATION_STEPS):
             adapt(tuner, store, pipeline.run_step(no_update))
+        kept = tuner.kept_weights
+        plan = plan_for(profile, subgroups, size, buffers, tuner.estimates, kept)
         for rep in range(reps):
-            kept = tuner.kept_weights
-            plan = plan_for(profile, subgroups, size, buffers, tuner.estimates, kept)
-            configs = {
-                "model": kept,
-                ADAPTING: tuner.weights,
-                "probe only": probed["weights"],
-                **FIXED_SPLITS,
-            }
+            configs = {"model": kept, "probe only": probed["weights"], **FIXED_SPLITS}
             secs: dict[str, float] = {}
             adapting_weights = []
             # A new order each round. Rotating one order kept every configuration behind the same one,
             # and a throttle's burst credit carries over from one configuration to the next: 2:1 always
             # followed 3:1, which leaves the second path credit, and the model always followed 1:1,
             # which spends it.
-            names = list(configs)
+            names = [*configs, ADAPTING]
             random.Random(rep).shuffle(names)
             for config in names:
-                store.weights = tuner.weights if config == ADAPTING else configs[config]
+                adapting = config == ADAPTING
+                store.weights = tuner.interrupted() if adapting else configs[config]
                 # Two steps move every object to the new split (cached ones are written a step later);
-                # until then a step's reads come from the last configuration's split, so the tuner
-                # does not learn from them.
-                for _ in range(2):
-                    pipeline.run_step(no_update)
+                # until then a step's reads come from the last configuration's split. The tuner sees
+                # them as it would in training, and knows the first is not comparable.
                 times = []
-                for _ in range(steps):
-                    if config == ADAPTING:
+                for step in range(2 + steps):
+                    if adapting:
                         adapting_weights.append(store.weights)
                     stats = pipeline.run_step(no_update)
-                    times.append(stats.seconds)
-                    if config == ADAPTING:
+                    if step >= 2:
+                        times.append(stats.seconds)
+                    if adapting:
                         adapt(tuner, store, stats)
                 secs[config] = statistics.median(times)
                 log(f"{name}: round {rep + 1} {config}: {secs[config]:.3f} s")
-            rounds.append(
-                {
-                    "weights": kept,
-                    "adapting_weights": adapting_weights,
-                    "estimates_bytes_per_s": plan["path_bytes_per_s"],
-                    "predicted_secs": plan["predicted_update_secs"],
-                    "median_secs": secs,
-                }
-            )
+            rounds.append({"adapting_weights": adapting_weights, "median_secs": secs})
     finally:
         for i in range(subgroups):
             store.delete(pipeline.key(i))
@@ -151,21 +140,21 @@ def compare_splits(
         "bytes_per_subgroup": size,
         "buffers": buffers,
         "probe_only_plan": probed,
-        "last_plan": plan,
-        "model_weights": tuner.kept_weights,
+        "plan": plan,
+        "model_weights": kept,
         "rounds": rounds,
         "median_secs": {c: statistics.median(r["median_secs"][c] for r in rounds) for c in names},
-        "predicted_secs": statistics.median(r["predicted_secs"] for r in rounds),
-        # Per round, then the median over rounds: each ratio compares runs minutes apart at most.
+        "predicted_secs": plan["predicted_update_secs"],
         "measured_over_predicted": statistics.median(
-            r["median_secs"]["model"] / r["predicted_secs"] for r in rounds
+            r["median_secs"]["model"] / plan["predicted_update_secs"] for r in rounds
         ),
         "measured_over_predicted_per_round": [
-            r["median_secs"]["model"] / r["predicted_secs"] for r in rounds
+            r["median_secs"]["model"] / plan["predicted_update_secs"] for r in rounds
         ],
         "probe_only_measured_over_predicted": statistics.median(
             r["median_secs"]["probe only"] / probed["predicted_update_secs"] for r in rounds
         ),
+        # Per round, then the median over rounds: each ratio compares runs minutes apart at most.
         "others_over_model": {
             c: statistics.median(r["median_secs"][c] / r["median_secs"]["model"] for r in rounds)
             for c in names

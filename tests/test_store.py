@@ -136,27 +136,27 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
         # Only a write so far: the write clock ran, the read clock did not.
         assert all(r["stats"]["write_busy_ns"] > 0 and r["stats"]["read_busy_ns"] == 0 for r in reports)
         tuner = mlp_offload.WeightTuner([1000.0, 1000.0])
-        # Path 1 took four times as long as path 0 for the same bytes: share moves to path 0, by the
-        # tuner's first step (5% of each weight), and the object follows.
-        new = tuner.observe(
-            [
-                {
-                    "read_bytes": 2000,
-                    "read_busy_secs": 0.25,
-                    "write_bytes": 2000,
-                    "write_busy_secs": 0.25,
-                    "busy_secs": 0.5,
-                },
-                {
-                    "read_bytes": 2000,
-                    "read_busy_secs": 1,
-                    "write_bytes": 2000,
-                    "write_busy_secs": 1,
-                    "busy_secs": 2,
-                },
-            ],
-            2.0,
-        )
+        # Path 1 took four times as long as path 0 for the same bytes, twice (a move is compared with
+        # two steps): share moves to path 0, by the tuner's first step (5% of each weight), and the
+        # object follows.
+        per_path = [
+            {
+                "read_bytes": 2000,
+                "read_busy_secs": 0.25,
+                "write_bytes": 2000,
+                "write_busy_secs": 0.25,
+                "busy_secs": 0.5,
+            },
+            {
+                "read_bytes": 2000,
+                "read_busy_secs": 1,
+                "write_bytes": 2000,
+                "write_busy_secs": 1,
+                "busy_secs": 2,
+            },
+        ]
+        assert tuner.observe(per_path, 2.0) is None
+        new = tuner.observe(per_path, 2.0)
         assert new == pytest.approx([0.525, 0.475])
         store.weights = new
         assert store.weights == pytest.approx(new)
@@ -168,6 +168,8 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
         assert torch.equal(back, data)
         with pytest.raises(ValueError, match=r"^weights:"):
             store.weights = [1.0]
+    # The move was on trial: steps the tuner did not see undo it.
+    assert tuner.interrupted() == pytest.approx([0.5, 0.5])
     with pytest.raises(ValueError, match=r"^samples:"):
         tuner.observe([{"read_bytes": 1}], 1.0)
     with pytest.raises(ValueError, match=r"^smoothing:"):

@@ -113,6 +113,9 @@ class WeightTuner:
     def observe(self, samples: list[dict[str, Any]], step_secs: float) -> list[float] | None:
         """One step's figures per path (`read_bytes`, `read_busy_secs`, `write_bytes`, `write_busy_secs`,
         `busy_secs`) and the step's time; the new weights when they moved, else None."""
+    def interrupted(self) -> list[float]:
+        """Steps ran that the tuner did not see (another split, a pause): a move on trial is undone and
+        judging starts afresh. The weights to use from here."""
 
 def probe_directory(path: str) -> dict[str, Any]:
     """Alignment, tested O_DIRECT support and device identity of a directory."""

@@ -430,6 +430,12 @@ impl PyWeightTuner {
         let samples: Vec<PathSample> = from_dicts(&samples, "samples")?;
         self.tuner.observe(&samples, step_secs).map_err(to_py)
     }
+
+    /// Steps ran that the tuner did not see (another split, a pause): a move on trial is undone and
+    /// judging starts afresh. Returns the weights to use from here.
+    fn interrupted(&mut self) -> Vec<f64> {
+        self.tuner.interrupted()
+    }
 }
 
 impl Drop for PyObjectStore {
