@@ -481,14 +481,26 @@ impl WeightTuner {
             secs: step_secs,
             busy_secs: samples.iter().map(|s| s.busy_secs).collect(),
         });
-        // A search that the paths changing restarted moves at once, from this one step.
+        // A search that the paths changing restarted moves at once, from the steps it has.
         let mut restarted = false;
+        // Whether a move was undone and a new search starts from the weights before it at once.
+        let mut moved_back = false;
         if let Some(trial) = self.trial.take() {
             if self.judged.len() < JUDGED_STEPS {
                 self.trial = Some(trial);
                 return Ok(None);
             }
-            if self.judged_secs() > trial.before_secs {
+            let after = self.judged_secs();
+            if after > CHANGED_RATIO * trial.before_secs {
+                // Far slower than a move of a few percent can make it: a path changed under the move
+                // (or the move went far off). Back to the weights before it, and from there a new
+                // search at once, the way busy time points in the steps that showed the change.
+                self.restart_search();
+                self.weights = trial.before;
+                self.reference_secs = None;
+                moved_back = true;
+                restarted = true;
+            } else if after > trial.before_secs {
                 // Slower than before the move: undo it and take smaller steps.
                 let mut smallest = true;
                 for (i, d) in trial.directions.iter().enumerate() {
@@ -512,38 +524,62 @@ impl WeightTuner {
                     Stage::OtherWay | Stage::Further => {}
                 }
                 return Ok(Some(self.set_weights(trial.before)));
-            }
-            // Kept: keep going that way, the step doubling, until a move makes the step slower.
-            for (i, d) in trial.directions.iter().enumerate() {
-                if *d != 0 {
-                    self.last_direction[i] = *d;
+            } else {
+                // Kept: keep going that way, the step doubling, until a move makes the step slower.
+                for (i, d) in trial.directions.iter().enumerate() {
+                    if *d != 0 {
+                        self.last_direction[i] = *d;
+                    }
                 }
+                let further = Move {
+                    stage: Stage::Further,
+                    ..trial.kind
+                };
+                self.next = Some((trial.directions, further));
             }
-            let further = Move {
-                stage: Stage::Further,
-                ..trial.kind
-            };
-            self.next = Some((trial.directions, further));
         } else if let Some(reference) = self.reference_secs {
             if step_secs > CHANGED_RATIO * reference || step_secs * CHANGED_RATIO < reference {
-                // Same weights, a very different step: the paths changed. Search afresh, the way
-                // busy time points first.
-                self.steps.fill(CHANGED_STEP);
-                self.last_direction.fill(0);
-                self.cooldown = 0;
-                self.next = None;
-                self.first_against_busy = false;
+                // Same weights, a very different step: the paths changed. Search afresh from this
+                // step, the way busy time points first.
+                self.restart_search();
                 self.judged.drain(..self.judged.len() - 1);
                 restarted = true;
             }
         }
-        self.reference_secs = Some(step_secs);
+        if !moved_back {
+            self.reference_secs = Some(step_secs);
+        }
+        let proposed = self.propose(samples, &active, restarted);
+        Ok(match proposed {
+            Some(weights) => Some(self.set_weights(weights)),
+            None if moved_back => Some(self.set_weights(self.weights.clone())),
+            None => None,
+        })
+    }
+
+    /// Every path's step back to `CHANGED_STEP`, and the next search the way busy time points.
+    fn restart_search(&mut self) {
+        self.steps.fill(CHANGED_STEP);
+        self.last_direction.fill(0);
+        self.cooldown = 0;
+        self.next = None;
+        self.first_against_busy = false;
+    }
+
+    /// The next move from the current weights, on trial from now, if there is one: a search's next, or
+    /// the first of a new search where busy time says the paths are not balanced.
+    fn propose(
+        &mut self,
+        samples: &[PathSample],
+        active: &[usize],
+        restarted: bool,
+    ) -> Option<Vec<f64>> {
         if self.cooldown > 0 {
             self.cooldown -= 1;
-            return Ok(None);
+            return None;
         }
         if active.len() < 2 || (self.judged.len() < JUDGED_STEPS && !restarted) {
-            return Ok(None);
+            return None;
         }
         // Less busy than the others over the judged steps: take more. Within the tolerance: balanced,
         // stay.
@@ -554,7 +590,7 @@ impl WeightTuner {
             .collect();
         let mean = active.iter().map(|&i| busy[i]).sum::<f64>() / active.len() as f64;
         let mut busy_directions = vec![0i8; self.weights.len()];
-        for &i in &active {
+        for &i in active {
             if (busy[i] - mean).abs() > self.tolerance * mean {
                 busy_directions[i] = if busy[i] < mean { 1 } else { -1 };
             }
@@ -571,11 +607,11 @@ impl WeightTuner {
             Some(next) => next,
             None => {
                 if busy_directions.iter().all(|d| *d == 0) {
-                    for &i in &active {
+                    for &i in active {
                         self.steps[i] = halved(self.steps[i]);
                         self.last_direction[i] = 0;
                     }
-                    return Ok(None);
+                    return None;
                 }
                 // A new search goes the way busy time points, and every other one the opposite
                 // way, so a bias in busy time (burst credit) cannot walk the split off one way on
@@ -609,14 +645,15 @@ impl WeightTuner {
             };
             weights[i] *= 1.0 + change;
         }
-        // On trial, to be judged against the judged steps' time.
+        // On trial, to be judged against the judged steps' time (after a change undid a move, the
+        // steps that showed the change).
         self.trial = Some(Trial {
             before: self.weights.clone(),
             before_secs: self.judged_secs(),
             directions,
             kind,
         });
-        Ok(Some(self.set_weights(normalise(&weights))))
+        Some(normalise(&weights))
     }
 
     /// Steps ran that the tuner did not see (another split, a pause): what it measured before is not
@@ -1231,6 +1268,36 @@ mod tests {
             other[1] - further[1] > start[1] - other[1],
             "{start:?} {other:?} {further:?}"
         );
+    }
+
+    #[test]
+    fn a_path_that_slows_while_a_move_is_on_trial_is_followed_at_once() {
+        let mut tuner = WeightTuner::new(vec![2.0, 1.0], 1.0, 0.05).unwrap();
+        let sample = |bytes: u64, busy_secs| PathSample {
+            read_bytes: bytes,
+            write_bytes: bytes,
+            busy_secs,
+            ..PathSample::default()
+        };
+        let looks_idle = [sample(200, 1.0), sample(100, 0.1)];
+        let start = tuner.weights().to_vec();
+        assert_eq!(tuner.observe(&looks_idle, 1.0).unwrap(), None);
+        let tried = tuner.observe(&looks_idle, 1.0).unwrap().unwrap();
+        assert!(tried[1] > start[1]);
+        assert_eq!(tuner.observe(&looks_idle, 1.0).unwrap(), None);
+        // Path b slows to a third: three times the step, far more than the move can explain. Back to
+        // the start and, in the same step, a 25% move the way busy time points now.
+        let overloaded = [sample(200, 1.0), sample(100, 3.0)];
+        assert_eq!(tuner.observe(&overloaded, 3.0).unwrap(), None);
+        let followed = tuner.observe(&overloaded, 3.0).unwrap().unwrap();
+        let want_b = 1.0 / 3.0 * 0.75 / (2.0 / 3.0 * 1.25 + 1.0 / 3.0 * 0.75);
+        assert!((followed[1] - want_b).abs() < 1e-12, "{followed:?}");
+        assert_eq!(tuner.kept_weights(), &start[..]);
+        // Judged against the slowed steps, it is kept and the search goes on, the step doubled.
+        assert_eq!(tuner.observe(&overloaded, 2.5).unwrap(), None);
+        assert_eq!(tuner.observe(&overloaded, 2.5).unwrap(), None);
+        let further = tuner.observe(&overloaded, 2.5).unwrap().unwrap();
+        assert!(further[1] < followed[1] * 0.6, "{followed:?} {further:?}");
     }
 
     #[test]
