@@ -50,7 +50,7 @@ class MLPOffloadConfig(BaseModel):
 
     adapt: bool = True
     """After every step, move share from the busiest path to the idler ones; a move is kept only if the
-    update got no slower (`WeightTuner`, docs/model.md)."""
+    two updates after it were no slower than the two before (`WeightTuner`, docs/model.md)."""
 
     cache_subgroups: int | Literal["auto"] = "auto"
     """Subgroups kept in host memory across steps (they skip a read and a write each step). `"auto"`:
