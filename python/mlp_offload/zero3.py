@@ -12,7 +12,7 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
    memory, reads ahead, writes behind. Each subgroup's half-precision gradient is converted into one
    reusable fp32 buffer just before its update (an exact widening, as DeepSpeed's own cast).
 4. After each step the `WeightTuner` moves share from the busiest path to the idler ones, and keeps a move
-   only if the update got no slower.
+   only if the two updates after it were no slower than the two before.
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
 same operations: DeepSpeed 0.19.8's CPU Adam keeps its bias correction per step, not per call, so the
