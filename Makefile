@@ -82,6 +82,13 @@ bench-e2e: setup ## end to end, 130M LLaMA (SIZE=...): DeepSpeed NVMe offload vs
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
 	  $(VENV)/bin/python benches/e2e.py --size $(or $(SIZE),130M) --out docs/data/bench-e2e.json
 
+.PHONY: bench-scale
+bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=...): DeepSpeed NVMe vs ours at its memory, half the state, the README's config; fio floor (figures in docs/data/bench-scale.json)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --warmup 1 --steps 2 \
+	    --contenders $(or $(CONTENDERS),ds-nvme-pipelined,mlp-offload,mlp-offload-half,mlp-offload-default) \
+	    --out docs/data/bench-scale.json
+
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)
 	$(TESTBED) up

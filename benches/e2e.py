@@ -38,13 +38,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CONTENDERS = ("ds-nvme-partitioned", "ds-nvme-pipelined", "mlp-offload", "mlp-offload-2path", "ds-cpu")
+CONTENDERS = (
+    "ds-nvme-partitioned",
+    "ds-nvme-pipelined",
+    "mlp-offload",
+    "mlp-offload-half",
+    "mlp-offload-default",
+    "mlp-offload-2path",
+    "ds-cpu",
+)
 BASELINES = ("ds-nvme-partitioned", "ds-nvme-pipelined")
 TESTBED = "scripts/testbed.sh"
 TESTBED_MOUNT = "/mnt/mlp-offload-testbed"
 
 
-def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
+def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
     contender = spec["contender"]
     offload: dict[str, Any] = {"device": "cpu"}
     config: dict[str, Any] = {
@@ -69,10 +77,15 @@ def ds_config(spec: dict[str, Any]) -> dict[str, Any]:
             pipeline_write=pipelined,
             buffer_count=12 if pipelined else 4,
         )
-    elif contender.startswith("mlp-offload"):
-        # The pipelined baseline's pinned budget: "auto" host_memory is buffer_count x largest x 4 bytes.
-        offload.update(pin_memory=True, buffer_count=12)
+    elif contender == "mlp-offload-default":
+        # The README's configuration as it stands: DeepSpeed's defaults, our section with paths only.
         config["mlp_offload"] = {"paths": spec["paths"]}
+    elif contender.startswith("mlp-offload"):
+        # The pipelined baseline's pinned budget (buffer_count x largest subgroup x 4 bytes), or half the
+        # state's bytes.
+        offload.update(pin_memory=True, buffer_count=12)
+        half = contender == "mlp-offload-half"
+        config["mlp_offload"] = {"paths": spec["paths"], "host_memory": 6 * params if half else "deepspeed"}
     return config
 
 
@@ -89,18 +102,21 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import mlp_offload
-    from mlp_offload.models import GPT, llama
+    from mlp_offload.models import GPT, WideTables, llama
     from mlp_offload.train import timed_iteration
 
     torch.manual_seed(0)
     if spec["model"] == "gpt":
         model = GPT.from_size(spec["size"], max_seq=spec["seq"])
         vocab = model.vocab
+    elif spec["model"] == "wide":
+        model = WideTables.from_size(spec["size"])
+        vocab = 32000
     else:
         model = llama(spec["size"], vocab=32000, max_seq=spec["seq"])
         vocab = 32000
     params = sum(p.numel() for p in model.parameters())
-    config = ds_config(spec)
+    config = ds_config(spec, params)
     init = mlp_offload.initialize if spec["contender"].startswith("mlp-offload") else deepspeed.initialize
     t0 = time.perf_counter()
     engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
@@ -111,7 +127,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
         tokens = tokens.to(engine.device)
         io0 = proc_io()
-        if spec["model"] == "gpt":
+        if spec["model"] in ("gpt", "wide"):
             step = timed_iteration(engine, tokens)
         else:
             step = timed_iteration(engine, input_ids=tokens[:, :-1], labels=tokens[:, :-1])
@@ -150,11 +166,51 @@ def path_bandwidths(paths: list[str], testbed_up: bool) -> list[float]:
     return rates
 
 
+def fio_floor(paths: list[str], testbed_up: bool, size: str = "4G") -> float:
+    """The paths' summed bandwidth (bytes/s) for half reads, half writes of 4 MiB at queue depth 16 with
+    O_DIRECT, all paths at once, measured by fio over a working set of `size` per path for 10 s after 2 s
+    of ramp: the I/O floor's denominator. 0 when fio is missing."""
+    if shutil.which("fio") is None:
+        return 0.0
+    command = ["fio", "--output-format=json", "--group_reporting=0"]
+    for i, path in enumerate(paths):
+        command += [
+            f"--name=floor{i}",
+            f"--filename={Path(path) / 'fio-floor.dat'}",
+            "--rw=rw",
+            "--rwmixread=50",
+            "--bs=4M",
+            "--direct=1",
+            "--ioengine=io_uring",
+            "--iodepth=16",
+            f"--size={size}",
+            "--time_based",
+            "--runtime=10",
+            "--ramp_time=2",
+        ]
+    if testbed_up:
+        command = ["bash", TESTBED, "run", "--", *command]
+    try:
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    finally:
+        for path in paths:
+            (Path(path) / "fio-floor.dat").unlink(missing_ok=True)
+    jobs = json.loads(out[out.index("{") :])["jobs"]
+    rate = sum(1024.0 * (j["read"]["bw"] + j["write"]["bw"]) for j in jobs)
+    print(f"fio floor {paths}: {rate / 2**20:.0f} MiB/s", file=sys.stderr)
+    return rate
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=("llama", "gpt"), default="llama")
+    parser.add_argument(
+        "--model",
+        choices=("llama", "gpt", "wide"),
+        default="llama",
+        help="llama; gpt; wide: embedding tables with little compute (models.WideTables)",
+    )
     parser.add_argument("--size", default="130M", help="model size, see mlp_offload.models (130M)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -225,6 +281,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
     bandwidths = {
         paths: path_bandwidths(list(paths), testbed_up) for paths in {tuple(p) for p in paths_of.values()}
     }
+    floors = {paths: fio_floor(list(paths), testbed_up) for paths in bandwidths}
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     for rnd in range(args.rounds):
         for k, contender in enumerate(contenders):
@@ -267,6 +324,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             result = json.loads(Path(spec["result"]).read_text())
             result["paths"] = run_paths
             result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
+            result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
             runs[contender].append(result)
     for p in (local, second):
         shutil.rmtree(p, ignore_errors=True)
@@ -301,7 +359,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         row: dict[str, Any] = {k: statistics.median(s[k] for s in steps) for k in phases}
         row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
         moved = row["bytes_read"] + row["bytes_written"]
-        bandwidth = sum(rounds[0]["path_bytes_per_s"])
+        # fio's figure where there is one, else our probe's.
+        bandwidth = rounds[0].get("fio_bytes_per_s") or sum(rounds[0]["path_bytes_per_s"])
         row["io_floor_secs"] = moved / bandwidth if contender != "ds-cpu" and bandwidth > 0 else 0.0
         row["update_over_io_floor"] = row["update"] / row["io_floor_secs"] if row["io_floor_secs"] else None
         row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
@@ -370,7 +429,8 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"x: the baseline's ({report['baseline']}) median time over the contender's. "
         "GiB/step: bytes read and written per iteration (/proc/self/io); MiB/s: those bytes over the "
-        "update time; floor: those bytes over the paths' measured mixed bandwidth."
+        "update time; floor: those bytes over fio's half-read, half-write bandwidth on the same paths, "
+        "measured in this run (our probe's mixed figure when fio is missing)."
     )
     for note in report.get("notes", []):
         print(f"note: {note}")

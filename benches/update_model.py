@@ -22,12 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from mlp_offload import ObjectStore, WeightTuner, profiles
-from mlp_offload.cli import parse_size, render_table
-from mlp_offload.pipeline import PIPELINE_BUFFERS, SubgroupPipeline
+from mlp_offload.cli import parse_size
+from mlp_offload.pipeline import ChunkPipeline
+from mlp_offload.tables import render_table
 
 MiB = 1 << 20
 
-# name, subgroups, bytes of state per subgroup, host buffers (cache = buffers - 3)
+# Whole objects of these sizes stream through three buffers (one read ahead, one updated, one written
+# behind); the rest of the buffers cache.
+STREAM_BUFFERS = 3
+# name, objects, bytes of state per object, host buffers (cache = buffers - 3)
 WORKLOADS = [
     ("12 x 64 MiB, 1 cached", 12, 64 * MiB, 4),
     ("8 x 128 MiB, 3 cached", 8, 128 * MiB, 6),
@@ -59,16 +63,17 @@ def plan_for(
         bytes_per_subgroup=size,
         host_memory=buffers * size,
         measured_bytes_per_s=measured,
-        pipeline_buffers=PIPELINE_BUFFERS,
+        pipeline_buffers=STREAM_BUFFERS,
         weights=None if weights is None else list(weights),
     )
 
 
 def open_pipeline(
     paths: Sequence[str], plan: dict[str, Any], subgroups: int, size: int, buffers: int
-) -> tuple[ObjectStore, SubgroupPipeline]:
+) -> tuple[ObjectStore, ChunkPipeline]:
     store = ObjectStore(paths, max_inflight=max(plan["max_inflight"]), weights=plan["weights"])
-    pipeline = SubgroupPipeline(store, [size] * subgroups, buffers, prefix="bench-sg")
+    keys = [f"bench-sg{i}" for i in range(subgroups)]
+    pipeline = ChunkPipeline(store, keys, [size] * subgroups, buffers, cache_slots=buffers - STREAM_BUFFERS)
     pipeline.initialize(lambda i, view: view.fill_(i % 251))
     return store, pipeline
 
@@ -131,7 +136,7 @@ def compare_splits(
             rounds.append({"adapting_weights": adapting_weights, "median_secs": secs})
     finally:
         for i in range(subgroups):
-            store.delete(pipeline.key(i))
+            store.delete(pipeline.keys[i])
         store.close()
     names = list(rounds[0]["median_secs"])
     return {
@@ -210,7 +215,7 @@ def adaptation(
     finally:
         set_cap(testbed, cap_from)
         for i in range(subgroups):
-            store.delete(pipeline.key(i))
+            store.delete(pipeline.keys[i])
         store.close()
     before = statistics.median(r["seconds"] for r in record[:cap_at])
     adapted = statistics.median(r["seconds"] for r in record[-3:])

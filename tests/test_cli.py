@@ -29,6 +29,8 @@ PROBE = [
     "probe",
     "--bytes",
     "16M",
+    "--sustained-bytes",
+    "64M",
     "--chunk-sizes",
     "1M,4M",
     "--depths",
@@ -95,20 +97,26 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     )
     result = json.loads(out.stdout)
     plan, workload = result["plan"], result["workload"]
-    assert workload["subgroups"] == 5 and workload["bytes_per_subgroup"] == 240_000_000
+    # 100M parameters in subgroups of 2e7, chunks of 4 Mi elements (48 MiB): 5 of each subgroup.
+    assert workload["subgroups"] == 5 and workload["chunks"] == 25 and workload["bytes_per_chunk"] == 48 << 20
     paths = result["paths"]
     assert paths[0]["device_id"] == paths[1]["device_id"]
     together = [p["concurrent_bytes_per_s"] for p in paths]
     assert plan["weights"] == pytest.approx([bw / sum(together) for bw in together], rel=1e-9)
-    # 2 GiB hold 8 buffers of 240 MB; 3 belong to the pipeline, so all 5 subgroups can stay cached.
-    assert plan["cached_subgroups"] == 5 and plan["io_floor_secs"] == 0.0
+    # 2 GiB hold 42 chunk buffers besides the gradient chunk: all 25 chunks stay cached beside the
+    # stream's 6.
+    assert plan["cached_subgroups"] == 25 and plan["io_floor_secs"] == 0.0
+    # The update as the budget grows: never slower with more memory, no I/O once everything is cached.
+    times = [b["predicted_update_secs"] for b in result["by_host_memory"]]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+    assert result["by_host_memory"][-1]["cached_chunks"] == result["by_host_memory"][-1]["chunks"]
 
 
-def test_plan_rejects_a_budget_below_the_pipeline(work_dirs: list[Path]) -> None:
+def test_plan_rejects_a_budget_below_one_chunk(work_dirs: list[Path]) -> None:
     out = run_cli(
-        *("plan", "--bytes", "16M", "--params", "1e9", "--host-memory", "1G", str(work_dirs[0])), check=False
+        *("plan", "--bytes", "16M", "--params", "1e9", "--host-memory", "8K", str(work_dirs[0])), check=False
     )
-    assert out.returncode == 2 and "host_memory" in out.stderr
+    assert out.returncode == 2 and "host_memory" in out.stderr and "no chunk" in out.stderr
 
 
 def test_plan_reuses_a_fresh_saved_profile_and_probes_again_when_stale(

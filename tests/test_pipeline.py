@@ -1,4 +1,5 @@
-"""The update phase's subgroup pipeline against the real store: order, cache, and state kept exact."""
+"""The update phase's chunk pipeline against the real store: order, cache, prefetch, and state kept
+exact."""
 
 from __future__ import annotations
 
@@ -8,25 +9,27 @@ import pytest
 import torch
 
 from mlp_offload import ObjectStore
-from mlp_offload.pipeline import SubgroupPipeline, step_order
+from mlp_offload.pipeline import ChunkPipeline, next_order
 
 
 @pytest.mark.parametrize(
-    ("subgroups", "buffers", "cache", "cached"),
+    ("chunks", "buffers", "cache", "cached"),
     [
-        (5, 1, None, 0),  # one buffer: read, update, write, one subgroup at a time
+        (5, 1, None, 0),  # one buffer: read, update, write, one chunk at a time
         (5, 2, None, 0),
-        (5, 3, None, 0),  # the bare pipeline: nothing stays
-        (5, 5, None, 2),  # some stay
+        (7, 6, None, 0),  # the bare stream: nothing stays
+        (9, 8, None, 2),  # some stay
         (5, 5, 4, 4),  # as many as asked, one buffer left for the rest
-        (4, 9, None, 4),  # all stay: after the first step no I/O at all
-        (1, 3, None, 0),
+        (4, 12, None, 4),  # all stay: after the first step no I/O at all
+        (1, 3, None, 1),
+        (8, 8, None, 8),  # as many buffers as chunks: everything stays, nothing streams
     ],
 )
-def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
-    engine: str, work_dirs: list[Path], subgroups: int, buffers: int, cache: int | None, cached: int
+def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
+    engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
 ) -> None:
-    sizes = [(64 << 10) + 4096 * i for i in range(subgroups)]
+    sizes = [(64 << 10) + 4096 * i for i in range(chunks)]
+    keys = [f"c{i}" for i in range(chunks)]
     seen: list[list[int]] = []
 
     def bump(index: int, view: torch.Tensor) -> None:
@@ -34,40 +37,79 @@ def test_every_step_updates_every_subgroup_once_and_the_cache_skips_io(
         view.add_(1)
 
     with ObjectStore(work_dirs[:2], engine=engine) as store:
-        pipeline = SubgroupPipeline(store, sizes, buffers, cache_subgroups=cache)
+        pipeline = ChunkPipeline(store, keys, sizes, buffers, cache_slots=cache)
         assert pipeline.cache_slots == cached
         pipeline.initialize(lambda i, view: view.fill_(i))
-        steps = 4
+        steps = 5
         for step in range(steps):
             seen.append([])
             # Odd steps leave their last writes in flight, as training does; even ones wait for them.
             drain = step % 2 == 0
             retained_before = len(pipeline.retained)
+            order = pipeline.order
             stats = pipeline.run_step(bump, drain=drain)
-            assert seen[-1] == step_order(step, subgroups)
-            # The first step reads everything; later ones skip the subgroups kept from the step before,
-            # and those whose buffers still hold them from the last writes.
+            assert sorted(seen[-1]) == list(range(chunks)) and seen[-1] == order
+            # Every step reads all but the chunks kept from the step before and those whose buffers
+            # still hold them from the last writes (the initial ones, for the first step).
             assert stats.retained == retained_before
-            assert stats.reads == subgroups - (cached if step else 0) - stats.retained
-            assert stats.writes == subgroups - cached
+            assert stats.reads == chunks - (cached if step else 0) - stats.retained
+            assert stats.writes == chunks - cached
             assert stats.cached == (cached if step else 0)
-            assert sorted(pipeline.resident) == sorted(step_order(step, subgroups)[subgroups - cached :])
-            if not drain and subgroups > cached:
+            assert pipeline.resident == sorted(order[chunks - cached :])
+            held = len(pipeline.resident) + len(pipeline.retained)
+            assert held <= pipeline.buffer_count, "the budget holds everything"
+            if not drain and chunks > cached:
                 assert pipeline.retained, "the last writes keep their buffers"
         pipeline.flush()
+        assert not (pipeline.resident or pipeline.retained)
         for i, size in enumerate(sizes):
             back = torch.empty(size, dtype=torch.uint8)
-            store.read(pipeline.key(i), back).wait()
-            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"subgroup {i}"
+            store.read(keys[i], back).wait()
+            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
 
 
-def test_the_order_alternates() -> None:
-    assert step_order(0, 3) == [0, 1, 2] and step_order(1, 3) == [2, 1, 0] and step_order(2, 3) == [0, 1, 2]
+def test_replace_reaches_resident_retained_and_stored_chunks(engine: str, work_dirs: list[Path]) -> None:
+    """What DeepSpeed's helpers and checkpoint loading write between steps becomes each chunk's state,
+    wherever its current copy is: a cache slot, a buffer still holding its last write, or the store."""
+    keys, sizes = [f"c{i}" for i in range(12)], [4096] * 12
+    with ObjectStore(work_dirs[:1], engine=engine) as store:
+        pipeline = ChunkPipeline(store, keys, sizes, 8, cache_slots=2)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        # The initial writes' last buffers are the first step's first chunks: no read for them.
+        assert len(pipeline.retained) == 8 and pipeline.order[:8] == sorted(pipeline.retained, reverse=True)
+        assert pipeline.run_step(lambda i, view: view.add_(1), drain=False).reads == 4
+        resident, retained = pipeline.resident[0], pipeline.retained[0]
+        stored = next(c for c in range(12) if c not in pipeline.resident + pipeline.retained)
+        for chunk in (resident, retained, stored):
+            pipeline.replace(chunk, torch.full((4096,), 100, dtype=torch.uint8))
+        pipeline.run_step(lambda i, view: view.add_(1), drain=False)
+        pipeline.flush()
+        for chunk in range(12):
+            back = torch.empty(4096, dtype=torch.uint8)
+            store.read(keys[chunk], back).wait()
+            expected = 101 if chunk in (resident, retained, stored) else chunk + 2
+            assert torch.equal(back, torch.full((4096,), expected, dtype=torch.uint8)), chunk
+
+
+@pytest.mark.parametrize(
+    ("previous", "resident", "retained", "expected"),
+    [
+        ([0, 1, 2, 3], set(), set(), [3, 2, 1, 0]),  # no cache: the alternating order
+        ([0, 1, 2, 3, 4], {3, 4}, {2}, [2, 4, 3, 1, 0]),  # retained, then resident, then the rest
+        ([2, 4, 3, 1, 0], {1, 0}, {3}, [3, 0, 1, 4, 2]),
+    ],
+)
+def test_the_next_order_starts_with_what_memory_holds(
+    previous: list[int], resident: set[int], retained: set[int], expected: list[int]
+) -> None:
+    assert next_order(previous, resident, retained) == expected
 
 
 def test_too_few_buffers_is_a_clear_error(work_dirs: list[Path]) -> None:
     with ObjectStore(work_dirs[:1]) as store:
         with pytest.raises(ValueError, match=r"^buffers:"):
-            SubgroupPipeline(store, [4096], 0)
-        with pytest.raises(ValueError, match=r"^cache_subgroups:"):
-            SubgroupPipeline(store, [4096] * 3, 2, cache_subgroups=2)
+            ChunkPipeline(store, ["a"], [4096], 0)
+        with pytest.raises(ValueError, match=r"^cache_chunks:"):
+            ChunkPipeline(store, ["a", "b", "c"], [4096] * 3, 2, cache_slots=2)
+        with pytest.raises(ValueError, match=r"^keys:"):
+            ChunkPipeline(store, ["a"], [4096] * 2, 2)

@@ -71,11 +71,21 @@ def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
 
 # name, the DeepSpeed side of the case, the mlp_offload section's extra keys, paths used
 CASES = [
-    ("bf16, one path, no cache (default budget)", {}, {}, 1),
-    ("bf16, three paths, some cached", {}, {"host_memory": "64M", "cache_subgroups": 2}, 3),
-    ("bf16, every subgroup cached", {}, {"host_memory": "64M", "cache_subgroups": 1000}, 2),
+    ("bf16, one path, DeepSpeed's pinned budget", {}, {"host_memory": "deepspeed"}, 1),
+    ("bf16, the default budget: all in memory", {}, {}, 1),
+    ("bf16, three paths, some cached", {}, {"host_memory": "64M", "cache_chunks": 2}, 3),
+    ("bf16, every chunk cached", {}, {"host_memory": "64M", "cache_chunks": 1000}, 2),
+    # Chunks of 2048 elements: six or so per subgroup, the last of each shorter.
+    ("chunks of a few thousand elements", {}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
+    (
+        "a subgroup larger than the whole budget",
+        {"sub_group_size": 100_000},
+        {"host_memory": "300K", "update_chunk": "24K"},
+        2,
+    ),
+    ("a budget of three chunks", {}, {"host_memory": "40K", "update_chunk": "12K"}, 2),
     ("gradient accumulation 2", {"grad_accum": 2}, {"host_memory": "64M"}, 2),
-    ("clipping active", {"clip": 0.05}, {"host_memory": "64M", "cache_subgroups": 1}, 2),
+    ("clipping active", {"clip": 0.05}, {"host_memory": "200K", "update_chunk": "24K", "cache_chunks": 1}, 2),
     (
         "two parameter groups and a scheduler",
         {
@@ -106,15 +116,25 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert_bit_equal(ours, stock)
     steps = [r for r in ours["telemetry"] if r["event"] == "step"]
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
-    assert start["subgroups"] > 2, "the model must span several subgroups"
+    assert start["chunks"] > 2, "the state must span several chunks"
+    if "sub_group_size" not in ds_case:
+        assert start["subgroups"] > 2, "the model must span several subgroups"
     if ds_case.get("overflow_at_step") is not None:
         assert ours["skipped"] == 1 and len(steps) == 9
-    # Every subgroup is read, cached or still in its buffer from the last step's write-back, and
-    # written or kept, every step after the first.
+    if extra.get("update_chunk"):
+        assert start["chunks"] > start["subgroups"], "subgroups of several chunks"
+    if isinstance(extra.get("host_memory"), str) and extra["host_memory"].endswith("K"):
+        budget = int(extra["host_memory"][:-1]) << 10
+        held = start["buffers"] * start["buffer_bytes"] + 4 * start["chunk_elements"]
+        assert held <= budget, "the pool and the gradient chunk fit the budget"
+        assert start["buffers"] * start["buffer_bytes"] < start["chunks"] * 12 * start["chunk_elements"]
+    # Every chunk is read, cached or still in its buffer from the last step's write-back, and written or
+    # kept, every step.
     for r in steps[1:]:
         assert r["forward_secs"] > 0 and r["backward_secs"] > 0 and r["update_secs"] > 0, r
-        assert r["reads"] + r["cached"] + r["retained"] == start["subgroups"]
-        assert r["writes"] + start["cached_subgroups"] == start["subgroups"]
+    for r in steps:
+        assert r["reads"] + r["cached"] + r["retained"] == start["chunks"]
+        assert r["writes"] + start["cached_chunks"] == start["chunks"]
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
     assert len(used) == n_paths, "every path holds a share of the state"
 
@@ -156,18 +176,29 @@ def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
         run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")
 
 
-def test_a_failed_write_raises_and_leaves_the_stored_state_readable(
-    work_dirs: list[Path], tmp_path: Path
+@pytest.mark.parametrize("shadow_slots", [True, False], ids=["shadow slots", "one copy (default)"])
+def test_a_failed_write_raises_and_names_what_it_left(
+    shadow_slots: bool, work_dirs: list[Path], tmp_path: Path
 ) -> None:
+    """A step whose writes fail raises with the errno and the file. With shadow slots every object still
+    reads back its last state; with one copy (the default) the store still opens, every object whose
+    write did not fail reads back, and each one whose write failed is refused by name, never read wrong."""
     if os.geteuid() != 0:
         pytest.skip("chattr +i needs root")
     # Three steps, then the object files turn immutable: the fourth step's writes fail with EPERM.
-    case = {"steps": 5, "immutable_at_step": 3, "mlp_offload": section(work_dirs[:2])}
-    result = run_case(case, tmp_path, "fail")
+    ours = section(work_dirs[:2], host_memory="deepspeed", shadow_slots=shadow_slots)
+    result = run_case({"steps": 5, "immutable_at_step": 3, "mlp_offload": ours}, tmp_path, "fail")
     error = result["error"]
     assert error, "the step must raise"
     assert error["errno"] == errno.EPERM and error["filename"].endswith(".mlpo"), error
-    assert len(result["readable"]) > 2, "every subgroup object reads back, checksums and all"
+    readable = result["readable"]
+    assert len(readable) > 2
+    refused = {k: v for k, v in readable.items() if isinstance(v, str)}
+    if shadow_slots:
+        assert not refused, "every object reads back, checksums and all"
+    else:
+        assert refused and len(refused) < len(readable), readable
+        assert all("CorruptObjectError" in v and k in v for k, v in refused.items()), refused
 
 
 def test_an_earlier_runs_state_in_the_paths_is_replaced(work_dirs: list[Path], tmp_path: Path) -> None:
@@ -181,7 +212,8 @@ def test_an_earlier_runs_state_in_the_paths_is_replaced(work_dirs: list[Path], t
         next(r for r in x["telemetry"] if r["event"] == "start")["subgroups"] for x in (first, second)
     ]
     assert subgroups[0] > subgroups[1]
-    assert len(list(work_dirs[0].rglob("subgroup*.mlpo"))) == subgroups[1]
+    chunks = next(r for r in second["telemetry"] if r["event"] == "start")["chunks"]
+    assert len(list(work_dirs[0].rglob("subgroup*.mlpo"))) == chunks
 
 
 def blkio_root() -> Path | None:
@@ -206,7 +238,9 @@ def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> No
         (cgroup / "blkio.throttle.write_bps_device").write_text(
             f"{os.major(dev)}:{os.minor(dev)} {2 << 20}\n"
         )
-        ours = run_case({"mlp_offload": section(work_dirs[:1])}, tmp_path, "slow", cgroup=cgroup)
+        ours = run_case(
+            {"mlp_offload": section(work_dirs[:1], host_memory="deepspeed")}, tmp_path, "slow", cgroup=cgroup
+        )
     finally:
         for pid in (cgroup / "cgroup.procs").read_text().split():
             (root / "cgroup.procs").write_text(pid)
@@ -281,7 +315,7 @@ def test_a_checkpoint_resumes_bit_for_bit_and_interoperates_with_deepspeed(
     """`engine.save_checkpoint` at step 5, a new engine from other initial weights, `load_checkpoint`,
     five more steps: the same state as DeepSpeed's own save and resume, bit for bit. Two subgroups are
     cached when the checkpoint is taken, so it must include host copies newer than the store's."""
-    ours = section(work_dirs[:2], host_memory="64M", cache_subgroups=2)
+    ours = section(work_dirs[:2], host_memory="64M", cache_chunks=2)
     case: dict[str, Any] = {"checkpoint_at": 5, "checkpoint_dir": str(tmp_path / "ckpt")}
     if ours_saves:
         case["mlp_offload"] = ours

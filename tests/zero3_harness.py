@@ -151,12 +151,16 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
     finally:
         subprocess.run(["chattr", "-i", *files], check=True)
     optimizer._mlp_store.sync()
-    readable = {}
+    # Every object of a fresh store over the same paths: its size, or the error its read raised.
+    readable: dict[str, Any] = {}
     with mlp_offload.ObjectStore(paths) as store:
         for key in store.keys():
             buf = torch.empty(store.size(key) or 0, dtype=torch.uint8)
-            store.read(key, buf).wait()
-            readable[key] = buf.numel()
+            try:
+                store.read(key, buf).wait()
+                readable[key] = buf.numel()
+            except mlp_offload.CorruptObjectError as e:
+                readable[key] = f"{type(e).__name__}: {e}"
     return {"error": error, "readable": readable}
 
 

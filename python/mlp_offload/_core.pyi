@@ -124,13 +124,16 @@ def probe_bandwidth(
     paths: list[str],
     *,
     bytes: int | None = None,
+    sustained_bytes: int | None = None,
     chunk_sizes: list[int] | None = None,
     depths: list[int] | None = None,
     engine: str = "auto",
     together_secs: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per directory: best read and write bandwidth, mixed read+write, and all paths at once."""
+    """Per directory: the best chunk size and in-flight limit of a sweep over `bytes`; at those, read,
+    write and mixed read+write bandwidth sustained over `sustained_bytes` until the rate settles; and
+    all paths at once."""
 
 def io_uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used in this process, or None when it can."""

@@ -10,8 +10,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mlp_offload import profiles, units
+from mlp_offload import memory, profiles, units
 from mlp_offload import train as train_job
+from mlp_offload.tables import render_table
 
 
 def parse_size(text: str) -> int:
@@ -24,15 +25,6 @@ def parse_size(text: str) -> int:
 
 def _mib(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 2**20:,.0f}"
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Left-aligned columns under a header and a rule."""
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return lines
 
 
 def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
@@ -84,6 +76,7 @@ def _progress(args: argparse.Namespace) -> Any:
 def _probe_options(args: argparse.Namespace) -> profiles.ProbeOptions:
     return profiles.ProbeOptions(
         bytes=args.bytes,
+        sustained_bytes=args.sustained_bytes,
         chunk_sizes=args.chunk_sizes,
         depths=args.depths,
         engine=args.engine,
@@ -112,8 +105,30 @@ def parse_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# fp32 master weights plus Adam's exp_avg and exp_avg_sq, per parameter.
-_STATE_BYTES_PER_PARAM = 12
+# Budgets of the `plan` table, as fractions of what caching the whole state takes.
+PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
+
+
+def plan_at(
+    profile: profiles.Profile, numels: list[int], host_memory: int, args: argparse.Namespace
+) -> tuple[memory.ChunkLayout, dict[str, Any]]:
+    """The streaming update's chunks within `host_memory`, and the model's plan for them."""
+    layout = memory.chunk_layout(numels, host_memory)
+    if layout.buffers < 1:
+        raise ValueError(
+            f"host_memory: {host_memory:,} bytes hold no chunk: one needs {layout.buffer_bytes:,} bytes of "
+            f"state plus {memory.GRAD_BYTES * layout.elements:,} for its fp32 gradient"
+        )
+    buffers, cache = memory.stream_buffers(layout.buffers, len(layout.chunks), None)
+    rate = args.adam_bytes_per_s
+    plan = profile.plan_stream(
+        layout.sizes,
+        buffers,
+        cache,
+        adam_secs_per_chunk=layout.buffer_bytes / rate if rate > 0 else 0.0,
+        fwd_bwd_secs=args.fwd_bwd_secs,
+    )
+    return layout, plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -128,28 +143,43 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(source, file=sys.stderr)
     probes = profile.probes
     group = min(args.sub_group_size, args.params)
-    subgroup_bytes = group * _STATE_BYTES_PER_PARAM
-    subgroups = -(-args.params // group)
-    plan = profile.plan_subgroups(
-        subgroups=subgroups,
-        bytes_per_subgroup=subgroup_bytes,
-        host_memory=args.host_memory,
-        adam_secs_per_subgroup=args.adam_secs_per_subgroup,
-        fwd_bwd_secs=args.fwd_bwd_secs,
-    )
+    numels = [group] * (args.params // group) + ([args.params % group] if args.params % group else [])
+    layout, plan = plan_at(profile, numels, args.host_memory, args)
+    whole = memory.whole_state_bytes(numels)
+    by_budget = []
+    for fraction in PLAN_FRACTIONS:
+        budget = max(int(whole * fraction), 2 * memory.STATE_BYTES * memory.CHUNK_ALIGN)
+        budget_layout, budget_plan = plan_at(profile, numels, budget, args)
+        by_budget.append(
+            {
+                "host_memory": budget,
+                "fraction_of_state": fraction,
+                "chunks": len(budget_layout.chunks),
+                "cached_chunks": budget_plan["cached_subgroups"],
+                "predicted_update_secs": budget_plan["predicted_update_secs"],
+            }
+        )
     workload = {
         "params": args.params,
         "sub_group_size": group,
-        "subgroups": subgroups,
-        "bytes_per_subgroup": subgroup_bytes,
+        "subgroups": len(numels),
+        "chunks": len(layout.chunks),
+        "bytes_per_chunk": layout.buffer_bytes,
+        "whole_state_bytes": whole,
         "host_memory": args.host_memory,
-        "adam_secs_per_subgroup": args.adam_secs_per_subgroup,
+        "adam_bytes_per_s": args.adam_bytes_per_s,
         "fwd_bwd_secs": args.fwd_bwd_secs,
     }
     if args.json:
         print(
             json.dumps(
-                {"workload": workload, "profile_source": profile.source, "paths": probes, "plan": plan},
+                {
+                    "workload": workload,
+                    "profile_source": profile.source,
+                    "paths": probes,
+                    "plan": plan,
+                    "by_host_memory": by_budget,
+                },
                 indent=2,
             )
         )
@@ -179,15 +209,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ]
     print("\n".join(render_table(header, rows)))
     print(
-        f"\n{subgroups} subgroups of {group:,} parameters "
-        f"({subgroup_bytes / 2**20:,.0f} MiB of fp32 state each); "
-        f"{plan['cached_subgroups']} stay in host memory"
+        f"\n{len(numels)} subgroups of up to {group:,} parameters in {len(layout.chunks)} chunks of "
+        f"{layout.buffer_bytes / 2**20:,.1f} MiB of fp32 state; {plan['cached_subgroups']} chunks stay in "
+        "host memory"
     )
-    print(f"I/O per uncached subgroup: {plan['io_secs_per_subgroup']:.3f} s")
     print(f"I/O floor of the update phase: {plan['io_floor_secs']:.2f} s")
     if plan["hidden_io_secs"] > 0:
         print(f"of which forward and backward hide: {plan['hidden_io_secs']:.2f} s")
     print(f"predicted update phase: {plan['predicted_update_secs']:.2f} s")
+    print(f"\nthe update as host memory grows (the whole state takes {whole / 2**30:,.2f} GiB):")
+    rows = [
+        [
+            f"{b['host_memory'] / 2**30:,.2f} GiB",
+            f"{b['fraction_of_state']:.0%}",
+            f"{b['cached_chunks']} of {b['chunks']}",
+            f"{b['predicted_update_secs']:.2f} s",
+        ]
+        for b in by_budget
+    ]
+    print("\n".join(render_table(["host_memory", "of the state", "chunks cached", "predicted update"], rows)))
     return 0
 
 
@@ -197,10 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     probe = sub.add_parser(
         "probe",
         help="measure each storage path and save the profile",
-        description="Measures each directory through mlp-offload's own engine with O_DIRECT: sequential "
-        "read and write bandwidth over a sweep of chunk sizes and in-flight limits (the best of each is "
-        "kept), then reads and writes at once, then, for several paths, all of them at once. Writes and "
-        "removes a temporary file of --bytes in each directory. The profile is saved per host "
+        description="Measures each directory through mlp-offload's own engine with O_DIRECT: a sweep of "
+        "chunk sizes and in-flight limits over --bytes picks the best settings; at those, read, write and "
+        "mixed read+write bandwidth are measured over a working set of --sustained-bytes, in windows, "
+        "until the rate settles after a first whole pass (so a cache in front of the device does not "
+        "count); then, for several paths, all of them at once. Writes and removes a temporary file in "
+        "each directory. The profile is saved per host "
         f"({profiles.profile_file()}; MLP_OFFLOAD_PROFILE_DIR moves it) for `plan` and training to reuse.",
     )
     probe.add_argument("dirs", nargs="+", metavar="DIR", help="existing, writable directories")
@@ -213,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="probe the paths and plan an update phase: split weights, cache size, predicted time",
         description="Probes each directory, then applies the performance model (docs/model.md) to a "
-        "ZeRO-3 optimizer-state workload: split weights per path, in-flight limits, how many subgroups "
-        "the host memory keeps cached, the I/O floor and the predicted update-phase time.",
+        "ZeRO-3 optimizer-state workload streamed in chunks: split weights per path, in-flight limits, how "
+        "many chunks the host memory keeps cached, the I/O floor, the predicted update-phase time, and a "
+        "table of how that time falls as host memory grows.",
     )
     plan.add_argument("dirs", nargs="+", metavar="DIR", help="existing, writable directories")
     plan.add_argument(
@@ -223,9 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--sub-group-size", type=parse_count, default=10**9, help="DeepSpeed's sub_group_size (1e9)"
     )
-    plan.add_argument("--host-memory", type=parse_size, required=True, help="host memory for buffers (16G)")
     plan.add_argument(
-        "--adam-secs-per-subgroup", type=float, default=0.0, help="measured CPU Adam time per subgroup"
+        "--host-memory", type=parse_size, required=True, help="host memory for the state's buffers (16G)"
+    )
+    plan.add_argument(
+        "--adam-bytes-per-s",
+        type=parse_size,
+        default=0,
+        help="bytes of state CPU Adam updates per second, when known (e.g. 4G; 0: not modelled)",
     )
     plan.add_argument(
         "--fwd-bwd-secs", type=float, default=0.0, help="forward+backward time per step, when known"
@@ -255,7 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_probe_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bytes", type=parse_size, default=None, help="bytes per measurement (256M)")
+    parser.add_argument(
+        "--bytes", type=parse_size, default=None, help="bytes per measurement of the settings sweep (256M)"
+    )
+    parser.add_argument(
+        "--sustained-bytes",
+        type=parse_size,
+        default=None,
+        help="working set of the sustained measurements at the best settings, run until the rate "
+        "settles (2G)",
+    )
     parser.add_argument(
         "--chunk-sizes",
         type=lambda s: [parse_size(x) for x in s.split(",")],

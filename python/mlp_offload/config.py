@@ -23,7 +23,7 @@ SECTION = "mlp_offload"
 
 
 def _size(value: Any) -> Any:
-    return value if value in (None, "auto") else units.parse_size(value)
+    return value if value in (None, "auto", "deepspeed") else units.parse_size(value)
 
 
 Size = Annotated[int, BeforeValidator(_size)]
@@ -38,10 +38,13 @@ class MLPOffloadConfig(BaseModel):
     """Storage directories, any number (node-local NVMe, a parallel file system...). Each rank uses its
     own `rank<N>` subdirectory in each."""
 
-    host_memory: Size | Literal["auto"] = "auto"
-    """Host memory for subgroup buffers, the host cache and the fp32 gradient buffer, in bytes or as
-    `"16G"`. `"auto"`: what stock DeepSpeed would pin for the same config, `offload_optimizer.buffer_count`
-    x the largest subgroup x 4 bytes."""
+    host_memory: Size | Literal["auto", "deepspeed"] = "auto"
+    """Host memory for the optimizer state: one pool of chunk buffers (the cache and the stream) plus one
+    chunk's fp32 gradient, in bytes or as `"16G"`. `"auto"`: what this rank can spare (the memory available
+    at start-up, cgroup limits included, less a margin of 15% of RAM or at least 2 GiB, divided among the
+    node's local ranks), never less than `"deepspeed"` and never more than the whole state needs.
+    `"deepspeed"`: what stock DeepSpeed pins for its NVMe offload, `offload_optimizer.buffer_count` x the
+    largest subgroup x 4 bytes (for comparisons at equal memory)."""
 
     weights: list[float] | Literal["auto", "equal"] = "auto"
     """How each subgroup's state is split across `paths`. `"auto"`: the performance model's split from
@@ -52,9 +55,14 @@ class MLPOffloadConfig(BaseModel):
     """After every step, move share from the busiest path to the idler ones; a move is kept only if the
     two updates after it were no slower than the two before (`WeightTuner`, docs/model.md)."""
 
-    cache_subgroups: int | Literal["auto"] = "auto"
-    """Subgroups kept in host memory across steps (they skip a read and a write each step). `"auto"`:
-    as many as `host_memory` holds beyond the pipeline's buffers."""
+    cache_chunks: int | Literal["auto"] = "auto"
+    """Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`: as
+    many as `host_memory` holds beyond the stream's buffers."""
+
+    update_chunk: Size | Literal["auto"] = "auto"
+    """Bytes of state (fp32 weights and both Adam moments, 12 bytes per element) per chunk, the unit of
+    the streaming update's I/O, memory and compute. `"auto"`: up to 48 MiB, smaller when `host_memory`
+    would otherwise hold fewer than 12 chunks."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
@@ -68,8 +76,10 @@ class MLPOffloadConfig(BaseModel):
     checksum: bool = True
     """A CRC32C of every stripe, checked on every read."""
 
-    shadow_slots: bool = True
-    """Two slots per subgroup on disk, so a failed write leaves the previous state readable."""
+    shadow_slots: bool = False
+    """Two slots per chunk on disk, so a failed write leaves the previous state readable, at twice the
+    disk space. Off by default: one copy, as DeepSpeed keeps; checkpoints protect the state, and checksums
+    make a torn write an error, never wrong numbers."""
 
     telemetry_file: str | None = None
     """JSON lines, one per step (and one at start-up with the plan); `{rank}` becomes the rank."""
@@ -84,7 +94,7 @@ class MLPOffloadConfig(BaseModel):
             raise ValueError(f"{value} must be non-negative and not all zero")
         return value
 
-    @field_validator("cache_subgroups")
+    @field_validator("cache_chunks")
     @classmethod
     def _cache(cls, value: Any) -> Any:
         if isinstance(value, int) and value < 0:

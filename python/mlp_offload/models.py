@@ -96,3 +96,39 @@ def llama(size: str, vocab: int = 32000, max_seq: int = 2048) -> nn.Module:
     )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
+
+
+# name: (tables, rows, width). Each table is one ZeRO-3 subgroup of 67M elements, 3.4x a `sub_group_size`
+# of 2e7, as a 1B LLaMA's embedding is.
+WIDE_SIZES = {
+    "tiny": (3, 512, 64),
+    "130M": (2, 32768, 2048),
+    "1B": (14, 32768, 2048),
+}
+
+
+class WideTables(nn.Module):
+    """Many parameters, little compute: embedding tables looked up by a few tokens and a small fp32 head,
+    so the update phase dominates an iteration on any CPU as it does on a GPU (no large matrix product,
+    in bf16 or otherwise). `forward(tokens)` returns a cross-entropy loss; every table gets a gradient
+    (dense, as an `nn.Embedding`'s is)."""
+
+    def __init__(self, tables: int, rows: int, width: int, classes: int = 16) -> None:
+        super().__init__()
+        self.rows = rows
+        self.tables = nn.ModuleList(nn.Embedding(rows, width) for _ in range(tables))
+        self.head = nn.Linear(width, classes)
+        self.classes = classes
+
+    @classmethod
+    def from_size(cls, size: str) -> WideTables:
+        if size not in WIDE_SIZES:
+            raise ValueError(f"size: {size!r} is not one of {', '.join(WIDE_SIZES)}")
+        return cls(*WIDE_SIZES[size])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens[:, :-1] % self.rows
+        x = sum(table(ids).float() for table in self.tables)
+        assert isinstance(x, torch.Tensor)
+        logits = F.linear(x.mean(dim=1), self.head.weight.float(), self.head.bias.float())
+        return F.cross_entropy(logits, tokens[:, -1] % self.classes)

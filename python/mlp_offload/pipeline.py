@@ -1,10 +1,18 @@
-"""The update phase's I/O schedule: subgroups in alternating order, the last ones kept in host memory,
-reads ahead and writes behind within a fixed number of host buffers.
+"""The update phase's I/O schedule: chunks of state streamed through one pool of host buffers.
 
-Each subgroup's optimizer state is one object in the store. With `buffers` host buffers of the largest
-subgroup's size, `buffers - PIPELINE_BUFFERS` subgroups stay cached between steps: the ones updated last
-in a step are first in the next (the order alternates), so they skip one read and one write. The rest is
-read ahead of its update, as far as free buffers allow, and written back behind it.
+The unit of I/O, host memory and compute is a chunk, one object in the store (the engine makes each a
+slice of one subgroup's elements). One pool of equal buffers serves everything: `cache_slots` of them
+keep chunks across steps (no read, no write: resident), the others stream the rest, read ahead of their
+update and written behind it, so the paths have reads and writes in flight at once.
+
+The order of a step follows from the end of the one before:
+1. the chunks whose buffers still hold them from the last write-back (retained: no read);
+2. the resident ones (no I/O), while the first reads and the retained chunks' writes run;
+3. the rest, most recently written first.
+The last `cache_slots` chunks of a step stay resident; the writes still in flight when it ends keep their
+buffers. So when forward and backward begin, every buffer holds a chunk the next step takes first: the
+stream's buffers are the reads ahead of the next step, their writes run meanwhile, and no buffer is left
+that could read anything more.
 """
 
 from __future__ import annotations
@@ -18,10 +26,10 @@ import torch
 
 from mlp_offload import _core
 from mlp_offload.buffers import PinnedBufferPool, as_tensor
+from mlp_offload.memory import PIPELINE_BUFFERS, stream_buffers
 from mlp_offload.store import ObjectStore
 
-# One buffer being read ahead, one being updated, one being written behind.
-PIPELINE_BUFFERS = 3
+__all__ = ["PIPELINE_BUFFERS", "ChunkPipeline", "StepStats", "next_order"]
 
 
 @dataclass
@@ -35,7 +43,7 @@ class StepStats:
     cached: int
     bytes_read: int
     bytes_written: int
-    # Subgroups whose buffer still held their state from the end of the last step (no read).
+    # Chunks whose buffer still held their state from the end of the last step (no read).
     retained: int = 0
     # Seconds spent waiting for reads, and for writes to free a buffer or to finish at the end.
     read_wait_seconds: float = 0.0
@@ -44,101 +52,116 @@ class StepStats:
     per_path: list[dict[str, float]] = field(default_factory=list)
 
 
-def step_order(step: int, subgroups: int) -> list[int]:
-    """Ascending on even steps, descending on odd ones: the last of one step are the first of the next."""
-    order = list(range(subgroups))
-    return order if step % 2 == 0 else order[::-1]
+def next_order(previous: Sequence[int], resident: set[int], retained: set[int]) -> list[int]:
+    """The order of the step after one that went in `previous` order and left `resident` chunks cached
+    and `retained` ones in their buffers: retained, resident, then the rest, each latest first."""
+    latest_first = list(reversed(previous))
+    return (
+        [c for c in latest_first if c in retained]
+        + [c for c in latest_first if c in resident and c not in retained]
+        + [c for c in latest_first if c not in resident and c not in retained]
+    )
 
 
-class SubgroupPipeline:
-    """Drives one update phase per `run_step` over subgroup objects `{prefix}{i}` in `store`.
+class ChunkPipeline:
+    """Drives one update phase per `run_step` over the objects `keys[c]` of `sizes[c]` bytes.
 
-    `sizes` are the subgroups' state sizes in bytes; `buffers` is how many host buffers of the largest
-    size the budget allows (at least 1). `cache_subgroups` (default: `buffers - PIPELINE_BUFFERS`, at
-    least 0) of them hold subgroups across steps; at least one buffer must stay for the rest.
-    `lock` page-locks the buffers (and registers them with CUDA when it is there).
+    `buffers` host buffers of the largest chunk's size make the budget (at least 1). `cache_slots`
+    (default: `buffers - PIPELINE_BUFFERS`, at least 0) of them keep chunks across steps; at least one
+    must stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there).
     """
 
     def __init__(
         self,
         store: ObjectStore,
+        keys: Sequence[str],
         sizes: Sequence[int],
         buffers: int,
         *,
-        cache_subgroups: int | None = None,
-        prefix: str = "sg",
+        cache_slots: int | None = None,
         lock: bool = False,
     ) -> None:
         if not sizes:
-            raise ValueError("sizes: there are no subgroups")
-        if buffers < 1:
-            raise ValueError(f"buffers: {buffers} host buffers; the pipeline needs at least 1")
+            raise ValueError("sizes: there are no chunks")
+        if len(keys) != len(sizes):
+            raise ValueError(f"keys: {len(keys)} keys for {len(sizes)} chunks")
         n = len(sizes)
-        cache = max(0, buffers - PIPELINE_BUFFERS) if cache_subgroups is None else cache_subgroups
-        cache = min(cache, n)
-        if n > cache > buffers - 1:
-            raise ValueError(
-                f"cache_subgroups: {cache} cached subgroups leave none of the {buffers} buffers "
-                "for the others"
-            )
+        self.buffer_count, self.cache_slots = stream_buffers(buffers, n, cache_slots)
         self.store = store
+        self.keys = list(keys)
         self.sizes = list(sizes)
-        self.prefix = prefix
-        self.cache_slots = cache
-        self.buffer_count = min(buffers, n + PIPELINE_BUFFERS)
-        self._pool = PinnedBufferPool(self.buffer_count, max(self.sizes), lock=lock)
+        self.buffer_size = max(self.sizes)
+        self._pool = PinnedBufferPool(self.buffer_count, self.buffer_size, lock=lock)
         self._free: list[_core.HostBuffer] = []
         while (b := self._pool.acquire()) is not None:
             self._free.append(b)
-        # Subgroup -> buffer holding its current state; not yet written back.
+        # Chunk -> buffer holding its current state, newer than the store's.
         self._resident: dict[int, _core.HostBuffer] = {}
-        # Subgroup -> (buffer, its write-back, maybe still in flight) from the end of the last step.
+        # Chunk -> (buffer, its write-back, maybe still in flight) from the end of the last step.
         self._retained: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
+        self._order = list(range(n))
         self._step = 0
         self._snapshot = [r["stats"] for r in store.path_reports()]
 
-    def key(self, index: int) -> str:
-        return f"{self.prefix}{index}"
+    @property
+    def order(self) -> list[int]:
+        """The order of the next step."""
+        return list(self._order)
 
-    def view(self, index: int, buffer: _core.HostBuffer) -> torch.Tensor:
-        return as_tensor(buffer)[: self.sizes[index]]
+    def view(self, chunk: int, buffer: _core.HostBuffer) -> torch.Tensor:
+        return as_tensor(buffer)[: self.sizes[chunk]]
 
     def initialize(self, fill: Callable[[int, torch.Tensor], None]) -> None:
-        """Creates every subgroup's object from `fill(index, view)`."""
-        buffer = self._free[0]
-        for i in range(len(self.sizes)):
-            view = self.view(i, buffer)
-            fill(i, view)
-            self.store.write(self.key(i), view).wait()
+        """Creates every chunk's object from `fill(chunk, view)`, with as many writes in flight as there
+        are buffers. The last ones written keep their buffers, and the first step begins with them."""
+        writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
+        for c in range(len(self.sizes)):
+            if not self._free:
+                _, buffer, handle = writing.popleft()
+                handle.wait()
+                self._free.append(buffer)
+            buffer = self._free.pop()
+            view = self.view(c, buffer)
+            fill(c, view)
+            writing.append((c, buffer, self.store.write(self.keys[c], view)))
+        self._retained = {c: (buffer, handle) for c, buffer, handle in writing}
+        self._order = next_order(range(len(self.sizes)), set(), set(self._retained))
 
     @property
     def resident(self) -> list[int]:
-        """Subgroups cached in host memory, not written back since their last update."""
+        """Chunks cached in host memory, not written back since their last update."""
         return sorted(self._resident)
 
     @property
     def retained(self) -> list[int]:
-        """Subgroups written back at the end of the last step whose buffers still hold their state."""
+        """Chunks written back at the end of the last step whose buffers still hold their state."""
         return sorted(self._retained)
 
-    def in_memory(self, index: int) -> tuple[torch.Tensor, str] | None:
-        """The host copy of a subgroup's current state and what it is (`"resident"`: newer than the
-        store's; `"retained"`: the same as the store's once its write completes, which this waits for),
-        or None when the store alone has it."""
-        if (buffer := self._resident.get(index)) is not None:
-            return self.view(index, buffer), "resident"
-        if (entry := self._retained.get(index)) is not None:
+    def in_memory(self, chunk: int) -> tuple[torch.Tensor, str] | None:
+        """The host copy of a chunk's current state and what it is (`"resident"`: newer than the store's;
+        `"retained"`: the same as the store's once its write completes, which this waits for), or None
+        when the store alone has it."""
+        if (buffer := self._resident.get(chunk)) is not None:
+            return self.view(chunk, buffer), "resident"
+        if (entry := self._retained.get(chunk)) is not None:
             entry[1].wait()
-            return self.view(index, entry[0]), "retained"
+            return self.view(chunk, entry[0]), "retained"
         return None
 
-    def rewrite(self, index: int) -> None:
-        """Writes a retained subgroup's buffer again (after someone changed it in place)."""
-        buffer, handle = self._retained[index]
-        handle.wait()
-        new = self.store.write(self.key(index), self.view(index, buffer))
-        new.wait()
-        self._retained[index] = (buffer, new)
+    def replace(self, chunk: int, state: torch.Tensor) -> None:
+        """Makes `state` (bytes) the chunk's current state, in its host copy and in the store."""
+        if (buffer := self._resident.get(chunk)) is not None:
+            self.view(chunk, buffer).copy_(state)
+            return
+        if (entry := self._retained.get(chunk)) is not None:
+            buffer, handle = entry
+            handle.wait()
+            view = self.view(chunk, buffer)
+            view.copy_(state)
+            self._retained[chunk] = (buffer, self.store.write(self.keys[chunk], view))
+            self._retained[chunk][1].wait()
+            return
+        self.store.write(self.keys[chunk], state).wait()
 
     def _take_buffer(self) -> _core.HostBuffer | None:
         if self._free:
@@ -147,14 +170,14 @@ class SubgroupPipeline:
         return self._pool.acquire()
 
     def run_step(self, update: Callable[[int, torch.Tensor], None], *, drain: bool = True) -> StepStats:
-        """One update phase: `update(index, view)` changes each subgroup's state in place.
+        """One update phase: `update(chunk, view)` changes each chunk's state in place.
 
         With `drain=False` the step returns while its last writes are still in flight: they go on while
-        forward and backward run, and their buffers keep the state, so the next step (whose order starts
-        where this one ended) uses them without reading them back.
+        forward and backward run, and their buffers keep the state, so the next step uses them without
+        reading them back.
         """
         n = len(self.sizes)
-        order = step_order(self._step, n)
+        order = self._order
         keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
         retained, self._retained = self._retained, {}
         to_read = deque(i for i in order if i not in self._resident and i not in retained)
@@ -182,7 +205,7 @@ class SubgroupPipeline:
                         return
                     continue
                 i = to_read.popleft()
-                reading[i] = (buffer, self.store.read(self.key(i), self.view(i, buffer)))
+                reading[i] = (buffer, self.store.read(self.keys[i], self.view(i, buffer)))
                 stats.reads += 1
                 stats.bytes_read += self.sizes[i]
 
@@ -200,10 +223,10 @@ class SubgroupPipeline:
                 stats.retained += 1
             else:
                 while i not in reading:
-                    # Every buffer is held by a write in flight: the oldest frees one. (Reads go out in
-                    # order and cached or retained subgroups come first, so a write is in flight.)
+                    # Every buffer is resident or held by a write in flight: the oldest write frees
+                    # one. (Reads go out in order, and at least one buffer is not a cache slot.)
                     if not writing:
-                        raise RuntimeError(f"subgroup {i}: no buffer to read into and no write to wait for")
+                        raise RuntimeError(f"chunk {i}: no buffer to read into and no write to wait for")
                     reclaim(block=True)
                     read_ahead()
                 buffer, handle = reading.pop(i)
@@ -214,13 +237,14 @@ class SubgroupPipeline:
             if i in keep:
                 self._resident[i] = buffer
             else:
-                writing.append((i, buffer, self.store.write(self.key(i), self.view(i, buffer))))
+                writing.append((i, buffer, self.store.write(self.keys[i], self.view(i, buffer))))
                 stats.writes += 1
                 stats.bytes_written += self.sizes[i]
         if drain:
             while reclaim(block=True):
                 pass
         self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
+        self._order = next_order(order, set(self._resident), set(self._retained))
         stats.seconds = time.perf_counter() - start
         # Since the end of the last step: writes that ran on during forward and backward count here.
         before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
@@ -239,13 +263,13 @@ class SubgroupPipeline:
         return stats
 
     def flush(self) -> None:
-        """Writes the cached subgroups back and waits for every write, so the store alone holds the
-        current state."""
+        """Writes the cached chunks back and waits for every write, so the store alone holds the current
+        state."""
         for buffer, handle in self._retained.values():
             handle.wait()
             self._free.append(buffer)
         self._retained.clear()
-        handles = [(i, b, self.store.write(self.key(i), self.view(i, b))) for i, b in self._resident.items()]
+        handles = [(i, b, self.store.write(self.keys[i], self.view(i, b))) for i, b in self._resident.items()]
         for i, b, h in handles:
             h.wait()
             self._free.append(b)

@@ -40,6 +40,7 @@ class ProbeOptions:
     """The probe's knobs; `None` means the runtime's default."""
 
     bytes: int | None = None
+    sustained_bytes: int | None = None
     chunk_sizes: list[int] | None = None
     depths: list[int] | None = None
     engine: str = "auto"
@@ -91,6 +92,29 @@ class Profile:
             write_bytes_per_subgroup=bytes_per_subgroup,
             host_bytes_per_subgroup=bytes_per_subgroup,
             host_memory=host_memory,
+            **model_options,
+        )
+
+    def plan_stream(
+        self,
+        sizes: Sequence[int],
+        buffer_count: int,
+        cache_slots: int,
+        *,
+        adam_secs_per_chunk: float = 0.0,
+        measured_bytes_per_s: Sequence[float] | None = None,
+        **model_options: Any,
+    ) -> dict[str, Any]:
+        """The plan for the streaming update: chunks of `sizes` bytes (the model takes their mean), each
+        read and written once per step unless cached, `cache_slots` of `buffer_count` buffers caching."""
+        mean = sum(sizes) // len(sizes)
+        return self.plan_subgroups(
+            subgroups=len(sizes),
+            bytes_per_subgroup=mean,
+            host_memory=buffer_count * mean,
+            pipeline_buffers=buffer_count - cache_slots,
+            adam_secs_per_subgroup=adam_secs_per_chunk,
+            measured_bytes_per_s=measured_bytes_per_s,
             **model_options,
         )
 

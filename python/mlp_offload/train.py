@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mlp_offload.tables import render_table
 from mlp_offload.units import parse_count, parse_size
 
 # Steps left out of the medians: the first update writes every object and finds no cache.
@@ -47,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-memory",
-        default="auto",
-        help="host memory for the state's buffers and cache (e.g. 512M); auto: what DeepSpeed would pin",
+        default="deepspeed",
+        help="host memory for the state's chunk buffers and cache (e.g. 512M); deepspeed (the default, so "
+        "the tiers do the work): what DeepSpeed's NVMe offload would pin; auto: what the machine can spare",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -77,8 +79,8 @@ def _set_up_environment() -> None:
 
 def ds_config(args: argparse.Namespace, paths: list[str], telemetry: Path) -> dict[str, Any]:
     section: dict[str, Any] = {"paths": paths, "telemetry_file": str(telemetry)}
-    if args.host_memory != "auto":
-        section["host_memory"] = parse_size(args.host_memory)
+    host_memory = args.host_memory
+    section["host_memory"] = host_memory if host_memory in ("auto", "deepspeed") else parse_size(host_memory)
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -92,7 +94,7 @@ def ds_config(args: argparse.Namespace, paths: list[str], telemetry: Path) -> di
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group_size,
-            # DeepSpeed's pipelined NVMe offload pins 12 buffers; "auto" host memory matches it.
+            # DeepSpeed's pipelined NVMe offload pins 12 buffers; "deepspeed" host memory matches it.
             "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 12},
         },
         "steps_per_print": 10**9,
@@ -236,7 +238,8 @@ def summarize(
         "startup_predicted_update_secs": plan.get("predicted_update_secs"),
         "io_floor_secs": plan.get("io_floor_secs"),
         "subgroups": start["subgroups"],
-        "cached_subgroups": start["cached_subgroups"],
+        "chunks": start["chunks"],
+        "cached_chunks": start["cached_chunks"],
         "host_memory": start["host_memory"],
         "weights": start["weights"],
         "tiers": tiers,
@@ -247,12 +250,11 @@ def summarize(
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    from mlp_offload.cli import render_table
 
     m = s["median_secs"]
     print(
         f"\nloss {s['first_loss']:.3f} -> {s['last_loss']:.3f} (mean of the last 5 steps); "
-        f"{s['subgroups']} subgroups, {s['cached_subgroups']} cached, "
+        f"{s['subgroups']} subgroups in {s['chunks']} chunks, {s['cached_chunks']} cached, "
         f"host memory {s['host_memory'] / 2**20:,.0f} MiB"
     )
     print(f"median seconds per step after {WARMUP_STEPS} warm-up steps:")
@@ -261,7 +263,7 @@ def print_summary(s: dict[str, Any]) -> None:
     predicted = s["predicted_update_secs"]
     print(
         "update phase: measured {:.3f} s, predicted {} (I/O floor {}); per step {:.0f} reads, "
-        "{:.0f} subgroups reused from the last step's buffers, {:.0f} from the cache".format(
+        "{:.0f} chunks reused from the last step's buffers, {:.0f} from the cache".format(
             m["update"],
             f"{predicted:.3f} s" if predicted is not None else "n/a (no profile)",
             f"{s['io_floor_secs']:.3f} s" if s["io_floor_secs"] is not None else "n/a",

@@ -4,19 +4,23 @@
 (partitioning, gradient reduction, norms, clipping, loss scaling, CPU Adam, the copy back to half
 precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
 
-1. The fp32 master weights and both Adam moments of every subgroup live in the store, one object per
-   subgroup, `[params | exp_avg | exp_avg_sq]` in fp32, split across every path.
+1. The fp32 master weights and both Adam moments live in the store in chunks: slices of a subgroup's
+   elements (up to 48 MiB of state each), one object per chunk, `[params | exp_avg | exp_avg_sq]` in fp32,
+   split across every path.
 2. Backward records only the gradient norms DeepSpeed needs: the reduced half-precision gradient stays
    where DeepSpeed put it (its host buffer) and nothing is cast or written.
-3. `step()` runs the subgroups through `SubgroupPipeline`: alternating order, the last ones cached in host
-   memory, reads ahead, writes behind. Each subgroup's half-precision gradient is converted into one
-   reusable fp32 buffer just before its update (an exact widening, as DeepSpeed's own cast).
+3. `step()` streams the chunks through `ChunkPipeline`: one pool of chunk buffers within `host_memory`
+   holds the cache and the reads ahead and writes behind. Per chunk, DeepSpeed's own per-subgroup
+   operations run on the chunk's elements: the half-precision gradient converted into one reusable fp32
+   chunk (an exact widening, as DeepSpeed's own cast), unscale and clip, CPU Adam, the copy into the
+   half-precision partition.
 4. After each step the `WeightTuner` moves share from the busiest path to the idler ones, and keeps a move
    only if the two updates after it were no slower than the two before.
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
-same operations: DeepSpeed 0.19.8's CPU Adam keeps its bias correction per step, not per call, so the
-order of subgroups does not change any result.
+same operations: each is elementwise; chunk lengths are multiples of CPU Adam's vector block, so each
+element takes the same code path as in a whole-subgroup call; and DeepSpeed 0.19.8's CPU Adam keeps its
+bias correction per step, not per call, so neither the order nor the number of calls changes a result.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, OPTIMIZER_STEP_TIMER
 
-from mlp_offload import _core, profiles
+from mlp_offload import _core, memory, profiles
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
-from mlp_offload.pipeline import PIPELINE_BUFFERS, StepStats, SubgroupPipeline
+from mlp_offload.pipeline import ChunkPipeline, StepStats
 from mlp_offload.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
@@ -83,7 +87,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             checksum=config.checksum,
             shadow_slots=config.shadow_slots,
         )
-        self._mlp_pipeline: SubgroupPipeline | None = None
+        self._mlp_pipeline: ChunkPipeline | None = None
         self._mlp_profile: profiles.Profile | None = None
         # When the last step ended (forward and backward run until the next one starts), and the update
         # time the model predicts for the next step.
@@ -108,20 +112,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pass
 
     def _create_fp32_partitions(self) -> None:
-        """Writes each subgroup's initial state (fp32 copy of the half-precision partition, zero moments)
-        to the store and leaves an empty fp32 tensor in DeepSpeed's list."""
+        """Leaves an empty fp32 tensor per subgroup in DeepSpeed's list; the state itself is written to
+        the store chunk by chunk once the budget is known (`_mlp_start`)."""
         self.subgroup_to_device = dict.fromkeys(range(len(self.fp16_partitioned_groups_flat)), "cpu")
         self.optimizer_swapper = _StateSwapper(self)
-        largest = max(self.fp16_partitioned_groups_flat_numel)
-        staging = torch.empty(STATE_TENSORS * largest, dtype=FP32)
-        # A new engine starts from the model's weights: state left in these paths by an earlier run
-        # (another model or subgroup size) is replaced.
-        wanted = {self._mlp_key(i) for i in range(len(self.fp16_partitioned_groups_flat))}
-        stale = [k for k in self._mlp_store.keys() if k.startswith("subgroup") and k not in wanted]
-        for key in stale:
-            self._mlp_store.delete(key)
-        if stale:
-            log.info("mlp-offload: removed %d subgroup objects left by an earlier run", len(stale))
         for i, fp16_flat in enumerate(self.fp16_partitioned_groups_flat):
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             ids = self.fp16_partitioned_groups_flat_id[i]
@@ -129,13 +123,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 raise ValueError(
                     "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload"
                 )
-            state = staging[: STATE_TENSORS * n]
-            state[:n].copy_(fp16_flat)  # an exact widening, as DeepSpeed's `.to(float32)`
-            state[n:].zero_()
-            size = self._mlp_store.size(self._mlp_key(i))
-            if size is not None and size != state.numel() * state.element_size():
-                self._mlp_store.delete(self._mlp_key(i))
-            self._mlp_store.write(self._mlp_key(i), state).wait()
             # DeepSpeed tags tensors with attributes (`ds_id`), which torch's types do not declare.
             placeholder: Any = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
             placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
@@ -159,35 +146,53 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # Start-up: budget, plan, pipeline
 
-    def _mlp_key(self, i: int) -> str:
-        return f"subgroup{i}"
+    def _mlp_budget(self, numels: list[int]) -> tuple[int, str]:
+        """The host memory for state, and how it was chosen (see `MLPOffloadConfig.host_memory`)."""
+        host_memory = self._mlp_config.host_memory
+        deepspeed_budget = self._mlp_buffer_count * max(numels) * 4
+        if host_memory == "deepspeed":
+            return deepspeed_budget, f"DeepSpeed's pinned budget ({self._mlp_buffer_count} buffers)"
+        if host_memory != "auto":
+            return int(host_memory), "configured"
+        spare = memory.spare_host_memory()
+        # Never more than caching the whole state takes.
+        need = memory.whole_state_bytes(numels, self._mlp_update_chunk())
+        budget = min(need, max(spare.bytes, deepspeed_budget))
+        return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
+
+    def _mlp_update_chunk(self) -> int | None:
+        chunk = self._mlp_config.update_chunk
+        return None if chunk == "auto" else int(chunk)
 
     def _mlp_start(self) -> None:
         config = self._mlp_config
         numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
-        largest = max(numels)
-        grad_bytes = 4 * largest
-        buffer_bytes = STATE_BYTES * largest
-        host_memory = (
-            self._mlp_buffer_count * largest * 4 if config.host_memory == "auto" else int(config.host_memory)
-        )
-        buffers = (host_memory - grad_bytes) // buffer_bytes
+        host_memory, budget_source = self._mlp_budget(numels)
+        layout = memory.chunk_layout(numels, host_memory, self._mlp_update_chunk())
+        c, buffers = layout.elements, layout.buffers
+        # Chunk -> (subgroup, first element, elements); chunks of one subgroup are adjacent.
+        self._mlp_chunks = layout.chunks
+        self._mlp_subgroup_chunks: list[list[int]] = [[] for _ in numels]
+        for k, (i, _, _) in enumerate(self._mlp_chunks):
+            self._mlp_subgroup_chunks[i].append(k)
+        grad_bytes, buffer_bytes = memory.GRAD_BYTES * c, layout.buffer_bytes
         if buffers < 1:
             raise ValueError(
-                f"mlp_offload.host_memory: {host_memory:,} bytes hold no subgroup: one needs "
-                f"{buffer_bytes:,} bytes of fp32 state ({largest:,} elements x {STATE_BYTES}) plus "
-                f"{grad_bytes:,} for the fp32 gradient buffer"
+                f"mlp_offload.host_memory: {host_memory:,} bytes hold no chunk: one needs {buffer_bytes:,} "
+                f"bytes of fp32 state ({c:,} elements x {STATE_BYTES}) plus {grad_bytes:,} for its fp32 "
+                "gradient"
             )
-        n = len(numels)
-        self._mlp_grad = torch.empty(largest, dtype=FP32)
+        self._mlp_grad = torch.empty(c, dtype=FP32)
+        keys = [self._mlp_key(k) for k in range(len(self._mlp_chunks))]
+        self._mlp_remove_stale(keys)
         try:
             # The pipeline sizes the cache ("auto": what the buffers hold beyond its own) and checks it.
-            self._mlp_pipeline = SubgroupPipeline(
+            self._mlp_pipeline = ChunkPipeline(
                 self._mlp_store,
-                [STATE_BYTES * k for k in numels],
+                keys,
+                layout.sizes,
                 buffers,
-                cache_subgroups=None if config.cache_subgroups == "auto" else config.cache_subgroups,
-                prefix="subgroup",
+                cache_slots=None if config.cache_chunks == "auto" else config.cache_chunks,
                 lock=self._mlp_pin,
             )
         except ValueError as e:
@@ -196,8 +201,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         cache = self._mlp_pipeline.cache_slots
-        self._mlp_numels, self._mlp_buffers = numels, buffers
-        self._mlp_plan = self._mlp_make_plan(numels, host_memory, buffers)
+        n_chunks = len(self._mlp_chunks)
+        self._mlp_plan = self._mlp_make_plan()
         if self._mlp_plan is not None:
             self._mlp_prediction = self._mlp_plan["predicted_update_secs"]
         self._mlp_tuner = (
@@ -205,39 +210,71 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         if self._mlp_plan is not None and config.weights == "auto":
             self._mlp_store.weights = self._mlp_plan["weights"]
-            # The initial state was written with equal weights; each object moves on its next write.
+        # The initial state, placed by the plan's weights, through the pool's buffers.
+        self._mlp_pipeline.initialize(self._mlp_initial_state)
         self._mlp_telemetry = self._mlp_open_telemetry()
         self._mlp_emit(
             {
                 "event": "start",
                 "rank": self._mlp_rank,
                 "paths": config.paths,
-                "subgroups": n,
-                "largest_subgroup_elements": largest,
+                "subgroups": len(numels),
+                "largest_subgroup_elements": max(numels),
+                "chunks": n_chunks,
+                "chunk_elements": c,
                 "host_memory": host_memory,
-                "buffers": buffers,
+                "host_memory_source": budget_source,
+                "buffers": self._mlp_pipeline.buffer_count,
                 "buffer_bytes": buffer_bytes,
-                "cached_subgroups": cache,
+                "cached_chunks": cache,
                 "weights": self._mlp_store.weights,
                 "plan": self._mlp_plan,
             }
         )
         log.info(
-            "mlp-offload: rank %d, %d subgroups over %d paths, host memory %.2f GiB = %d buffers of %.1f MiB "
-            "+ %.1f MiB fp32 gradient; %d cached; weights %s; predicted update %.2f s",
+            "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
+            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; weights %s; "
+            "predicted update %.2f s",
             self._mlp_rank,
-            n,
+            len(numels),
+            n_chunks,
+            buffer_bytes / 2**20,
             len(config.paths),
             host_memory / 2**30,
-            buffers,
-            buffer_bytes / 2**20,
+            budget_source,
+            self._mlp_pipeline.buffer_count,
             grad_bytes / 2**20,
             cache,
             [round(w, 3) for w in self._mlp_store.weights],
             self._mlp_plan["predicted_update_secs"] if self._mlp_plan else float("nan"),
         )
 
-    def _mlp_make_plan(self, numels: list[int], host_memory: int, buffers: int) -> dict[str, Any] | None:
+    def _mlp_key(self, chunk: int) -> str:
+        i, first, _ = self._mlp_chunks[chunk]
+        return f"subgroup{i}.{first}"
+
+    def _mlp_remove_stale(self, keys: list[str]) -> None:
+        """A new engine starts from the model's weights: state left in these paths by an earlier run
+        (another model, subgroup or chunk size) is removed, and objects of another size replaced."""
+        wanted = set(keys)
+        stale = [k for k in self._mlp_store.keys() if k.startswith("subgroup") and k not in wanted]
+        for key in stale:
+            self._mlp_store.delete(key)
+        if stale:
+            log.info("mlp-offload: removed %d state objects left by an earlier run", len(stale))
+        for key, (_, _, count) in zip(keys, self._mlp_chunks, strict=True):
+            size = self._mlp_store.size(key)
+            if size is not None and size != STATE_BYTES * count:
+                self._mlp_store.delete(key)
+
+    def _mlp_initial_state(self, chunk: int, state_bytes: torch.Tensor) -> None:
+        """A chunk's first state: the fp32 copy of its half-precision weights, zero moments."""
+        i, first, count = self._mlp_chunks[chunk]
+        state = state_bytes.view(FP32)
+        state[:count].copy_(self.fp16_partitioned_groups_flat[i][first : first + count])  # exact widening
+        state[count:].zero_()
+
+    def _mlp_make_plan(self) -> dict[str, Any] | None:
         """The performance model's plan from the paths' profile (probing them when needed)."""
         config = self._mlp_config
         if config.weights != "auto":
@@ -253,26 +290,24 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_profile = profile
         if profile is None:
             return None
-        return self._mlp_replan(numels, buffers)
+        return self._mlp_replan()
 
     def _mlp_replan(
         self,
-        numels: list[int],
-        buffers: int,
         fwd_bwd_secs: float = 0.0,
-        adam_secs_per_subgroup: float = 0.0,
+        adam_secs_per_chunk: float = 0.0,
         measured_bytes_per_s: list[float] | None = None,
         weights: list[float] | None = None,
     ) -> dict[str, Any]:
-        assert self._mlp_profile is not None
-        buffer_bytes = STATE_BYTES * max(numels)
-        return self._mlp_profile.plan_subgroups(
-            subgroups=len(numels),
-            bytes_per_subgroup=buffer_bytes,
-            host_memory=buffers * buffer_bytes,
-            pipeline_buffers=min(PIPELINE_BUFFERS, buffers),
+        """The model's plan for the stream, with the pipeline's chunks and buffers."""
+        assert self._mlp_profile is not None and self._mlp_pipeline is not None
+        pipeline = self._mlp_pipeline
+        return self._mlp_profile.plan_stream(
+            pipeline.sizes,
+            pipeline.buffer_count,
+            pipeline.cache_slots,
             fwd_bwd_secs=fwd_bwd_secs,
-            adam_secs_per_subgroup=adam_secs_per_subgroup,
+            adam_secs_per_chunk=adam_secs_per_chunk,
             measured_bytes_per_s=measured_bytes_per_s,
             weights=weights,
         )
@@ -306,13 +341,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         adam["exp_avg"] = state[n : 2 * n]
         adam["exp_avg_sq"] = state[2 * n : 3 * n]
 
-    def _mlp_bind(self, i: int, state_bytes: torch.Tensor) -> None:
-        """`_mlp_bind_state`, and DeepSpeed's fp32 gradient converted from the half-precision one."""
-        self._mlp_bind_state(i, state_bytes)
-        n = int(self.fp16_partitioned_groups_flat_numel[i])
+    def _mlp_bind_chunk(self, chunk: int, state_bytes: torch.Tensor, step: int) -> None:
+        """Points DeepSpeed's fp32 tensor of the chunk's subgroup, its Adam state and its gradient at the
+        chunk's elements, as if they were the whole subgroup, with the Adam step the subgroup had before
+        this update (CPU Adam counts one per call)."""
+        i, first, count = self._mlp_chunks[chunk]
+        state = state_bytes.view(FP32)
         fp32 = self.fp32_partitioned_groups_flat[i]
-        grad = self._mlp_grad[:n]
-        grad.copy_(self._mlp_half_grad(i))  # the delayed conversion, in place into one reusable buffer
+        fp32.data = state[:count]
+        adam = self.optimizer.state[fp32]
+        adam["step"] = step
+        adam["exp_avg"] = state[count : 2 * count]
+        adam["exp_avg_sq"] = state[2 * count :]
+        grad = self._mlp_grad[:count]
+        # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening).
+        grad.copy_(self._mlp_half_grad(i)[first : first + count])
         fp32.grad = grad
 
     def _mlp_unbind(self, i: int) -> None:
@@ -372,17 +415,28 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self.timers(OPTIMIZER_STEP_TIMER).start()
 
         compute_secs = 0.0
+        # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
+        steps = [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
+        remaining = [len(chunks) for chunks in self._mlp_subgroup_chunks]
 
-        def update(i: int, state_bytes: torch.Tensor) -> None:
+        def update(chunk: int, state_bytes: torch.Tensor) -> None:
+            """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and
+            chunk boundaries keep CPU Adam's vector path (see `memory.CHUNK_ALIGN`)."""
             nonlocal compute_secs
             t = time.perf_counter()
-            self._mlp_bind(i, state_bytes)
+            i, first, count = self._mlp_chunks[chunk]
+            self._mlp_bind_chunk(chunk, state_bytes, steps[i])
             try:
                 if self._muon_update_lacks_loss_scale(i):
                     self.fp32_partitioned_groups_flat[i].grad.mul_(self.loss_scale)
                 self.unscale_and_clip_grads(i, scaled_global_grad_norm)
                 self._optimizer_step(i)
-                self._reassign_or_swap_out_partitioned_parameters(i)
+                # DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`, one chunk at a time.
+                half = self.fp16_partitioned_groups_flat[i]
+                half.data[first : first + count].copy_(self.fp32_partitioned_groups_flat[i].data)
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    self._unflatten_partitioned_parameters(i)
             finally:
                 self._mlp_unbind(i)
                 compute_secs += time.perf_counter() - t
@@ -409,10 +463,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # The next step's prediction, from what this one measured: forward and backward (which hide
             # the write-back), Adam and the gradient conversion per subgroup, each path's bandwidth.
             self._mlp_prediction = self._mlp_replan(
-                self._mlp_numels,
-                self._mlp_buffers,
                 fwd_bwd_secs=fwd_bwd,
-                adam_secs_per_subgroup=compute_secs / len(self._mlp_numels),
+                adam_secs_per_chunk=compute_secs / len(self._mlp_chunks),
                 measured_bytes_per_s=self._mlp_tuner.estimates if self._mlp_tuner is not None else None,
                 # At the tuner's split, which the next step's writes use; without a tuner the plan's.
                 weights=self._mlp_tuner.weights if self._mlp_tuner is not None else None,
@@ -457,18 +509,45 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # Checkpoints: DeepSpeed's own ZeRO-3 format, so they load into stock DeepSpeed and back
 
+    def _mlp_chunk_slices(self, chunk: int) -> tuple[int, list[slice]]:
+        """A chunk's subgroup and where its `[params | exp_avg | exp_avg_sq]` lie in the subgroup's."""
+        i, first, count = self._mlp_chunks[chunk]
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        return i, [slice(k * n + first, k * n + first + count) for k in range(STATE_TENSORS)]
+
     def _mlp_current_state(self, i: int) -> torch.Tensor:
-        """A fresh fp32 copy of subgroup `i`'s newest `[params | exp_avg | exp_avg_sq]`: the pipeline's
-        host copy when it has one (cached, or still in its buffer from the last write-back), else the
-        store's."""
+        """A fresh fp32 copy of subgroup `i`'s newest `[params | exp_avg | exp_avg_sq]`, gathered from its
+        chunks: the pipeline's host copy where it has one, else the store's."""
         n = int(self.fp16_partitioned_groups_flat_numel[i])
         state = torch.empty(STATE_TENSORS * n, dtype=FP32)
-        found = self._mlp_pipeline.in_memory(i) if self._mlp_pipeline is not None else None
-        if found is not None:
-            state.view(torch.uint8).copy_(found[0])
-        else:
-            self._mlp_store.read(self._mlp_key(i), state).wait()
+        scratch = None
+        for chunk in self._mlp_subgroup_chunks[i]:
+            _, parts = self._mlp_chunk_slices(chunk)
+            found = self._mlp_pipeline.in_memory(chunk) if self._mlp_pipeline is not None else None
+            if found is not None:
+                chunk_state = found[0].view(FP32)
+            else:
+                count = parts[0].stop - parts[0].start
+                if scratch is None:
+                    scratch = torch.empty(STATE_TENSORS * self._mlp_grad.numel(), dtype=FP32)
+                chunk_state = scratch[: STATE_TENSORS * count]
+                self._mlp_store.read(self._mlp_key(chunk), chunk_state).wait()
+            for k, part in enumerate(parts):
+                count = part.stop - part.start
+                state[part].copy_(chunk_state[k * count : (k + 1) * count])
         return state
+
+    def _mlp_store_state(self, i: int, state: torch.Tensor) -> None:
+        """Makes subgroup `i`'s `[params | exp_avg | exp_avg_sq]` (fp32) current, chunk by chunk."""
+        assert self._mlp_pipeline is not None
+        scratch = torch.empty(STATE_TENSORS * self._mlp_grad.numel(), dtype=FP32)
+        for chunk in self._mlp_subgroup_chunks[i]:
+            _, parts = self._mlp_chunk_slices(chunk)
+            count = parts[0].stop - parts[0].start
+            chunk_state = scratch[: STATE_TENSORS * count]
+            for k, part in enumerate(parts):
+                chunk_state[k * count : (k + 1) * count].copy_(state[part])
+            self._mlp_pipeline.replace(chunk, chunk_state.view(torch.uint8))
 
     def state_dict(self) -> Any:
         """DeepSpeed's ZeRO-3 optimizer state dict (`_rigid_state_dict`'s keys and layout), with each
@@ -542,7 +621,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # torch's loader replaces the moments with tensors of its own; ours still hold the rest.
                 state[n : 2 * n].copy_(adam["exp_avg"])
                 state[2 * n :].copy_(adam["exp_avg_sq"])
-                self._mlp_store.write(self._mlp_key(i), state).wait()
+                self._mlp_store_state(i, state)
         finally:
             for i in subgroups:
                 self._mlp_unbind(i)  # the loaded state lives in the store only
@@ -577,8 +656,8 @@ class _StateSwapper:
     def __init__(self, optimizer: MLPOffloadStage3) -> None:
         self.optimizer = optimizer
         self.swap_folder = optimizer._mlp_store.tiers[0]["path"]
-        # Subgroup -> (state buffer, "resident" / "retained" for the pipeline's own copy, else "store").
-        self._held: dict[int, tuple[torch.Tensor, str]] = {}
+        # Subgroup -> its whole state, gathered from its chunks while swapped in.
+        self._held: dict[int, torch.Tensor] = {}
 
     def _index(self, parameter: torch.Tensor) -> int:
         for i, t in enumerate(self.optimizer.fp32_partitioned_groups_flat):
@@ -592,29 +671,16 @@ class _StateSwapper:
     def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: Any = None) -> None:
         opt = self.optimizer
         i = self._index(parameter)
-        pipeline = opt._mlp_pipeline
-        found = pipeline.in_memory(i) if pipeline is not None else None
-        if found is not None:
-            state, kind = found
-        else:
-            state = torch.empty(
-                STATE_BYTES * int(opt.fp16_partitioned_groups_flat_numel[i]), dtype=torch.uint8
-            )
-            opt._mlp_store.read(opt._mlp_key(i), state).wait()
-            kind = "store"
-        self._held[i] = (state, kind)
-        opt._mlp_bind(i, state)
+        state = opt._mlp_current_state(i)
+        self._held[i] = state
+        opt._mlp_bind_state(i, state)
+        # The gradient as DeepSpeed's own swap-in would hold it: fp32, converted from the half-precision one.
+        parameter.grad = opt._mlp_half_grad(i).to(FP32)
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         opt = self.optimizer
         i = self._index(parameter)
-        state, kind = self._held.pop(i)
-        if kind == "store":
-            opt._mlp_store.write(opt._mlp_key(i), state).wait()
-        elif kind == "retained" and opt._mlp_pipeline is not None:
-            # Changed in the pipeline's buffer, which the store's copy must follow.
-            opt._mlp_pipeline.rewrite(i)
-        # A resident subgroup's buffer is the newest state; the pipeline writes it back in time.
+        opt._mlp_store_state(i, self._held.pop(i))
         opt._mlp_unbind(i)
 
     def release_swap_buffers(self, parameter: torch.Tensor) -> None:

@@ -21,10 +21,20 @@ use crate::tier::{probe_dir, TierInfo};
 /// Largest host buffer the probe allocates; larger measurements reuse it for successive file ranges.
 const PROBE_BUFFER: usize = 64 << 20;
 
+/// A sustained figure is the mean of this many successive windows that agree within `SETTLED`.
+const SETTLE_WINDOWS: usize = 4;
+const SETTLED: f64 = 0.10;
+/// Sustained measurements stop after this many passes over the working set, settled or not.
+const MAX_PASSES: u64 = 3;
+
 #[derive(Debug, Clone)]
 pub struct ProbeOptions {
-    /// Bytes moved per measurement (the probe file's size).
+    /// Bytes moved per measurement of the sweep over chunk sizes and in-flight limits.
     pub bytes: u64,
+    /// The working set of the sustained measurements (read, write, mixed, all paths at once) at the
+    /// sweep's best settings: larger than the caches in front of a device, so the rates are the
+    /// device's own. Each runs in windows until the rate settles.
+    pub sustained_bytes: u64,
     pub chunk_sizes: Vec<usize>,
     pub depths: Vec<usize>,
     pub engine: EngineChoice,
@@ -36,6 +46,7 @@ impl Default for ProbeOptions {
     fn default() -> Self {
         ProbeOptions {
             bytes: 256 << 20,
+            sustained_bytes: 2 << 30,
             chunk_sizes: vec![1 << 20, 4 << 20, 16 << 20],
             depths: vec![4, 16],
             engine: EngineChoice::Auto,
@@ -70,11 +81,13 @@ pub struct PathProbe {
     pub samples: Vec<ProbeSample>,
 }
 
-/// A probe file of `bytes` real blocks in one directory, removed on drop.
+/// A probe file of real blocks in one directory, removed on drop: the sweep uses its first `bytes`, the
+/// sustained measurements all `sustained_bytes` of it.
 struct ProbeFile {
     tier: TierInfo,
     file: Arc<IoFile>,
     bytes: u64,
+    sustained_bytes: u64,
 }
 
 impl ProbeFile {
@@ -82,9 +95,15 @@ impl ProbeFile {
         let tier = probe_dir(dir)?;
         let align = tier.alignment();
         let bytes = opts.bytes.div_ceil(align) * align;
+        let sustained_bytes = opts.sustained_bytes.div_ceil(align).max(1) * align;
         let path = dir.join(format!(".mlp-offload-probe-{}.tmp", std::process::id()));
         let file = Arc::new(IoFile::open(&path, tier.direct_io, true)?);
-        let probe = ProbeFile { tier, file, bytes };
+        let probe = ProbeFile {
+            tier,
+            file,
+            bytes,
+            sustained_bytes,
+        };
         // One unmeasured pass writes real blocks, so reads never hit unwritten extents (which return
         // zeros without touching the device) and writes measure overwrites, as the store does.
         let warm = open_engine(opts.engine, &dir.to_string_lossy(), PathLimits::default())?;
@@ -93,7 +112,8 @@ impl ProbeFile {
             Op::Write,
             &probe.file,
             buf,
-            probe.bytes,
+            0,
+            probe.bytes.max(probe.sustained_bytes),
             probe.tier.direct_io,
         )?;
         Ok(probe)
@@ -113,10 +133,15 @@ pub fn probe_paths(
     opts: &ProbeOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<PathProbe>> {
-    if opts.bytes == 0 || opts.chunk_sizes.is_empty() || opts.depths.is_empty() || dirs.is_empty() {
+    if opts.bytes == 0
+        || opts.sustained_bytes == 0
+        || opts.chunk_sizes.is_empty()
+        || opts.depths.is_empty()
+        || dirs.is_empty()
+    {
         return Err(Error::config(
             "probe",
-            "paths, bytes, chunk sizes and depths must not be empty",
+            "paths, bytes, sustained bytes, chunk sizes and depths must not be empty",
         ));
     }
     let mut buf = AlignedBuf::new(PROBE_BUFFER.min(opts.bytes as usize).max(1 << 20), false)?;
@@ -174,7 +199,7 @@ fn sweep(
             let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits)?;
             engine_kind = engine.kind();
             for op in [Op::Write, Op::Read] {
-                let secs = run(&*engine, op, file, buf, bytes, tier.direct_io)?;
+                let secs = run(&*engine, op, file, buf, 0, bytes, tier.direct_io)?;
                 let sample = ProbeSample {
                     op: if op == Op::Read { "read" } else { "write" },
                     chunk_size,
@@ -209,26 +234,44 @@ fn sweep(
             })
             .expect("at least one sample per op")
     };
-    let (read_bps, best_read) = best("read");
-    let (write_bps, best_write) = best("write");
-    let engine = open_engine(opts.engine, &dir.to_string_lossy(), best_read)?;
-    let mut write_buf = AlignedBuf::new(best_read.chunk_size, false)?;
-    write_buf.as_mut_slice().fill(0x5a);
-    let start = Instant::now();
-    let moved = mixed_pass(
-        &*engine,
-        probe_file,
-        bytes,
-        buf,
-        &mut write_buf,
-        best_read.chunk_size,
-    )?;
-    let mixed = moved as f64 / start.elapsed().as_secs_f64();
-    progress(&format!(
-        "{}: mixed read+write: {:.0} MiB/s",
-        dir.display(),
-        mixed / (1 << 20) as f64
-    ));
+    let (_, best_read) = best("read");
+    let (_, best_write) = best("write");
+    // The sustained figures, at the best settings, over the whole working set.
+    let mut sustained_of = |label: &str, limits: PathLimits, op: Option<Op>| -> Result<f64> {
+        let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits)?;
+        let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
+        write_buf.as_mut_slice().fill(0x5a);
+        let (total, align) = (probe_file.sustained_bytes, tier.alignment());
+        let rate = sustained(total, align, |offset, window| {
+            let start = Instant::now();
+            let moved = match op {
+                Some(op) => {
+                    run(&*engine, op, file, buf, offset, window, tier.direct_io)?;
+                    window
+                }
+                None => mixed_pass(
+                    &*engine,
+                    probe_file,
+                    offset,
+                    window,
+                    buf,
+                    &mut write_buf,
+                    limits.chunk_size,
+                )?,
+            };
+            Ok((moved, start.elapsed().as_secs_f64()))
+        })?;
+        progress(&format!(
+            "{}: {label}, sustained over {} MiB: {:.0} MiB/s",
+            dir.display(),
+            probe_file.sustained_bytes >> 20,
+            rate / (1 << 20) as f64
+        ));
+        Ok(rate)
+    };
+    let write_bps = sustained_of("write", best_write, Some(Op::Write))?;
+    let read_bps = sustained_of("read", best_read, Some(Op::Read))?;
+    let mixed = sustained_of("mixed read+write", best_read, None)?;
     Ok(PathProbe {
         path: dir.to_path_buf(),
         read_bytes_per_s: read_bps,
@@ -245,11 +288,12 @@ fn sweep(
     })
 }
 
-/// Reads the file's first half while writing its second half, chunk by chunk interleaved, so the
-/// device sees both at once as in the update phase. Returns the bytes moved.
+/// Reads the first half of the file's `bytes` from `base` while writing the second half, chunk by chunk
+/// interleaved, so the device sees both at once as in the update phase. Returns the bytes moved.
 fn mixed_pass(
     engine: &dyn IoEngine,
     probe_file: &ProbeFile,
+    base: u64,
     bytes: u64,
     read_buf: &mut AlignedBuf,
     write_buf: &mut AlignedBuf,
@@ -273,8 +317,8 @@ fn mixed_pass(
     let mut offset = 0;
     while offset < half {
         for (op, ptr, at) in [
-            (Op::Read, read_ptr, offset),
-            (Op::Write, write_ptr, half + offset),
+            (Op::Read, read_ptr, base + offset),
+            (Op::Write, write_ptr, base + half + offset),
         ] {
             completion.add_part();
             engine.submit(Transfer {
@@ -297,7 +341,47 @@ fn mixed_pass(
     Ok(2 * half)
 }
 
-/// Every path runs mixed passes at once for `opts.together`; returns each path's bytes per second.
+/// Runs `measure(offset, window)` (bytes moved, seconds) over successive windows of the sustained working
+/// set, wrapping around, until the last `SETTLE_WINDOWS` rates, all measured after a first whole pass,
+/// lie within `SETTLED` of their mean (or `MAX_PASSES` passes are done); returns that mean. The first pass
+/// fills whatever cache sits in front of the device; a cache larger than the working set still shows.
+fn sustained(
+    total: u64,
+    align: u64,
+    mut measure: impl FnMut(u64, u64) -> Result<(u64, f64)>,
+) -> Result<f64> {
+    // Windows of an eighth of the working set: enough of them in one pass to see a rate settle.
+    let window = (total / 8 / align * align).max(align).min(total);
+    let mut rates: Vec<f64> = Vec::new();
+    let (mut moved, mut offset) = (0u64, 0u64);
+    let mut first_after_pass = None;
+    loop {
+        let len = window.min(total - offset);
+        let (bytes, secs) = measure(offset, len)?;
+        if moved >= total && first_after_pass.is_none() {
+            first_after_pass = Some(rates.len());
+        }
+        rates.push(bytes as f64 / secs.max(1e-9));
+        moved += len;
+        offset = if offset + len >= total {
+            0
+        } else {
+            offset + len
+        };
+        let from = rates.len().saturating_sub(SETTLE_WINDOWS);
+        let last = &rates[from..];
+        let mean = last.iter().sum::<f64>() / last.len() as f64;
+        let settled = first_after_pass.is_some_and(|first| from >= first)
+            && last.len() == SETTLE_WINDOWS
+            && last.iter().all(|r| (r - mean).abs() <= SETTLED * mean);
+        if settled || moved >= MAX_PASSES * total {
+            return Ok(mean);
+        }
+    }
+}
+
+/// Every path runs mixed passes at once for `opts.together`, over its whole sustained working set;
+/// returns each path's bytes per second.
 fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> Result<Vec<f64>> {
     let deadline = Instant::now() + opts.together;
     std::thread::scope(|scope| {
@@ -313,12 +397,27 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
                     write_buf.as_mut_slice().fill(0xa5);
                     // Passes short enough that the last one ends soon after the deadline.
                     let pass = (p.mixed_bytes_per_s * 0.25) as u64;
-                    let pass = pass.max(4 * chunk as u64).min(f.bytes);
+                    // Whole chunks, so every pass starts aligned for O_DIRECT.
+                    let chunk_bytes = chunk as u64;
+                    let pass = (pass.max(4 * chunk_bytes).min(f.sustained_bytes) / chunk_bytes)
+                        .max(1)
+                        * chunk_bytes;
                     let start = Instant::now();
-                    let mut moved = 0;
+                    let (mut moved, mut base) = (0, 0);
                     while Instant::now() < deadline {
-                        moved +=
-                            mixed_pass(&*engine, f, pass, &mut read_buf, &mut write_buf, chunk)?;
+                        if base + pass > f.sustained_bytes {
+                            base = 0;
+                        }
+                        moved += mixed_pass(
+                            &*engine,
+                            f,
+                            base,
+                            pass,
+                            &mut read_buf,
+                            &mut write_buf,
+                            chunk,
+                        )?;
+                        base += pass;
                     }
                     Ok(moved as f64 / start.elapsed().as_secs_f64())
                 })
@@ -330,13 +429,14 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
             .collect()
     })
 }
-/// Moves `bytes` sequentially between the file and `buf` (reused for successive ranges) and returns the
-/// seconds it took.
+/// Moves `bytes` from `base` sequentially between the file and `buf` (reused for successive ranges) and
+/// returns the seconds it took.
 fn run(
     engine: &dyn IoEngine,
     op: Op,
     file: &Arc<IoFile>,
     buf: &mut AlignedBuf,
+    base: u64,
     bytes: u64,
     direct: bool,
 ) -> Result<f64> {
@@ -351,7 +451,7 @@ fn run(
             op,
             file: file.clone(),
             direct,
-            offset,
+            offset: base + offset,
             buf: ptr,
             len,
             finish: None,
@@ -363,4 +463,69 @@ fn run(
     // `buf` is borrowed mutably for the whole wait, so nothing else can touch or free it meanwhile.
     completion.wait()?;
     Ok(start.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rates per window as a device with a cache in front gives them: fast until the cache is full.
+    fn windows(rates: &[f64]) -> impl FnMut(u64, u64) -> Result<(u64, f64)> + '_ {
+        let mut i = 0;
+        move |_, len| {
+            let rate = rates[i.min(rates.len() - 1)];
+            i += 1;
+            Ok((len, len as f64 / rate))
+        }
+    }
+
+    #[test]
+    fn a_sustained_rate_is_the_settled_one_not_the_burst() {
+        let gib = 1u64 << 30;
+        // name, rates per window (an eighth of the working set each), expected figure
+        let cases: &[(&str, Vec<f64>, f64)] = &[
+            ("steady", vec![100.0; 40], 100.0),
+            (
+                "a cache's burst, then the device",
+                [vec![400.0; 6], vec![100.0; 34]].concat(),
+                100.0,
+            ),
+            (
+                "a burst longer than one pass",
+                [vec![400.0; 10], vec![100.0; 30]].concat(),
+                100.0,
+            ),
+            // A cache that holds the whole working set is all this can see.
+            (
+                "a cache larger than the working set",
+                vec![400.0; 40],
+                400.0,
+            ),
+            // Never settles: the last four windows after three passes, whatever they are.
+            (
+                "never settles",
+                (0..40)
+                    .map(|i| if i % 2 == 0 { 50.0 } else { 150.0 })
+                    .collect(),
+                100.0,
+            ),
+        ];
+        for (name, rates, expected) in cases {
+            let rate = sustained(2 * gib, 4096, windows(rates)).unwrap();
+            assert!((rate - expected).abs() < 1e-6, "{name}: {rate}");
+        }
+    }
+
+    #[test]
+    fn sustained_windows_cover_the_working_set_and_wrap() {
+        let mut seen = Vec::new();
+        sustained(8 << 20, 4096, |offset, len| {
+            seen.push((offset, len));
+            Ok((len, 1.0))
+        })
+        .unwrap();
+        // Eighths of 8 MiB, from 0, wrapping after the last; settled on four windows after the first pass.
+        let expected: Vec<(u64, u64)> = (0..12).map(|i| ((i % 8) << 20, 1 << 20)).collect();
+        assert_eq!(seen, expected);
+    }
 }

@@ -459,13 +459,14 @@ fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
 /// Probes each directory (read and write over a sweep of chunk sizes and in-flight limits, then mixed
 /// read+write), then all of them at once. `progress`, if given, is called with a line per measurement.
 #[pyfunction]
-#[pyo3(signature = (paths, *, bytes=None, chunk_sizes=None, depths=None, engine="auto",
-                    together_secs=None, progress=None))]
+#[pyo3(signature = (paths, *, bytes=None, sustained_bytes=None, chunk_sizes=None, depths=None,
+                    engine="auto", together_secs=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn probe_bandwidth(
     py: Python<'_>,
     paths: Vec<PathBuf>,
     bytes: Option<u64>,
+    sustained_bytes: Option<u64>,
     chunk_sizes: Option<Vec<usize>>,
     depths: Option<Vec<usize>>,
     engine: &str,
@@ -487,6 +488,7 @@ fn probe_bandwidth(
     };
     let opts = ProbeOptions {
         bytes: bytes.unwrap_or(defaults.bytes),
+        sustained_bytes: sustained_bytes.unwrap_or(defaults.sustained_bytes),
         chunk_sizes: chunk_sizes.unwrap_or(defaults.chunk_sizes),
         depths: depths.unwrap_or(defaults.depths),
         engine: engine.parse().map_err(to_py)?,

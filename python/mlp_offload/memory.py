@@ -1,0 +1,173 @@
+"""How much host memory a rank can spare, and how one step's state is cut into chunks within it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+# Left to everything else on the node: forward and backward, the data loader, the page cache.
+MARGIN_FRACTION = 0.15
+MARGIN_MIN = 2 << 30
+# Chunk lengths are multiples of this many elements: DeepSpeed's CPU Adam rounds its SIMD loop to 128
+# elements (AVX-512, span 8), so every chunk but a subgroup's last runs the vector path for every element,
+# as the whole subgroup would; and 12 bytes x 1024 keeps every chunk's object 4 KiB-aligned for O_DIRECT.
+CHUNK_ALIGN = 1024
+# Chunks of at most 48 MiB of state (4 Mi elements): large enough to keep requests long, small enough
+# for a budget of a few hundred MiB to hold a dozen.
+MAX_CHUNK_ELEMENTS = 4 << 20
+# A budget is cut into at least this many chunk buffers when it can be.
+TARGET_BUFFERS = 12
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less what is not reclaimable), or None
+    when it has no limit."""
+    for limit_file, usage_file, stat_file in (
+        ("memory.max", "memory.current", "memory.stat"),  # cgroup v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat"),  # v1
+    ):
+        root = Path("/sys/fs/cgroup")
+        limit, usage = _read_int(root / limit_file), _read_int(root / usage_file)
+        if limit is None or usage is None or limit >= 1 << 60:
+            continue
+        inactive_file = 0
+        try:
+            for line in (root / stat_file).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    inactive_file = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, limit - (usage - inactive_file))
+    return None
+
+
+def local_ranks() -> int:
+    """Ranks on this node, from what torchrun and the DeepSpeed launcher set."""
+    for key in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+@dataclass(frozen=True)
+class SpareMemory:
+    bytes: int
+    available: int
+    margin: int
+    ranks: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.available / 2**30:.1f} GiB available less a {self.margin / 2**30:.1f} GiB margin, "
+            f"over {self.ranks} local rank(s)"
+        )
+
+
+def spare_host_memory() -> SpareMemory:
+    """What this rank may use: the memory available now (the cgroup's limit included), less a margin,
+    divided among the node's local ranks."""
+    vm = psutil.virtual_memory()
+    available = vm.available
+    if (headroom := _cgroup_headroom()) is not None:
+        available = min(available, headroom)
+    margin = max(MARGIN_MIN, int(MARGIN_FRACTION * vm.total))
+    ranks = local_ranks()
+    return SpareMemory(max(0, available - margin) // ranks, available, margin, ranks)
+
+
+def chunk_elements(
+    largest: int, budget: int, state_bytes_per_element: int, requested_bytes: int | None
+) -> int:
+    """Elements per chunk: `requested_bytes` of state, else as large as `MAX_CHUNK_ELEMENTS` while the
+    budget still holds `TARGET_BUFFERS` of them; a multiple of `CHUNK_ALIGN`, never past the largest
+    subgroup (rounded up)."""
+    ceiling = -(-largest // CHUNK_ALIGN) * CHUNK_ALIGN
+    if requested_bytes is not None:
+        wanted = requested_bytes // state_bytes_per_element
+    else:
+        wanted = min(MAX_CHUNK_ELEMENTS, budget // (state_bytes_per_element * TARGET_BUFFERS))
+    return min(ceiling, max(CHUNK_ALIGN, wanted // CHUNK_ALIGN * CHUNK_ALIGN))
+
+
+# fp32 weights, exp_avg and exp_avg_sq per element; and the fp32 gradient of one chunk.
+STATE_BYTES = 12
+GRAD_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Subgroups cut into chunks within a host-memory budget."""
+
+    elements: int
+    """Elements per chunk (a subgroup's last chunk may be shorter)."""
+    chunks: list[tuple[int, int, int]]
+    """Per chunk: its subgroup, its first element there, its elements. Chunks of a subgroup are adjacent."""
+    buffers: int
+    """Chunk buffers the budget holds besides the gradient chunk (may be 0: too small a budget)."""
+
+    @property
+    def buffer_bytes(self) -> int:
+        return STATE_BYTES * self.elements
+
+    @property
+    def sizes(self) -> list[int]:
+        return [STATE_BYTES * count for _, _, count in self.chunks]
+
+
+def chunk_layout(numels: Sequence[int], host_memory: int, update_chunk: int | None = None) -> ChunkLayout:
+    """How subgroups of `numels` elements stream through `host_memory` bytes (`update_chunk`: bytes of
+    state per chunk, else `chunk_elements`' choice; the largest chunks when the budget caches them all)."""
+    largest = chunk_elements(max(numels), 1 << 62, STATE_BYTES, update_chunk)
+    if host_memory >= _cached_bytes(numels, largest):
+        c = largest
+    else:
+        c = chunk_elements(max(numels), host_memory, STATE_BYTES, update_chunk)
+    chunks = [(i, first, min(c, n - first)) for i, n in enumerate(numels) for first in range(0, n, c)]
+    return ChunkLayout(c, chunks, max(0, (host_memory - GRAD_BYTES * c) // (STATE_BYTES * c)))
+
+
+def _cached_bytes(numels: Sequence[int], elements: int) -> int:
+    chunks = sum(-(-n // elements) for n in numels)
+    return chunks * STATE_BYTES * elements + GRAD_BYTES * elements
+
+
+def whole_state_bytes(numels: Sequence[int], update_chunk: int | None = None) -> int:
+    """The budget that caches every chunk, of the largest size `update_chunk` allows, with its gradient."""
+    return _cached_bytes(numels, chunk_elements(max(numels), 1 << 62, STATE_BYTES, update_chunk))
+
+
+# Buffers the stream needs besides the cache: two or three read ahead, one being updated, two or three
+# written behind. Fewer still work (down to one: read, update, write, one chunk at a time).
+PIPELINE_BUFFERS = 6
+
+
+def stream_buffers(buffers: int, chunks: int, cache: int | None) -> tuple[int, int]:
+    """The buffers worth allocating out of `buffers` for `chunks` chunks, and how many of them cache
+    (`cache`, or "auto" when None: every chunk when they all fit, else what is left beyond the stream's
+    `PIPELINE_BUFFERS`). A cache that leaves no buffer for the uncached chunks is a `ValueError` naming
+    `cache_chunks`."""
+    if buffers < 1:
+        raise ValueError(f"buffers: {buffers} host buffers; the pipeline needs at least 1")
+    if cache is None:
+        # Everything when everything fits; else what the stream leaves.
+        cache = chunks if buffers >= chunks else max(0, buffers - PIPELINE_BUFFERS)
+    slots = min(cache, chunks)
+    if chunks > slots > buffers - 1:
+        raise ValueError(
+            f"cache_chunks: {slots} cached chunks leave none of the {buffers} buffers for the others"
+        )
+    return min(buffers, chunks + PIPELINE_BUFFERS), slots

@@ -1,0 +1,85 @@
+"""How the state is cut into chunks within a budget, and what a rank can spare."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlp_offload import memory
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("numels", "budget", "requested", "elements", "chunks", "buffers"),
+    [
+        # Large budget: the largest chunk (4 Mi elements, 48 MiB); 2e7 is 4.77 of them.
+        ([20_000_000] * 2, 8 << 30, None, 4 << 20, 10, 170),
+        # DeepSpeed's pinned budget for 2e7-element subgroups (12 buffers) holds 18 of those.
+        ([20_000_000] * 5, 12 * 20_000_000 * 4, None, 4 << 20, 25, 18),
+        # A budget that would hold fewer than 12 of the largest gets smaller chunks.
+        ([20_000_000] * 5, 4 * 20_000_000 * 4, None, 2_222_080, 50, 11),
+        # A subgroup smaller than a chunk is one chunk of its own (rounded up to the alignment).
+        ([3000, 5000], 64 * MiB, None, 5120, 2, 1091),
+        # Asked for: 24 KiB of state per chunk is 2048 elements.
+        ([12_000], 200 << 10, 24 << 10, 2048, 6, 8),
+        # A budget too small for one chunk holds none (the engine names host_memory).
+        ([12_000], 8 << 10, None, 1024, 12, 0),
+    ],
+)
+def test_chunk_layout(
+    numels: list[int], budget: int, requested: int | None, elements: int, chunks: int, buffers: int
+) -> None:
+    layout = memory.chunk_layout(numels, budget, requested)
+    assert (layout.elements, len(layout.chunks), layout.buffers) == (elements, chunks, buffers)
+    assert layout.elements % memory.CHUNK_ALIGN == 0
+    # The chunks tile every subgroup exactly, in order.
+    for i, n in enumerate(numels):
+        mine = [(first, count) for s, first, count in layout.chunks if s == i]
+        assert [f for f, _ in mine] == list(range(0, n, layout.elements)) and sum(c for _, c in mine) == n
+    if layout.buffers:
+        used = layout.buffers * layout.buffer_bytes + memory.GRAD_BYTES * layout.elements
+        assert used <= budget < used + layout.buffer_bytes, "the pool fills the budget to the chunk"
+
+
+def test_whole_state_caches_every_chunk() -> None:
+    numels = [20_000_000, 7_000_000]
+    whole = memory.whole_state_bytes(numels)
+    layout = memory.chunk_layout(numels, whole)
+    assert layout.buffers == len(layout.chunks)
+    assert memory.stream_buffers(layout.buffers, len(layout.chunks), None)[1] == len(layout.chunks)
+
+
+@pytest.mark.parametrize(
+    ("buffers", "chunks", "cache", "expected"),
+    [
+        (20, 100, None, (20, 14)),  # the stream keeps 6
+        (4, 100, None, (4, 0)),  # a small budget streams everything
+        (200, 10, None, (16, 10)),  # no more buffers than chunks plus the stream
+        (10, 10, None, (10, 10)),  # every chunk fits: all cached, nothing streams
+        (9, 10, None, (9, 3)),
+        (20, 100, 3, (20, 3)),
+        (5, 5, 5, (5, 5)),  # every chunk cached: nothing streams
+    ],
+)
+def test_stream_buffers(buffers: int, chunks: int, cache: int | None, expected: tuple[int, int]) -> None:
+    assert memory.stream_buffers(buffers, chunks, cache) == expected
+
+
+def test_a_cache_that_leaves_no_stream_buffer_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^cache_chunks: 4 cached chunks leave none of the 4 buffers"):
+        memory.stream_buffers(4, 10, 4)
+    with pytest.raises(ValueError, match=r"^buffers:"):
+        memory.stream_buffers(0, 10, None)
+
+
+def test_spare_memory_is_shared_by_the_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = memory.spare_host_memory()
+    assert alone.ranks == 1 and alone.margin >= memory.MARGIN_MIN
+    assert 0 <= alone.bytes <= alone.available
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    shared = memory.spare_host_memory()
+    assert shared.ranks == 4
+    # The same machine a moment later: a quarter, give or take what other processes did meanwhile.
+    assert shared.bytes == pytest.approx(alone.bytes / 4, rel=0.2, abs=256 * MiB)
+    assert "4 local rank(s)" in shared.describe()
