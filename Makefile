@@ -8,6 +8,9 @@ export PYO3_PYTHON := $(abspath $(PY))
 # The main job's default tiers: local directories on the work disk.
 TIERS ?= $(CURDIR)/.mlp-offload/tier0
 TESTBED := scripts/testbed.sh
+# bench-scale's contenders: (a) DeepSpeed's pipelined NVMe offload, (b) ours at its pinned memory, (c) ours
+# with half the state's bytes, (d) ours as the README configures it; CONTENDERS=... replaces them.
+CONTENDERS ?= ds-nvme-pipelined,mlp-offload,mlp-offload-half,mlp-offload-default
 
 .PHONY: help
 help: ## list the targets
@@ -85,8 +88,8 @@ bench-e2e: setup ## end to end, 130M LLaMA (SIZE=...): DeepSpeed NVMe offload vs
 .PHONY: bench-scale
 bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=...): DeepSpeed NVMe vs ours at its memory, half the state, the README's config; fio floor (figures in docs/data/bench-scale.json)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
-	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --warmup 1 --steps 2 \
-	    --contenders $(or $(CONTENDERS),ds-nvme-pipelined,mlp-offload,mlp-offload-half,mlp-offload-default) \
+	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --warmup 1 --steps 3 \
+	    --contenders $(CONTENDERS) \
 	    --out docs/data/bench-scale.json
 
 .PHONY: testbed-up

@@ -367,8 +367,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         records = [t for r in rounds for t in r.get("telemetry", []) if t.get("event") == "step"]
         if records:
             row["per_path"] = per_path_medians(rounds[0]["paths"], records)
-            predicted = [t["predicted_update_secs"] for t in records if t.get("predicted_update_secs")]
+            # The engine predicts each step from the steps before it; the first two steps have only the
+            # start-up plan's prediction, from the probe.
+            measured = [t for t in records if t["step"] >= 2] or records
+            predicted = [t["predicted_update_secs"] for t in measured if t.get("predicted_update_secs")]
             row["predicted_update_secs"] = statistics.median(predicted) if predicted else None
+            startup = [t["predicted_update_secs"] for t in records if t["step"] < 2]
+            row["startup_predicted_update_secs"] = startup[0] if startup else None
+            steps_of = [t["update_secs"] for t in measured]
+            row["measured_update_secs_of_predicted_steps"] = statistics.median(steps_of) if steps_of else None
         rows[contender] = row
     present = [b for b in BASELINES if b in rows]
     baseline = min(present, key=lambda b: rows[b]["iteration"]) if present else None
@@ -425,7 +432,11 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{p['bytes_per_busy_s'] / 2**20:.0f} MiB per busy second"
             )
         if m.get("predicted_update_secs"):
-            print(f"  predicted update {m['predicted_update_secs']:.2f} s, measured {m['update']:.2f} s")
+            print(
+                f"  predicted update {m['predicted_update_secs']:.2f} s (from the steps before; at start-up "
+                f"{m['startup_predicted_update_secs'] or math.nan:.2f} s), measured "
+                f"{m['measured_update_secs_of_predicted_steps']:.2f} s on the same steps"
+            )
     print(
         f"x: the baseline's ({report['baseline']}) median time over the contender's. "
         "GiB/step: bytes read and written per iteration (/proc/self/io); MiB/s: those bytes over the "

@@ -103,8 +103,7 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     assert paths[0]["device_id"] == paths[1]["device_id"]
     together = [p["concurrent_bytes_per_s"] for p in paths]
     assert plan["weights"] == pytest.approx([bw / sum(together) for bw in together], rel=1e-9)
-    # 2 GiB hold 42 chunk buffers besides the gradient chunk: all 25 chunks stay cached beside the
-    # stream's 6.
+    # 2 GiB hold 42 chunk buffers besides the gradient chunk: more than the 25 chunks, so all stay cached.
     assert plan["cached_subgroups"] == 25 and plan["io_floor_secs"] == 0.0
     # The update as the budget grows: never slower with more memory, no I/O once everything is cached.
     times = [b["predicted_update_secs"] for b in result["by_host_memory"]]

@@ -14,10 +14,11 @@ MiB = 1 << 20
     [
         # Large budget: the largest chunk (4 Mi elements, 48 MiB); 2e7 is 4.77 of them.
         ([20_000_000] * 2, 8 << 30, None, 4 << 20, 10, 170),
-        # DeepSpeed's pinned budget for 2e7-element subgroups (12 buffers) holds 18 of those.
-        ([20_000_000] * 5, 12 * 20_000_000 * 4, None, 4 << 20, 25, 18),
-        # A budget that would hold fewer than 12 of the largest gets smaller chunks.
-        ([20_000_000] * 5, 4 * 20_000_000 * 4, None, 2_222_080, 50, 11),
+        # DeepSpeed's pinned budget for 2e7-element subgroups (12 buffers) would hold 18 of those: smaller
+        # chunks, so it holds 24 less the gradient's share.
+        ([20_000_000] * 5, 12 * 20_000_000 * 4, None, 3_333_120, 35, 23),
+        # DeepSpeed's default 4 buffers: smaller still.
+        ([20_000_000] * 5, 4 * 20_000_000 * 4, None, 1_111_040, 95, 23),
         # A subgroup smaller than a chunk is one chunk of its own (rounded up to the alignment).
         ([3000, 5000], 64 * MiB, None, 5120, 2, 1091),
         # Asked for: 24 KiB of state per chunk is 2048 elements.
@@ -52,11 +53,11 @@ def test_whole_state_caches_every_chunk() -> None:
 @pytest.mark.parametrize(
     ("buffers", "chunks", "cache", "expected"),
     [
-        (20, 100, None, (20, 14)),  # the stream keeps 6
+        (30, 100, None, (30, 18)),  # the stream keeps 12
         (4, 100, None, (4, 0)),  # a small budget streams everything
-        (200, 10, None, (16, 10)),  # no more buffers than chunks plus the stream
+        (200, 10, None, (22, 10)),  # no more buffers than chunks plus the stream
         (10, 10, None, (10, 10)),  # every chunk fits: all cached, nothing streams
-        (9, 10, None, (9, 3)),
+        (9, 10, None, (9, 0)),
         (20, 100, 3, (20, 3)),
         (5, 5, 5, (5, 5)),  # every chunk cached: nothing streams
     ],

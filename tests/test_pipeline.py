@@ -17,8 +17,8 @@ from mlp_offload.pipeline import ChunkPipeline, next_order
     [
         (5, 1, None, 0),  # one buffer: read, update, write, one chunk at a time
         (5, 2, None, 0),
-        (7, 6, None, 0),  # the bare stream: nothing stays
-        (9, 8, None, 2),  # some stay
+        (13, 12, None, 0),  # the bare stream: nothing stays
+        (16, 14, None, 2),  # some stay
         (5, 5, 4, 4),  # as many as asked, one buffer left for the rest
         (4, 12, None, 4),  # all stay: after the first step no I/O at all
         (1, 3, None, 1),

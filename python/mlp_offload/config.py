@@ -62,7 +62,7 @@ class MLPOffloadConfig(BaseModel):
     update_chunk: Size | Literal["auto"] = "auto"
     """Bytes of state (fp32 weights and both Adam moments, 12 bytes per element) per chunk, the unit of
     the streaming update's I/O, memory and compute. `"auto"`: up to 48 MiB, smaller when `host_memory`
-    would otherwise hold fewer than 12 chunks."""
+    would otherwise hold fewer than 24 chunks."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""

@@ -17,10 +17,10 @@ MARGIN_MIN = 2 << 30
 # as the whole subgroup would; and 12 bytes x 1024 keeps every chunk's object 4 KiB-aligned for O_DIRECT.
 CHUNK_ALIGN = 1024
 # Chunks of at most 48 MiB of state (4 Mi elements): large enough to keep requests long, small enough
-# for a budget of a few hundred MiB to hold a dozen.
+# for a budget of a GiB to hold two dozen.
 MAX_CHUNK_ELEMENTS = 4 << 20
-# A budget is cut into at least this many chunk buffers when it can be.
-TARGET_BUFFERS = 12
+# A budget is cut into at least this many chunk buffers when it can be: the stream's and as many again.
+TARGET_BUFFERS = 24
 
 
 def _read_int(path: Path) -> int | None:
@@ -150,9 +150,10 @@ def whole_state_bytes(numels: Sequence[int], update_chunk: int | None = None) ->
     return _cached_bytes(numels, chunk_elements(max(numels), 1 << 62, STATE_BYTES, update_chunk))
 
 
-# Buffers the stream needs besides the cache: two or three read ahead, one being updated, two or three
-# written behind. Fewer still work (down to one: read, update, write, one chunk at a time).
-PIPELINE_BUFFERS = 6
+# Buffers the stream needs besides the cache: reads ahead, the chunk being updated, writes behind. With 6
+# the reads waited behind writes that held the buffers; 12 moved 20-40% more bytes per second on this
+# machine's disk (docs/results.md). Fewer still work (down to one: read, update, write, one at a time).
+PIPELINE_BUFFERS = 12
 
 
 def stream_buffers(buffers: int, chunks: int, cache: int | None) -> tuple[int, int]:

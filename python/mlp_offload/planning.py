@@ -1,0 +1,179 @@
+"""The engine's budget, plan and telemetry: how much host memory the state gets, what the performance
+model predicts for each step, how the `WeightTuner` moves the split, and the records that say so."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from mlp_offload import _core, memory, profiles
+from mlp_offload.config import MLPOffloadConfig
+from mlp_offload.pipeline import ChunkPipeline, StepStats
+from mlp_offload.store import ObjectStore
+
+log = logging.getLogger("mlp_offload")
+
+
+def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_count: int) -> tuple[int, str]:
+    """The host memory for the state, and how it was chosen (see `MLPOffloadConfig.host_memory`):
+    `buffer_count` is DeepSpeed's `offload_optimizer.buffer_count`."""
+    deepspeed_budget = buffer_count * max(numels) * 4
+    if config.host_memory == "deepspeed":
+        return deepspeed_budget, f"DeepSpeed's pinned budget ({buffer_count} buffers)"
+    if config.host_memory != "auto":
+        return int(config.host_memory), "configured"
+    spare = memory.spare_host_memory()
+    # Never more than caching the whole state takes, never less than what DeepSpeed would pin.
+    need = memory.whole_state_bytes(numels, update_chunk(config))
+    budget = min(need, max(spare.bytes, deepspeed_budget))
+    return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
+
+
+def update_chunk(config: MLPOffloadConfig) -> int | None:
+    return None if config.update_chunk == "auto" else int(config.update_chunk)
+
+
+class UpdatePlanner:
+    """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
+    records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
+
+    def __init__(self, config: MLPOffloadConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.records: list[dict[str, Any]] = []
+        self.profile: profiles.Profile | None = None
+        self.tuner: _core.WeightTuner | None = None
+        self.prediction: float | None = None
+        self._pipeline: ChunkPipeline | None = None
+        self._file = self._open(config.telemetry_file)
+
+    def _open(self, path: str | None) -> TextIO | None:
+        if not path:
+            return None
+        path = path.replace("{rank}", str(self.rank))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        # Line-buffered and open as long as the optimizer lives: each record is on disk when written.
+        return open(path, "a", buffering=1)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def plan(self, pipeline: ChunkPipeline, store: ObjectStore) -> dict[str, Any] | None:
+        """The performance model's plan from the paths' profile (probing them when needed); with
+        `weights: "auto"` the store takes its split, and with `adapt` the tuner starts from it."""
+        config = self.config
+        self._pipeline = pipeline
+        if config.weights != "auto":
+            # Fixed weights: plan with the profile only when one is saved, never probe for it.
+            self.profile, _ = profiles.saved_profile(
+                config.paths, profiles.ProbeOptions(), config.probe_max_age_hours * 3600
+            )
+        else:
+            self.profile, source = profiles.load_or_probe(
+                config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
+            )
+            log.info("mlp-offload: %s", source)
+        if self.profile is None:
+            return None
+        plan = self._replan()
+        self.prediction = plan["predicted_update_secs"]
+        if config.adapt:
+            self.tuner = _core.WeightTuner(plan["path_bytes_per_s"])
+        if config.weights == "auto":
+            store.weights = plan["weights"]
+        return plan
+
+    def _replan(
+        self,
+        fwd_bwd_secs: float = 0.0,
+        adam_secs_per_chunk: float = 0.0,
+        measured_bytes_per_s: list[float] | None = None,
+        weights: list[float] | None = None,
+    ) -> dict[str, Any]:
+        """The model's plan for the stream, with the pipeline's chunks and buffers."""
+        assert self.profile is not None and self._pipeline is not None
+        pipeline = self._pipeline
+        return self.profile.plan_stream(
+            pipeline.sizes,
+            pipeline.buffer_count,
+            pipeline.cache_slots,
+            fwd_bwd_secs=fwd_bwd_secs,
+            adam_secs_per_chunk=adam_secs_per_chunk,
+            measured_bytes_per_s=measured_bytes_per_s,
+            weights=weights,
+        )
+
+    def after_step(
+        self,
+        store: ObjectStore,
+        stats: StepStats,
+        seconds: float,
+        fwd_bwd: float | None,
+        backward_secs: float,
+        compute_secs: float,
+    ) -> None:
+        """The tuner's move (the store's next writes take it), the next step's prediction, and this
+        step's record."""
+        moved = None
+        if self.tuner is not None:
+            moved = self.tuner.observe(stats.per_path, stats.seconds)
+            if moved is not None:
+                store.weights = moved
+        predicted = self.prediction
+        if self.profile is not None and fwd_bwd is not None:
+            # The next step's prediction, from what this one measured: forward and backward (which hide
+            # the write-back), Adam and the gradient conversion per chunk, each path's bandwidth.
+            assert self._pipeline is not None
+            self.prediction = self._replan(
+                fwd_bwd_secs=fwd_bwd,
+                adam_secs_per_chunk=compute_secs / len(self._pipeline.sizes),
+                measured_bytes_per_s=self.tuner.estimates if self.tuner is not None else None,
+                # At the tuner's split, which the next step's writes use; without a tuner the plan's.
+                weights=self.tuner.weights if self.tuner is not None else None,
+            )["predicted_update_secs"]
+        per_path = []
+        for path, p in zip(self.config.paths, stats.per_path, strict=True):
+            moved_bytes = p["read_bytes"] + p["write_bytes"]
+            per_path.append(
+                {
+                    "path": path,
+                    "read_bytes": p["read_bytes"],
+                    "write_bytes": p["write_bytes"],
+                    "busy_secs": p["busy_secs"],
+                    "bytes_per_s": moved_bytes / stats.seconds if stats.seconds > 0 else 0.0,
+                }
+            )
+        self.emit(
+            {
+                "event": "step",
+                "rank": self.rank,
+                "step": stats.step,
+                "update_secs": seconds,
+                "pipeline_secs": stats.seconds,
+                "read_wait_secs": stats.read_wait_seconds,
+                "write_wait_secs": stats.write_wait_seconds,
+                "reads": stats.reads,
+                "writes": stats.writes,
+                "cached": stats.cached,
+                "retained": stats.retained,
+                "paths": per_path,
+                "weights_next": moved,
+                "compute_secs": compute_secs,
+                # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
+                "forward_secs": fwd_bwd - backward_secs if fwd_bwd is not None else None,
+                "backward_secs": backward_secs,
+                "fwd_bwd_secs": fwd_bwd,
+                # Made before this step, from the steps before it (the start-up plan's for the first two).
+                "predicted_update_secs": predicted,
+            }
+        )
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

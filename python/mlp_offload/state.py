@@ -1,0 +1,115 @@
+"""Where the optimizer state lives: each subgroup's elements cut into chunks, one store object per chunk
+(`[params | exp_avg | exp_avg_sq]` in fp32), streamed through a `ChunkPipeline`; and the copies between a
+whole subgroup's `[params | exp_avg | exp_avg_sq]` and its chunks, for what needs a subgroup at once
+(checkpoints, DeepSpeed's `safe_get/set_*` helpers)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mlp_offload import memory
+from mlp_offload.pipeline import ChunkPipeline
+from mlp_offload.store import ObjectStore
+
+log = logging.getLogger("mlp_offload")
+
+FP32 = torch.float32
+# fp32 params, exp_avg and exp_avg_sq per element.
+STATE_TENSORS = 3
+# Objects of this engine's state start with this; others in the same directories are left alone.
+KEY_PREFIX = "subgroup"
+
+
+class ChunkedState:
+    """The state of subgroups of `numels` elements, chunked by `layout`, in `store`.
+
+    `buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its buffers.
+    Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        numels: Sequence[int],
+        layout: memory.ChunkLayout,
+        *,
+        cache_chunks: int | None,
+        lock: bool,
+    ) -> None:
+        self.store = store
+        self.numels = list(numels)
+        self.layout = layout
+        # Chunk -> (subgroup, first element, elements); chunks of one subgroup are adjacent.
+        self.chunks = layout.chunks
+        self.of_subgroup: list[list[int]] = [[] for _ in self.numels]
+        for c, (i, _, _) in enumerate(self.chunks):
+            self.of_subgroup[i].append(c)
+        self.keys = [f"{KEY_PREFIX}{i}.{first}" for i, first, _ in self.chunks]
+        self._remove_stale()
+        self.pipeline = ChunkPipeline(
+            store, self.keys, layout.sizes, layout.buffers, cache_slots=cache_chunks, lock=lock
+        )
+
+    def _remove_stale(self) -> None:
+        wanted = set(self.keys)
+        stale = [k for k in self.store.keys() if k.startswith(KEY_PREFIX) and k not in wanted]
+        for key in stale:
+            self.store.delete(key)
+        if stale:
+            log.info("mlp-offload: removed %d state objects left by an earlier run", len(stale))
+        for key, size in zip(self.keys, self.layout.sizes, strict=True):
+            if self.store.size(key) not in (None, size):
+                self.store.delete(key)
+
+    def initialize(self, half_precision: Callable[[int], torch.Tensor]) -> None:
+        """Writes every chunk's first state: the fp32 copy of its part of `half_precision(subgroup)`
+        (an exact widening, as DeepSpeed's `.to(float32)`), zero moments."""
+
+        def fill(chunk: int, state_bytes: torch.Tensor) -> None:
+            i, first, count = self.chunks[chunk]
+            state = state_bytes.view(FP32)
+            state[:count].copy_(half_precision(i)[first : first + count])
+            state[count:].zero_()
+
+        self.pipeline.initialize(fill)
+
+    def _slices(self, chunk: int) -> list[slice]:
+        """Where the chunk's `[params | exp_avg | exp_avg_sq]` lie in its subgroup's."""
+        i, first, count = self.chunks[chunk]
+        n = self.numels[i]
+        return [slice(k * n + first, k * n + first + count) for k in range(STATE_TENSORS)]
+
+    def _scratch(self) -> torch.Tensor:
+        return torch.empty(STATE_TENSORS * self.layout.elements, dtype=FP32)
+
+    def gather(self, subgroup: int) -> torch.Tensor:
+        """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]`: per chunk, the
+        pipeline's host copy where it has one, else the store's."""
+        state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
+        scratch = None
+        for chunk in self.of_subgroup[subgroup]:
+            count = self.chunks[chunk][2]
+            found = self.pipeline.in_memory(chunk)
+            if found is not None:
+                chunk_state = found[0].view(FP32)
+            else:
+                scratch = self._scratch() if scratch is None else scratch
+                chunk_state = scratch[: STATE_TENSORS * count]
+                self.store.read(self.keys[chunk], chunk_state).wait()
+            for k, part in enumerate(self._slices(chunk)):
+                state[part].copy_(chunk_state[k * count : (k + 1) * count])
+        return state
+
+    def scatter(self, subgroup: int, state: torch.Tensor) -> None:
+        """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32) current, chunk by chunk: in the
+        pipeline's host copy where it has one, and in the store."""
+        scratch = self._scratch()
+        for chunk in self.of_subgroup[subgroup]:
+            count = self.chunks[chunk][2]
+            chunk_state = scratch[: STATE_TENSORS * count]
+            for k, part in enumerate(self._slices(chunk)):
+                chunk_state[k * count : (k + 1) * count].copy_(state[part])
+            self.pipeline.replace(chunk, chunk_state.view(torch.uint8))
