@@ -114,11 +114,7 @@ def plan_at(
 ) -> tuple[memory.ChunkLayout, dict[str, Any]]:
     """The streaming update's chunks within `host_memory`, and the model's plan for them."""
     layout = memory.chunk_layout(numels, host_memory)
-    if layout.buffers < 1:
-        raise ValueError(
-            f"host_memory: {host_memory:,} bytes hold no chunk: one needs {layout.buffer_bytes:,} bytes of "
-            f"state plus {memory.GRAD_BYTES * layout.elements:,} for its fp32 gradient"
-        )
+    layout.require_a_buffer(host_memory)
     buffers, cache = memory.stream_buffers(layout.buffers, len(layout.chunks), None)
     rate = args.adam_bytes_per_s
     plan = profile.plan_stream(

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import psutil
 
+# fp32 weights, exp_avg and exp_avg_sq per element; and the fp32 gradient of one chunk.
+STATE_TENSORS = 3
+STATE_BYTES = 4 * STATE_TENSORS
+GRAD_BYTES = 4
 # Left to everything else on the node: forward and backward, the data loader, the page cache.
 MARGIN_FRACTION = 0.15
 MARGIN_MIN = 2 << 30
@@ -89,23 +93,16 @@ def spare_host_memory() -> SpareMemory:
     return SpareMemory(max(0, available - margin) // ranks, available, margin, ranks)
 
 
-def chunk_elements(
-    largest: int, budget: int, state_bytes_per_element: int, requested_bytes: int | None
-) -> int:
+def chunk_elements(largest: int, budget: int, requested_bytes: int | None) -> int:
     """Elements per chunk: `requested_bytes` of state, else as large as `MAX_CHUNK_ELEMENTS` while the
     budget still holds `TARGET_BUFFERS` of them; a multiple of `CHUNK_ALIGN`, never past the largest
     subgroup (rounded up)."""
     ceiling = -(-largest // CHUNK_ALIGN) * CHUNK_ALIGN
     if requested_bytes is not None:
-        wanted = requested_bytes // state_bytes_per_element
+        wanted = requested_bytes // STATE_BYTES
     else:
-        wanted = min(MAX_CHUNK_ELEMENTS, budget // (state_bytes_per_element * TARGET_BUFFERS))
+        wanted = min(MAX_CHUNK_ELEMENTS, budget // (STATE_BYTES * TARGET_BUFFERS))
     return min(ceiling, max(CHUNK_ALIGN, wanted // CHUNK_ALIGN * CHUNK_ALIGN))
-
-
-# fp32 weights, exp_avg and exp_avg_sq per element; and the fp32 gradient of one chunk.
-STATE_BYTES = 12
-GRAD_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -127,17 +124,31 @@ class ChunkLayout:
     def sizes(self) -> list[int]:
         return [STATE_BYTES * count for _, _, count in self.chunks]
 
+    def require_a_buffer(self, host_memory: int) -> None:
+        """A `ValueError` naming `host_memory` when the budget holds no chunk beside its gradient."""
+        if self.buffers < 1:
+            raise ValueError(
+                f"host_memory: {host_memory:,} bytes hold no chunk: one needs {self.buffer_bytes:,} bytes of "
+                f"fp32 state ({self.elements:,} elements x {STATE_BYTES}) plus "
+                f"{GRAD_BYTES * self.elements:,} for its fp32 gradient"
+            )
+
 
 def chunk_layout(numels: Sequence[int], host_memory: int, update_chunk: int | None = None) -> ChunkLayout:
     """How subgroups of `numels` elements stream through `host_memory` bytes (`update_chunk`: bytes of
     state per chunk, else `chunk_elements`' choice; the largest chunks when the budget caches them all)."""
-    largest = chunk_elements(max(numels), 1 << 62, STATE_BYTES, update_chunk)
+    largest = _largest_elements(numels, update_chunk)
     if host_memory >= _cached_bytes(numels, largest):
         c = largest
     else:
-        c = chunk_elements(max(numels), host_memory, STATE_BYTES, update_chunk)
+        c = chunk_elements(max(numels), host_memory, update_chunk)
     chunks = [(i, first, min(c, n - first)) for i, n in enumerate(numels) for first in range(0, n, c)]
     return ChunkLayout(c, chunks, max(0, (host_memory - GRAD_BYTES * c) // (STATE_BYTES * c)))
+
+
+def _largest_elements(numels: Sequence[int], update_chunk: int | None) -> int:
+    """Elements per chunk with no budget to fit: what `update_chunk` asks for, else the largest chunk."""
+    return chunk_elements(max(numels), 1 << 62, update_chunk)
 
 
 def _cached_bytes(numels: Sequence[int], elements: int) -> int:
@@ -147,7 +158,7 @@ def _cached_bytes(numels: Sequence[int], elements: int) -> int:
 
 def whole_state_bytes(numels: Sequence[int], update_chunk: int | None = None) -> int:
     """The budget that caches every chunk, of the largest size `update_chunk` allows, with its gradient."""
-    return _cached_bytes(numels, chunk_elements(max(numels), 1 << 62, STATE_BYTES, update_chunk))
+    return _cached_bytes(numels, _largest_elements(numels, update_chunk))
 
 
 # Buffers the stream needs besides the cache: reads ahead, the chunk being updated, writes behind. With 6

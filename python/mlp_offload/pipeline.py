@@ -66,9 +66,10 @@ def next_order(previous: Sequence[int], resident: set[int], retained: set[int]) 
 class ChunkPipeline:
     """Drives one update phase per `run_step` over the objects `keys[c]` of `sizes[c]` bytes.
 
-    `buffers` host buffers of the largest chunk's size make the budget (at least 1). `cache_slots`
-    (default: `buffers - PIPELINE_BUFFERS`, at least 0) of them keep chunks across steps; at least one
-    must stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there).
+    `buffers` host buffers of the largest chunk's size make the budget (at least 1). `cache_slots` of
+    them keep chunks across steps (default: every chunk when all fit, else what the stream's
+    `PIPELINE_BUFFERS` leave; see `memory.stream_buffers`); at least one must stay for the rest. `lock`
+    page-locks the buffers (and registers them with CUDA when it is there).
     """
 
     def __init__(

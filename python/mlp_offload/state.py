@@ -17,8 +17,7 @@ from mlp_offload.store import ObjectStore
 log = logging.getLogger("mlp_offload")
 
 FP32 = torch.float32
-# fp32 params, exp_avg and exp_avg_sq per element.
-STATE_TENSORS = 3
+STATE_TENSORS = memory.STATE_TENSORS
 # Objects of this engine's state start with this; others in the same directories are left alone.
 KEY_PREFIX = "subgroup"
 
@@ -26,7 +25,8 @@ KEY_PREFIX = "subgroup"
 class ChunkedState:
     """The state of subgroups of `numels` elements, chunked by `layout`, in `store`.
 
-    `buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its buffers.
+    `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
+    buffers.
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 

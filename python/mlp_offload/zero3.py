@@ -145,14 +145,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         grad_bytes = memory.GRAD_BYTES * c
-        if layout.buffers < 1:
-            raise ValueError(
-                f"mlp_offload.host_memory: {host_memory:,} bytes hold no chunk: one needs {buffer_bytes:,} "
-                f"bytes of fp32 state ({c:,} elements x {memory.STATE_BYTES}) plus {grad_bytes:,} for its "
-                "fp32 gradient"
-            )
-        self._mlp_grad = torch.empty(c, dtype=FP32)
         try:
+            layout.require_a_buffer(host_memory)
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
             # leaves) and checks it.
             self._mlp_state = ChunkedState(
@@ -163,10 +157,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 lock=self._mlp_pin,
             )
         except ValueError as e:
+            # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
             raise ValueError(
                 f"mlp_offload.{e} (host_memory {host_memory:,} holds {layout.buffers} buffers "
                 f"of {buffer_bytes:,} bytes)"
             ) from None
+        self._mlp_grad = torch.empty(c, dtype=FP32)
         pipeline = self._mlp_state.pipeline
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
         # The initial state, placed by the plan's weights, through the pool's buffers.
