@@ -51,8 +51,12 @@ test-rust: ## cargo test (the core crate, both engines)
 test-python: ## pytest (the bindings and the CLI, both engines)
 	$(PY) -m pytest -q
 
+.PHONY: test-deepspeed
+test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engine swapped in (DEEPSPEED_TESTS=checkout or tests dir; else ../shared/deepspeed-tests; skips, saying so, when neither is there)
+	$(PY) tests/deepspeed_suite/run.py
+
 .PHONY: test
-test: setup lint test-rust test-python ## everything CI runs: set-up, lint, Rust and Python tests
+test: setup lint test-rust test-python test-deepspeed ## everything CI runs: set-up, lint, Rust and Python tests, DeepSpeed's own tests with our engine
 
 .PHONY: run
 run: setup ## the main job: train a small LLaMA-style model, state on the default tiers (TIERS=dir1:dir2, STEPS=100)

@@ -85,6 +85,14 @@ CASES = [
     ),
     ("a budget of three chunks", {}, {"host_memory": "40K", "update_chunk": "12K"}, 2),
     ("gradient accumulation 2", {"grad_accum": 2}, {"host_memory": "64M"}, 2),
+    # torch's optimizers in place of DeepSpeed's CPU Adam: from the config, and as an object.
+    (
+        "torch's AdamW (torch_adam: true)",
+        {"torch_adam": True},
+        {"host_memory": "200K", "update_chunk": "24K"},
+        2,
+    ),
+    ("a torch.optim.Adam object", {"client_optimizer": "Adam"}, {"host_memory": "64M"}, 1),
     ("clipping active", {"clip": 0.05}, {"host_memory": "200K", "update_chunk": "24K", "cache_chunks": 1}, 2),
     (
         "two parameter groups and a scheduler",
@@ -253,6 +261,9 @@ def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> No
 
 
 def test_after_install_deepspeed_without_our_section_is_stock(work_dirs: list[Path], tmp_path: Path) -> None:
+    """Configs without our section build DeepSpeed's own class; with it, plain `deepspeed.initialize`
+    builds ours, which is a `DeepSpeedZeroOptimizer_Stage3` under the name imported before `install()`
+    and the one imported after (DeepSpeed's checkpoint code and users check the type)."""
     stock = run_case({"steps": 3}, tmp_path, "stock")
     installed = run_case({"steps": 3, "install_first": True}, tmp_path, "installed")
     assert (
@@ -268,7 +279,28 @@ def test_after_install_deepspeed_without_our_section_is_stock(work_dirs: list[Pa
         "ours",
     )
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    assert ours["is_deepspeed_stage3"] == installed["is_deepspeed_stage3"] == [True, True]
     assert_bit_equal(ours, stock)
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "message"),
+    [
+        ({"client_optimizer": "SGD"}, r"optimizer is torch\.optim\.sgd\.SGD"),
+        ({"client_optimizer": "Adagrad"}, r"optimizer is torch\.optim\.adagrad\.Adagrad"),
+        ({"client_optimizer": "Adam", "client_options": {"amsgrad": True}}, r"'amsgrad'"),
+        ({"offload_ratio": 0.5}, r"offload_optimizer\.ratio: 0\.5"),
+    ],
+    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio"],
+)
+def test_what_we_do_not_honour_is_refused_by_name(
+    ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Optimizers whose state is not exp_avg and exp_avg_sq per element, and DeepSpeed settings the
+    engine does not honour, fail at start with an error naming them, never silently."""
+    case = {**ds_case, "mlp_offload": section(work_dirs[:1]), "steps": 1}
+    with pytest.raises(AssertionError, match=message):
+        run_case(case, tmp_path, "refused")
 
 
 def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> None:

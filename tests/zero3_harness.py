@@ -48,6 +48,18 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["gradient_clipping"] = case["clip"]
     if "scheduler" in case:
         config["scheduler"] = case["scheduler"]
+    if case.get("torch_adam"):
+        # DeepSpeed runs torch's Adam/AdamW on the CPU instead of its own CPU Adam.
+        config["optimizer"]["params"]["torch_adam"] = True
+        config["zero_force_ds_cpu_optimizer"] = False
+    if case.get("client_optimizer"):
+        # A torch optimizer object passed to deepspeed.initialize.
+        del config["optimizer"]
+        config["zero_force_ds_cpu_optimizer"] = False
+        # DeepSpeed asks for this before it takes an optimizer outside its tested list (SGD, Adagrad).
+        config["zero_allow_untested_optimizer"] = True
+    if "offload_ratio" in case:
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = case["offload_ratio"]
     if "mlp_offload" in case:
         config["mlp_offload"] = case["mlp_offload"]
     return config
@@ -56,6 +68,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
 def train(case: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as imported_before_install
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import mlp_offload
@@ -81,7 +94,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         if section is not None:
             config["mlp_offload"] = section
         init = mlp_offload.initialize if ours else deepspeed.initialize
-        engine, optimizer, _, _ = init(model=model, model_parameters=params, config=config)
+        client: Any = None
+        if name := case.get("client_optimizer"):
+            params = list(params)
+            options = {"lr": 3e-3, "weight_decay": 0.01, **case.get("client_options", {})}
+            client = getattr(torch.optim, name)(params, **options)
+        engine, optimizer, _, _ = init(model=model, model_parameters=params, optimizer=client, config=config)
         return engine, optimizer
 
     section = case.get("mlp_offload")
@@ -118,11 +136,18 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
             "half": p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None,
         }
+    from deepspeed.runtime.zero import stage3
+
     result: dict[str, Any] = {
         "state": state,
         "losses": losses,
         "skipped": engine.skipped_steps,
         "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        # Type checks under the name imported before mlp_offload.install() and the module's name now.
+        "is_deepspeed_stage3": [
+            isinstance(optimizer, imported_before_install),
+            isinstance(optimizer, stage3.DeepSpeedZeroOptimizer_Stage3),
+        ],
     }
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry is not None:

@@ -14,10 +14,8 @@ from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
 from mlp_offload.state import FP32, STATE_TENSORS
 
-# DeepSpeed's own class, also when `install()` has already put its dispatcher in the module.
-DeepSpeedZeroOptimizer_Stage3: Any = getattr(
-    stage3.DeepSpeedZeroOptimizer_Stage3, "_mlp_offload_stock", stage3.DeepSpeedZeroOptimizer_Stage3
-)
+# DeepSpeed's own class (`install()` leaves the name bound to it).
+DeepSpeedZeroOptimizer_Stage3: Any = stage3.DeepSpeedZeroOptimizer_Stage3
 
 
 def state_dict(opt: Any) -> Any:
@@ -109,8 +107,9 @@ class StateSwapper:
         whole = opt._mlp_state.gather(i)
         self._held[i] = whole
         opt._mlp_bind_state(i, whole)
-        # The gradient as DeepSpeed's own swap-in would hold it: fp32, converted from the half-precision one.
-        parameter.grad = opt._mlp_half_grad(i).to(FP32)
+        # The gradient as DeepSpeed's own swap-in would hold it: fp32, the one a setter left, else
+        # converted from the half-precision one.
+        parameter.grad = opt._mlp_gradient(i).to(FP32, copy=True)
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         opt = self.optimizer
@@ -126,7 +125,10 @@ class StateSwapper:
     def writeback_optimizer_state_and_gradients(
         self, parameter: torch.Tensor, write_opt_state: bool, write_gradients: bool
     ) -> None:
-        # Gradients live in DeepSpeed's half-precision buffer, not in the store.
+        # A written gradient (DeepSpeed's gradient setters) is kept in fp32 for the subgroup until the
+        # step uses it, as stock DeepSpeed's fp32 gradient buffer would hold it.
+        if write_gradients:
+            self.optimizer._mlp_fp32_grads[self._index(parameter)] = parameter.grad
         if write_opt_state:
             self.swap_out_optimizer_state(parameter)
         else:

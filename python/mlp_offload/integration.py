@@ -24,32 +24,27 @@ def install() -> None:
             f"mlp-offload supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}; "
             f"this is {deepspeed.__version__}"
         )
-    # SuperOffload subclasses the stock class at import: import it while the name is still the stock one.
-    import deepspeed.runtime.superoffload.superoffload_stage3
     from deepspeed.runtime.zero import stage3
 
-    if getattr(stage3.DeepSpeedZeroOptimizer_Stage3, "_mlp_offload_dispatch", False):
-        return
     stock = stage3.DeepSpeedZeroOptimizer_Stage3
+    if getattr(stock, "_mlp_offload_installed", False):
+        return
 
-    class DispatchingStage3(stock):  # type: ignore[misc, valid-type]
-        """What the engine constructs: ours when the config has our section, else DeepSpeed's own."""
-
-        _mlp_offload_dispatch = True
-        _mlp_offload_stock = stock
-
-        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def dispatching_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's class itself decides what it builds, so the name stays bound to DeepSpeed's class
+        under every import and `isinstance(engine, DeepSpeedZeroOptimizer_Stage3)` holds for ours (a
+        subclass). The object is returned uninitialised: Python then runs the `__init__` of its type."""
+        if cls is stock:
             ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)
             if isinstance(ds_config, dict) and SECTION in ds_config:
                 from mlp_offload.zero3 import MLPOffloadStage3
 
-                # Not an instance of this class, so Python does not run __init__ a second time.
-                return MLPOffloadStage3(*args, **kwargs)
-            return stock(*args, **kwargs)
+                return object.__new__(MLPOffloadStage3)
+        return object.__new__(cls)
 
-    DispatchingStage3.__name__ = stock.__name__
-    DispatchingStage3.__qualname__ = stock.__qualname__
-    stage3.DeepSpeedZeroOptimizer_Stage3 = DispatchingStage3
+    # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
+    stock.__new__ = staticmethod(dispatching_new)  # type: ignore[method-assign, assignment]
+    stock._mlp_offload_installed = True
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:

@@ -103,6 +103,21 @@ class ChunkedState:
                 state[part].copy_(chunk_state[k * count : (k + 1) * count])
         return state
 
+    def set_params(self, subgroup: int, values: torch.Tensor) -> None:
+        """Makes `values` (the subgroup's elements, any float dtype, widened exactly) its fp32 weights,
+        chunk by chunk; the moments stay."""
+        scratch = self._scratch()
+        for chunk in self.of_subgroup[subgroup]:
+            _, first, count = self.chunks[chunk]
+            chunk_state = scratch[: STATE_TENSORS * count]
+            found = self.pipeline.in_memory(chunk)
+            if found is not None:
+                chunk_state.copy_(found[0].view(FP32))
+            else:
+                self.store.read(self.keys[chunk], chunk_state).wait()
+            chunk_state[:count].copy_(values[first : first + count])
+            self.pipeline.replace(chunk, chunk_state.view(torch.uint8))
+
     def scatter(self, subgroup: int, state: torch.Tensor) -> None:
         """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32) current, chunk by chunk: in the
         pipeline's host copy where it has one, and in the store."""

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
@@ -46,6 +47,24 @@ from mlp_offload.state import FP32, ChunkedState
 from mlp_offload.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
+
+# The optimizers whose state is ours to hold: per element, exp_avg and exp_avg_sq beside the weights.
+ADAM_OPTIMIZERS = (DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuses, by name, an optimizer whose state the store does not hold."""
+    if not isinstance(optimizer, ADAM_OPTIMIZERS):
+        raise ValueError(
+            f"mlp_offload: the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}; "
+            "mlp-offload runs DeepSpeed's CPU Adam/AdamW or torch's Adam/AdamW (state: exp_avg, exp_avg_sq)"
+        )
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            raise ValueError(
+                "mlp_offload: optimizer param 'amsgrad': true is not supported (it keeps a third moment)"
+            )
+
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
 
@@ -68,8 +87,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host '
                 "memory); it replaces the NVMe swapping itself"
             )
+        ratio = kwargs.get("offload_ratio", 1.0)
+        if ratio is not None and float(ratio) != 1.0:
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload, part of the state "
+                "updated on the accelerator) is not supported with mlp_offload; leave it at 1.0"
+            )
+        _check_optimizer(init_optimizer)
         # Set before the base __init__, which calls the overridden hooks below.
         self._mlp_config: MLPOffloadConfig = config
+        # DeepSpeed's CPU Adam counts its steps in an int; torch's optimizers in a tensor.
+        self._mlp_tensor_steps = not isinstance(init_optimizer, DeepSpeedCPUAdam)
+        # Subgroup -> its fp32 gradient, where DeepSpeed's gradient setters wrote one (else the
+        # half-precision gradient is converted chunk by chunk); cleared by each step.
+        self._mlp_fp32_grads: dict[int, torch.Tensor] = {}
         self._mlp_buffer_count = int(offload.buffer_count)
         self._mlp_pin = bool(offload.pin_memory)
         self._mlp_rank = dist.get_rank()
@@ -204,6 +235,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
 
     # ----------------------------------------------------------------------------------------------
+    def _mlp_step_value(self, step: int) -> Any:
+        """An Adam step count as the optimizer keeps it."""
+        if not self._mlp_tensor_steps:
+            return step
+        # torch's Adam keeps it as a float tensor of its scalar dtype.
+        return torch.tensor(
+            float(step), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else FP32
+        )
+
     def _mlp_bind_state(self, i: int, state_bytes: torch.Tensor) -> None:
         """Points DeepSpeed's fp32 tensor and its Adam state at subgroup `i`'s `[params | exp_avg |
         exp_avg_sq]`."""
@@ -212,7 +252,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         fp32 = self.fp32_partitioned_groups_flat[i]
         fp32.data = state[:n]
         adam = self.optimizer.state[fp32]
-        adam.setdefault("step", 0)
+        if "step" not in adam:
+            adam["step"] = self._mlp_step_value(0)
         adam["exp_avg"] = state[n : 2 * n]
         adam["exp_avg_sq"] = state[2 * n : 3 * n]
 
@@ -225,12 +266,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         fp32 = self.fp32_partitioned_groups_flat[i]
         fp32.data = state[:count]
         adam = self.optimizer.state[fp32]
-        adam["step"] = step
+        adam["step"] = self._mlp_step_value(step)
         adam["exp_avg"] = state[count : 2 * count]
         adam["exp_avg_sq"] = state[2 * count :]
         grad = self._mlp_grad[:count]
-        # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening).
-        grad.copy_(self._mlp_half_grad(i)[first : first + count])
+        # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening),
+        # unless a gradient setter left an fp32 gradient for the subgroup.
+        grad.copy_(self._mlp_gradient(i)[first : first + count])
         fp32.grad = grad
 
     def _mlp_unbind(self, i: int) -> None:
@@ -241,6 +283,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         for key in ("exp_avg", "exp_avg_sq"):
             if key in adam:
                 adam[key] = torch.empty(0, dtype=FP32)
+
+    def _mlp_gradient(self, i: int) -> torch.Tensor:
+        """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
+        half-precision one DeepSpeed reduced (converted by the caller)."""
+        fp32 = self._mlp_fp32_grads.get(i)
+        return fp32 if fp32 is not None else self._mlp_half_grad(i)
 
     def _mlp_half_grad(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
@@ -285,6 +333,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 {"event": "skipped", "rank": self._mlp_rank, "loss_scale": float(self.loss_scale)}
             )
             self._mlp_last_step_end, self._mlp_backward_secs = time.perf_counter(), 0.0
+            self._mlp_fp32_grads.clear()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
         timer_names: set[str] = set()
@@ -328,6 +377,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         self._mlp_last_step_end = time.perf_counter()
         self._mlp_backward_secs = 0.0
+        self._mlp_fp32_grads.clear()
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoints (DeepSpeed's own ZeRO-3 format) and the end of training
@@ -335,6 +385,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def state_dict(self) -> Any:
         """DeepSpeed's ZeRO-3 optimizer state dict, the state gathered from the cache and the store."""
         return checkpoint.state_dict(self)
+
+    def _restore_from_bit16_weights(self) -> None:
+        """DeepSpeed's `refresh_fp32_params` (a checkpoint loaded without its optimizer states, or only
+        the module): the fp32 weights become the half-precision partitions, widened; the moments stay."""
+        for i, half in enumerate(self.fp16_partitioned_groups_flat):
+            self._mlp_state.set_params(i, half)
 
     def load_state_dict(
         self,
@@ -347,11 +403,26 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     ) -> None:
         """Loads a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same data-parallel
         degree) into the store."""
+        if self.elastic_checkpoint:
+            raise NotImplementedError(
+                "mlp_offload: ZeRO-3 elastic checkpoints are not supported (DeepSpeed 0.19 no longer "
+                "supports them either)"
+            )
         if checkpoint_folder:
             raise NotImplementedError(
                 "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
             )
         checkpoint.load_state_dict(self, state_dict_list, load_optimizer_states)
+        # The rest of DeepSpeed's `load_state_dict`: with `load_serial` (`pipeline_loading_checkpoint`),
+        # ranks load one after another, each letting the next one go.
+        if load_serial is not None:
+            load_serial += 1
+            rank = dist.get_rank(group=self.dp_process_group)
+            del state_dict_list[rank]
+            if dist.get_local_rank() != dist.get_world_size() - 1:
+                dist.send(tensor=load_serial, dst=rank + 1)
+        if len(self.persistent_parameters) > 0:
+            self.persistent_parameters[0].partition(self.persistent_parameters)
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:
