@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +204,87 @@ def test_buffers_outlive_the_callers_reference(engine: str, work_dirs: list[Path
         back = torch.empty_like(expected)
         store.read("big", back).wait()
         assert torch.equal(back, expected)
+
+
+CRASH_SCRIPT = """
+import os, sys, torch
+from mlp_offload import ObjectStore
+paths = sys.argv[1:]
+with ObjectStore(paths, engine=os.environ["ENGINE"]) as store:
+    for key in ("k0", "k1", "k2"):
+        store.write(key, torch.full((70_000,), 7, dtype=torch.uint8)).wait()
+store = ObjectStore(paths, engine=os.environ["ENGINE"])
+{crash}
+os._exit(0)  # a crash: no close, no sync, the lock left to the kernel
+"""
+
+# What a process did before it died, and the keys a store reopened afterwards holds.
+CRASHES = [
+    ("a delete", "store.delete('k1')", ["k0", "k2"]),
+    (
+        "a new object never synced",
+        "store.write('k3', torch.ones(5000, dtype=torch.uint8)).wait()",
+        ["k0", "k1", "k2"],
+    ),
+    ("a rewrite in flight", "store.write('k0', torch.zeros(70_000, dtype=torch.uint8))", ["k0", "k1", "k2"]),
+    ("nothing: it held the store open", "pass", ["k0", "k1", "k2"]),
+]
+
+
+@pytest.mark.parametrize(("what", "crash", "keys"), CRASHES, ids=[c[0] for c in CRASHES])
+def test_a_crash_leaves_a_store_that_opens(
+    engine: str, work_dirs: list[Path], what: str, crash: str, keys: list[str]
+) -> None:
+    """A process killed in the middle of its work (os._exit: no close, no sync, no unlock) leaves a store
+    the next process opens: its lock released by the kernel, deletes already in the manifest, files
+    no manifest knows removed, every object it lists readable or refused by name."""
+    paths = [str(p) for p in work_dirs[:2]]
+    script = CRASH_SCRIPT.format(crash=crash)
+    subprocess.run([sys.executable, "-c", script, *paths], check=True, env={**os.environ, "ENGINE": engine})
+    with ObjectStore(paths, engine=engine) as store:
+        assert sorted(store.keys()) == keys
+        for key in keys:
+            back = torch.empty(store.size(key) or 0, dtype=torch.uint8)
+            try:
+                store.read(key, back).wait()
+            except CorruptObjectError as e:
+                # Only the object whose rewrite the crash cut short may be refused, and by name.
+                assert what == "a rewrite in flight" and key == "k0" and "k0" in str(e), e
+                continue
+            assert back.numel() == 70_000 and int(back[0]) in (0, 7)
+        known = {f"{k}.mlpo" for k in keys}
+        for path in work_dirs[:2]:
+            assert {f.name for f in (path / "rank0").glob("*.mlpo")} <= known
+
+
+def test_a_second_store_on_the_same_directory_is_refused_naming_the_holder(work_dirs: list[Path]) -> None:
+    """Two stores on one rank directory would overwrite each other's objects: the second one is
+    refused with the path and the holder's pid, in this process or another; another rank is another
+    directory; closing releases it."""
+    paths = work_dirs[:2]
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mlp_offload import ObjectStore; s = ObjectStore(sys.argv[1:]);"
+            " print('open', flush=True); sys.stdin.read()",
+            *map(str, paths),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(BlockingIOError) as e:
+            ObjectStore(paths)
+        assert e.value.errno == errno.EWOULDBLOCK and e.value.filename == str(paths[0] / "rank0")
+        assert f"process {holder.pid} " in str(e.value)
+        ObjectStore(paths, rank=1).close()
+    finally:
+        holder.communicate("")
+    with ObjectStore(paths) as first:
+        with pytest.raises(BlockingIOError, match=f"process {os.getpid()} "):
+            ObjectStore(paths)
+        first.write("k", torch.ones(10, dtype=torch.uint8)).wait()
+    ObjectStore(paths).close()

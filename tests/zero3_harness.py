@@ -175,7 +175,8 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
         error = {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
     finally:
         subprocess.run(["chattr", "-i", *files], check=True)
-    optimizer._mlp_store.sync()
+    # Closed (synced, its directories unlocked), so a fresh store can open the same paths.
+    optimizer._mlp_store.close()
     # Every object of a fresh store over the same paths: its size, or the error its read raised.
     readable: dict[str, Any] = {}
     with mlp_offload.ObjectStore(paths) as store:

@@ -3,6 +3,8 @@ object can be written from or read into, without a copy."""
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Sequence
 from os import PathLike
 from typing import Any
@@ -53,16 +55,27 @@ class ObjectStore:
         checksum: bool = True,
         shadow_slots: bool = True,
     ) -> None:
-        self._store = _core.ObjectStore(
-            [str(p) for p in paths],
-            rank=rank,
-            engine=engine,
-            chunk_size=chunk_size,
-            max_inflight=max_inflight,
-            weights=list(weights) if weights is not None else None,
-            checksum=checksum,
-            shadow_slots=shadow_slots,
-        )
+        def open_store() -> _core.ObjectStore:
+            return _core.ObjectStore(
+                [str(p) for p in paths],
+                rank=rank,
+                engine=engine,
+                chunk_size=chunk_size,
+                max_inflight=max_inflight,
+                weights=list(weights) if weights is not None else None,
+                checksum=checksum,
+                shadow_slots=shadow_slots,
+            )
+
+        try:
+            self._store = open_store()
+        except BlockingIOError as e:
+            # The rank directory is locked by a store of this process that nothing references any more
+            # (an engine dropped without destroy(), in a reference cycle): collect it, then try once more.
+            if f"process {os.getpid()} " not in str(e):
+                raise
+            gc.collect()
+            self._store = open_store()
 
     def write(self, key: str, src: Any, *, weights: Sequence[float] | None = None) -> _core.IoHandle:
         """Writes `src` as object `key` (created on first write, placed by `weights`)."""

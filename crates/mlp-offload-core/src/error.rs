@@ -29,6 +29,14 @@ pub enum Error {
     /// The named object does not exist in the store.
     #[error("no object {key:?} in the store at {root}")]
     NotFound { key: String, root: PathBuf },
+    /// Another open store holds this rank directory (the same path and rank opened twice, in this
+    /// process or another); `holder` is the pid its lock file names.
+    #[error(
+        "{path} is in use by {} (another store opened the same path and rank); close it, or give this one \
+         other paths or another rank",
+        holder.map_or_else(|| "another store".to_string(), |pid| format!("process {pid}"))
+    )]
+    InUse { path: PathBuf, holder: Option<u32> },
 }
 
 impl Error {
@@ -63,6 +71,7 @@ impl Error {
             Error::Io { source, .. } => source.raw_os_error(),
             Error::Corrupt { .. } => Some(libc::EIO),
             Error::NotFound { .. } => Some(libc::ENOENT),
+            Error::InUse { .. } => Some(libc::EWOULDBLOCK),
             Error::Config { .. } => None,
         }
     }
@@ -72,6 +81,7 @@ impl Error {
         match self {
             Error::Io { path, .. } | Error::Corrupt { path, .. } => Some(path),
             Error::NotFound { root, .. } => Some(root),
+            Error::InUse { path, .. } => Some(path),
             Error::Config { .. } => None,
         }
     }
@@ -105,6 +115,10 @@ impl Error {
             Error::NotFound { key, root } => Error::NotFound {
                 key: key.clone(),
                 root: root.clone(),
+            },
+            Error::InUse { path, holder } => Error::InUse {
+                path: path.clone(),
+                holder: *holder,
             },
         }
     }

@@ -9,7 +9,12 @@
 //! down gets less of every object from its next write on. Slot `s` of a path starts at `s` times the
 //! object's size (rounded to the path's alignment); only the stripe's own range is allocated, so a
 //! path's files use the disk its share needs. A manifest (`manifest.json` in every path's rank
-//! directory, replaced atomically by [`ObjectStore::sync`]) lets a store be reopened.
+//! directory, replaced atomically by [`ObjectStore::sync`] and by every delete) lets a store be
+//! reopened. A deleted object leaves the manifest before its files go, and opening removes object files
+//! that no manifest knows (objects created after the last sync, or deleted just before a crash), so no
+//! crash leaves a store that cannot be opened. Each rank directory is locked while a store has it open
+//! (`store.lock`, an exclusive `flock` the kernel releases when the process dies): a second store on the
+//! same path and rank is refused, naming the holder's pid.
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
@@ -32,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::tier::{probe_dir, TierInfo};
 
 const MANIFEST_NAME: &str = "manifest.json";
+const LOCK_NAME: &str = "store.lock";
 const MANIFEST_FORMAT: u32 = 2;
 const OBJECT_SUFFIX: &str = ".mlpo";
 const MAX_KEY_LEN: usize = 200;
@@ -179,6 +185,10 @@ pub struct ObjectStore {
     rank_dirs: Vec<PathBuf>,
     engines: Vec<Box<dyn IoEngine>>,
     objects: Mutex<HashMap<String, Arc<ObjectEntry>>>,
+    /// Held while a manifest is written: its contents are the object table at that moment.
+    manifest_lock: Mutex<()>,
+    /// Each rank directory's lock, held for the store's life (see the module docs).
+    _dir_locks: Vec<File>,
 }
 
 /// A caller buffer that the store may keep alive while I/O runs.
@@ -234,6 +244,7 @@ impl ObjectStore {
         validate_config(&config)?;
         let mut tiers = Vec::with_capacity(config.paths.len());
         let mut rank_dirs = Vec::with_capacity(config.paths.len());
+        let mut dir_locks = Vec::with_capacity(config.paths.len());
         for path in &config.paths {
             let meta =
                 fs::metadata(path).map_err(|e| Error::io("open storage directory", path, e))?;
@@ -250,6 +261,7 @@ impl ObjectStore {
                 .mode(0o700)
                 .create(&rank_dir)
                 .map_err(|e| Error::io("create rank directory", &rank_dir, e))?;
+            dir_locks.push(lock_rank_dir(&rank_dir)?);
             let tier = probe_dir(&rank_dir)?;
             if let Some(why) = &tier.direct_io_refusal {
                 log::warn!(
@@ -289,8 +301,11 @@ impl ObjectStore {
             rank_dirs,
             engines,
             objects: Mutex::new(HashMap::new()),
+            manifest_lock: Mutex::new(()),
+            _dir_locks: dir_locks,
         };
         store.load_manifest()?;
+        store.remove_unknown_files()?;
         Ok(store)
     }
 
@@ -561,14 +576,20 @@ impl ObjectStore {
         Ok(completion)
     }
 
-    /// Removes an object and its files, after its in-flight operations finish.
+    /// Removes an object and its files, after its in-flight operations finish. The manifest forgets it
+    /// first, durably: a crash before the files are gone leaves files no manifest knows, which the next
+    /// open removes.
     pub fn delete(&self, key: &str) -> Result<()> {
         let entry = self.entry(key)?;
         {
             let _submitting = entry.submit_lock.lock().expect("submit lock");
             wait_for(&entry, |_| true);
         }
-        self.lock_objects().remove(key);
+        {
+            let writing = self.manifest_lock.lock().expect("manifest lock");
+            self.lock_objects().remove(key);
+            self.write_manifest(&writing)?;
+        }
         for file in entry.all_files() {
             fs::remove_file(&file.path).map_err(|e| Error::io("remove", &file.path, e))?;
         }
@@ -587,7 +608,8 @@ impl ObjectStore {
                     .map_err(|e| Error::io("fdatasync", &file.path, e))?;
             }
         }
-        self.write_manifest(&entries)
+        let writing = self.manifest_lock.lock().expect("manifest lock");
+        self.write_manifest(&writing)
     }
 
     fn lock_objects(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ObjectEntry>>> {
@@ -890,12 +912,44 @@ impl ObjectStore {
         Ok(())
     }
 
-    fn write_manifest(&self, entries: &[Arc<ObjectEntry>]) -> Result<()> {
+    /// Removes object files in the rank directories that no object of the manifest uses: objects
+    /// created after the last sync, or deleted after the manifest forgot them, before a crash.
+    fn remove_unknown_files(&self) -> Result<()> {
+        let objects = self.lock_objects();
+        for (path_index, dir) in self.rank_dirs.iter().enumerate() {
+            let listing = fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))?;
+            for item in listing {
+                let item = item.map_err(|e| Error::io("list", dir, e))?;
+                let name = item.file_name();
+                let Some(key) = name.to_str().and_then(|n| n.strip_suffix(OBJECT_SUFFIX)) else {
+                    continue;
+                };
+                let known = objects.get(key).is_some_and(|entry| {
+                    entry.files.lock().expect("files lock")[path_index].is_some()
+                });
+                if !known {
+                    let file = item.path();
+                    fs::remove_file(&file)
+                        .map_err(|e| Error::io("remove unknown file", &file, e))?;
+                    log::info!(
+                        "removed {}: no object of the store's manifest uses it",
+                        file.display()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the manifest in every rank directory with the object table as it is now (the caller
+    /// holds `manifest_lock`, so two writers never interleave).
+    fn write_manifest(&self, _writing: &std::sync::MutexGuard<'_, ()>) -> Result<()> {
         let manifest = Manifest {
             format: MANIFEST_FORMAT,
             paths: self.config.paths.clone(),
-            objects: entries
-                .iter()
+            objects: self
+                .lock_objects()
+                .values()
                 .map(|e| (e.key.clone(), e.record.lock().expect("record lock").clone()))
                 .collect(),
         };
@@ -949,6 +1003,38 @@ impl ObjectEntry {
             .cloned()
             .collect()
     }
+}
+
+/// Takes the exclusive lock of a rank directory, recording this process's pid in it. The kernel drops
+/// the lock when the file is closed or the process dies, so a crashed store never blocks the next one.
+fn lock_rank_dir(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_NAME);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| Error::io("open lock file", &path, e))?;
+    // SAFETY: `file` owns the descriptor and outlives the call; flock touches nothing else.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(Error::io("lock", &path, e));
+        }
+        let holder = fs::read_to_string(&path)
+            .ok()
+            .and_then(|text| text.trim().parse().ok());
+        return Err(Error::InUse {
+            path: dir.to_path_buf(),
+            holder,
+        });
+    }
+    file.set_len(0)
+        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .map_err(|e| Error::io("write lock file", &path, e))?;
+    Ok(file)
 }
 
 /// Blocks until the object's in-flight operations selected by `which` are done, and forgets finished ones.

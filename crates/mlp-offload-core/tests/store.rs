@@ -147,6 +147,8 @@ for_each_engine!(
     the_in_flight_limit_holds,
     stripes_go_where_the_weights_say,
     new_weights_move_an_object_on_its_next_write,
+    a_delete_is_in_the_manifest_before_it_returns,
+    files_no_manifest_knows_are_removed_at_open,
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
@@ -293,6 +295,86 @@ fn a_reopened_store_reads_what_was_written(engine: EngineChoice) {
     .err()
     .unwrap();
     assert!(err.to_string().starts_with("paths:"), "{err}");
+}
+
+fn a_delete_is_in_the_manifest_before_it_returns(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let store = open(&paths, engine);
+    for key in ["k0", "k1", "k2"] {
+        store
+            .write(key, aligned_copy(&random_bytes(70_000, 1)), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    store.sync().unwrap();
+    store.delete("k1").unwrap();
+    // Read while the store is still open: what a crash right now would leave.
+    for path in &paths {
+        let manifest = fs::read_to_string(path.join("rank0/manifest.json")).unwrap();
+        assert!(
+            manifest.contains("\"k0\"") && !manifest.contains("\"k1\""),
+            "{manifest}"
+        );
+        assert!(!path.join("rank0/k1.mlpo").exists());
+    }
+}
+
+fn files_no_manifest_knows_are_removed_at_open(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let data = random_bytes(100_000, 3);
+    {
+        let store = open(&paths, engine);
+        store
+            .write("kept", aligned_copy(&data), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    // What a crash leaves: files of objects created after the last sync, or deleted just before it.
+    let strays: Vec<PathBuf> = paths
+        .iter()
+        .map(|p| p.join("rank0/created-after-sync.mlpo"))
+        .collect();
+    for stray in &strays {
+        fs::write(stray, b"partial").unwrap();
+    }
+    let store = open(&paths, engine);
+    assert_eq!(store.keys(), vec!["kept".to_string()]);
+    assert!(strays.iter().all(|s| !s.exists()));
+    let back = store
+        .read("kept", vec![0u8; data.len()])
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(back == data);
+}
+
+#[test]
+fn a_second_store_on_the_same_rank_directory_is_refused_naming_the_holder() {
+    let (_root, paths) = dirs(2);
+    let first = open(&paths, EngineChoice::Threads);
+    let err = ObjectStore::open(
+        StoreConfig::new(paths.iter().cloned()).with_engine(EngineChoice::Threads),
+    )
+    .err()
+    .unwrap();
+    assert_eq!(err.errno(), Some(libc::EWOULDBLOCK), "{err}");
+    assert_eq!(err.path(), Some(paths[0].join("rank0").as_path()), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("process {}", std::process::id())),
+        "{err}"
+    );
+    // Another rank on the same paths is another directory.
+    ObjectStore::open(
+        StoreConfig::new(paths.iter().cloned())
+            .with_engine(EngineChoice::Threads)
+            .with_rank(1),
+    )
+    .unwrap();
+    drop(first);
+    open(&paths, EngineChoice::Threads);
 }
 
 fn a_short_read_reports_path_and_offset(engine: EngineChoice) {

@@ -34,7 +34,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Corrupt { path, .. } => {
             CorruptObjectError::new_err((libc::EIO, message, path.display().to_string()))
         }
-        Error::Io { .. } | Error::NotFound { .. } => {
+        Error::Io { .. } | Error::NotFound { .. } | Error::InUse { .. } => {
             let errno = e.errno().unwrap_or(libc::EIO);
             let path = e.path().map(|p| p.display().to_string());
             PyOSError::new_err((errno, message, path))
