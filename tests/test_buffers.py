@@ -54,6 +54,46 @@ def test_dtype_must_divide_the_buffer() -> None:
         mlp_offload.as_tensor(mlp_offload.HostBuffer(6), torch.float32)
 
 
+class FakeCudart:
+    """Records cudaHostRegister/Unregister calls (this machine has no CUDA)."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.registered.append(address)
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+
+@pytest.mark.parametrize(
+    ("pin_memory", "closed"),
+    [(True, True), (True, False), (False, True)],
+    ids=["pinned, closed", "pinned, dropped without close", "not pinned"],
+)
+def test_cuda_registration_follows_pin_memory_and_ends_with_the_pool(
+    monkeypatch: pytest.MonkeyPatch, pin_memory: bool, closed: bool
+) -> None:
+    """Registered with CUDA only when pinned (DeepSpeed's `pin_memory`), and unregistered exactly once:
+    at close, or when a pool nobody closed is collected (an engine never destroyed, as the Trainer's)."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    pool = mlp_offload.PinnedBufferPool(3, 1 << 16, lock=pin_memory)
+    expected = 3 if pin_memory else 0
+    assert len(cudart.registered) == expected and pool.cuda_registered == pin_memory
+    if closed:
+        pool.close()
+        pool.close()
+    del pool
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(cudart.registered)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pool_is_registered_with_cuda_and_copies_round_trip() -> None:
     pool = mlp_offload.PinnedBufferPool(2, 64 << 20)

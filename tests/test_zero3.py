@@ -145,6 +145,8 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
         assert r["writes"] + start["cached_chunks"] == start["chunks"]
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
     assert len(used) == n_paths, "every path holds a share of the state"
+    # destroy() without mlp_offload_flush() leaves the last step's state, cached chunks included.
+    assert ours["store_after_destroy_matches"]
 
 
 def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path], tmp_path: Path) -> None:
@@ -280,6 +282,25 @@ def test_after_install_deepspeed_without_our_section_is_stock(work_dirs: list[Pa
     )
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
     assert ours["is_deepspeed_stage3"] == installed["is_deepspeed_stage3"] == [True, True]
+    assert_bit_equal(ours, stock)
+
+
+@pytest.mark.parametrize("given_as", ["dict", "file named by --deepspeed_config"])
+def test_a_deepspeed_nvme_config_plus_our_section_runs_as_it_is(
+    given_as: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """The one-line migration: DeepSpeed's own `offload_optimizer: {device: nvme, nvme_path}` config,
+    with `"mlp_offload": {}` added and nothing else changed, runs our engine on `nvme_path`, bit-equal
+    to DeepSpeed's CPU offload; also when the config is a file named on the command line."""
+    stock = run_case({}, tmp_path, "stock")
+    case: dict[str, Any] = {"nvme_path": str(work_dirs[0]), "mlp_offload": {"host_memory": "64M"}}
+    if given_as != "dict":
+        case["config_file"] = str(tmp_path / "ds_config.json")
+    ours = run_case(case, tmp_path, "migrated")
+    assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["paths"] == [str(work_dirs[0])]
+    assert any((work_dirs[0] / "rank0").glob("*.mlpo"))
     assert_bit_equal(ours, stock)
 
 

@@ -58,6 +58,16 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["zero_force_ds_cpu_optimizer"] = False
         # DeepSpeed asks for this before it takes an optimizer outside its tested list (SGD, Adagrad).
         config["zero_allow_untested_optimizer"] = True
+    if "nvme_path" in case:
+        # A DeepSpeed NVMe offload config, as its users have it (the one-line migration).
+        config["zero_optimization"]["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": case["nvme_path"],
+            "buffer_count": 5,
+            "pipeline_read": True,
+            "pipeline_write": True,
+        }
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
     if "offload_ratio" in case:
         config["zero_optimization"]["offload_optimizer"]["ratio"] = case["offload_ratio"]
     if "mlp_offload" in case:
@@ -99,7 +109,17 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             params = list(params)
             options = {"lr": 3e-3, "weight_decay": 0.01, **case.get("client_options", {})}
             client = getattr(torch.optim, name)(params, **options)
-        engine, optimizer, _, _ = init(model=model, model_parameters=params, optimizer=client, config=config)
+        if file := case.get("config_file"):
+            # The config as a file named on the command line (`--deepspeed_config`).
+            import argparse
+
+            Path(file).write_text(json.dumps(config))
+            cli = argparse.Namespace(deepspeed_config=file, local_rank=int(os.environ["LOCAL_RANK"]))
+            engine, optimizer, _, _ = init(args=cli, model=model, model_parameters=params, optimizer=client)
+        else:
+            engine, optimizer, _, _ = init(
+                model=model, model_parameters=params, optimizer=client, config=config
+            )
         return engine, optimizer
 
     section = case.get("mlp_offload")
@@ -152,8 +172,31 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry is not None:
         result["telemetry"] = telemetry
+    chunks: dict[str, torch.Tensor] | None = None
+    if telemetry is not None:
+        # Each chunk's current state (cache or store), to compare with what destroy() leaves on disk.
+        state_of = optimizer._mlp_state
+        chunks = {}
+        for i in range(len(state_of.numels)):
+            whole = state_of.gather(i)
+            for c in state_of.of_subgroup[i]:
+                parts = [whole[s] for s in state_of._slices(c)]
+                chunks[state_of.keys[c]] = torch.cat(parts)
     engine.destroy()
+    if chunks is not None:
+        # What a fresh store over the same paths reads after destroy() (no mlp_offload_flush()).
+        paths, rank = optimizer._mlp_config.paths, optimizer._mlp_rank
+        with mlp_offload.ObjectStore(paths, rank=rank) as store:
+            result["store_after_destroy_matches"] = sorted(store.keys()) == sorted(chunks) and all(
+                torch.equal(store_read(store, key, expected), expected) for key, expected in chunks.items()
+            )
     return result
+
+
+def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(like)
+    store.read(key, out).wait()
+    return out
 
 
 def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:

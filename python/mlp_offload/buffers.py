@@ -5,6 +5,9 @@ Nothing here calls `Tensor.pin_memory()`, which raises on a CPU-only torch build
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
+
 import torch
 
 from mlp_offload import _core
@@ -34,11 +37,20 @@ def unregister_from_cuda(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
+def _unregister_all(memory: object, addresses: Sequence[int]) -> None:
+    """Unregisters a pool's buffers; `memory` (the pool's core object) is held until then, so the
+    memory is still there while CUDA lets go of it."""
+    for address in addresses:
+        unregister_from_cuda(address)
+
+
 class PinnedBufferPool:
-    """A fixed pool of equally sized host buffers, locked in RAM and registered with CUDA when present.
+    """A fixed pool of equally sized host buffers; with `lock` (DeepSpeed's `pin_memory`), locked in
+    RAM and registered with CUDA when present.
 
     `acquire` gives a `HostBuffer` (view it with `as_tensor`); it returns to the pool when the buffer
-    and every tensor viewing it are gone.
+    and every tensor viewing it are gone. The CUDA registration ends at `close()`, or when the pool is
+    collected without one (an engine never destroyed), before its memory is freed.
     """
 
     def __init__(self, count: int, buffer_size: int, *, lock: bool = True) -> None:
@@ -46,9 +58,13 @@ class PinnedBufferPool:
         every = [self._pool.acquire() for _ in range(count)]
         self._addresses = [b.address for b in every if b is not None]
         self.cuda_registered = False
-        for address in self._addresses:
-            self.cuda_registered = register_with_cuda(address, buffer_size)
+        if lock:
+            for address in self._addresses:
+                self.cuda_registered = register_with_cuda(address, buffer_size)
         del every
+        self._unregister = weakref.finalize(self, _unregister_all, self._pool, self._addresses)
+        if not self.cuda_registered:
+            self._unregister.detach()
 
     def acquire(self) -> _core.HostBuffer | None:
         return self._pool.acquire()
@@ -71,7 +87,5 @@ class PinnedBufferPool:
 
     def close(self) -> None:
         """Unregisters the buffers from CUDA; the memory itself goes when the pool object does."""
-        if self.cuda_registered:
-            for address in self._addresses:
-                unregister_from_cuda(address)
-            self.cuda_registered = False
+        self._unregister()
+        self.cuda_registered = False

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
@@ -119,4 +120,40 @@ def from_ds_config(ds_config: dict[str, Any] | None) -> MLPOffloadConfig | None:
         raise ValueError(problems) from None
     if isinstance(config.weights, list) and len(config.weights) != len(config.paths):
         raise ValueError(f"{SECTION}.weights: {len(config.weights)} weights for {len(config.paths)} paths")
+    return config
+
+
+# DeepSpeed's `aio` keys that mean what ours mean: bytes per request, requests in flight per path.
+AIO_KEYS = {"block_size": "chunk_size", "queue_depth": "max_inflight"}
+# What DeepSpeed's NVMe offload section keeps when it becomes a CPU offload section: the rest
+# (`nvme_path`, `pipeline_read/write`, `fast_init`) is NVMe swapping, which the store replaces.
+KEPT_OFFLOAD_KEYS = ("pin_memory", "buffer_count", "ratio")
+
+
+def migrate_nvme_offload(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The one-line migration: a config with our section and DeepSpeed's own NVMe offload
+    (`offload_optimizer.device: "nvme"`) runs as it is. Returns a copy in which the offload section is
+    DeepSpeed's CPU offload (CPU Adam on host memory, as the engine needs), our `paths` default to
+    `nvme_path`, and DeepSpeed's `aio.block_size` / `queue_depth` become our `chunk_size` /
+    `max_inflight` unless ours are set. Other configs are returned unchanged."""
+    if not isinstance(ds_config, dict) or not isinstance(ds_config.get(SECTION), dict):
+        return ds_config
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if str(offload.get("device", "")).lower() != "nvme":
+        return ds_config
+    config = copy.deepcopy(ds_config)
+    section = config[SECTION]
+    if "paths" not in section:
+        nvme_path = offload.get("nvme_path")
+        if not nvme_path:
+            raise ValueError(
+                f"{SECTION}.paths: not given, and zero_optimization.offload_optimizer.nvme_path is not "
+                "set either"
+            )
+        section["paths"] = [str(p) for p in nvme_path] if isinstance(nvme_path, list) else [str(nvme_path)]
+    for theirs, ours in AIO_KEYS.items():
+        if theirs in (config.get("aio") or {}) and ours not in section:
+            section[ours] = config["aio"][theirs]
+    kept = {k: v for k, v in offload.items() if k in KEPT_OFFLOAD_KEYS}
+    config["zero_optimization"]["offload_optimizer"] = {**kept, "device": "cpu"}
     return config

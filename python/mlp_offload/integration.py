@@ -8,9 +8,12 @@ Megatron-DeepSpeed), as long as `install()` runs first. Target: DeepSpeed 0.19.x
 
 from __future__ import annotations
 
+import copy
+import functools
+import os
 from typing import Any
 
-from mlp_offload.config import SECTION
+from mlp_offload.config import SECTION, migrate_nvme_offload
 
 SUPPORTED_DEEPSPEED = ("0.19.",)
 
@@ -45,6 +48,40 @@ def install() -> None:
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
     stock.__new__ = staticmethod(dispatching_new)  # type: ignore[method-assign, assignment]
     stock._mlp_offload_installed = True
+
+    # The one-line migration from DeepSpeed's NVMe offload: its config is rewritten before DeepSpeed
+    # reads it (`config.migrate_nvme_offload`). Callers reach `deepspeed.initialize` through the module,
+    # as the frameworks do.
+    ds_initialize = deepspeed.initialize
+
+    @functools.wraps(ds_initialize)
+    def initialize_with_migration(*args: Any, **kwargs: Any) -> Any:
+        from deepspeed import load_ds_config
+
+        for key in ("config", "config_params"):
+            given = kwargs.get(key)
+            if isinstance(given, (str, os.PathLike)):
+                given = load_ds_config(str(given))
+            if isinstance(given, dict):
+                kwargs[key] = migrate_nvme_offload(given)
+        # A config file named by the command line (`--deepspeed_config`), when no config is given.
+        cli: Any = kwargs["args"] if "args" in kwargs else (args[0] if args else None)
+        path = getattr(cli, "deepspeed_config", None)
+        if path is not None and kwargs.get("config") is None and kwargs.get("config_params") is None:
+            loaded = load_ds_config(str(path))
+            migrated = migrate_nvme_offload(loaded)
+            if migrated is not loaded:
+                # DeepSpeed takes one config: the rewritten one, from a copy of the arguments without it.
+                cli = copy.copy(cli)
+                cli.deepspeed_config = None
+                if "args" in kwargs:
+                    kwargs["args"] = cli
+                else:
+                    args = (cli, *args[1:])
+                kwargs["config"] = migrated
+        return ds_initialize(*args, **kwargs)
+
+    deepspeed.initialize = initialize_with_migration
 
 
 def initialize(*args: Any, **kwargs: Any) -> Any:

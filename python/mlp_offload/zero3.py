@@ -85,7 +85,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":
             raise ValueError(
                 'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host '
-                "memory); it replaces the NVMe swapping itself"
+                'memory); it replaces the NVMe swapping itself. An "nvme" section is rewritten for it by '
+                "mlp_offload.initialize, and by deepspeed.initialize after mlp_offload.install()"
             )
         ratio = kwargs.get("offload_ratio", 1.0)
         if ratio is not None and float(ratio) != 1.0:
@@ -437,8 +438,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_store.sync()
 
     def destroy(self) -> None:
+        """Writes the cached chunks back, so the store holds the state of one step (the last), not
+        a mix of steps under a valid manifest; then closes the pipeline, the store and telemetry."""
         if hasattr(self, "_mlp_state"):
-            self._mlp_state.pipeline.close()
+            try:
+                self._mlp_state.pipeline.flush()
+            finally:
+                self._mlp_state.pipeline.close()
         self._mlp_store.close()
         self._mlp_planner.close()
         super_destroy = getattr(super(), "destroy", None)

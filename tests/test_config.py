@@ -1,0 +1,69 @@
+"""The `mlp_offload` section and the one-line migration from DeepSpeed's NVMe offload section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlp_offload.config import migrate_nvme_offload
+
+NVME = {
+    "device": "nvme",
+    "nvme_path": "/nvme0/ds",
+    "buffer_count": 6,
+    "pin_memory": False,
+    "pipeline_read": True,
+}
+
+
+def config(offload: dict[str, Any], section: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": offload}, **extra}
+    if section is not None:
+        ds["mlp_offload"] = section
+    return ds
+
+
+# name, DeepSpeed config, the offload section and our section after migration (None: unchanged)
+MIGRATIONS = [
+    (
+        "paths default to nvme_path; NVMe-only keys go",
+        config(NVME, {}),
+        {"device": "cpu", "buffer_count": 6, "pin_memory": False},
+        {"paths": ["/nvme0/ds"]},
+    ),
+    (
+        "our paths win; aio maps to chunk_size and max_inflight",
+        config(NVME, {"paths": ["/a", "/b"]}, aio={"block_size": 1 << 20, "queue_depth": 32}),
+        {"device": "cpu", "buffer_count": 6, "pin_memory": False},
+        {"paths": ["/a", "/b"], "chunk_size": 1 << 20, "max_inflight": 32},
+    ),
+    (
+        "our max_inflight wins over aio's",
+        config(NVME, {"max_inflight": 4}, aio={"queue_depth": 32}),
+        {"device": "cpu", "buffer_count": 6, "pin_memory": False},
+        {"paths": ["/nvme0/ds"], "max_inflight": 4},
+    ),
+    ("a CPU offload config stays as it is", config({"device": "cpu"}, {"paths": ["/a"]}), None, None),
+    ("without our section DeepSpeed's NVMe offload stays", config(NVME, None), None, None),
+]
+
+
+@pytest.mark.parametrize(("name", "ds", "offload", "section"), MIGRATIONS, ids=[m[0] for m in MIGRATIONS])
+def test_nvme_offload_configs_migrate(
+    name: str, ds: dict[str, Any], offload: dict[str, Any] | None, section: dict[str, Any] | None
+) -> None:
+    before = repr(ds)
+    migrated = migrate_nvme_offload(ds)
+    assert repr(ds) == before, "the caller's config is not changed"
+    if offload is None:
+        assert migrated == ds
+        return
+    assert migrated["zero_optimization"]["offload_optimizer"] == offload
+    assert migrated["mlp_offload"] == section
+
+
+def test_nvme_offload_without_any_path_is_named() -> None:
+    ds = config({"device": "nvme"}, {})
+    with pytest.raises(ValueError, match=r"mlp_offload\.paths.*offload_optimizer\.nvme_path"):
+        migrate_nvme_offload(ds)
