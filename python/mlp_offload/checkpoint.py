@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
@@ -40,10 +39,10 @@ def state_dict(opt: Any) -> Any:
     return saved
 
 
-def load_state_dict(opt: Any, state_dict_list: Any, load_optimizer_states: bool) -> None:
-    """Loads a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same data-parallel degree):
-    fp32 weights and Adam moments go to the store, the half-precision partitions follow."""
-    saved = state_dict_list[dist.get_rank(group=opt.dp_process_group)]
+def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
+    """Loads this rank's part of a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same
+    data-parallel degree): fp32 weights and Adam moments go to the store, the half-precision partitions
+    follow."""
     subgroups = range(len(opt.fp32_partitioned_groups_flat))
     numels = [int(n) for n in opt.fp16_partitioned_groups_flat_numel]
     fp32_groups = saved[FP32_FLAT_GROUPS]

@@ -85,20 +85,24 @@ class ChunkedState:
     def _scratch(self) -> torch.Tensor:
         return torch.empty(STATE_TENSORS * self.layout.elements, dtype=FP32)
 
+    def _current(self, chunk: int, scratch: torch.Tensor) -> torch.Tensor:
+        """The chunk's newest `[params | exp_avg | exp_avg_sq]` (fp32): the pipeline's host copy where
+        it has one (edits to it are edits to that copy), else read from the store into `scratch`."""
+        found = self.pipeline.in_memory(chunk)
+        if found is not None:
+            return found[0].view(FP32)
+        chunk_state = scratch[: STATE_TENSORS * self.chunks[chunk][2]]
+        self.store.read(self.keys[chunk], chunk_state).wait()
+        return chunk_state
+
     def gather(self, subgroup: int) -> torch.Tensor:
         """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]`: per chunk, the
         pipeline's host copy where it has one, else the store's."""
         state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
-        scratch = None
+        scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             count = self.chunks[chunk][2]
-            found = self.pipeline.in_memory(chunk)
-            if found is not None:
-                chunk_state = found[0].view(FP32)
-            else:
-                scratch = self._scratch() if scratch is None else scratch
-                chunk_state = scratch[: STATE_TENSORS * count]
-                self.store.read(self.keys[chunk], chunk_state).wait()
+            chunk_state = self._current(chunk, scratch)
             for k, part in enumerate(self._slices(chunk)):
                 state[part].copy_(chunk_state[k * count : (k + 1) * count])
         return state
@@ -109,13 +113,9 @@ class ChunkedState:
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             _, first, count = self.chunks[chunk]
-            chunk_state = scratch[: STATE_TENSORS * count]
-            found = self.pipeline.in_memory(chunk)
-            if found is not None:
-                chunk_state.copy_(found[0].view(FP32))
-            else:
-                self.store.read(self.keys[chunk], chunk_state).wait()
+            chunk_state = self._current(chunk, scratch)
             chunk_state[:count].copy_(values[first : first + count])
+            # Written back too where the host copy was edited in place (a retained chunk's store copy).
             self.pipeline.replace(chunk, chunk_state.view(torch.uint8))
 
     def scatter(self, subgroup: int, state: torch.Tensor) -> None:

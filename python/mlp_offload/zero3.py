@@ -393,37 +393,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         for i, half in enumerate(self.fp16_partitioned_groups_flat):
             self._mlp_state.set_params(i, half)
 
-    def load_state_dict(
-        self,
-        state_dict_list: Any,
-        load_optimizer_states: bool = True,
-        load_from_fp32_weights: bool = False,
-        checkpoint_folder: Any = None,
-        load_serial: Any = None,
-        param_shapes: Any = None,
+    def _rigid_load_state_dict(self, state_dict: Any, load_optimizer_states: bool = True) -> None:
+        """Loads this rank's part of a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed
+        (same data-parallel degree) into the store. DeepSpeed's own `load_state_dict` calls it, and does
+        the rest itself: the elastic-checkpoint refusal, `load_serial`, the persistent parameters."""
+        checkpoint.load_state_dict(self, state_dict, load_optimizer_states)
+
+    def _load_universal_checkpoint(
+        self, checkpoint_folder: Any, load_optimizer_states: bool, load_from_fp32_weights: bool
     ) -> None:
-        """Loads a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same data-parallel
-        degree) into the store."""
-        if self.elastic_checkpoint:
-            raise NotImplementedError(
-                "mlp_offload: ZeRO-3 elastic checkpoints are not supported (DeepSpeed 0.19 no longer "
-                "supports them either)"
-            )
-        if checkpoint_folder:
-            raise NotImplementedError(
-                "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
-            )
-        checkpoint.load_state_dict(self, state_dict_list, load_optimizer_states)
-        # The rest of DeepSpeed's `load_state_dict`: with `load_serial` (`pipeline_loading_checkpoint`),
-        # ranks load one after another, each letting the next one go.
-        if load_serial is not None:
-            load_serial += 1
-            rank = dist.get_rank(group=self.dp_process_group)
-            del state_dict_list[rank]
-            if dist.get_local_rank() != dist.get_world_size() - 1:
-                dist.send(tensor=load_serial, dst=rank + 1)
-        if len(self.persistent_parameters) > 0:
-            self.persistent_parameters[0].partition(self.persistent_parameters)
+        raise NotImplementedError(
+            "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
+        )
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:

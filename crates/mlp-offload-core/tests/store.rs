@@ -47,6 +47,11 @@ fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
     v
 }
 
+/// Object `key`'s whole contents (`len` bytes), read into a fresh vector.
+fn read_back(store: &ObjectStore, key: &str, len: usize) -> Vec<u8> {
+    store.read(key, vec![0u8; len]).unwrap().wait().unwrap()
+}
+
 fn aligned_copy(data: &[u8]) -> AlignedBuf {
     let mut buf = AlignedBuf::new(data.len(), false).unwrap();
     buf.as_mut_slice().copy_from_slice(data);
@@ -225,11 +230,7 @@ fn objects_are_rewritten_in_place(engine: EngineChoice) {
             .unwrap()
             .wait()
             .unwrap();
-        let back = store
-            .read("obj", vec![0u8; data.len()])
-            .unwrap()
-            .wait()
-            .unwrap();
+        let back = read_back(&store, "obj", data.len());
         assert!(back == data, "round {round}");
     }
     use std::os::unix::fs::MetadataExt;
@@ -282,11 +283,7 @@ fn a_reopened_store_reads_what_was_written(engine: EngineChoice) {
     let store = open(&paths, engine);
     assert_eq!(store.keys(), vec!["kept".to_string()]);
     assert_eq!(store.size("kept"), Some(data.len() as u64));
-    let back = store
-        .read("kept", vec![0u8; data.len()])
-        .unwrap()
-        .wait()
-        .unwrap();
+    let back = read_back(&store, "kept", data.len());
     assert!(back == data);
     drop(store);
     let err = ObjectStore::open(
@@ -342,11 +339,7 @@ fn files_no_manifest_knows_are_removed_at_open(engine: EngineChoice) {
     let store = open(&paths, engine);
     assert_eq!(store.keys(), vec!["kept".to_string()]);
     assert!(strays.iter().all(|s| !s.exists()));
-    let back = store
-        .read("kept", vec![0u8; data.len()])
-        .unwrap()
-        .wait()
-        .unwrap();
+    let back = read_back(&store, "kept", data.len());
     assert!(back == data);
 }
 
@@ -534,11 +527,7 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
         err.to_string().contains(&file.display().to_string()),
         "{err}"
     );
-    let back = store
-        .read("a", vec![0u8; old.len()])
-        .unwrap()
-        .wait()
-        .unwrap();
+    let back = read_back(&store, "a", old.len());
     assert!(back == old, "the previous contents stay readable");
     drop(store);
     fs::remove_file(&filler).unwrap();
@@ -622,11 +611,7 @@ fn stripes_go_where_the_weights_say(engine: EngineChoice) {
     assert!(paths[2].join("rank0/w.mlpo").exists());
     let reports = store.path_reports();
     assert!(reports[0].stats.bytes_written >= a as u64 && reports[1].stats.bytes_written == 0);
-    let back = store
-        .read("w", vec![0u8; data.len()])
-        .unwrap()
-        .wait()
-        .unwrap();
+    let back = read_back(&store, "w", data.len());
     assert!(back == data);
 }
 
@@ -681,7 +666,7 @@ fn new_weights_move_an_object_on_its_next_write(engine: EngineChoice) {
                 (on_0 as f64 / SIZE as f64 - share).abs() < 0.01,
                 "weights {weights:?}: {on_0} bytes on path 0"
             );
-            let back = store.read("m", vec![0u8; SIZE]).unwrap().wait().unwrap();
+            let back = read_back(&store, "m", SIZE);
             assert!(back == data, "weights {weights:?}: contents differ");
         }
         // The slots now hold the splits [0, 1] and [1, 0]: one whole object per path. Without giving
@@ -698,7 +683,7 @@ fn new_weights_move_an_object_on_its_next_write(engine: EngineChoice) {
     }
     // The split of each slot is in the manifest: a reopened store reads the last contents.
     let store = open(&paths, engine);
-    let back = store.read("m", vec![0u8; SIZE]).unwrap().wait().unwrap();
+    let back = read_back(&store, "m", SIZE);
     assert!(back == random_bytes(SIZE, steps.len() as u64));
 }
 
