@@ -6,6 +6,7 @@ import errno
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,18 +83,38 @@ def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_
             store.write("strided", torch.zeros(4, 4).t())
 
 
-def test_corruption_raises_corrupt_object_error(engine: str, work_dirs: list[Path]) -> None:
+def flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[777] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, 100_000)
+
+
+# name, what happens to the object's file, what the error says
+DAMAGE = [
+    ("a flipped byte", flip_a_byte, "checksum mismatch"),
+    ("a truncated file", truncate, "the file is truncated"),
+]
+
+
+@pytest.mark.parametrize(("damage", "says"), [d[1:] for d in DAMAGE], ids=[d[0] for d in DAMAGE])
+def test_a_damaged_object_raises_corrupt_object_error(
+    engine: str, work_dirs: list[Path], damage: Callable[[Path], None], says: str
+) -> None:
+    """Damage found on the next read, after a reopen: EIO naming the object and its file, never data."""
+    data = random_tensor(100_000 * 3, 3)
     with ObjectStore(work_dirs[:1], engine=engine, shadow_slots=False) as store:
-        data = random_tensor(100_000, 3)
         store.write("x", data).wait()
-        path = work_dirs[0] / "rank0" / "x.mlpo"
-        raw = bytearray(path.read_bytes())
-        raw[777] ^= 0x5A
-        path.write_bytes(bytes(raw))
+    path = work_dirs[0] / "rank0" / "x.mlpo"
+    damage(path)
+    with ObjectStore(work_dirs[:1], engine=engine, shadow_slots=False) as store:
         with pytest.raises(CorruptObjectError) as e:
             store.read("x", torch.empty_like(data)).wait()
-        assert isinstance(e.value, OSError) and e.value.errno == errno.EIO
-        assert e.value.filename == str(path) and "checksum mismatch" in str(e.value)
+    assert isinstance(e.value, OSError) and e.value.errno == errno.EIO
+    assert e.value.filename == str(path) and says in str(e.value) and '"x"' in str(e.value)
 
 
 def test_out_of_space_names_the_path_and_keeps_other_objects(engine: str, small_tmpfs: Path) -> None:

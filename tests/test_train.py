@@ -3,6 +3,7 @@ bad input is named before the first step."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -45,6 +46,47 @@ def test_the_main_job_trains_on_two_tiers_and_reports(work_dirs: list[Path], tmp
     assert [r["event"] for r in records] == ["start"] + ["step"] * steps
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "update phase: measured" in proc.stdout and "tier" in proc.stdout
+    # `--dtype auto` measured this CPU and said what it chose and why.
+    assert summary["dtype"] in ("bf16", "fp32") and "matrix product takes" in summary["dtype_why"]
+    assert f"in {summary['dtype']} (a 512 x 64 x 172 matrix product" in proc.stderr
+    assert "steps left end in about" in proc.stderr
+
+
+# --dtype, seconds of the bf16 and fp32 products (None: not measured), the dtype chosen
+DTYPE_CASES = [
+    ("fp32", None, "fp32"),
+    ("bf16", None, "bf16"),
+    ("auto", (0.010, 0.008), "bf16"),
+    ("auto", (0.015, 0.008), "bf16"),
+    ("auto", (0.700, 0.008), "fp32"),
+]
+
+
+@pytest.mark.parametrize(("choice", "secs", "chosen"), DTYPE_CASES)
+def test_the_compute_dtype_follows_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, choice: str, secs: tuple[float, float] | None, chosen: str
+) -> None:
+    import torch
+
+    from mlp_offload import train as job
+
+    measured = {torch.bfloat16: secs[0], torch.float32: secs[1]} if secs else {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(job, "matmul_secs", lambda dtype, *_, **__: measured[dtype])
+    dtype, why = job.compute_dtype(choice, "20M", 512)
+    assert dtype == chosen
+    if secs:
+        assert f"{secs[0] * 1e3:.1f} ms in bf16 and {secs[1] * 1e3:.1f} ms in fp32" in why
+    config = job.ds_config(job_args(), ["/p"], Path("t.jsonl"), dtype)
+    assert ("bf16" in config) == (dtype == "bf16") and "fp16" not in config
+
+
+def job_args() -> argparse.Namespace:
+    from mlp_offload import train as job
+
+    parser = argparse.ArgumentParser()
+    job.add_arguments(parser)
+    return parser.parse_args([])
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,8 @@ CASES = [
         {"host_memory": "64M"},
         3,
     ),
+    # No mixed precision (what `mlp-offload train` picks on a CPU whose bf16 is slow).
+    ("fp32 throughout", {"fp32": True}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
     ("fp16 with a forced overflow step", {"fp16": True, "overflow_at_step": 3}, {"host_memory": "64M"}, 2),
 ]
 
@@ -344,37 +346,118 @@ def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def stock_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """DeepSpeed's own round trip: stock saves at step 5, a stock engine resumes."""
+    """DeepSpeed's own round trip: stock saves at step 5, a stock engine resumes and, at the end, saves
+    the 16-bit model (its directories under `"dir"`)."""
     d = tmp_path_factory.mktemp("stock")
-    return run_case({"checkpoint_at": 5, "checkpoint_dir": str(d / "ckpt")}, d, "stock-resumed")
+    case = {"checkpoint_at": 5, "checkpoint_dir": str(d / "ckpt"), "save_16bit": str(d / "model16")}
+    return {**run_case(case, d, "stock-resumed"), "dir": d}
 
 
-# name, who saves at step 5 (ours: our section), who resumes from the checkpoint
-CHECKPOINT_CASES = [("ours saves, ours resumes", True, True), ("stock saves, ours resumes", False, True)]
-CHECKPOINT_CASES += [("ours saves, stock resumes", True, False)]
+# name, the paths ours saves on (indices into work_dirs; None: stock saves), the paths ours resumes on
+# (None: stock resumes)
+CHECKPOINT_CASES: list[tuple[str, list[int] | None, list[int] | None]] = [
+    ("ours saves, ours resumes", [0, 1], [0, 1]),
+    ("stock saves, ours resumes", None, [0, 1]),
+    ("ours saves, stock resumes", [0, 1], None),
+    # The job restarted on another set of tiers: the checkpoint, not the store, carries the state.
+    ("ours saves on two paths, resumes on two others", [0, 1], [2, 3]),
+]
 
 
 @pytest.mark.parametrize(
-    ("name", "ours_saves", "ours_resumes"), CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES]
+    ("name", "saves_on", "resumes_on"), CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES]
 )
 def test_a_checkpoint_resumes_bit_for_bit_and_interoperates_with_deepspeed(
     name: str,
-    ours_saves: bool,
-    ours_resumes: bool,
+    saves_on: list[int] | None,
+    resumes_on: list[int] | None,
     stock_resumed: dict[str, Any],
     work_dirs: list[Path],
     tmp_path: Path,
 ) -> None:
     """`engine.save_checkpoint` at step 5, a new engine from other initial weights, `load_checkpoint`,
-    five more steps: the same state as DeepSpeed's own save and resume, bit for bit. Two subgroups are
-    cached when the checkpoint is taken, so it must include host copies newer than the store's."""
-    ours = section(work_dirs[:2], host_memory="64M", cache_chunks=2)
-    case: dict[str, Any] = {"checkpoint_at": 5, "checkpoint_dir": str(tmp_path / "ckpt")}
-    if ours_saves:
-        case["mlp_offload"] = ours
-    if ours_resumes:
-        case["resume_mlp_offload"] = ours
+    five more steps, `save_16bit_model`: the same state and the same 16-bit model as DeepSpeed's own
+    save and resume, bit for bit; and DeepSpeed's `zero_to_fp32` reads our checkpoint as it reads its
+    own. Two subgroups are cached when the checkpoint is taken, so it must include host copies newer
+    than the store's."""
+    dirs = [*work_dirs, work_dirs[0].parent / "path3"]
+    dirs[3].mkdir(exist_ok=True)
+    case: dict[str, Any] = {
+        "checkpoint_at": 5,
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "save_16bit": str(tmp_path / "model16"),
+    }
+    if saves_on is not None:
+        case["mlp_offload"] = section([dirs[i] for i in saves_on], host_memory="64M", cache_chunks=2)
+    if resumes_on is not None:
+        case["resume_mlp_offload"] = section([dirs[i] for i in resumes_on], host_memory="64M", cache_chunks=2)
     resumed = run_case(case, tmp_path, "resumed")
     assert_bit_equal(resumed, stock_resumed)
+    ours_resumes = resumes_on is not None
     expected = "mlp_offload.zero3.MLPOffloadStage3" if ours_resumes else "deepspeed.runtime.zero.stage3."
     assert resumed["optimizer_class"].startswith(expected)
+    assert resumed["saved_16bit"] and stock_resumed["saved_16bit"]
+    assert_same_tensors(
+        torch.load(tmp_path / "model16" / "pytorch_model.bin"),
+        torch.load(stock_resumed["dir"] / "model16" / "pytorch_model.bin"),
+    )
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    assert_same_tensors(
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"), tag="ckpt"),
+        get_fp32_state_dict_from_zero_checkpoint(str(stock_resumed["dir"] / "ckpt"), tag="ckpt"),
+    )
+
+
+def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
+    assert sorted(ours) == sorted(stock)
+    for name, tensor in stock.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+
+
+def test_killed_in_an_update_the_job_resumes_from_its_last_checkpoint(
+    stock_resumed: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """SIGKILL in the middle of step 7's update (three chunks updated, writes in flight), after a
+    checkpoint at step 5; a new process on the same paths resumes from that checkpoint: the store opens
+    (the dead process's locks are gone) and steps 5 to 9 give what DeepSpeed's own resume from the same
+    checkpoint gives, bit for bit."""
+    ours = section(work_dirs[:2], host_memory="64M", update_chunk="24K", cache_chunks=2)
+    ckpt = str(tmp_path / "ckpt")
+    killed = {"save_at": 5, "sigkill_in_update_at": 7, "checkpoint_dir": ckpt, "mlp_offload": ours}
+    with pytest.raises(AssertionError, match=r"killed rank 0 failed \(-9\)"):
+        run_case(killed, tmp_path, "killed")
+    resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed")
+    assert_bit_equal(resumed, {**stock_resumed, "losses": stock_resumed["losses"][5:]})
+
+
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}
+# name, the case's DeepSpeed side, `load_checkpoint` options
+PARTIAL_LOADS = [
+    ("load_module_only", {}, {"load_module_only": True}),
+    ("load_optimizer_states=False", {}, {"load_optimizer_states": False}),
+    ("load_lr_scheduler_states=False", {"scheduler": WARMUP}, {"load_lr_scheduler_states": False}),
+]
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "options"), [p[1:] for p in PARTIAL_LOADS], ids=[p[0] for p in PARTIAL_LOADS]
+)
+def test_partial_checkpoint_loads_match_deepspeed(
+    ds_case: dict[str, Any], options: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """A checkpoint loaded in part (the rest from the new engine's own start), saved and loaded by ours,
+    gives what DeepSpeed gives doing the same, bit for bit."""
+    ours = section(work_dirs[:2], host_memory="64M", cache_chunks=2)
+
+    def case(name: str) -> dict[str, Any]:
+        return {
+            **ds_case,
+            "checkpoint_at": 5,
+            "checkpoint_dir": str(tmp_path / name),
+            "load_options": options,
+        }
+
+    stock = run_case(case("stock"), tmp_path, "stock")
+    resumed = run_case({**case("ours"), "mlp_offload": ours, "resume_mlp_offload": ours}, tmp_path, "ours")
+    assert_bit_equal(resumed, stock)

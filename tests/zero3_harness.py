@@ -42,8 +42,11 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     }
     if case.get("fp16"):
         config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
-    else:
+    elif not case.get("fp32"):
         config["bf16"] = {"enabled": True}
+    if "save_16bit" in case:
+        # ZeRO-3 saves the 16-bit model only when asked to gather it.
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if "clip" in case:
         config["gradient_clipping"] = case["clip"]
     if "scheduler" in case:
@@ -129,9 +132,20 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     losses = []
     overflow_at = case.get("overflow_at_step")
     fail_at = case.get("immutable_at_step")
-    for step in range(case.get("steps", 10)):
+    first_step = case.get("resume_at", 0)
+    if first_step:
+        # A new process resuming a job from its checkpoint: the batches of the steps before it are
+        # drawn and dropped, as a sampler resumed at that step would.
+        engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt")
+        for _ in range(first_step * case.get("grad_accum", 1)):
+            torch.randint(0, VOCAB, (2, SEQ), generator=data)
+    for step in range(first_step, case.get("steps", 10)):
         if step == fail_at:
             return fail_step(engine, optimizer, case, data)
+        if step == case.get("save_at"):
+            engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
+        if step == case.get("sigkill_in_update_at"):
+            kill_in_update(optimizer, after_chunks=3)
         if step == case.get("checkpoint_at"):
             # Save, drop the engine, build another from other initial weights (stock or ours, as the
             # case says), load, and go on with the same data.
@@ -139,7 +153,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             engine.destroy()
             resume = case.get("resume_mlp_offload")
             engine, optimizer = make_engine(resume is not None, resume, 4321)
-            engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt")
+            engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
         for _ in range(case.get("grad_accum", 1)):
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
             loss = engine(tokens)
@@ -169,6 +183,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             isinstance(optimizer, stage3.DeepSpeedZeroOptimizer_Stage3),
         ],
     }
+    if directory := case.get("save_16bit"):
+        result["saved_16bit"] = engine.save_16bit_model(directory)
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry is not None:
         result["telemetry"] = telemetry
@@ -197,6 +213,29 @@ def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(like)
     store.read(key, out).wait()
     return out
+
+
+def kill_in_update(optimizer: Any, after_chunks: int) -> None:
+    """Makes the next update SIGKILL this process once `after_chunks` chunks are updated (their writes
+    in flight or done, the rest not begun)."""
+    import signal
+
+    pipeline = optimizer._mlp_state.pipeline
+    run_step = pipeline.run_step
+
+    def killing_run_step(update: Any, **kwargs: Any) -> Any:
+        done = 0
+
+        def update_then_maybe_die(chunk: int, view: torch.Tensor) -> None:
+            nonlocal done
+            update(chunk, view)
+            done += 1
+            if done == after_chunks:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return run_step(update_then_maybe_die, **kwargs)
+
+    pipeline.run_step = killing_run_step
 
 
 def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:

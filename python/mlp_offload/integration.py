@@ -13,21 +13,25 @@ import functools
 import os
 from typing import Any
 
+from mlp_offload import compat
 from mlp_offload.config import SECTION, migrate_nvme_offload
-
-SUPPORTED_DEEPSPEED = ("0.19.",)
 
 
 def install() -> None:
     """Makes DeepSpeed build `MLPOffloadStage3` for configs with an `"mlp_offload"` section (idempotent)."""
     import deepspeed
 
-    if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
+    if not deepspeed.__version__.startswith(compat.SUPPORTED_SERIES):
         raise RuntimeError(
-            f"mlp-offload supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}; "
-            f"this is {deepspeed.__version__}"
+            f"mlp-offload supports DeepSpeed {compat.SUPPORTED_SERIES}x (tested with "
+            f"{', '.join(compat.TESTED_DEEPSPEED)}); this is {deepspeed.__version__}"
         )
     from deepspeed.runtime.zero import stage3
+
+    from mlp_offload.zero3 import MLPOffloadStage3
+
+    # A patch release we did not test: say so, naming what changed in the code the engine relies on.
+    compat.check_deepspeed(deepspeed.__version__, MLPOffloadStage3)
 
     stock = stage3.DeepSpeedZeroOptimizer_Stage3
     if getattr(stock, "_mlp_offload_installed", False):
@@ -40,8 +44,6 @@ def install() -> None:
         if cls is stock:
             ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)
             if isinstance(ds_config, dict) and SECTION in ds_config:
-                from mlp_offload.zero3 import MLPOffloadStage3
-
                 return object.__new__(MLPOffloadStage3)
         return object.__new__(cls)
 

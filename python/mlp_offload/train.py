@@ -28,6 +28,10 @@ from mlp_offload.units import parse_count, parse_size
 
 # Steps left out of the medians: the first update writes every object and finds no cache.
 WARMUP_STEPS = 2
+# `--dtype auto` on a CPU: bf16 unless its matrix products are this many times slower than fp32's (some
+# CPUs have no bf16 instructions and emulate them, 90x slower).
+SLOW_BF16 = 2.0
+DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="deepspeed",
         help="host memory for the state's chunk buffers and cache (e.g. 512M); deepspeed (the default, so "
         "the tiers do the work): what DeepSpeed's NVMe offload would pin; auto: what the machine can spare",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="forward and backward precision (the optimizer state is fp32 either way); auto: bf16 on a "
+        f"GPU, and on a CPU unless its bf16 matrix products are over {SLOW_BF16:g}x slower than fp32's",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -77,10 +88,58 @@ def _set_up_environment() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def ds_config(args: argparse.Namespace, paths: list[str], telemetry: Path) -> dict[str, Any]:
+def matmul_secs(dtype: Any, rows: int, inner: int, cols: int, limit_secs: float) -> float:
+    """The best of three `rows x inner @ inner x cols` products in `dtype` on the CPU (after one to warm
+    up), or the first one's time when it alone takes over `limit_secs`."""
+    import torch
+
+    a = torch.randn(rows, inner).to(dtype)
+    b = torch.randn(inner, cols).to(dtype)
+    t = time.perf_counter()
+    torch.mm(a, b)
+    first = time.perf_counter() - t
+    if first > limit_secs:
+        return first
+    best = first
+    for _ in range(3):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def compute_dtype(choice: str, size: str, rows: int) -> tuple[str, str]:
+    """The precision forward and backward run in (`--dtype`), and why: `auto` is bf16 on a GPU; on a CPU
+    bf16 unless a matrix product of the model's MLP shape is `SLOW_BF16` times slower in it than in
+    fp32, then fp32."""
+    import torch
+
+    from mlp_offload.models import LLAMA_SIZES
+
+    if choice != "auto":
+        return choice, "--dtype"
+    if torch.cuda.is_available():
+        return "bf16", "a GPU"
+    hidden, _, _, intermediate = LLAMA_SIZES[size]
+    fp32 = matmul_secs(torch.float32, rows, hidden, intermediate, limit_secs=1.0)
+    bf16 = matmul_secs(torch.bfloat16, rows, hidden, intermediate, limit_secs=20 * fp32)
+    measured = (
+        f"a {rows} x {hidden} x {intermediate} matrix product takes {bf16 * 1e3:.1f} ms in bf16 and "
+        f"{fp32 * 1e3:.1f} ms in fp32 on this CPU"
+    )
+    if bf16 <= SLOW_BF16 * fp32:
+        return "bf16", measured
+    return "fp32", f"{measured} ({bf16 / fp32:.0f}x slower in bf16)"
+
+
+def ds_config(
+    args: argparse.Namespace, paths: list[str], telemetry: Path, dtype: str = "bf16"
+) -> dict[str, Any]:
     section: dict[str, Any] = {"paths": paths, "telemetry_file": str(telemetry)}
     host_memory = args.host_memory
     section["host_memory"] = host_memory if host_memory in ("auto", "deepspeed") else parse_size(host_memory)
+    # Mixed precision as chosen; fp32 has no section.
+    precision: dict[str, Any] = {dtype: {"enabled": True}} if dtype in ("bf16", "fp16") else {}
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -90,7 +149,7 @@ def ds_config(args: argparse.Namespace, paths: list[str], telemetry: Path) -> di
             "type": "WarmupCosineLR",
             "params": {"total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 10)},
         },
-        "bf16": {"enabled": True},
+        **precision,
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": args.sub_group_size,
@@ -129,13 +188,14 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = llama(args.size, vocab=256, max_seq=args.seq)
     params = sum(p.numel() for p in model.parameters())
+    dtype, why = compute_dtype(args.dtype, args.size, args.micro_batch * args.seq)
     print(
         f"training a {params / 1e6:.1f}M-parameter LLaMA-style model on {len(text):,} bytes of text, "
-        f"{args.steps} steps; optimizer state on {', '.join(paths)}",
+        f"{args.steps} steps, in {dtype} ({why}); optimizer state on {', '.join(paths)}",
         file=sys.stderr,
     )
     engine, optimizer, _, _ = mlp_offload.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(args, paths, telemetry)
+        model=model, model_parameters=model.parameters(), config=ds_config(args, paths, telemetry, dtype)
     )
     windows = torch.Generator().manual_seed(args.seed + 1)
     steps: list[dict[str, float]] = []
@@ -149,6 +209,17 @@ def run(args: argparse.Namespace) -> int:
         batch = torch.stack([corpus[s : s + args.seq] for s in starts.tolist()]).to(engine.device)
         record = timed_iteration(engine, input_ids=batch, labels=batch)
         steps.append(record)
+        if step == WARMUP_STEPS:
+            # Once the warm-up is over: how long the rest will take, said plainly (the bar keeps it current).
+            each, rest = record["iteration"], args.steps - step - 1
+            end = time.strftime("%H:%M:%S", time.localtime(time.time() + each * rest))
+            message = (
+                f"{each:.2f} s a step: the {rest} steps left end in about {each * rest / 60:.1f} min ({end})"
+            )
+            if bar is not None:
+                bar.write(message, file=sys.stderr)
+            else:
+                print(message, file=sys.stderr)
         if bar is not None:
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
@@ -168,7 +239,11 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     # The store alone then holds the trained state, ready to be copied.
     optimizer.mlp_offload_flush()
-    summary = summarize(steps, optimizer.mlp_offload_telemetry, paths, params)
+    summary = {
+        **summarize(steps, optimizer.mlp_offload_telemetry, paths, params),
+        "dtype": dtype,
+        "dtype_why": why,
+    }
     engine.destroy()
     (args.out / "summary.json").write_text(json.dumps({**summary, "steps": steps}, indent=2))
     print_summary(summary)
