@@ -24,9 +24,11 @@ setup: ## install what is missing: Debian packages, .venv, Python packages, the 
 build-dev: ## rebuild the native module into .venv (release mode)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
 
-.PHONY: build-prod
-build-prod: ## build the abi3 wheel into dist/
-	$(VENV)/bin/maturin build --release -o dist
+.PHONY: dist
+dist: setup ## the portable wheel (abi3, manylinux2014 x86_64: glibc 2.17 on, linked with zig; maturin checks the tag) and the sdist, into dist/
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
+	  -i $(abspath $(PY)) -o dist
+	$(VENV)/bin/maturin sdist -o dist
 
 .PHONY: format
 format: ## format Rust and Python sources

@@ -1,0 +1,94 @@
+"""The package as users get it: the portable wheel (`make dist`'s command) installed into a new virtual
+environment, with no editable install and no repository on `sys.path`, run from a directory outside the
+repository.
+
+Its dependencies (torch, DeepSpeed, transformers: several GB) come from the development environment
+through a path file, since CI has no time to download them again; the path file adds only that
+directory, so the development environment's editable `mlp_offload.pth` is not read, and the package
+itself comes from the wheel alone (checked).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEV_BIN = Path(sys.executable).parent
+
+
+def run(command: list[str | Path], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", **env}
+    full_env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [str(c) for c in command], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"{command}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built and installed into `<dir>/venv`; returns `<dir>`, outside the repository."""
+    d = tmp_path_factory.mktemp("wheel")
+    dist = d / "dist"
+    maturin = [DEV_BIN / "maturin", "build", "--release", "--zig", "--compatibility", "manylinux2014"]
+    run(
+        [*maturin, "-i", sys.executable, "-o", dist],
+        cwd=ROOT,
+        PATH=f"{DEV_BIN}{os.pathsep}{os.environ['PATH']}",
+    )
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, wheels
+    assert wheels[0].name.startswith("mlp_offload-") and "-abi3-" in wheels[0].name
+    assert f"manylinux2014_{platform.machine()}" in wheels[0].name, wheels[0].name
+    venv = d / "venv"
+    run([sys.executable, "-m", "venv", venv], cwd=d)
+    purelib = Path(
+        run(
+            [venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            cwd=d,
+        ).stdout.strip()
+    )
+    (purelib / "dev-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheels[0]], cwd=d)
+    return d
+
+
+def test_the_installed_package_comes_from_the_wheel(installed: Path) -> None:
+    python = installed / "venv" / "bin" / "python"
+    probe = "import mlp_offload, mlp_offload._core as c; print(mlp_offload.__file__); print(c.__file__)"
+    files = run([python, "-c", probe], cwd=installed).stdout.split()
+    assert all(f.startswith(str(installed / "venv")) for f in files), files
+    assert not any(str(ROOT) in f for f in files), files
+
+
+def test_the_installed_cli_probes_plans_and_trains(installed: Path) -> None:
+    bin_dir = installed / "venv" / "bin"
+    tier = installed / "tier0"
+    tier.mkdir(exist_ok=True)
+    assert "plan" in run([bin_dir / "mlp-offload", "--help"], cwd=installed).stdout
+    probe = ("--bytes", "16M", "--sustained-bytes", "64M", "--chunk-sizes", "1M,4M", "--depths", "2,8")
+    workload = ("--together-secs", "0.5", "--params", "100M", "--host-memory", "256M", "--json")
+    plan = run([bin_dir / "mlp-offload", "plan", *probe, *workload, tier], cwd=installed)
+    planned = json.loads(plan.stdout)
+    assert planned["plan"]["predicted_update_secs"] > 0 and len(planned["by_host_memory"]) > 1
+    # A few ZeRO-3 steps through mlp_offload.initialize, as `make run` does them.
+    out = installed / "run"
+    job = ("--size", "tiny", "--steps", "3", "--no-progress", "--paths", tier, "--out", out)
+    run(
+        [bin_dir / "mlp-offload", "train", *job],
+        cwd=installed,
+        PATH=f"{bin_dir}{os.pathsep}{DEV_BIN}{os.pathsep}{os.environ['PATH']}",
+        TORCH_EXTENSIONS_DIR=str(ROOT / "target" / "torch_extensions"),
+        MASTER_PORT="29591",
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["steps"]) == 3 and summary["subgroups"] >= 1
