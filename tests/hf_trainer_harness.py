@@ -1,10 +1,12 @@
-"""Trains a tiny LLaMA-style model with the Hugging Face `Trainer` and its DeepSpeed ZeRO-3 integration
-on the CPU, after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments and bf16
-partitions (what `deepspeed_runs.assert_bit_equal` compares).
+"""Trains a tiny LLaMA-style model through a framework that drives DeepSpeed ZeRO-3 itself, on the CPU,
+after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments and bf16 partitions (what
+`deepspeed_runs.assert_bit_equal` compares). Frameworks: the Hugging Face `Trainer`, and Accelerate's
+`Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own.
 
-`python tests/hf_trainer_harness.py PATHS_JSON OUT.pt`: PATHS_JSON is a JSON list of storage paths for an
-`"mlp_offload"` section, or `null` for stock DeepSpeed. One process per run (DeepSpeed keeps
-process-wide state). The Trainer calls `deepspeed.initialize` itself: nothing here names our engine.
+`python tests/hf_trainer_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer` or `accelerate`;
+PATHS_JSON is a JSON list of storage paths for an `"mlp_offload"` section, or `null` for stock
+DeepSpeed. One process per run (DeepSpeed keeps process-wide state). The framework calls
+`deepspeed.initialize` itself: nothing here names our engine.
 """
 
 from __future__ import annotations
@@ -38,9 +40,71 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def main(paths: list[str] | None, out: str) -> None:
-    mlp_offload.install()
+def save(engine: Any, losses: list[float], out: str) -> None:
+    """What the comparison needs from a DeepSpeed engine at the end of training."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    optimizer = engine.optimizer
+    state = {
+        name: {
+            "fp32": safe_get_full_fp32_param(p).clone(),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+            "half": p.ds_tensor.clone(),
+        }
+        for name, p in engine.module.named_parameters()
+    }
+    torch.save(
+        {
+            "state": state,
+            "losses": losses,
+            "skipped": engine.skipped_steps,
+            "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        },
+        out,
+    )
+
+
+def accelerate(paths: list[str] | None, out: str) -> None:
+    """Accelerate's DeepSpeed integration with the optimizer and scheduler from the DeepSpeed config
+    (`DummyOptim`, `DummyScheduler`), as its docs show it."""
+    mlp_offload.install()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
+    }
+    if paths is not None:
+        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    torch.manual_seed(1)
+    model = llama("tiny", vocab=VOCAB, max_seq=SEQ)
+    optimizer = DummyOptim(model.parameters())
+    scheduler = DummyScheduler(optimizer)
+    loader = torch.utils.data.DataLoader(RandomTokens(), batch_size=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == 6:
+            break
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    save(model, losses, out)
+
+
+def trainer(paths: list[str] | None, out: str) -> None:
+    mlp_offload.install()
     from transformers import Trainer, TrainingArguments
 
     # "auto" values are the Trainer's to fill in, as users write them.
@@ -77,28 +141,13 @@ def main(paths: list[str] | None, out: str) -> None:
         disable_tqdm=True,
     )
     torch.manual_seed(1)
-    trainer = Trainer(model=llama("tiny", vocab=VOCAB, max_seq=SEQ), args=args, train_dataset=RandomTokens())
-    trainer.train()
-    optimizer = trainer.model_wrapped.optimizer
-    state = {
-        name: {
-            "fp32": safe_get_full_fp32_param(p).clone(),
-            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
-            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
-            "half": p.ds_tensor.clone(),
-        }
-        for name, p in trainer.model_wrapped.module.named_parameters()
-    }
-    torch.save(
-        {
-            "state": state,
-            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "skipped": trainer.model_wrapped.skipped_steps,
-            "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-        },
-        out,
+    hf_trainer = Trainer(
+        model=llama("tiny", vocab=VOCAB, max_seq=SEQ), args=args, train_dataset=RandomTokens()
     )
+    hf_trainer.train()
+    losses = [h["loss"] for h in hf_trainer.state.log_history if "loss" in h]
+    save(hf_trainer.model_wrapped, losses, out)
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    {"trainer": trainer, "accelerate": accelerate}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])

@@ -16,8 +16,7 @@ STAGE3 = compat.STAGE3
 
 
 def test_the_deepspeed_code_the_engine_relies_on_is_the_code_it_was_tested_with() -> None:
-    if deepspeed.__version__ not in compat.TESTED_DEEPSPEED:
-        pytest.skip(f"DeepSpeed {deepspeed.__version__} is not a tested version {compat.TESTED_DEEPSPEED}")
+    # Run on every DeepSpeed: a release that changes any of them fails here, naming each.
     differ = compat.differences(MLPOffloadStage3)
     assert not differ, (
         f"DeepSpeed {deepspeed.__version__} differs from the fingerprints in mlp_offload/compat.py in "

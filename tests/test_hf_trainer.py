@@ -1,7 +1,8 @@
-"""The Hugging Face Trainer, which calls `deepspeed.initialize` itself, gets our engine after
-`mlp_offload.install()` when its DeepSpeed config has our section, and ends bit for bit where the same
-Trainer run with stock DeepSpeed ZeRO-3 CPU offload ends (bf16, gradient accumulation 2, clipping, a
-warm-up scheduler, "auto" values filled in by the Trainer)."""
+"""Frameworks that call `deepspeed.initialize` themselves get our engine after `mlp_offload.install()`
+when their DeepSpeed config has our section, and end bit for bit where the same run with stock DeepSpeed
+ZeRO-3 CPU offload ends: the Hugging Face Trainer (bf16, gradient accumulation 2, clipping, a warm-up
+scheduler, "auto" values filled in by the Trainer) and Accelerate's `Accelerator` with a `DeepSpeedPlugin`
+(bf16, clipping, optimizer and scheduler from the DeepSpeed config)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ pytest.importorskip("transformers")
 HARNESS = Path(__file__).with_name("hf_trainer_harness.py")
 
 
-def train(paths: list[Path] | None, tmp_path: Path, name: str, port: int) -> dict[str, Any]:
+def train(framework: str, paths: list[Path] | None, tmp_path: Path, name: str, port: int) -> dict[str, Any]:
     out = tmp_path / f"{name}.pt"
     env = harness_env(MASTER_PORT=str(port))
     arg = json.dumps(None if paths is None else [str(p) for p in paths])
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), arg, str(out)],
+        [sys.executable, str(HARNESS), framework, arg, str(out)],
         capture_output=True,
         text=True,
         env=env,
@@ -40,11 +41,12 @@ def train(paths: list[Path] | None, tmp_path: Path, name: str, port: int) -> dic
     return result
 
 
-def test_the_trainer_uses_our_engine_and_matches_stock_deepspeed(
-    work_dirs: list[Path], tmp_path: Path
+@pytest.mark.parametrize(("framework", "port"), [("trainer", 29591), ("accelerate", 29593)])
+def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
+    framework: str, port: int, work_dirs: list[Path], tmp_path: Path
 ) -> None:
-    stock = train(None, tmp_path, "stock", 29591)
-    ours = train(work_dirs[:2], tmp_path, "ours", 29592)
+    stock = train(framework, None, tmp_path, "stock", port)
+    ours = train(framework, work_dirs[:2], tmp_path, "ours", port + 1)
     assert stock["optimizer_class"].startswith("deepspeed.runtime.zero.stage3.")
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
     assert len(ours["losses"]) == 6

@@ -3,13 +3,16 @@ exact."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from mlp_offload import ObjectStore
+from mlp_offload import ObjectStore, WeightTuner, profiles
+from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.pipeline import ChunkPipeline, next_order
+from mlp_offload.planning import UpdatePlanner
 
 
 @pytest.mark.parametrize(
@@ -113,3 +116,45 @@ def test_too_few_buffers_is_a_clear_error(work_dirs: list[Path]) -> None:
             ChunkPipeline(store, ["a", "b", "c"], [4096] * 3, 2, cache_slots=2)
         with pytest.raises(ValueError, match=r"^keys:"):
             ChunkPipeline(store, ["a"], [4096] * 2, 2)
+
+
+def fast_profile(paths: list[Path]) -> profiles.Profile:
+    """A profile claiming 1 TB/s on every path: any prediction made from it alone is far too short."""
+    probe = {
+        "device_id": "d",
+        "read_bytes_per_s": 1e12,
+        "write_bytes_per_s": 1e12,
+        "mixed_bytes_per_s": 1e12,
+        "concurrent_bytes_per_s": 1e12,
+        "best_read": {"max_inflight": 8},
+    }
+    return profiles.Profile([str(p) for p in paths], [dict(probe) for _ in paths], time.time())
+
+
+# name, chunks, buffers (the cache is what the stream leaves)
+PREDICTIONS = [("the state streamed", 24, 13), ("every chunk cached: no bytes move", 4, 12)]
+
+
+@pytest.mark.parametrize(("chunks", "buffers"), [p[1:] for p in PREDICTIONS], ids=[p[0] for p in PREDICTIONS])
+def test_each_step_is_predicted_from_what_the_steps_before_it_measured(
+    work_dirs: list[Path], chunks: int, buffers: int
+) -> None:
+    """The probe's figure (here 1 TB/s) is replaced by the paths' measured bytes per busy second as
+    soon as steps have measured them; with nothing to measure (all cached) the prediction still comes."""
+    sizes = [4 << 20] * chunks
+    with ObjectStore(work_dirs[:2]) as store:
+        pipeline = ChunkPipeline(store, [f"c{i}" for i in range(chunks)], sizes, buffers)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        planner = UpdatePlanner(MLPOffloadConfig(paths=[str(p) for p in work_dirs[:2]]), rank=0)
+        planner.profile, planner._pipeline = fast_profile(work_dirs[:2]), pipeline
+        planner.tuner = WeightTuner(planner._replan()["path_bytes_per_s"])
+        for step in range(5):
+            stats = pipeline.run_step(lambda i, view: None, drain=False)
+            planner.after_step(store, stats, stats.seconds, None if step == 0 else 0.01, 0.0, 0.001)
+        records = [r for r in planner.records if r["event"] == "step"]
+        assert planner.prediction is not None and planner.prediction > 0
+        if pipeline.cache_slots < chunks:
+            # Four measured steps moved 2 x 20 chunks of 4 MiB each: the prediction follows what they took.
+            took = sorted(r["pipeline_secs"] for r in records[1:])[len(records[1:]) // 2]
+            assert planner.prediction > took / 4, (planner.prediction, took)
+        planner.close()

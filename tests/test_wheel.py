@@ -88,7 +88,7 @@ def test_the_installed_cli_probes_plans_and_trains(installed: Path) -> None:
         cwd=installed,
         PATH=f"{bin_dir}{os.pathsep}{DEV_BIN}{os.pathsep}{os.environ['PATH']}",
         TORCH_EXTENSIONS_DIR=str(ROOT / "target" / "torch_extensions"),
-        MASTER_PORT="29591",
+        MASTER_PORT="29597",
     )
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["steps"]) == 3 and summary["subgroups"] >= 1

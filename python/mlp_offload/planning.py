@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -15,6 +17,10 @@ from mlp_offload.pipeline import ChunkPipeline, StepStats
 from mlp_offload.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
+
+# Steps whose measured bandwidth the next prediction takes (per path, the median): a shared disk swings
+# by tens of percent from one step to the next.
+PREDICTION_STEPS = 3
 
 
 def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_count: int) -> tuple[int, str]:
@@ -48,6 +54,9 @@ class UpdatePlanner:
         self.tuner: _core.WeightTuner | None = None
         self.prediction: float | None = None
         self._pipeline: ChunkPipeline | None = None
+        # Per recent step, each path's bytes per busy second (the first step left out: it also holds
+        # the initial writes of the whole state).
+        self._measured: deque[list[float]] = deque(maxlen=PREDICTION_STEPS)
         self._file = self._open(config.telemetry_file)
 
     def _open(self, path: str | None) -> TextIO | None:
@@ -125,14 +134,28 @@ class UpdatePlanner:
             if moved is not None:
                 store.weights = moved
         predicted = self.prediction
+        rates = [
+            (p["read_bytes"] + p["write_bytes"]) / p["busy_secs"] if p["busy_secs"] > 0 else 0.0
+            for p in stats.per_path
+        ]
+        if fwd_bwd is not None and all(r > 0 for r in rates):
+            # Only steps in which every path moved bytes say what each path gives.
+            self._measured.append(rates)
         if self.profile is not None and fwd_bwd is not None:
-            # The next step's prediction, from what this one measured: forward and backward (which hide
-            # the write-back), Adam and the gradient conversion per chunk, each path's bandwidth.
+            # The next step's prediction, from what the last steps measured: forward and backward (which
+            # hide the write-back), Adam and the gradient conversion per chunk, and each path's bandwidth
+            # in the recent steps (not the tuner's smoothed figure, which starts from the probe's).
             assert self._pipeline is not None
+            measured = (
+                [statistics.median(step[i] for step in self._measured) for i in range(len(rates))]
+                if self._measured
+                # No step moved bytes on every path yet (or everything is cached): the tuner's figures.
+                else (self.tuner.estimates if self.tuner is not None else None)
+            )
             self.prediction = self._replan(
                 fwd_bwd_secs=fwd_bwd,
                 adam_secs_per_chunk=compute_secs / len(self._pipeline.sizes),
-                measured_bytes_per_s=self.tuner.estimates if self.tuner is not None else None,
+                measured_bytes_per_s=measured,
                 # At the tuner's split, which the next step's writes use; without a tuner the plan's.
                 weights=self.tuner.weights if self.tuner is not None else None,
             )["predicted_update_secs"]
