@@ -132,6 +132,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     losses = []
     overflow_at = case.get("overflow_at_step")
     fail_at = case.get("immutable_at_step")
+    samples: list[dict[str, int]] = []
     first_step = case.get("resume_at", 0)
     if first_step:
         # A new process resuming a job from its checkpoint: the batches of the steps before it are
@@ -162,6 +163,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             engine.backward(loss)
             engine.step()
         losses.append(float(loss.detach()))
+        if case.get("sample_resources"):
+            samples.append(resources())
     state = {}
     for name, p in engine.module.named_parameters():
         state[name] = {
@@ -183,6 +186,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             isinstance(optimizer, stage3.DeepSpeedZeroOptimizer_Stage3),
         ],
     }
+    if samples:
+        result["samples"] = samples
     if directory := case.get("save_16bit"):
         result["saved_16bit"] = engine.save_16bit_model(directory)
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
@@ -213,6 +218,16 @@ def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(like)
     store.read(key, out).wait()
     return out
+
+
+def resources() -> dict[str, int]:
+    """This process's resident memory (bytes), open file descriptors and threads, from /proc."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {
+        "rss": int(status["VmRSS"].split()[0]) * 1024,
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": int(status["Threads"]),
+    }
 
 
 def kill_in_update(optimizer: Any, after_chunks: int) -> None:

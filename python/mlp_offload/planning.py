@@ -18,6 +18,8 @@ from mlp_offload.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
 
+# Step records kept in memory (the telemetry file has them all): a run of a million steps must not grow.
+RECORDS_KEPT = 10_000
 # Steps whose measured bandwidth the next prediction takes (per path, the median): a shared disk swings
 # by tens of percent from one step to the next.
 PREDICTION_STEPS = 3
@@ -49,7 +51,9 @@ class UpdatePlanner:
     def __init__(self, config: MLPOffloadConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
-        self.records: list[dict[str, Any]] = []
+        # The start record, then the newest `RECORDS_KEPT` others.
+        self._start: list[dict[str, Any]] = []
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
         self.profile: profiles.Profile | None = None
         self.tuner: _core.WeightTuner | None = None
         self.prediction: float | None = None
@@ -67,8 +71,13 @@ class UpdatePlanner:
         # Line-buffered and open as long as the optimizer lives: each record is on disk when written.
         return open(path, "a", buffering=1)
 
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The telemetry records in memory: the start, then the newest `RECORDS_KEPT` others."""
+        return [*self._start, *self._recent]
+
     def emit(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        (self._start if record.get("event") == "start" else self._recent).append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
