@@ -19,6 +19,7 @@ against the engine, `python -m mlp_offload.compat` prints the table for it.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import inspect
@@ -60,80 +61,80 @@ CALLED = (
 # Source digests (`source_digest`) in DeepSpeed 0.19.8 by module or class: `python -m mlp_offload.compat`.
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "deepspeed": {
-        "initialize": "41f9f099fcf91927",
+        "initialize": "82505af39fb2e68e",
     },
     "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam": {
-        "step": "5087412e98e777fd",
+        "step": "a294a6fcd8f2b9ca",
     },
     "deepspeed.runtime.engine.DeepSpeedEngine": {
-        "_configure_zero_optimizer": "bfb60fb6e6da4b0d",
+        "_configure_zero_optimizer": "2865a9d0327716e7",
     },
     "deepspeed.runtime.utils": {
-        "combine_grad_norm_groups": "7370916933ac5353",
-        "is_invalid_grad_norm": "f51bdb9f619ef5ce",
+        "combine_grad_norm_groups": "37a114f1037dc520",
+        "is_invalid_grad_norm": "6afd483e2c88e25e",
     },
     "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": {
-        "__init__": "4b6abf3c50e9fc10",
-        "_apply_muon_to_accumulated_grads": "d954d2fe3471298e",
-        "_apply_muon_updates_cpu_offload": "8118febb849edc15",
-        "_configure_tensor_swapping": "75cdf5844dab6e8b",
-        "_create_fp32_partitions": "8f0c20d2a0401373",
-        "_create_momentum_buffer": "73b905aad5b39a95",
-        "_create_next_swappable_fp32_groups": "705dd786c215de40",
-        "_finalize_offload_gradient_accumulation": "679a033b22b124c6",
-        "_get_fp32_grad_state_partition": "9f3326d625e452d2",
-        "_get_fp32_opt_state_partition": "d5834f46b354478b",
-        "_get_norm_groups": "1b079baf0be23588",
-        "_load_universal_checkpoint": "fec6ca7534cae19f",
-        "_loss_scale_update_and_overflow_cleanup": "a1ab8e3aaf592733",
-        "_muon_update_lacks_loss_scale": "08b25bd2e9a6360a",
-        "_muon_update_sub_group": "c85eade90d620092",
-        "_offload_grad_partition_at_boundary": "9eea82cddee25fcf",
-        "_optimizer_states_and_gradient_swap_in": "9217e565c565cf1b",
-        "_optimizer_states_and_gradient_swap_out": "20c4b187b8104001",
-        "_optimizer_step": "fe3c9c5813087a7e",
-        "_overflow_check_and_loss_scale_update": "75ae5dc07e50d82f",
-        "_partition_all_parameters": "6a228b8ffd8d1d2a",
-        "_partitioned_params_swap_out": "c5c303eef9fec897",
-        "_post_step": "d32eb3074137fe09",
-        "_pre_step": "0c1a34ee0d5aa289",
-        "_prepare_fp32_grad_for_sub_group": "7d2ddddfd8ac5db8",
-        "_prepare_sub_group": "35d806f141e97e29",
-        "_reassign_or_swap_out_partitioned_parameters": "082dcb44891af112",
-        "_release_sub_group": "ebde3fca8c27c118",
-        "_release_swap_buffers": "5412d32b35aed693",
-        "_restore_from_bit16_weights": "1718f9402185bd7d",
-        "_restore_from_fp32_weights": "825235a7cef62e6c",
-        "_rigid_load_state_dict": "2b97ce59ae021ead",
-        "_rigid_state_dict": "48159e8608c0c04e",
-        "_set_fp32_optimizer_param_groups": "b0a65c6a9daaac95",
-        "_setup_for_real_optimizer": "0230b3e769765e67",
-        "_swap_out_offload_fp32_gradients": "43cdf51198b9b385",
-        "_swappable_optimizer_subgroup": "1fc1bd378f910a35",
-        "_unflatten_partitioned_parameters": "959c6cf88351736b",
-        "_unpin_offload_buffers": "a74a779f60c7e31e",
-        "_writeback_swap_state": "b7a51fa23d2eb809",
-        "backward_epilogue": "397edbcb0c479657",
-        "backward_prologue": "dd6ca84ba0590ab6",
-        "destroy": "6c7cbd9ed9427cdd",
-        "dump_post_step_gradients": "605883eef8864c6e",
-        "finalize_gradient_accumulation_boundary": "9d0d316d73eb6757",
-        "get_fp32_grad_partitions": "a8407290c490ca7f",
-        "independent_gradient_partition_epilogue": "9c0c44e4909c417e",
-        "initialize_optimizer_states": "7c4649dc4a9bfc60",
-        "load_hp_checkpoint_state_from_checkpoint_dir_stage3": "cc48e84b25bc0929",
-        "load_module_checkpoint_state_from_checkpoint_dir_stage3": "021d07edd150881d",
-        "offload_states": "af6ca5a1a3c232f0",
-        "partition_grads": "ef0ab1c41f74894c",
-        "reload_states": "85f04a613c593107",
-        "set_fp32_grad_for_param": "43528c474dc6d43b",
-        "set_full_hp_param": "fe22f137100f4617",
-        "set_local_grad_for_param": "c3c133f6a43d3934",
-        "set_local_hp_param": "869b05d1c3458597",
-        "state_dict": "c8276bc1d97b1c2c",
-        "step": "588aaf2c337d5634",
-        "unscale_and_clip_grads": "0fe1c92e67ff4e17",
-        "update_fp32_grad_for_param_vectorized": "74243a52d353d4e1",
+        "__init__": "cd4b2ccda90d4f45",
+        "_apply_muon_to_accumulated_grads": "b267fa92278f2641",
+        "_apply_muon_updates_cpu_offload": "8bf7b89176bda107",
+        "_configure_tensor_swapping": "9e0f9f50413098ff",
+        "_create_fp32_partitions": "867e41591b0a1c57",
+        "_create_momentum_buffer": "8186c5a29fe28725",
+        "_create_next_swappable_fp32_groups": "350d3278248814c8",
+        "_finalize_offload_gradient_accumulation": "eacb35ddd70414c5",
+        "_get_fp32_grad_state_partition": "3de05026991c2244",
+        "_get_fp32_opt_state_partition": "d3f911190262b0be",
+        "_get_norm_groups": "ece0a2b4a699826c",
+        "_load_universal_checkpoint": "d312327ea9d00cda",
+        "_loss_scale_update_and_overflow_cleanup": "01d06a8c6fb45da7",
+        "_muon_update_lacks_loss_scale": "6b43590e899a9238",
+        "_muon_update_sub_group": "5ccd645108e1cd1d",
+        "_offload_grad_partition_at_boundary": "f03c6a33201a054c",
+        "_optimizer_states_and_gradient_swap_in": "6c1ce179c5aab507",
+        "_optimizer_states_and_gradient_swap_out": "f2a4ae0e3c6fa4fd",
+        "_optimizer_step": "fa43626f0a6e5c54",
+        "_overflow_check_and_loss_scale_update": "6b954b254505749b",
+        "_partition_all_parameters": "a146f85c0b0c9f85",
+        "_partitioned_params_swap_out": "c7b3a46bd85fdfb5",
+        "_post_step": "feaee230b6a1ce67",
+        "_pre_step": "b4b52433b28df485",
+        "_prepare_fp32_grad_for_sub_group": "1697b83f64237c07",
+        "_prepare_sub_group": "ca57568ad86bd254",
+        "_reassign_or_swap_out_partitioned_parameters": "0caffa936674edf2",
+        "_release_sub_group": "31475e7f11762f3e",
+        "_release_swap_buffers": "eac8892b5f8f1556",
+        "_restore_from_bit16_weights": "8a4431d160dc5632",
+        "_restore_from_fp32_weights": "c169b990d4cf263e",
+        "_rigid_load_state_dict": "77da80dc68ede0da",
+        "_rigid_state_dict": "04afcb774be0650c",
+        "_set_fp32_optimizer_param_groups": "995f8b1c4f323f5a",
+        "_setup_for_real_optimizer": "6c8852daaf78362f",
+        "_swap_out_offload_fp32_gradients": "9f4f18433f6e7cf9",
+        "_swappable_optimizer_subgroup": "062115394dd24df6",
+        "_unflatten_partitioned_parameters": "7a42ba4d6bdb9f0c",
+        "_unpin_offload_buffers": "8a6c76574d121b2d",
+        "_writeback_swap_state": "b3b4e0f00b23f8d3",
+        "backward_epilogue": "0b55028b62dba4f0",
+        "backward_prologue": "1b9ad8d1a8a7864c",
+        "destroy": "1c8f6a96609fe60e",
+        "dump_post_step_gradients": "c8959c2d90285817",
+        "finalize_gradient_accumulation_boundary": "46cb396087b90926",
+        "get_fp32_grad_partitions": "60a7178eaa06cdb2",
+        "independent_gradient_partition_epilogue": "e8bc243cb6b99135",
+        "initialize_optimizer_states": "055673a537e1e98f",
+        "load_hp_checkpoint_state_from_checkpoint_dir_stage3": "461ec0c7c73fcd93",
+        "load_module_checkpoint_state_from_checkpoint_dir_stage3": "715152efb90ba6c4",
+        "offload_states": "d54d61eee6e39303",
+        "partition_grads": "3ca6b17c5709c583",
+        "reload_states": "c35ef217d1d7c5e1",
+        "set_fp32_grad_for_param": "a971d5e687b1b501",
+        "set_full_hp_param": "979c00565b832f1d",
+        "set_local_grad_for_param": "18e616a14341bbc7",
+        "set_local_hp_param": "70de41c6023731ab",
+        "state_dict": "1bbb464edd904376",
+        "step": "1dfecf4f2fb70970",
+        "unscale_and_clip_grads": "f91e4807114004ae",
+        "update_fp32_grad_for_param_vectorized": "6e3c184dd41765ec",
     },
 }
 
@@ -162,9 +163,17 @@ def _module_and_path(name: str) -> tuple[Any, list[str]] | None:
     return None
 
 
-def _definitions(module: Any) -> tuple[str, ast.Module]:
+@functools.cache
+def _definitions(module: Any) -> tuple[list[str], ast.Module]:
+    """A module's source lines and syntax tree (read once: the ZeRO-3 module is long)."""
     source = inspect.getsource(module)
-    return source, ast.parse(source)
+    return source.splitlines(keepends=True), ast.parse(source)
+
+
+def _text(lines: list[str], node: ast.stmt) -> str:
+    """A definition's source, decorators included, indentation removed."""
+    first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    return textwrap.dedent("".join(lines[first - 1 : node.end_lineno]))
 
 
 def source_of(name: str) -> str | None:
@@ -175,7 +184,7 @@ def source_of(name: str) -> str | None:
     if found is None:
         return None
     module, path = found
-    source, tree = _definitions(module)
+    lines, tree = _definitions(module)
     body: list[ast.stmt] = tree.body
     node: ast.stmt | None = None
     for i, part in enumerate(path):
@@ -185,11 +194,7 @@ def source_of(name: str) -> str | None:
             return None
         body = getattr(node, "body", [])
     assert node is not None
-    segment = ast.get_source_segment(source, node)
-    decorators = "".join(
-        f"@{ast.get_source_segment(source, d)}\n" for d in getattr(node, "decorator_list", [])
-    )
-    return decorators + textwrap.dedent(" " * node.col_offset + (segment or ""))
+    return _text(lines, node)
 
 
 def source_digest(name: str) -> str | None:
@@ -201,14 +206,13 @@ def source_digest(name: str) -> str | None:
 def _touching_replaced_state() -> list[str]:
     """The methods of DeepSpeed's ZeRO-3 optimizer whose source names a `REPLACED_STATE` attribute."""
     module_name, class_name = STAGE3.rsplit(".", 1)
-    source, tree = _definitions(importlib.import_module(module_name))
+    lines, tree = _definitions(importlib.import_module(module_name))
     found = []
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             for method in node.body:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    text = ast.get_source_segment(source, method) or ""
-                    if any(attr in text for attr in REPLACED_STATE):
+                    if any(attr in _text(lines, method) for attr in REPLACED_STATE):
                         found.append(f"{STAGE3}.{method.name}")
     return found
 
