@@ -313,8 +313,12 @@ def test_a_deepspeed_nvme_config_plus_our_section_runs_as_it_is(
         ({"client_optimizer": "Adagrad"}, r"optimizer is torch\.optim\.adagrad\.Adagrad"),
         ({"client_optimizer": "Adam", "client_options": {"amsgrad": True}}, r"'amsgrad'"),
         ({"offload_ratio": 0.5}, r"offload_optimizer\.ratio: 0\.5"),
+        (
+            {"super_offload": True},
+            r"SuperOffloadOptimizer_Stage3 \(set by zero_optimization\.offload_optimizer\.super_offload",
+        ),
     ],
-    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio"],
+    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio", "SuperOffload"],
 )
 def test_what_we_do_not_honour_is_refused_by_name(
     ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path

@@ -71,6 +71,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             "pipeline_write": True,
         }
         config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
+    if case.get("super_offload"):
+        config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
     if "offload_ratio" in case:
         config["zero_optimization"]["offload_optimizer"]["ratio"] = case["offload_ratio"]
     if "mlp_offload" in case:

@@ -41,10 +41,17 @@ def install() -> None:
         """DeepSpeed's class itself decides what it builds, so the name stays bound to DeepSpeed's class
         under every import and `isinstance(engine, DeepSpeedZeroOptimizer_Stage3)` holds for ours (a
         subclass). The object is returned uninitialised: Python then runs the `__init__` of its type."""
-        if cls is stock:
-            ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)
-            if isinstance(ds_config, dict) and SECTION in ds_config:
+        ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)
+        if isinstance(ds_config, dict) and SECTION in ds_config:
+            if cls is stock:
                 return object.__new__(MLPOffloadStage3)
+            if not issubclass(cls, MLPOffloadStage3):
+                # DeepSpeed picked another optimizer of its own (SuperOffload): never ignore our section.
+                raise ValueError(
+                    f"{SECTION}: this config makes DeepSpeed build {cls.__name__} (set by "
+                    "zero_optimization.offload_optimizer.super_offload), whose optimizer state mlp_offload "
+                    f"does not hold; remove super_offload or the {SECTION!r} section"
+                )
         return object.__new__(cls)
 
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
