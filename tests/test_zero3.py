@@ -441,6 +441,8 @@ PARTIAL_LOADS = [
     ("load_module_only", {}, {"load_module_only": True}),
     ("load_optimizer_states=False", {}, {"load_optimizer_states": False}),
     ("load_lr_scheduler_states=False", {"scheduler": WARMUP}, {"load_lr_scheduler_states": False}),
+    # A checkpoint of the model's weights only: DeepSpeed widens them into fp32, moments zero.
+    ("no ZeRO optimizer files, load_module_only", {"drop_zero_files": True}, {"load_module_only": True}),
 ]
 
 
@@ -479,3 +481,49 @@ def test_a_long_run_holds_memory_files_and_threads_flat(work_dirs: list[Path], t
     early = max(s["rss"] for s in samples[:50])
     late = max(s["rss"] for s in samples[-50:])
     assert late <= early * 1.01, f"resident memory grew from {early / 2**20:.1f} to {late / 2**20:.1f} MiB"
+
+
+def test_two_ranks_loading_a_checkpoint_one_after_another_match_deepspeed(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """`pipeline_loading_checkpoint`: rank 1 loads only once rank 0 has loaded and told it (DeepSpeed's
+    `load_serial`, run by DeepSpeed's own code around ours). Two ranks save at step 5, resume, and end
+    where DeepSpeed's two ranks doing the same end, bit for bit."""
+    ours = section(work_dirs[:2], host_memory="64M", cache_chunks=2)
+
+    def case(name: str) -> dict[str, Any]:
+        return {"checkpoint_at": 5, "checkpoint_dir": str(tmp_path / name), "pipeline_loading": True}
+
+    stock = run_case(case("stock"), tmp_path, "stock", ranks=2)
+    resumed = run_case(
+        {**case("ours"), "mlp_offload": ours, "resume_mlp_offload": ours}, tmp_path, "ours", ranks=2
+    )
+    for rank, (a, b) in enumerate(zip(resumed["ranks"], stock["ranks"], strict=True)):
+        assert a["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3", rank
+        assert_bit_equal(a, b)
+
+
+def test_deepspeeds_tensor_helpers_read_and_write_as_in_stock(work_dirs: list[Path], tmp_path: Path) -> None:
+    """Between backward and step 4, each `safe_get_*` helper reads one parameter's gradient, weights or
+    Adam state (full and local) and its `safe_set_*` twin writes new values; the state is then partly
+    cached, partly streaming. What the helpers read, and where training ends, equal stock DeepSpeed doing
+    the same, bit for bit."""
+    ours = section(work_dirs[:2], host_memory="200K", update_chunk="24K", cache_chunks=2)
+    stock = run_case({"helpers_at": 4}, tmp_path, "stock")
+    mine = run_case({"helpers_at": 4, "mlp_offload": ours}, tmp_path, "ours")
+    assert sorted(mine["helper_reads"]) == sorted(stock["helper_reads"]) and len(stock["helper_reads"]) == 6
+    for name, tensor in stock["helper_reads"].items():
+        assert torch.equal(mine["helper_reads"][name], tensor), name
+    assert_bit_equal(mine, stock)
+
+
+def test_a_checkpoint_without_zero_files_fails_as_in_stock_naming_the_file(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Loaded in full, a checkpoint whose ZeRO optimizer files are gone fails in DeepSpeed 0.19.8 itself
+    with FileNotFoundError naming the missing file; ours fails the same way, before touching the store."""
+    ours = section(work_dirs[:2], host_memory="64M")
+    for name, extra in (("stock", {}), ("ours", {"mlp_offload": ours, "resume_mlp_offload": ours})):
+        case = {"checkpoint_at": 5, "checkpoint_dir": str(tmp_path / name), "drop_zero_files": True, **extra}
+        with pytest.raises(AssertionError, match=r"No such file or directory: .*optim_states\.pt"):
+            run_case(case, tmp_path, name)

@@ -71,6 +71,9 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             "pipeline_write": True,
         }
         config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
+    if case.get("pipeline_loading"):
+        # Ranks load a checkpoint one after another, each told by the one before (DeepSpeed's load_serial).
+        config["zero_optimization"]["pipeline_loading_checkpoint"] = True
     if case.get("super_offload"):
         config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
     if "offload_ratio" in case:
@@ -135,6 +138,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     overflow_at = case.get("overflow_at_step")
     fail_at = case.get("immutable_at_step")
     samples: list[dict[str, int]] = []
+    helper_reads: dict[str, torch.Tensor] = {}
     first_step = case.get("resume_at", 0)
     if first_step:
         # A new process resuming a job from its checkpoint: the batches of the steps before it are
@@ -154,6 +158,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             # case says), load, and go on with the same data.
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
             engine.destroy()
+            if case.get("drop_zero_files"):
+                # A checkpoint without the ZeRO optimizer files: the model's weights only.
+                for file in Path(case["checkpoint_dir"], "ckpt").glob("*optim_states.pt"):
+                    file.unlink()
             resume = case.get("resume_mlp_offload")
             engine, optimizer = make_engine(resume is not None, resume, 4321)
             engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
@@ -163,6 +171,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             if step == overflow_at:
                 loss = loss * float("inf")
             engine.backward(loss)
+            if step == case.get("helpers_at"):
+                helper_reads.update(use_tensor_helpers(engine))
             engine.step()
         losses.append(float(loss.detach()))
         if case.get("sample_resources"):
@@ -190,6 +200,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     }
     if samples:
         result["samples"] = samples
+    if helper_reads:
+        result["helper_reads"] = helper_reads
     if directory := case.get("save_16bit"):
         result["saved_16bit"] = engine.save_16bit_model(directory)
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
@@ -220,6 +232,43 @@ def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(like)
     store.read(key, out).wait()
     return out
+
+
+def use_tensor_helpers(engine: Any) -> dict[str, torch.Tensor]:
+    """Between backward and step: reads through each of DeepSpeed's `safe_get_*` helpers and writes
+    new values through its `safe_set_*` twin, one parameter each; returns what was read."""
+    from deepspeed import utils
+
+    params = [p for _, p in engine.module.named_parameters()]
+    values = torch.Generator().manual_seed(5)
+
+    def new(old: torch.Tensor) -> torch.Tensor:
+        return torch.randn(old.shape, generator=values).to(old.dtype).abs()
+
+    read: dict[str, torch.Tensor] = {}
+    # name, get, set (value first, as DeepSpeed's setters take it), optimizer-state key
+    helpers = [
+        ("full_grad", utils.safe_get_full_grad, utils.safe_set_full_grad, None),
+        ("local_grad", utils.safe_get_local_grad, utils.safe_set_local_grad, None),
+        ("full_fp32", utils.safe_get_full_fp32_param, utils.safe_set_full_fp32_param, None),
+        ("local_fp32", utils.safe_get_local_fp32_param, utils.safe_set_local_fp32_param, None),
+        ("full_exp_avg", utils.safe_get_full_optimizer_state, utils.safe_set_full_optimizer_state, "exp_avg"),
+        (
+            "local_exp_avg_sq",
+            utils.safe_get_local_optimizer_state,
+            utils.safe_set_local_optimizer_state,
+            "exp_avg_sq",
+        ),
+    ]
+    # One parameter per helper (the model has more parameters than there are helpers).
+    for p, (name, get, put, key) in zip(params, helpers, strict=False):
+        old = (get(p, key) if key else get(p)).clone()
+        read[name] = old
+        if key:
+            put(p, new(old), key)
+        else:
+            put(p, new(old))
+    return read
 
 
 def resources() -> dict[str, int]:
