@@ -21,7 +21,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-HARNESS = Path(__file__).with_name("hf_trainer_harness.py")
+HARNESS = Path(__file__).with_name("frameworks_harness.py")
 
 
 def train(framework: str, paths: list[Path] | None, tmp_path: Path, name: str, port: int) -> dict[str, Any]:

@@ -3,7 +3,7 @@ after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments an
 `deepspeed_runs.assert_bit_equal` compares). Frameworks: the Hugging Face `Trainer`, and Accelerate's
 `Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own.
 
-`python tests/hf_trainer_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer` or `accelerate`;
+`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer` or `accelerate`;
 PATHS_JSON is a JSON list of storage paths for an `"mlp_offload"` section, or `null` for stock
 DeepSpeed. One process per run (DeepSpeed keeps process-wide state). The framework calls
 `deepspeed.initialize` itself: nothing here names our engine.
