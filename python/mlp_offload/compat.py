@@ -230,7 +230,8 @@ def coupled_functions(engine: type) -> list[str]:
 
 
 def differences(engine: type) -> dict[str, str]:
-    """Coupled function -> what differs from `FINGERPRINTS`: "changed", "gone" or "newly coupled"."""
+    """Function -> how it differs from `FINGERPRINTS`: "changed", "gone", "newly coupled" (coupled
+    now, not fingerprinted) or "no longer coupled" (fingerprinted, no longer coupled)."""
     found: dict[str, str] = {}
     known = fingerprints()
     coupled = coupled_functions(engine)

@@ -89,8 +89,8 @@ def _set_up_environment() -> None:
 
 
 def matmul_secs(dtype: Any, rows: int, inner: int, cols: int, limit_secs: float) -> float:
-    """The best of three `rows x inner @ inner x cols` products in `dtype` on the CPU (after one to warm
-    up), or the first one's time when it alone takes over `limit_secs`."""
+    """The fastest of four `rows x inner @ inner x cols` products in `dtype` on the CPU (the first, which
+    warms up, is the slowest as a rule), or the first one's time when it alone takes over `limit_secs`."""
     import torch
 
     a = torch.randn(rows, inner).to(dtype)
