@@ -98,6 +98,14 @@ bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=
 	    --contenders $(CONTENDERS) \
 	    --out docs/data/bench-scale.json
 
+.PHONY: bench-node
+bench-node: setup ## many ranks on one node (RANKS=4, SIZE=1B): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --ranks $(or $(RANKS),4) \
+	    --warmup 1 --steps 3 \
+	    --contenders $(or $(NODE_CONTENDERS),ds-nvme-pipelined,mlp-offload-2path,mlp-offload-2path-noadmit,mlp-offload-capped,mlp-offload-capped-noadmit) \
+	    --out docs/data/bench-node.json
+
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)
 	$(TESTBED) up

@@ -11,7 +11,15 @@ Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 
   baseline (12 x the largest subgroup x 4 bytes);
 - `mlp-offload-2path`: the same budget on two paths, the work disk plus the test bed's bandwidth-capped
   loop device (`scripts/testbed.sh`), when this machine can host it (root, loop devices, cgroup v1 blkio);
+- `mlp-offload-capped`: the same budget on the test bed's capped loop device alone;
+- `...-noadmit` after either: the same without node-wide admission (`device_inflight: "off"`), for
+  `--ranks` above 1 (with one rank admission is off anyway);
 - `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload.
+
+`--ranks N` runs every contender as N data-parallel ranks of one node (gloo, `LOCAL_WORLD_SIZE` N, as
+torchrun sets it), each with its share of the model's state: a step's phase times are the slowest
+rank's (what the job waits for), its bytes all ranks' together, and the spread of the update time
+between the ranks is reported per step (`make bench-node`).
 
 Each (contender, round) runs in its own process, contenders interleaved round by round; figures are
 medians over the measured steps of every round (warm-up steps dropped). The report has forward,
@@ -45,8 +53,13 @@ CONTENDERS = (
     "mlp-offload-half",
     "mlp-offload-default",
     "mlp-offload-2path",
+    "mlp-offload-2path-noadmit",
+    "mlp-offload-capped",
+    "mlp-offload-capped-noadmit",
     "ds-cpu",
 )
+# Contenders on the test bed's capped loop device (alone or beside the work disk).
+TESTBED_CONTENDERS = tuple(c for c in CONTENDERS if "2path" in c or "capped" in c)
 BASELINES = ("ds-nvme-partitioned", "ds-nvme-pipelined")
 TESTBED = "scripts/testbed.sh"
 TESTBED_MOUNT = "/mnt/mlp-offload-testbed"
@@ -86,6 +99,8 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         offload.update(pin_memory=True, buffer_count=12)
         half = contender == "mlp-offload-half"
         config["mlp_offload"] = {"paths": spec["paths"], "host_memory": 6 * params if half else "deepspeed"}
+        if contender.endswith("-noadmit"):
+            config["mlp_offload"]["device_inflight"] = "off"
     return config
 
 
@@ -106,6 +121,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from mlp_offload.train import timed_iteration
 
     torch.manual_seed(0)
+    rank = int(os.environ.get("RANK", "0"))
     if spec["model"] == "gpt":
         model = GPT.from_size(spec["size"], max_seq=spec["seq"])
         vocab = model.vocab
@@ -121,7 +137,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
     init_secs = time.perf_counter() - t0
-    data = torch.Generator().manual_seed(1)
+    # Each data-parallel rank its own batches.
+    data = torch.Generator().manual_seed(1 + rank)
     steps = []
     for _ in range(spec["warmup"] + spec["steps"]):
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
@@ -221,12 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--testbed-bps", default="500M", help="the second path's cap (500M)")
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="data-parallel ranks of one node per contender (1)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results; the chart goes beside it")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker.read_text())
-        Path(spec["result"]).write_text(json.dumps(worker(spec)))
+        Path(os.environ["MLP_OFFLOAD_BENCH_RESULT"]).write_text(json.dumps(worker(spec)))
         return 0
 
     contenders = args.contenders.split(",")
@@ -235,14 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--contenders: {', '.join(sorted(unknown))} not among {', '.join(CONTENDERS)}")
     notes: list[str] = []
     testbed_up = False
-    if "mlp-offload-2path" in contenders:
+    on_testbed = [c for c in contenders if c in TESTBED_CONTENDERS]
+    if on_testbed:
         ok, why = testbed_available()
         if not ok:
-            contenders.remove("mlp-offload-2path")
-            notes.append(f"mlp-offload-2path not run: this machine cannot host the test bed: {why}")
+            contenders = [c for c in contenders if c not in on_testbed]
+            notes.append(f"{', '.join(on_testbed)} not run: this machine cannot host the test bed: {why}")
             print(notes[-1], file=sys.stderr)
     try:
-        if "mlp-offload-2path" in contenders:
+        if any(c in TESTBED_CONTENDERS for c in contenders):
             subprocess.run(
                 ["bash", TESTBED, "up", "--size", "6G", "--bps", args.testbed_bps],
                 check=True,
@@ -271,8 +292,11 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
     # Single-path contenders take turns in one directory (emptied before each run), so one profile of
     # it is every such contender's I/O floor; the two-path one has its own pair.
     paths_of = {c: [str(local / "one-path")] for c in contenders}
-    if "mlp-offload-2path" in contenders:
-        paths_of["mlp-offload-2path"] = [str(local / "two-path"), str(second / "two-path")]
+    for c in contenders:
+        if "2path" in c:
+            paths_of[c] = [str(local / "two-path"), str(second / "two-path")]
+        elif "capped" in c:
+            paths_of[c] = [str(second / "capped")]
     for paths in paths_of.values():
         for p in paths:
             Path(p).mkdir(parents=True, exist_ok=True)
@@ -300,7 +324,6 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "paths": run_paths,
                 "warmup": args.warmup,
                 "steps": args.steps,
-                "result": str(root / f"{contender}.result.json"),
             }
             spec_file = root / f"{contender}.spec.json"
             spec_file.write_text(json.dumps(spec))
@@ -308,24 +331,18 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             if not _has_cuda():
                 env["DS_ACCELERATOR"] = "cpu"
             env.setdefault("TORCH_EXTENSIONS_DIR", str(Path("target/torch_extensions").resolve()))
-            for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-                env.setdefault(key, value)
             env["MASTER_ADDR"] = "127.0.0.1"
             env["MASTER_PORT"] = str(29700 + (rnd * len(contenders) + k) % 200)
-            command = [sys.executable, __file__, "--worker", str(spec_file)]
-            if testbed_up:
-                # Only this process's I/O to the loop device is capped; every contender runs the same way.
-                command = ["bash", TESTBED, "run", "--", *command]
+            if args.ranks > 1:
+                # The node's cores shared among its ranks.
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.ranks))
             print(f"round {rnd + 1}/{args.rounds}: {contender} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(command, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"{contender} failed in round {rnd + 1}")
-            result = json.loads(Path(spec["result"]).read_text())
-            result["paths"] = run_paths
-            result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
-            result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
-            runs[contender].append(result)
+            ranks = launch(spec_file, root / contender, env, args.ranks, testbed_up)
+            for result in ranks:
+                result["paths"] = run_paths
+                result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
+                result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
+            runs[contender].append(merge_ranks(ranks))
     for p in (local, second):
         shutil.rmtree(p, ignore_errors=True)
     report = summarize(runs)
@@ -343,6 +360,63 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
         }
     )
     return report
+
+
+def launch(
+    spec_file: Path, stem: Path, env: dict[str, str], ranks: int, testbed_up: bool
+) -> list[dict[str, Any]]:
+    """Runs one contender as `ranks` processes of one node and returns each rank's result."""
+    procs = []
+    for rank in range(ranks):
+        result, log = stem.with_suffix(f".rank{rank}.json"), stem.with_suffix(f".rank{rank}.log")
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "MLP_OFFLOAD_BENCH_RESULT": str(result),
+        }
+        command = [sys.executable, __file__, "--worker", str(spec_file)]
+        if testbed_up:
+            # Only this process's I/O to the loop device is capped; every contender runs the same way.
+            command = ["bash", TESTBED, "run", "--", *command]
+        # Output to a file, not a pipe: a rank blocked on a full pipe would stall the others' collectives.
+        with log.open("w") as sink:
+            procs.append(
+                (subprocess.Popen(command, env=rank_env, stdout=sink, stderr=subprocess.STDOUT), result, log)
+            )
+    try:
+        for rank, (proc, _, log) in enumerate(procs):
+            if proc.wait() != 0:
+                print(log.read_text()[-4000:], file=sys.stderr)
+                raise SystemExit(f"{stem.name} rank {rank} failed")
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()  # the other ranks of a failed one would wait in a collective for ever
+    return [json.loads(result.read_text()) for _, result, _ in procs]
+
+
+def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's round as the job saw it: per step, each phase the slowest rank's time, bytes
+    all ranks' together, and the spread of the update between ranks ((slowest - fastest) / slowest).
+    Rank 0's telemetry stands for the ranks' (they keep one split)."""
+    if len(ranks) == 1:
+        return ranks[0]
+    merged = dict(ranks[0])
+    steps = []
+    for per_rank in zip(*(r["steps"] for r in ranks), strict=True):
+        step = {k: max(s[k] for s in per_rank) for k in ("forward", "backward", "update", "iteration")}
+        for k in ("bytes_read", "bytes_written"):
+            step[k] = sum(s[k] for s in per_rank)
+        updates = [s["update"] for s in per_rank]
+        step["update_spread"] = (max(updates) - min(updates)) / max(updates)
+        steps.append(step)
+    merged["steps"] = steps
+    merged["ranks"] = len(ranks)
+    merged["peak_rss_bytes"] = sum(r["peak_rss_bytes"] for r in ranks)
+    return merged
 
 
 def _has_cuda() -> bool:
@@ -364,6 +438,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         row["io_floor_secs"] = moved / bandwidth if contender != "ds-cpu" and bandwidth > 0 else 0.0
         row["update_over_io_floor"] = row["update"] / row["io_floor_secs"] if row["io_floor_secs"] else None
         row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
+        if spreads := [s["update_spread"] for s in steps if "update_spread" in s]:
+            row["update_spread_median"] = statistics.median(spreads)
+            row["update_spread_max"] = max(spreads)
         records = [t for r in rounds for t in r.get("telemetry", []) if t.get("event") == "step"]
         if records:
             row["per_path"] = per_path_medians(rounds[0]["paths"], records)
@@ -411,7 +488,9 @@ def per_path_medians(paths: list[str], records: list[dict[str, Any]]) -> list[di
 
 def print_report(report: dict[str, Any]) -> None:
     gib = 2**30
-    print(f"\n{report['params'] / 1e6:.0f}M parameters; medians, seconds per iteration")
+    ranks = int(report.get("args", {}).get("ranks", 1))
+    of_ranks = f", {ranks} ranks of one node (each phase the slowest rank's)" if ranks > 1 else ""
+    print(f"\n{report['params'] / 1e6:.0f}M parameters{of_ranks}; medians, seconds per iteration")
     print(
         f"{'contender':20} {'fwd':>6} {'bwd':>6} {'update':>7} {'iter':>6} {'upd x':>6} {'iter x':>6} "
         f"{'GiB/step':>8} {'MiB/s':>7} {'floor s':>7} {'upd/floor':>9} {'peak GiB':>8}"
@@ -426,6 +505,11 @@ def print_report(report: dict[str, Any]) -> None:
             f"{m['io_floor_secs']:7.2f} {floor if floor is not None else math.nan:9.2f} "
             f"{m['peak_rss_bytes'] / gib:8.2f}"
         )
+        if "update_spread_max" in m:
+            print(
+                f"  update spread between ranks: median {100 * m['update_spread_median']:.1f}%, "
+                f"largest {100 * m['update_spread_max']:.1f}%"
+            )
         for p in m.get("per_path", []):
             print(
                 f"  {p['path']}: {p['bytes_per_step'] / gib:.2f} GiB/step, "

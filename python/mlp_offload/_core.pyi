@@ -75,6 +75,7 @@ class ObjectStore:
         weights: list[float] | None = None,
         checksum: bool = True,
         shadow_slots: bool = True,
+        device_inflight: list[int | None] | None = None,
     ) -> Self: ...
     def write(
         self, key: str, address: int, nbytes: int, owner: object, weights: list[float] | None = None

@@ -72,7 +72,15 @@ class MLPOffloadConfig(BaseModel):
     """Bytes per I/O request (4M by default)."""
 
     max_inflight: int | None = Field(default=None, ge=1)
-    """Requests in flight per path. Default: the best of the probe, else 8."""
+    """Requests in flight per path, for this rank (8 by default)."""
+
+    device_inflight: int | Literal["auto", "off"] = "auto"
+    """Requests in flight on each path's device for the whole node, all its ranks together (node-wide
+    admission): every rank takes one of them for each request it submits and gives it back when the
+    request completes, waiting its turn in the kernel when none is free; a rank that dies gives back
+    what it held at once. `"auto"`: on when the node runs more than one rank, at the in-flight count
+    the performance model found best for the device (the probe's), else the rank's `max_inflight`;
+    a number: on, at that count; `"off"`: each rank is bounded by its own `max_inflight` alone."""
 
     checksum: bool = True
     """A CRC32C of every stripe, checked on every read."""
@@ -93,6 +101,13 @@ class MLPOffloadConfig(BaseModel):
     def _weights(cls, value: Any) -> Any:
         if isinstance(value, list) and (any(w < 0 for w in value) or not any(w > 0 for w in value)):
             raise ValueError(f"{value} must be non-negative and not all zero")
+        return value
+
+    @field_validator("device_inflight")
+    @classmethod
+    def _device_inflight(cls, value: Any) -> Any:
+        if isinstance(value, int) and not 1 <= value <= 32767:
+            raise ValueError(f"{value} must be between 1 and 32767 (a semaphore's range)")
         return value
 
     @field_validator("cache_chunks")

@@ -1,5 +1,6 @@
 """The engine's budget, plan and telemetry: how much host memory the state gets, what the performance
-model predicts for each step, how the `WeightTuner` moves the split, and the records that say so."""
+model predicts for each step, how the `WeightTuner` moves the split (the same move on every rank), and
+the records that say so."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
+
+import torch
+import torch.distributed as torch_dist
 
 from mlp_offload import _core, memory, profiles
 from mlp_offload.config import MLPOffloadConfig
@@ -40,8 +44,48 @@ def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_c
     return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
 
 
+# A rank's requests in flight per path when neither the config nor a probe says (the store's default).
+DEFAULT_MAX_INFLIGHT = 8
+
+
 def update_chunk(config: MLPOffloadConfig) -> int | None:
     return None if config.update_chunk == "auto" else int(config.update_chunk)
+
+
+class RankAgreement:
+    """One step as every rank of the job sees it: each path's bytes and busy times averaged over the
+    ranks, and the slowest rank's time (the step the job waits for). Ranks whose tuners observe the
+    same figures from the same plan make the same moves, so the job keeps one split: ranks share the
+    devices (and a shared file system across nodes), so one rank's load is the others' slowness, and
+    tuners reacting to each other's load would drift apart. Reduced over a gloo group of the job's
+    ranks (CPU tensors whatever the accelerator's backend); one rank alone keeps its own figures."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self.ranks = 1
+        if torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            # Collective: every rank builds its engine, and so this, in the same order.
+            self._group = torch_dist.new_group(backend="gloo")
+            self.ranks = torch_dist.get_world_size()
+
+    def reduce(
+        self, per_path: list[dict[str, float]], seconds: float
+    ) -> tuple[list[dict[str, float]], float]:
+        if self._group is None:
+            return per_path, seconds
+        keys = sorted(per_path[0])
+        sums = torch.tensor([p[k] for p in per_path for k in keys], dtype=torch.float64)
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        torch_dist.all_reduce(sums, op=torch_dist.ReduceOp.SUM, group=self._group)
+        torch_dist.all_reduce(slowest, op=torch_dist.ReduceOp.MAX, group=self._group)
+        means = (sums / self.ranks).tolist()
+        width = len(keys)
+        samples = []
+        for i in range(len(per_path)):
+            sample: dict[str, float] = dict(zip(keys, means[i * width : (i + 1) * width], strict=True))
+            # Byte counts stay whole numbers, as the tuner takes them.
+            samples.append({k: round(v) if k.endswith("_bytes") else v for k, v in sample.items()})
+        return samples, float(slowest.item())
 
 
 class UpdatePlanner:
@@ -61,6 +105,7 @@ class UpdatePlanner:
         # Per recent step, each path's bytes per busy second (the first step left out: it also holds
         # the initial writes of the whole state).
         self._measured: deque[list[float]] = deque(maxlen=PREDICTION_STEPS)
+        self._agreement = RankAgreement() if config.adapt else None
         self._file = self._open(config.telemetry_file)
 
     def _open(self, path: str | None) -> TextIO | None:
@@ -81,11 +126,10 @@ class UpdatePlanner:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
-    def plan(self, pipeline: ChunkPipeline, store: ObjectStore) -> dict[str, Any] | None:
-        """The performance model's plan from the paths' profile (probing them when needed); with
-        `weights: "auto"` the store takes its split, and with `adapt` the tuner starts from it."""
+    def load_profile(self) -> None:
+        """The paths' profile: with `weights: "auto"` the saved one or a new probe (one per node: the
+        node's other ranks wait for it and reuse it); with fixed weights only a saved one."""
         config = self.config
-        self._pipeline = pipeline
         if config.weights != "auto":
             # Fixed weights: plan with the profile only when one is saved, never probe for it.
             self.profile, _ = profiles.saved_profile(
@@ -96,6 +140,27 @@ class UpdatePlanner:
                 config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
             )
             log.info("mlp-offload: %s", source)
+
+    def device_inflight(self) -> list[int | None]:
+        """Per path, the node-wide limit of requests in flight on its device, or None (see
+        `MLPOffloadConfig.device_inflight`): the model's in-flight count for the device is the one its
+        probe found fastest, which the node's ranks then share instead of each using it."""
+        config = self.config
+        n = len(config.paths)
+        limit = config.device_inflight
+        if limit == "off" or (limit == "auto" and memory.local_ranks() == 1):
+            return [None] * n
+        if isinstance(limit, int):
+            return [limit] * n
+        if self.profile is not None:
+            return [int(p["best_inflight"]) for p in self.profile.model_inputs()]
+        return [config.max_inflight or DEFAULT_MAX_INFLIGHT] * n
+
+    def plan(self, pipeline: ChunkPipeline, store: ObjectStore) -> dict[str, Any] | None:
+        """The performance model's plan from the profile `load_profile` found; with `weights: "auto"` the
+        store takes its split, and with `adapt` the tuner starts from it."""
+        config = self.config
+        self._pipeline = pipeline
         if self.profile is None:
             return None
         plan = self._replan()
@@ -139,7 +204,9 @@ class UpdatePlanner:
         step's record."""
         moved = None
         if self.tuner is not None:
-            moved = self.tuner.observe(stats.per_path, stats.seconds)
+            # Every rank's tuner sees the same step and so makes the same move.
+            assert self._agreement is not None
+            moved = self.tuner.observe(*self._agreement.reduce(stats.per_path, stats.seconds))
             if moved is not None:
                 store.weights = moved
         predicted = self.prediction
@@ -169,7 +236,8 @@ class UpdatePlanner:
                 weights=self.tuner.weights if self.tuner is not None else None,
             )["predicted_update_secs"]
         per_path = []
-        for path, p in zip(self.config.paths, stats.per_path, strict=True):
+        reports = store.path_reports()
+        for path, p, report in zip(self.config.paths, stats.per_path, reports, strict=True):
             moved_bytes = p["read_bytes"] + p["write_bytes"]
             per_path.append(
                 {
@@ -178,6 +246,12 @@ class UpdatePlanner:
                     "write_bytes": p["write_bytes"],
                     "busy_secs": p["busy_secs"],
                     "bytes_per_s": moved_bytes / stats.seconds if stats.seconds > 0 else 0.0,
+                    # This rank's most requests in flight on the path so far; with node-wide admission,
+                    # the device's limit and the most requests in flight on it, all ranks together,
+                    # that this rank saw when it took one.
+                    "inflight_max": report["stats"]["inflight_max"],
+                    "device_inflight": report["device_inflight"],
+                    "node_inflight_max": report["stats"]["node_inflight_max"],
                 }
             )
         self.emit(

@@ -1,5 +1,10 @@
 """Saved path profiles: what `mlp-offload probe` measured, kept per host and reused until stale.
 
+One probe per node: `load_or_probe` holds a lock per host (`<hostname>.lock` beside the profiles, an
+exclusive `flock` the kernel releases if the holder dies) while it decides and probes, so when every
+rank of a node starts at once, the first probes and the others wait, then read what it saved. Ranks
+probing the same devices at once would each measure the others' load.
+
 Location: `$MLP_OFFLOAD_PROFILE_DIR/<hostname>.json`, by default `$XDG_CACHE_HOME/mlp-offload/profiles`
 (`~/.cache/mlp-offload/profiles`). A file holds one entry per set of paths probed together, because
 what paths give each other when used at once belongs to the set. An entry is stale when it is older
@@ -9,11 +14,13 @@ with other probe options.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,15 @@ class Profile:
     probed_at: float
     options: dict[str, Any] = field(default_factory=dict)
     source: str = "probed"  # or "saved"
+
+    @property
+    def devices(self) -> dict[str, list[int]]:
+        """Each device under these paths, with the indices of the paths on it: paths on one device share
+        its bandwidth and its node-wide in-flight limit."""
+        devices: dict[str, list[int]] = {}
+        for i, p in enumerate(self.probes):
+            devices.setdefault(p["device_id"], []).append(i)
+        return devices
 
     def model_inputs(self) -> list[dict[str, Any]]:
         """What the performance model reads from each path's probe."""
@@ -171,6 +187,7 @@ def save_profile(profile: Profile) -> Path:
             "paths": profile.paths,
             "probed_at": profile.probed_at,
             "options": profile.options,
+            "devices": profile.devices,
             "probes": profile.probes,
         }
     )
@@ -202,7 +219,33 @@ def load_or_probe(
     max_age_s: float = DEFAULT_MAX_AGE_S,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Profile, str]:
-    """The saved profile when fresh, else a new probe (saved). Also returns a line saying which."""
+    """The saved profile when fresh, else a new probe (saved). Also returns a line saying which. Holds the
+    node's probe lock throughout: one process of the node probes, the others wait and reuse its profile."""
+    with node_probe_lock():
+        return _load_or_probe(paths, options, reprobe=reprobe, max_age_s=max_age_s, progress=progress)
+
+
+@contextlib.contextmanager
+def node_probe_lock() -> Iterator[None]:
+    """The host's probe lock (see the module docs)."""
+    file = profile_dir() / f"{socket.gethostname()}.lock"
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with open(file, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _load_or_probe(
+    paths: Sequence[str | os.PathLike[str]],
+    options: ProbeOptions,
+    *,
+    reprobe: bool,
+    max_age_s: float,
+    progress: Callable[[str], None] | None,
+) -> tuple[Profile, str]:
     if not reprobe:
         saved, why_not = saved_profile(paths, options, max_age_s)
         if saved is not None:

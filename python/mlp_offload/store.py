@@ -37,6 +37,10 @@ def memory_of(obj: Any, *, writable: bool) -> tuple[int, int, Any]:
 class ObjectStore:
     """Named objects on one or more storage paths, each placed on one path or striped across several.
 
+    `device_inflight` (one per path, `None` for none) is the node-wide limit of requests in flight on
+    each path's device, shared by every store of this user on the node on that device (node-wide
+    admission, see the Rust crate's `admission` module).
+
     `write` and `read` return an `IoHandle` at once; `handle.wait()` blocks (without the GIL) and raises
     `OSError` (with `errno` and `filename`) on failure, `CorruptObjectError` on a checksum mismatch.
     The buffer must not be modified (write) or used (read) until the handle is done; it is kept alive
@@ -54,6 +58,7 @@ class ObjectStore:
         weights: Sequence[float] | None = None,
         checksum: bool = True,
         shadow_slots: bool = True,
+        device_inflight: Sequence[int | None] | None = None,
     ) -> None:
         def open_store() -> _core.ObjectStore:
             return _core.ObjectStore(
@@ -65,6 +70,7 @@ class ObjectStore:
                 weights=list(weights) if weights is not None else None,
                 checksum=checksum,
                 shadow_slots=shadow_slots,
+                device_inflight=list(device_inflight) if device_inflight is not None else None,
             )
 
         try:

@@ -105,6 +105,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_buffer_count = int(offload.buffer_count)
         self._mlp_pin = bool(offload.pin_memory)
         self._mlp_rank = dist.get_rank()
+        self._mlp_planner = UpdatePlanner(config, self._mlp_rank)
+        # Before the store opens: its node-wide admission takes the device limits the profile gives.
+        self._mlp_planner.load_profile()
         self._mlp_store = ObjectStore(
             config.paths,
             rank=self._mlp_rank,
@@ -114,8 +117,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             weights=config.weights if isinstance(config.weights, list) else None,
             checksum=config.checksum,
             shadow_slots=config.shadow_slots,
+            device_inflight=self._mlp_planner.device_inflight(),
         )
-        self._mlp_planner = UpdatePlanner(config, self._mlp_rank)
         # When the last step ended (forward and backward run until the next one starts).
         self._mlp_last_step_end: float | None = None
         # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks.
@@ -214,6 +217,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "buffer_bytes": buffer_bytes,
                 "cached_chunks": pipeline.cache_slots,
                 "weights": self._mlp_store.weights,
+                # Per path, the node-wide limit of requests in flight on its device (None: no admission).
+                "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
                 "plan": plan,
             }
         )

@@ -2,7 +2,9 @@
 //! moved by io_uring (or a pread/pwrite thread pool) with per-path concurrency limits. No Python here;
 //! `mlp-offload-py` binds it.
 
+pub mod admission;
 pub mod buffer;
+pub mod checksum;
 pub mod completion;
 pub mod engine;
 pub mod error;

@@ -106,7 +106,12 @@ impl ProbeFile {
         };
         // One unmeasured pass writes real blocks, so reads never hit unwritten extents (which return
         // zeros without touching the device) and writes measure overwrites, as the store does.
-        let warm = open_engine(opts.engine, &dir.to_string_lossy(), PathLimits::default())?;
+        let warm = open_engine(
+            opts.engine,
+            &dir.to_string_lossy(),
+            PathLimits::default(),
+            None,
+        )?;
         run(
             &*warm,
             Op::Write,
@@ -196,7 +201,7 @@ fn sweep(
                 max_inflight: depth,
             };
             limits.validate(tier.alignment())?;
-            let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits)?;
+            let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
             engine_kind = engine.kind();
             for op in [Op::Write, Op::Read] {
                 let secs = run(&*engine, op, file, buf, 0, bytes, tier.direct_io)?;
@@ -238,7 +243,7 @@ fn sweep(
     let (_, best_write) = best("write");
     // The sustained figures, at the best settings, over the whole working set.
     let mut sustained_of = |label: &str, limits: PathLimits, op: Option<Op>| -> Result<f64> {
-        let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits)?;
+        let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
         let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
         write_buf.as_mut_slice().fill(0x5a);
         let (total, align) = (probe_file.sustained_bytes, tier.alignment());
@@ -390,7 +395,8 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
             .zip(probes)
             .map(|(f, p)| {
                 scope.spawn(move || -> Result<f64> {
-                    let engine = open_engine(opts.engine, &p.path.to_string_lossy(), p.best_read)?;
+                    let engine =
+                        open_engine(opts.engine, &p.path.to_string_lossy(), p.best_read, None)?;
                     let chunk = p.best_read.chunk_size;
                     let mut read_buf = AlignedBuf::new(chunk, false)?;
                     let mut write_buf = AlignedBuf::new(chunk, false)?;

@@ -27,7 +27,9 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::NodeAdmission;
 use crate::buffer::AlignedBuf;
+use crate::checksum::PieceSums;
 use crate::completion::Completion;
 use crate::engine::{
     open_engine, EngineChoice, EngineKind, Finish, HostPtr, IoEngine, IoFile, Op, PathLimits,
@@ -52,6 +54,7 @@ pub struct StoreConfig {
     weights: Option<Vec<f64>>,
     checksum: bool,
     shadow_slots: bool,
+    device_inflight: Vec<Option<u32>>,
 }
 
 impl StoreConfig {
@@ -59,6 +62,7 @@ impl StoreConfig {
     pub fn new<P: Into<PathBuf>>(paths: impl IntoIterator<Item = P>) -> Self {
         let paths: Vec<PathBuf> = paths.into_iter().map(Into::into).collect();
         let limits = vec![PathLimits::default(); paths.len()];
+        let n_paths = paths.len();
         StoreConfig {
             paths,
             rank: 0,
@@ -67,6 +71,7 @@ impl StoreConfig {
             weights: None,
             checksum: true,
             shadow_slots: true,
+            device_inflight: vec![None; n_paths],
         }
     }
 
@@ -113,6 +118,15 @@ impl StoreConfig {
     /// space). Without, a failed write marks the object unreadable instead. Default on.
     pub fn with_shadow_slots(mut self, on: bool) -> Self {
         self.shadow_slots = on;
+        self
+    }
+
+    /// Per path, the node-wide limit of requests in flight on its device, shared by every store of this
+    /// user on the node whose path lies on the same device (see [`crate::admission`]); `None` leaves
+    /// the path to its own `max_inflight`. Paths on one device share the first path's limit.
+    /// Default: `None` everywhere.
+    pub fn with_device_inflight(mut self, limits: Vec<Option<u32>>) -> Self {
+        self.device_inflight = limits;
         self
     }
 
@@ -174,6 +188,8 @@ pub struct PathReport {
     pub engine: EngineKind,
     pub chunk_size: usize,
     pub max_inflight: usize,
+    /// The node-wide limit of requests in flight on the path's device, when admission is on.
+    pub device_inflight: Option<u32>,
     pub stats: PathStats,
 }
 
@@ -184,6 +200,8 @@ pub struct ObjectStore {
     tiers: Vec<TierInfo>,
     rank_dirs: Vec<PathBuf>,
     engines: Vec<Box<dyn IoEngine>>,
+    /// Per path, its device's node-wide admission (shared by the paths on one device).
+    admissions: Vec<Option<Arc<NodeAdmission>>>,
     objects: Mutex<HashMap<String, Arc<ObjectEntry>>>,
     /// Held while a manifest is written: its contents are the object table at that moment.
     manifest_lock: Mutex<()>,
@@ -273,6 +291,7 @@ impl ObjectStore {
             rank_dirs.push(rank_dir);
         }
         warn_about_shared_devices(&tiers);
+        let admissions = open_admissions(&tiers, &config.device_inflight)?;
         let mut engines = Vec::with_capacity(tiers.len());
         for (i, tier) in tiers.iter().enumerate() {
             config.limits[i]
@@ -288,6 +307,7 @@ impl ObjectStore {
                 config.engine,
                 &tier.path.to_string_lossy(),
                 config.limits[i],
+                admissions[i].clone(),
             )?);
         }
         let weights = config
@@ -300,6 +320,7 @@ impl ObjectStore {
             tiers,
             rank_dirs,
             engines,
+            admissions,
             objects: Mutex::new(HashMap::new()),
             manifest_lock: Mutex::new(()),
             _dir_locks: dir_locks,
@@ -330,11 +351,13 @@ impl ObjectStore {
             .iter()
             .zip(&self.engines)
             .zip(&self.config.limits)
-            .map(|((tier, engine), limits)| PathReport {
+            .zip(&self.admissions)
+            .map(|(((tier, engine), limits), admission)| PathReport {
                 tier: tier.clone(),
                 engine: engine.kind(),
                 chunk_size: limits.chunk_size,
                 max_inflight: limits.max_inflight,
+                device_inflight: admission.as_ref().map(|a| a.limit()),
                 stats: engine.counters().snapshot(),
             })
             .collect()
@@ -436,22 +459,28 @@ impl ObjectStore {
         };
         // The slot being written is not current, so changing its split disturbs no reader.
         self.relayout(&entry, slot, &stripes)?;
-        // Filled after the transfers are queued (below), read by the finisher, which cannot run before
-        // `seal`.
-        let checksums: Arc<Mutex<Vec<Option<u32>>>> = Arc::default();
+        // Hashed on the checksum threads while the kernel moves the bytes; the finisher, which runs
+        // after every part, records the sums.
+        let sums = self
+            .config
+            .checksum
+            .then(|| PieceSums::new(ranges_of(&stripes)));
         let completion = Completion::new();
         completion.keep_alive(keepalive);
         {
             let entry = entry.clone();
-            let checksums = checksums.clone();
+            let sums = sums.clone();
+            let stripe_count = stripes.len();
             completion.set_finisher(move |result| {
                 let mut record = entry.record.lock().expect("record lock");
                 match &result {
                     Ok(()) => {
                         record.active = Some(slot);
                         record.generation += 1;
-                        record.checksums[slot as usize] =
-                            std::mem::take(&mut *checksums.lock().expect("checksum lock"));
+                        record.checksums[slot as usize] = match &sums {
+                            Some(sums) => sums.range_sums().into_iter().map(Some).collect(),
+                            None => vec![None; stripe_count],
+                        };
                     }
                     // The previous slot stays current; with one slot its contents are now unknown.
                     Err(_) if slots == 1 => record.active = None,
@@ -461,17 +490,11 @@ impl ObjectStore {
             });
         }
         self.submit_stripes(Op::Write, &entry, &stripes, slot, buf, &completion);
-        // The caller keeps the buffer unchanged until the write completes, so its checksum is computed
-        // while the kernel already moves it, off the I/O's critical path.
-        *checksums.lock().expect("checksum lock") = stripes
-            .iter()
-            .map(|s| {
-                self.config.checksum.then(|| {
-                    // SAFETY: the caller guarantees `buf..buf+len` is valid; stripes lie inside it.
-                    crc32c::crc32c(unsafe { stripe_bytes(buf, s) })
-                })
-            })
-            .collect();
+        if let Some(sums) = &sums {
+            // SAFETY: the caller keeps `buf..buf+len` valid and unchanged until the completion is done,
+            // and the stripes lie inside it.
+            unsafe { sums.hash_on_pool(buf, &completion) };
+        }
         entry
             .inflight
             .lock()
@@ -543,30 +566,52 @@ impl ObjectStore {
         }
         let completion = Completion::new();
         completion.keep_alive(keepalive);
-        let submit_list = stripes.clone();
-        if self.config.checksum {
-            let key = key.to_string();
-            let paths: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
-            completion.set_finisher(move |result| {
-                result?;
-                for ((stripe, expected), path) in stripes.iter().zip(&checksums).zip(&paths) {
-                    let Some(expected) = expected else { continue };
-                    // SAFETY: every transfer into the buffer is done; the caller keeps it valid.
-                    let actual = crc32c::crc32c(unsafe { stripe_bytes(buf, stripe) });
-                    if actual != *expected {
-                        return Err(Error::Corrupt {
-                            key: key.clone(),
-                            path: path.clone(),
-                            reason: format!(
-                                "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
-                            ),
-                        });
+        let verify = self.config.checksum && checksums.iter().any(Option::is_some);
+        if !verify {
+            self.submit_stripes(Op::Read, &entry, &stripes, slot, buf, &completion);
+        } else {
+            let sums = PieceSums::new(ranges_of(&stripes));
+            {
+                let (key, sums) = (key.to_string(), sums.clone());
+                let paths: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
+                completion.set_finisher(move |result| {
+                    result?;
+                    let actual = sums.range_sums();
+                    for ((actual, expected), path) in actual.iter().zip(&checksums).zip(&paths) {
+                        match expected {
+                            Some(expected) if expected != actual => {
+                                return Err(Error::Corrupt {
+                                    key: key.clone(),
+                                    path: path.clone(),
+                                    reason: format!(
+                                        "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
+                                    ),
+                                })
+                            }
+                            _ => {}
+                        }
                     }
+                    Ok(())
+                });
+            }
+            // The transfers report to a completion of their own. When they are done, the pieces are
+            // hashed on the checksum threads as parts of the caller's, which waits for them: the path's
+            // I/O thread goes back to its queue at once.
+            let transfers = Completion::new();
+            completion.add_part();
+            let outer = completion.clone();
+            transfers.set_finisher(move |result| {
+                if result.is_ok() {
+                    // SAFETY: every transfer into the buffer is done, and the caller keeps it valid and
+                    // untouched until `outer` is done, which waits for the parts added here.
+                    unsafe { sums.hash_on_pool(buf, &outer) };
                 }
+                outer.part_done(result);
                 Ok(())
             });
+            self.submit_stripes(Op::Read, &entry, &stripes, slot, buf, &transfers);
+            transfers.seal();
         }
-        self.submit_stripes(Op::Read, &entry, &submit_list, slot, buf, &completion);
         entry
             .inflight
             .lock()
@@ -1054,15 +1099,46 @@ fn wait_for(entry: &ObjectEntry, which: impl Fn(Op) -> bool) {
     }
 }
 
-/// The caller's bytes of one stripe.
-///
-/// # Safety
-/// `buf` must point to a valid buffer covering the stripe, not written by anyone during the borrow.
-unsafe fn stripe_bytes<'a>(buf: HostPtr, stripe: &Stripe) -> &'a [u8] {
-    std::slice::from_raw_parts(
-        buf.0.add(stripe.object_offset as usize),
-        stripe.len as usize,
-    )
+/// Per path, the node-wide admission of its device: one per device among the paths that ask for it
+/// (the first such path's limit).
+fn open_admissions(
+    tiers: &[TierInfo],
+    limits: &[Option<u32>],
+) -> Result<Vec<Option<Arc<NodeAdmission>>>> {
+    let mut by_device: HashMap<&str, Arc<NodeAdmission>> = HashMap::new();
+    let mut out = Vec::with_capacity(tiers.len());
+    for (i, (tier, limit)) in tiers.iter().zip(limits).enumerate() {
+        let Some(limit) = *limit else {
+            out.push(None);
+            continue;
+        };
+        let admission = match by_device.get(tier.device_id.as_str()) {
+            Some(a) => a.clone(),
+            None => {
+                let a = Arc::new(NodeAdmission::open(&tier.device_id, limit).map_err(
+                    |e| match e {
+                        Error::Config { key, message } => Error::config(
+                            format!("paths[{i}].{key}"),
+                            format!("{message} ({})", tier.path.display()),
+                        ),
+                        other => other,
+                    },
+                )?);
+                by_device.insert(&tier.device_id, a.clone());
+                a
+            }
+        };
+        out.push(Some(admission));
+    }
+    Ok(out)
+}
+
+/// Where each stripe lies in the caller's buffer: `(offset, length)`.
+fn ranges_of(stripes: &[Stripe]) -> Vec<(usize, usize)> {
+    stripes
+        .iter()
+        .map(|s| (s.object_offset as usize, s.len as usize))
+        .collect()
 }
 
 /// Reserves `len` bytes at `offset` now so rewrites never run out of space; falls back to extending the
@@ -1137,6 +1213,16 @@ fn validate_config(config: &StoreConfig) -> Result<()> {
             format!(
                 "{} entries for {} paths",
                 config.limits.len(),
+                config.paths.len()
+            ),
+        ));
+    }
+    if config.device_inflight.len() != config.paths.len() {
+        return Err(Error::config(
+            "device_inflight",
+            format!(
+                "{} entries for {} paths",
+                config.device_inflight.len(),
                 config.paths.len()
             ),
         ));

@@ -150,6 +150,7 @@ for_each_engine!(
     running_out_of_space_names_the_path_and_keeps_the_old_contents,
     a_read_waits_for_the_write_before_it,
     the_in_flight_limit_holds,
+    two_ranks_on_one_device_share_its_node_wide_limit,
     stripes_go_where_the_weights_say,
     new_weights_move_an_object_on_its_next_write,
     a_delete_is_in_the_manifest_before_it_returns,
@@ -383,7 +384,7 @@ fn a_short_read_reports_path_and_offset(engine: EngineChoice) {
             .unwrap(),
         false,
     ));
-    let engine = open_engine(engine, "test", SMALL_LIMITS).unwrap();
+    let engine = open_engine(engine, "test", SMALL_LIMITS, None).unwrap();
     let mut buf = vec![0u8; 200_000];
     let completion = Completion::new();
     completion.add_part();
@@ -590,6 +591,68 @@ fn the_in_flight_limit_holds(engine: EngineChoice) {
     }
 }
 
+/// Two stores of two ranks on one device, each allowed 8 requests in flight, under a node-wide limit of 3:
+/// the limit holds across them (as each saw it when it took a request), both move all their bytes, and
+/// a path without admission reports none.
+fn two_ranks_on_one_device_share_its_node_wide_limit(engine: EngineChoice) {
+    // The device's limit is shared with every other store of this user on the device: one test of
+    // this binary at a time uses it.
+    static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    let (_root, paths) = dirs(1);
+    let limit = 3;
+    let open_rank = |rank| {
+        ObjectStore::open(
+            StoreConfig::new(paths.clone())
+                .with_rank(rank)
+                .with_engine(engine)
+                .with_limits(PathLimits {
+                    chunk_size: 64 << 10,
+                    max_inflight: 8,
+                })
+                .with_device_inflight(vec![Some(limit)]),
+        )
+        .unwrap()
+    };
+    let stores = [open_rank(0), open_rank(1)];
+    let data = random_bytes(8 << 20, 17);
+    std::thread::scope(|scope| {
+        for (rank, store) in stores.iter().enumerate() {
+            let data = &data;
+            scope.spawn(move || {
+                let pending: Vec<_> = (0..4)
+                    .map(|i| {
+                        store
+                            .write(&format!("r{rank}o{i}"), aligned_copy(data), None)
+                            .unwrap()
+                    })
+                    .collect();
+                for p in pending {
+                    p.wait().unwrap();
+                }
+                for i in 0..4 {
+                    assert!(read_back(store, &format!("r{rank}o{i}"), data.len()) == *data);
+                }
+            });
+        }
+    });
+    for store in &stores {
+        let report = &store.path_reports()[0];
+        assert_eq!(report.device_inflight, Some(limit));
+        let seen = report.stats.node_inflight_max;
+        assert!(
+            (1..=limit as usize).contains(&seen),
+            "node-wide limit {limit}, saw {seen} in flight"
+        );
+        assert!(report.stats.inflight_max <= limit as usize);
+        assert_eq!(report.stats.bytes_written, 4 * (8 << 20));
+    }
+    drop(stores);
+    let free = open(&paths, engine);
+    assert_eq!(free.path_reports()[0].device_inflight, None);
+    assert_eq!(free.path_reports()[0].stats.node_inflight_max, 0);
+}
+
 fn stripes_go_where_the_weights_say(engine: EngineChoice) {
     let (_root, paths) = dirs(3);
     let store = open(&paths, engine);
@@ -739,6 +802,14 @@ fn bad_configuration_names_the_key() {
                 max_inflight: 0,
             }),
             "paths[0].max_inflight",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_device_inflight(vec![Some(4)]),
+            "device_inflight",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_device_inflight(vec![Some(0), None]),
+            "paths[0].device_inflight",
         ),
     ];
     for (config, key) in cases {

@@ -243,7 +243,7 @@ impl PyObjectStore {
 impl PyObjectStore {
     #[new]
     #[pyo3(signature = (paths, *, rank=0, engine="auto", chunk_size=None, max_inflight=None, weights=None,
-                        checksum=true, shadow_slots=true))]
+                        checksum=true, shadow_slots=true, device_inflight=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -255,8 +255,10 @@ impl PyObjectStore {
         weights: Option<Vec<f64>>,
         checksum: bool,
         shadow_slots: bool,
+        device_inflight: Option<Vec<Option<u32>>>,
     ) -> PyResult<Self> {
         let defaults = PathLimits::default();
+        let n_paths = paths.len();
         let limits = PathLimits {
             chunk_size: chunk_size.unwrap_or(defaults.chunk_size),
             max_inflight: max_inflight.unwrap_or(defaults.max_inflight),
@@ -266,7 +268,8 @@ impl PyObjectStore {
             .with_engine(engine.parse::<EngineChoice>().map_err(to_py)?)
             .with_limits(limits)
             .with_checksum(checksum)
-            .with_shadow_slots(shadow_slots);
+            .with_shadow_slots(shadow_slots)
+            .with_device_inflight(device_inflight.unwrap_or_else(|| vec![None; n_paths]));
         if let Some(w) = weights {
             config = config.with_weights(w);
         }

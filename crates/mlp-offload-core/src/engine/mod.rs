@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::admission::NodeAdmission;
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 
@@ -209,8 +210,8 @@ pub struct Transfer {
     pub offset: u64,
     pub buf: HostPtr,
     pub len: usize,
-    /// Runs on the I/O thread after every byte moved, before the part is reported (checksum of a read,
-    /// copy out of a bounce buffer).
+    /// Runs on the I/O thread after every byte moved, before the part is reported (the copy out of a
+    /// bounce buffer into the caller's memory).
     pub finish: Option<Finish>,
     /// The operation this transfer is one part of; the caller has called `add_part` for it.
     pub completion: Completion,
@@ -224,6 +225,9 @@ pub struct PathCounters {
     pub chunks: AtomicU64,
     pub retries: AtomicU64,
     pub inflight_max: AtomicUsize,
+    /// The most requests seen in flight on the device node-wide, all ranks together, when this path
+    /// took one (0 without node-wide admission).
+    pub node_inflight_max: AtomicUsize,
     busy: Mutex<BusyClocks>,
 }
 
@@ -295,6 +299,10 @@ impl PathCounters {
         busy.of(op).end(now);
     }
 
+    fn observe_node_inflight(&self, n: usize) {
+        self.node_inflight_max.fetch_max(n, Ordering::Relaxed);
+    }
+
     fn moved(&self, op: Op, n: usize) {
         let counter = match op {
             Op::Read => &self.bytes_read,
@@ -312,6 +320,7 @@ impl PathCounters {
             chunks: self.chunks.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
             inflight_max: self.inflight_max.load(Ordering::Relaxed),
+            node_inflight_max: self.node_inflight_max.load(Ordering::Relaxed),
             busy_ns: busy.any.ns(now),
             read_busy_ns: busy.read.ns(now),
             write_busy_ns: busy.write.ns(now),
@@ -327,6 +336,8 @@ pub struct PathStats {
     pub retries: u64,
     /// The most chunks ever in the kernel at once on this path.
     pub inflight_max: usize,
+    /// The most requests seen in flight on this path's device, node-wide (0 without admission).
+    pub node_inflight_max: usize,
     /// Nanoseconds with at least one chunk in the kernel.
     pub busy_ns: u64,
     /// Nanoseconds with at least one read chunk in the kernel.
@@ -344,6 +355,7 @@ impl PathStats {
             chunks: self.chunks - earlier.chunks,
             retries: self.retries - earlier.retries,
             inflight_max: self.inflight_max,
+            node_inflight_max: self.node_inflight_max,
             busy_ns: self.busy_ns - earlier.busy_ns,
             read_busy_ns: self.read_busy_ns - earlier.read_busy_ns,
             write_busy_ns: self.write_busy_ns - earlier.write_busy_ns,
@@ -366,26 +378,32 @@ pub trait IoEngine: Send + Sync {
     fn counters(&self) -> &PathCounters;
 }
 
-/// Builds the engine for one path. `label` names the path in logs and errors.
+/// Builds the engine for one path. `label` names the path in logs and errors; with `admission` every
+/// request also takes one of its device's node-wide requests.
 pub fn open_engine(
     choice: EngineChoice,
     label: &str,
     limits: PathLimits,
+    admission: Option<Arc<NodeAdmission>>,
 ) -> Result<Box<dyn IoEngine>> {
-    match choice {
-        EngineChoice::Threads => Ok(Box::new(ThreadPoolEngine::new(label, limits)?)),
+    let uring = match choice {
+        EngineChoice::Threads => false,
         EngineChoice::IoUring => match uring_unavailable_reason() {
-            None => Ok(Box::new(UringEngine::new(label, limits)?)),
-            Some(why) => Err(Error::config(
-                "engine",
-                format!("\"io_uring\" was asked for but is unavailable here: {why}"),
-            )),
+            None => true,
+            Some(why) => {
+                return Err(Error::config(
+                    "engine",
+                    format!("\"io_uring\" was asked for but is unavailable here: {why}"),
+                ))
+            }
         },
-        EngineChoice::Auto => match uring_unavailable_reason() {
-            None => Ok(Box::new(UringEngine::new(label, limits)?)),
-            Some(_) => Ok(Box::new(ThreadPoolEngine::new(label, limits)?)),
-        },
-    }
+        EngineChoice::Auto => uring_unavailable_reason().is_none(),
+    };
+    Ok(if uring {
+        Box::new(UringEngine::new(label, limits, admission)?)
+    } else {
+        Box::new(ThreadPoolEngine::new(label, limits, admission)?)
+    })
 }
 
 /// Shared state of one transfer split into chunks: counts chunks still out and keeps the first error.

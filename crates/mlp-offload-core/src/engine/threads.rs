@@ -1,14 +1,18 @@
-//! The fallback engine: `max_inflight` threads per path doing blocking `pread`/`pwrite`.
+//! The fallback engine: `max_inflight` threads per path doing blocking `pread`/`pwrite`. With node-wide
+//! admission each worker takes one of the device's requests before its system call and gives it back
+//! after, waiting in the kernel's queue like any other rank.
 
 use std::io;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
 };
+use crate::admission::NodeAdmission;
 use crate::error::{Error, Result};
 
 pub struct ThreadPoolEngine {
@@ -19,16 +23,21 @@ pub struct ThreadPoolEngine {
 }
 
 impl ThreadPoolEngine {
-    pub fn new(label: &str, limits: PathLimits) -> Result<Self> {
+    pub fn new(
+        label: &str,
+        limits: PathLimits,
+        admission: Option<Arc<NodeAdmission>>,
+    ) -> Result<Self> {
         let (tx, rx) = crossbeam_channel::unbounded::<Chunk>();
         let counters = Arc::new(PathCounters::default());
         let workers = (0..limits.max_inflight)
             .map(|i| {
                 let rx = rx.clone();
                 let counters = counters.clone();
+                let admission = admission.clone();
                 std::thread::Builder::new()
                     .name(format!("mlpo-io-{i}"))
-                    .spawn(move || worker(rx, &counters))
+                    .spawn(move || worker(rx, &counters, admission.as_deref()))
                     .map_err(|e| Error::io("start I/O thread for", label, e))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -41,12 +50,18 @@ impl ThreadPoolEngine {
     }
 }
 
-fn worker(rx: Receiver<Chunk>, counters: &PathCounters) {
+fn worker(rx: Receiver<Chunk>, counters: &PathCounters, admission: Option<&NodeAdmission>) {
     while let Ok(mut chunk) = rx.recv() {
         let error = loop {
+            if let Some(node) = admission {
+                take_request(node, counters);
+            }
             counters.started(chunk.state.op);
             let result = syscall(&chunk);
             counters.ended(chunk.state.op);
+            if let Some(node) = admission {
+                node.release();
+            }
             match chunk.outcome(result, counters) {
                 ChunkOutcome::Done => break None,
                 ChunkOutcome::Again => continue,
@@ -58,6 +73,22 @@ fn worker(rx: Receiver<Chunk>, counters: &PathCounters) {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         chunk.finish(error);
     }
+}
+
+/// Waits in the kernel's queue for one of the device's requests (the worker has nothing else to do).
+fn take_request(node: &NodeAdmission, counters: &PathCounters) {
+    loop {
+        match node.acquire(Duration::from_secs(1)) {
+            Ok(true) => break,
+            Ok(false) => continue,
+            Err(e) => {
+                log::error!("{e}; this path goes on without node-wide admission");
+                node.disable();
+                break;
+            }
+        }
+    }
+    counters.observe_node_inflight(node.in_flight() as usize);
 }
 
 fn syscall(chunk: &Chunk) -> io::Result<usize> {

@@ -5,8 +5,10 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{opcode, types, IoUring, Probe};
@@ -14,6 +16,7 @@ use io_uring::{opcode, types, IoUring, Probe};
 use super::{
     split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
 };
+use crate::admission::NodeAdmission;
 use crate::error::{Error, Result};
 
 /// `user_data` of the eventfd poll; chunk slots use their index.
@@ -62,7 +65,13 @@ pub struct UringEngine {
 }
 
 impl UringEngine {
-    pub fn new(label: &str, limits: PathLimits) -> Result<Self> {
+    /// An engine for one path; with `admission`, every request also takes one of the device's
+    /// node-wide requests (see [`NodeAdmission`]).
+    pub fn new(
+        label: &str,
+        limits: PathLimits,
+        admission: Option<Arc<NodeAdmission>>,
+    ) -> Result<Self> {
         let entries = (limits.max_inflight + 1).next_power_of_two() as u32;
         let ring = IoUring::new(entries).map_err(|e| Error::io("io_uring_setup for", label, e))?;
         // SAFETY: plain syscall; the returned descriptor is checked before use.
@@ -74,6 +83,9 @@ impl UringEngine {
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
         let (tx, rx) = crossbeam_channel::unbounded();
         let counters = Arc::new(PathCounters::default());
+        let admission = admission
+            .map(|node| AdmissionLink::start(node, wake.clone(), counters.clone(), label))
+            .transpose()?;
         let worker = RingWorker {
             ring,
             rx,
@@ -86,6 +98,7 @@ impl UringEngine {
             inflight: 0,
             wake_armed: false,
             closed: false,
+            admission,
         };
         let thread = std::thread::Builder::new()
             .name("mlpo-uring".into())
@@ -100,10 +113,7 @@ impl UringEngine {
     }
 
     fn kick(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full counter (EAGAIN) already
-        // means a wake-up is pending, so the result needs no handling.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        kick(&self.wake);
     }
 }
 
@@ -148,6 +158,123 @@ struct RingWorker {
     inflight: usize,
     wake_armed: bool,
     closed: bool,
+    admission: Option<AdmissionLink>,
+}
+
+/// The ring's side of node-wide admission: a thread that waits in the kernel's queue for one of the
+/// device's requests at a time, on the ring's behalf, so the ring itself never blocks there and goes
+/// on reaping completions.
+struct AdmissionLink {
+    node: Arc<NodeAdmission>,
+    asks: Option<Sender<()>>,
+    grants: Receiver<()>,
+    /// A request asked for and not yet granted (at most one: one place in the kernel's queue).
+    asked: bool,
+    /// Requests granted and not yet used.
+    held: usize,
+    closing: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How long the admission thread waits in the kernel before checking whether the engine is closing.
+const ADMISSION_WAIT: Duration = Duration::from_millis(100);
+
+impl AdmissionLink {
+    fn start(
+        node: Arc<NodeAdmission>,
+        wake: Arc<OwnedFd>,
+        counters: Arc<PathCounters>,
+        label: &str,
+    ) -> Result<Self> {
+        let (asks, asked) = crossbeam_channel::unbounded::<()>();
+        let (granted, grants) = crossbeam_channel::unbounded::<()>();
+        let closing = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (node, closing) = (node.clone(), closing.clone());
+            std::thread::Builder::new()
+                .name("mlpo-admit".into())
+                .spawn(move || {
+                    while asked.recv().is_ok() {
+                        loop {
+                            if closing.load(Ordering::Acquire) {
+                                return;
+                            }
+                            match node.acquire(ADMISSION_WAIT) {
+                                Ok(true) => break,
+                                Ok(false) => continue,
+                                Err(e) => {
+                                    // The set is gone (removed by hand): go on without it.
+                                    log::error!(
+                                        "{e}; this path goes on without node-wide admission"
+                                    );
+                                    node.disable();
+                                    break;
+                                }
+                            }
+                        }
+                        counters.observe_node_inflight(node.in_flight() as usize);
+                        if granted.send(()).is_err() {
+                            node.release();
+                            return;
+                        }
+                        kick(&wake);
+                    }
+                })
+                .map_err(|e| Error::io("start admission thread for", label, e))?
+        };
+        Ok(AdmissionLink {
+            node,
+            asks: Some(asks),
+            grants,
+            asked: false,
+            held: 0,
+            closing,
+            thread: Some(thread),
+        })
+    }
+
+    fn take_grants(&mut self) {
+        while self.grants.try_recv().is_ok() {
+            self.held += 1;
+            self.asked = false;
+        }
+    }
+
+    /// Whether a granted request is there to use; if not, one is asked for.
+    fn take(&mut self) -> bool {
+        if self.held > 0 {
+            self.held -= 1;
+            return true;
+        }
+        if !self.asked {
+            if let Some(asks) = &self.asks {
+                self.asked = asks.send(()).is_ok();
+            }
+        }
+        false
+    }
+}
+
+impl Drop for AdmissionLink {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
+        self.asks.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // Granted and never used: back to the other ranks.
+        self.take_grants();
+        for _ in 0..self.held {
+            self.node.release();
+        }
+    }
+}
+
+fn kick(wake: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full counter (EAGAIN) already means a
+    // wake-up is pending, so the result needs no handling.
+    unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
 }
 
 impl RingWorker {
@@ -155,7 +282,8 @@ impl RingWorker {
         let mut reaped: Vec<(u64, i32)> = Vec::with_capacity(64);
         loop {
             self.take_new_transfers();
-            if !self.wake_armed && !self.closed {
+            // Armed while more can arrive: transfers, or grants for chunks still queued after close.
+            if !self.wake_armed && (!self.closed || !self.queued.is_empty()) {
                 let poll =
                     opcode::PollAdd::new(types::Fd(self.wake.as_raw_fd()), libc::POLLIN as u32)
                         .build()
@@ -197,6 +325,9 @@ impl RingWorker {
     }
 
     fn take_new_transfers(&mut self) {
+        if let Some(admission) = &mut self.admission {
+            admission.take_grants();
+        }
         loop {
             match self.rx.try_recv() {
                 Ok(t) => self.queued.extend(split(t, self.limits.chunk_size)),
@@ -212,6 +343,15 @@ impl RingWorker {
     /// Moves queued chunks into the kernel up to the in-flight limit.
     fn fill(&mut self) {
         while self.inflight < self.limits.max_inflight {
+            if self.queued.is_empty() {
+                return;
+            }
+            if let Some(admission) = &mut self.admission {
+                if !admission.take() {
+                    // Asked for; the grant wakes the ring.
+                    return;
+                }
+            }
             let Some(chunk) = self.queued.pop_front() else {
                 return;
             };
@@ -234,9 +374,12 @@ impl RingWorker {
             // reaped (the chunk sits in `slots` until then), and the file stays open through
             // `chunk.state.file`.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
-                // Submission queue full: the chunk waits for the next round.
+                // Submission queue full: the chunk waits for the next round, keeping its grant.
                 self.free_slots.push(slot);
                 self.queued.push_front(chunk);
+                if let Some(admission) = &mut self.admission {
+                    admission.held += 1;
+                }
                 return;
             }
             self.counters.started(chunk.state.op);
@@ -252,6 +395,10 @@ impl RingWorker {
         self.free_slots.push(slot);
         self.inflight -= 1;
         self.counters.ended(chunk.state.op);
+        if let Some(admission) = &self.admission {
+            // Given back at once, also before a retry: a waiting rank is served first.
+            admission.node.release();
+        }
         let result = if result < 0 {
             Err(io::Error::from_raw_os_error(-result))
         } else {

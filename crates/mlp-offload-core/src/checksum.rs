@@ -1,0 +1,138 @@
+//! CRC32C of objects, computed on threads of their own.
+//!
+//! Hashing costs a pass of the CPU over every byte moved: on a 2-vCPU machine CRC32C runs at about 3.5
+//! GB/s per core, as fast as a disk moves the bytes. Done on the caller's thread (writes) or on a path's
+//! I/O thread (reads), it delayed the next update and left the path's queue empty while it ran. So an
+//! object is cut into pieces of at most [`PIECE`] bytes, each piece hashed as its own part of the
+//! operation's [`Completion`] on a process-wide pool, and the pieces' CRCs are combined per stripe
+//! (`crc32c_combine`), which gives the same value as hashing the stripe whole.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crossbeam_channel::Sender;
+
+use crate::completion::Completion;
+use crate::engine::HostPtr;
+
+/// The largest piece one job hashes: small enough that the pool's threads share an object, large enough
+/// that combining costs nothing.
+pub const PIECE: usize = 4 << 20;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The process's checksum threads: one per CPU, at most 8.
+fn pool() -> &'static Sender<Job> {
+    static POOL: OnceLock<Sender<Job>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        for i in 0..threads {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("mlpo-crc-{i}"))
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job();
+                    }
+                })
+                .expect("start a checksum thread");
+        }
+        tx
+    })
+}
+
+/// One object's ranges (its stripes, as `(offset in the buffer, length)`) cut into pieces, and the
+/// pieces' CRCs as the pool computes them.
+pub struct PieceSums {
+    ranges: Vec<(usize, usize)>,
+    /// Per piece: its range's index, its offset in the buffer, its length.
+    pieces: Vec<(usize, usize, usize)>,
+    sums: Mutex<Vec<u32>>,
+}
+
+impl PieceSums {
+    pub fn new(ranges: Vec<(usize, usize)>) -> Arc<Self> {
+        let mut pieces = Vec::new();
+        for (r, &(offset, len)) in ranges.iter().enumerate() {
+            let mut at = 0;
+            loop {
+                let n = PIECE.min(len - at);
+                pieces.push((r, offset + at, n));
+                at += n;
+                if at >= len {
+                    break;
+                }
+            }
+        }
+        let sums = Mutex::new(vec![0; pieces.len()]);
+        Arc::new(PieceSums {
+            ranges,
+            pieces,
+            sums,
+        })
+    }
+
+    /// Hashes every piece of `buf` on the pool, each as one more part of `completion`.
+    ///
+    /// # Safety
+    /// `buf` must cover every range and stay valid and unwritten until `completion` is done (its
+    /// keep-alive values own the memory, and the parts added here hold it open).
+    pub unsafe fn hash_on_pool(self: &Arc<Self>, buf: HostPtr, completion: &Completion) {
+        for k in 0..self.pieces.len() {
+            completion.add_part();
+            let (this, completion) = (self.clone(), completion.clone());
+            let job: Job = Box::new(move || {
+                // Whole-value move: a closure capturing only the field `.0` would not be `Send`.
+                let buf = buf;
+                let (_, offset, len) = this.pieces[k];
+                // SAFETY: the caller keeps the range valid and unwritten until the completion is done,
+                // which cannot happen before this part reports below.
+                let bytes = unsafe { std::slice::from_raw_parts(buf.0.add(offset), len) };
+                let crc = crc32c::crc32c(bytes);
+                this.sums.lock().expect("checksum lock")[k] = crc;
+                completion.part_done(Ok(()));
+            });
+            pool()
+                .send(job)
+                .expect("the checksum threads live as long as the process");
+        }
+    }
+
+    /// Each range's CRC32C, from its pieces' (once every piece is hashed).
+    pub fn range_sums(&self) -> Vec<u32> {
+        let sums = self.sums.lock().expect("checksum lock");
+        let mut out: Vec<Option<u32>> = vec![None; self.ranges.len()];
+        for (&(r, _, len), &crc) in self.pieces.iter().zip(sums.iter()) {
+            out[r] = Some(match out[r] {
+                None => crc,
+                Some(before) => crc32c::crc32c_combine(before, crc, len),
+            });
+        }
+        out.into_iter().map(|s| s.unwrap_or(0)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_combine_to_the_whole_ranges_crc() {
+        let data: Vec<u8> = (0..3 * PIECE + 12_345)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        // Ranges: empty, shorter than a piece, exactly one, several with a tail.
+        let cases = [(0, 0), (7, 1000), (4096, PIECE), (1, 3 * PIECE + 12_000)];
+        let sums = PieceSums::new(cases.to_vec());
+        let completion = Completion::new();
+        // SAFETY: `data` outlives the completion, which is waited for below.
+        unsafe { sums.hash_on_pool(HostPtr(data.as_ptr() as *mut u8), &completion) };
+        completion.seal();
+        completion.wait().unwrap();
+        let expected: Vec<u32> = cases
+            .iter()
+            .map(|&(o, n)| crc32c::crc32c(&data[o..o + n]))
+            .collect();
+        assert_eq!(sums.range_sums(), expected);
+    }
+}

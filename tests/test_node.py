@@ -1,0 +1,97 @@
+"""Many ranks on one node, as separate processes: one probe per node, and a rank killed while it holds
+node-wide admission does not block the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+import mlp_offload
+
+SMALL_PROBE = (
+    "ProbeOptions(bytes=16 << 20, sustained_bytes=32 << 20, chunk_sizes=[1 << 20], depths=[2, 8], "
+    "together_secs=0.3)"
+)
+
+
+def test_one_rank_of_a_node_probes_and_the_others_reuse_its_profile(work_dirs: list[Path]) -> None:
+    """Four processes start at once and each asks for the profile of the same two paths: one probes,
+    the other three wait for it and read what it saved."""
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from mlp_offload.profiles import ProbeOptions, load_or_probe
+        profile, source = load_or_probe(sys.argv[1:], {SMALL_PROBE})
+        print(json.dumps({{"source": source, "probed_at": profile.probed_at, "devices": profile.devices}}))
+        """
+    )
+    paths = [str(p) for p in work_dirs[:2]]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, *paths], stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outs = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    probed = [o for o in outs if o["source"].startswith("probed now")]
+    assert len(probed) == 1, [o["source"] for o in outs]
+    assert len({o["probed_at"] for o in outs}) == 1, "every rank plans from the one probe"
+    # Both directories are on the work disk: the profile says they share it.
+    assert list(outs[0]["devices"].values()) == [[0, 1]]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, torch, mlp_offload
+    store = mlp_offload.ObjectStore([sys.argv[1]], rank=int(sys.argv[2]), chunk_size=64 << 10,
+                                    max_inflight=8, device_inflight=[2])
+    data = torch.ones(64 << 20, dtype=torch.uint8)
+    print("writing", flush=True)
+    while True:  # until killed: requests of this rank always in flight or waiting
+        store.write("big", data).wait()
+    """
+)
+
+
+def test_a_rank_killed_while_it_holds_the_device_does_not_block_the_others(work_dirs: list[Path]) -> None:
+    """Rank 1 writes without pause under a node-wide limit of 2 requests; rank 0 works beside it, then
+    rank 1 is killed with SIGKILL, requests in flight. Had its requests died with it, the limit would be
+    spent for good and rank 0's next write would never start; instead the kernel gives them back and
+    rank 0 goes on at once."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(work_dirs[0]), "1"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "writing"
+        store = mlp_offload.ObjectStore(
+            [work_dirs[0]], rank=0, chunk_size=64 << 10, max_inflight=8, device_inflight=[2]
+        )
+        data = torch.arange(16 << 20, dtype=torch.int32).view(torch.uint8)
+        assert store.write("before", data).wait(timeout=120), "no request passed beside the other rank"
+        time.sleep(0.5)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=60)
+        killed = time.perf_counter()
+        for key in ("after0", "after1"):
+            assert store.write(key, data).wait(timeout=120), "the dead rank's requests were not given back"
+        back = torch.empty_like(data)
+        assert store.read("after1", back).wait(timeout=120)
+        assert torch.equal(back, data)
+        print(f"two writes and a read of 64 MiB in {time.perf_counter() - killed:.2f} s after the kill")
+        report = store.path_reports()[0]
+        assert report["device_inflight"] == 2
+        assert 1 <= report["stats"]["node_inflight_max"] <= 2
+        assert report["stats"]["inflight_max"] <= 2
+        store.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        holder.stdout.close()
