@@ -60,6 +60,23 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
     assert not any(p.name.startswith(".mlp-offload") for d in work_dirs for p in d.iterdir())
     alone = json.loads(run_cli(*PROBE[3:], "--json", "-q", "--no-save", str(work_dirs[2])).stdout)
     assert alone[0]["concurrent_bytes_per_s"] is None, "nothing to run together with"
+    assert all(r["sharing"] is None for r in [*results, *alone]), "one rank: no sharing to measure"
+
+
+def test_probe_for_a_node_of_ranks_measures_both_ways_of_sharing_each_device(work_dirs: list[Path]) -> None:
+    """With `--ranks 3` each device is measured with 3 streams at once under one limit, request by
+    request and by turns (once per device: both directories are on the work disk), and the table says
+    which the model picks."""
+    out = run_cli(
+        *PROBE[3:], "--ranks", "3", "--json", "-q", "--no-save", str(work_dirs[0]), str(work_dirs[1])
+    )
+    results = json.loads(out.stdout)
+    sharing = [r["sharing"] for r in results]
+    assert sharing[0] == sharing[1], "one measurement per device"
+    assert sharing[0]["streams"] == 3 and sharing[0]["limit"] == results[0]["best_read"]["max_inflight"]
+    assert sharing[0]["shared_bytes_per_s"] > 0 and sharing[0]["turns_bytes_per_s"] > 0
+    table = run_cli(*PROBE[3:], "--ranks", "3", "-q", "--no-save", str(work_dirs[0])).stdout
+    assert "3 ranks at once under" in table and "the model picks" in table
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:

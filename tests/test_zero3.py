@@ -168,44 +168,67 @@ def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path
         assert sorted(d.name for d in path.iterdir() if any(d.glob("*.mlpo"))) == ["rank0", "rank1"], path
 
 
-def save_stale_profile(paths: list[Path]) -> None:
-    """A real probe of `paths` (a small one), saved as the engine's profile of them, in which the first
-    path claims 8 times what it gives, as a profile saved before its device slowed would: the plan
-    then loads it with most of the state, and the tuners must move the split back."""
+def save_stale_profile(paths: list[Path], ranks: int) -> dict[str, Any]:
+    """A real probe of `paths` (a small one) for a node of `ranks`, saved as the engine's profile of them,
+    in which the first path claims 8 times what it gives, as a profile saved before its device slowed
+    would: the plan then loads it with most of the state, and the tuners must move the split back.
+    Returns the probe's measurement of how the ranks share the device."""
     from dataclasses import asdict
 
     from mlp_offload import profiles
 
     small = profiles.ProbeOptions(
-        bytes=16 << 20, sustained_bytes=32 << 20, chunk_sizes=[1 << 20], depths=[2, 8], together_secs=0.3
+        bytes=16 << 20,
+        sustained_bytes=32 << 20,
+        chunk_sizes=[1 << 20],
+        depths=[2, 8],
+        together_secs=0.3,
+        ranks=ranks,
     )
     profile = profiles.probe([str(p) for p in paths], small)
     for key in ("read_bytes_per_s", "write_bytes_per_s", "mixed_bytes_per_s", "concurrent_bytes_per_s"):
         if profile.probes[0].get(key):
             profile.probes[0][key] *= 8
-    profile.options = asdict(profiles.ProbeOptions())
+    profile.options = asdict(profiles.ProbeOptions(ranks=ranks))
     profiles.save_profile(profile)
+    sharing: dict[str, Any] = profile.probes[0]["sharing"]
+    return sharing
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+# ranks, device_sharing
+NODES = [(2, "auto"), (4, "turns")]
+
+
+@pytest.mark.parametrize(("ranks", "sharing"), NODES, ids=[f"{r} ranks, {s}" for r, s in NODES])
 def test_the_ranks_of_a_node_share_each_device_and_agree_on_the_split(
-    ranks: int, work_dirs: list[Path], tmp_path: Path
+    ranks: int, sharing: str, work_dirs: list[Path], tmp_path: Path
 ) -> None:
     """N ranks of one node (gloo) on the same two paths, under node-wide admission of 2 requests per
     device while each rank may put 8 in flight, adapting the split from a stale profile: every rank's
     state equals stock DeepSpeed's N-rank run bit for bit; no rank put more than 2 requests in flight,
-    and none saw more than 2 in flight on the device, all ranks together; and every rank's tuner made
-    the same moves at the same steps, so all hold the same split throughout."""
-    save_stale_profile(work_dirs[:2])
+    and none saw more than 2 in flight on the device, all ranks together; every rank's tuner made the
+    same moves at the same steps, so all hold the same split throughout; and the device is shared as
+    asked, or ("auto") as the probe measured faster."""
+    from mlp_offload import profiles
+
+    measured = save_stale_profile(work_dirs[:2], ranks)
     stock = run_case({}, tmp_path, "stock", ranks=ranks)
-    extra = {"weights": "auto", "host_memory": "200K", "update_chunk": "24K", "device_inflight": 2}
+    extra = {
+        "weights": "auto",
+        "host_memory": "200K",
+        "update_chunk": "24K",
+        "device_inflight": 2,
+        "device_sharing": sharing,
+    }
     ours = run_case({"mlp_offload": section(work_dirs[:2], **extra)}, tmp_path, "ours", ranks=ranks)
     for a, b in zip(ours["ranks"], stock["ranks"], strict=True):
         assert_bit_equal(a, b)
+    way = profiles.sharing_choice(measured) if sharing == "auto" else sharing
     moves = []
     for rank, result in enumerate(ours["ranks"]):
         start = next(r for r in result["telemetry"] if r["event"] == "start")
         assert start["device_inflight"] == [2, 2], rank
+        assert start["device_sharing"] == [way, way], rank
         steps = [r for r in result["telemetry"] if r["event"] == "step"]
         for r in steps:
             for p in r["paths"]:

@@ -76,6 +76,7 @@ class ObjectStore:
         checksum: bool = True,
         shadow_slots: bool = True,
         device_inflight: list[int | None] | None = None,
+        device_sharing: list[str] | None = None,
     ) -> Self: ...
     def write(
         self, key: str, address: int, nbytes: int, owner: object, weights: list[float] | None = None
@@ -130,11 +131,13 @@ def probe_bandwidth(
     depths: list[int] | None = None,
     engine: str = "auto",
     together_secs: float | None = None,
+    ranks: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Per directory: the best chunk size and in-flight limit of a sweep over `bytes`; at those, read,
-    write and mixed read+write bandwidth sustained over `sustained_bytes` until the rate settles; and
-    all paths at once."""
+    write and mixed read+write bandwidth sustained over `sustained_bytes` until the rate settles; all
+    paths at once; and with `ranks` above 1, each device shared by that many streams (at most 4)
+    request by request and by turns (`sharing`)."""
 
 def io_uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used in this process, or None when it can."""

@@ -64,6 +64,16 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
     )
     if any(devices.count(d) > 1 for d in devices):
         lines.append("(shared): these paths are on one device and share its bandwidth")
+    seen: set[str] = set()
+    for r in results:
+        if (sharing := r.get("sharing")) and r["device_id"] not in seen:
+            seen.add(r["device_id"])
+            lines.append(
+                f"{r['device_name']} {r['device_id']}: {sharing['streams']} ranks at once under "
+                f"{sharing['limit']} requests in flight: {_mib(sharing['shared_bytes_per_s'])} MiB/s request "
+                f"by request, {_mib(sharing['turns_bytes_per_s'])} MiB/s by turns; the model picks "
+                f"{profiles.sharing_choice(sharing)}"
+            )
     return "\n".join(lines)
 
 
@@ -81,6 +91,7 @@ def _probe_options(args: argparse.Namespace) -> profiles.ProbeOptions:
         depths=args.depths,
         engine=args.engine,
         together_secs=args.together_secs,
+        ranks=args.ranks,
     )
 
 
@@ -323,6 +334,13 @@ def _add_probe_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--together-secs", type=float, default=None, help="seconds all paths run at once (3)")
     parser.add_argument("--engine", choices=["auto", "io_uring", "threads"], default="auto")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="ranks of the node: above 1, each device is also measured shared by that many streams (at "
+        "most 4), request by request and by turns, for the model to pick (1)",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 

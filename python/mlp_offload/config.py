@@ -78,9 +78,17 @@ class MLPOffloadConfig(BaseModel):
     """Requests in flight on each path's device for the whole node, all its ranks together (node-wide
     admission): every rank takes one of them for each request it submits and gives it back when the
     request completes, waiting its turn in the kernel when none is free; a rank that dies gives back
-    what it held at once. `"auto"`: on when the node runs more than one rank, at the in-flight count
-    the performance model found best for the device (the probe's), else the rank's `max_inflight`;
-    a number: on, at that count; `"off"`: each rank is bounded by its own `max_inflight` alone."""
+    what it held at once. `"auto"`: on when the node runs more than one rank, at what one rank would
+    put in flight alone (`max_inflight`), or more where the probe found the device fastest with more
+    bytes in flight; a number: on, at that count; `"off"`: each rank is bounded by its own
+    `max_inflight` alone."""
+
+    device_sharing: Literal["auto", "shared", "turns"] = "auto"
+    """How the node's ranks share a device under `device_inflight`. `"shared"`: each takes one request
+    at a time, so their requests interleave; `"turns"`: a rank takes the whole limit for a turn (256 MiB
+    of requests, or until it has nothing more to do), then the next in the kernel's queue. `"auto"`:
+    what the probe measured faster for the device with this many ranks at once (`"shared"` unless
+    turns moved 5% more; `"shared"` without a measurement)."""
 
     checksum: bool = True
     """A CRC32C of every stripe, checked on every read."""

@@ -44,8 +44,10 @@ def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_c
     return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
 
 
-# A rank's requests in flight per path when neither the config nor a probe says (the store's default).
+# A rank's requests in flight per path, and their size, when the config does not say (the store's
+# defaults).
 DEFAULT_MAX_INFLIGHT = 8
+DEFAULT_CHUNK_SIZE = 4 << 20
 
 
 def update_chunk(config: MLPOffloadConfig) -> int | None:
@@ -130,21 +132,23 @@ class UpdatePlanner:
         """The paths' profile: with `weights: "auto"` the saved one or a new probe (one per node: the
         node's other ranks wait for it and reuse it); with fixed weights only a saved one."""
         config = self.config
+        # With several ranks on the node, the probe also measures how they best share each device.
+        options = profiles.ProbeOptions(ranks=memory.local_ranks())
         if config.weights != "auto":
             # Fixed weights: plan with the profile only when one is saved, never probe for it.
-            self.profile, _ = profiles.saved_profile(
-                config.paths, profiles.ProbeOptions(), config.probe_max_age_hours * 3600
-            )
+            self.profile, _ = profiles.saved_profile(config.paths, options, config.probe_max_age_hours * 3600)
         else:
             self.profile, source = profiles.load_or_probe(
-                config.paths, max_age_s=config.probe_max_age_hours * 3600, progress=None
+                config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=None
             )
             log.info("mlp-offload: %s", source)
 
     def device_inflight(self) -> list[int | None]:
         """Per path, the node-wide limit of requests in flight on its device, or None (see
-        `MLPOffloadConfig.device_inflight`): the model's in-flight count for the device is the one its
-        probe found fastest, which the node's ranks then share instead of each using it."""
+        `MLPOffloadConfig.device_inflight`). With `"auto"`: what one rank would put in flight alone
+        (`max_inflight`), or more where the probe found the device fastest with more bytes in flight
+        (its best in-flight count times its best request size, in this store's requests); the node's
+        ranks then share that instead of each using it."""
         config = self.config
         n = len(config.paths)
         limit = config.device_inflight
@@ -152,9 +156,24 @@ class UpdatePlanner:
             return [None] * n
         if isinstance(limit, int):
             return [limit] * n
-        if self.profile is not None:
-            return [int(p["best_inflight"]) for p in self.profile.model_inputs()]
-        return [config.max_inflight or DEFAULT_MAX_INFLIGHT] * n
+        own = config.max_inflight or DEFAULT_MAX_INFLIGHT
+        if self.profile is None:
+            return [own] * n
+        request = config.chunk_size or DEFAULT_CHUNK_SIZE
+        return [
+            max(own, -(-p["best_read"]["max_inflight"] * p["best_read"]["chunk_size"] // request))
+            for p in self.profile.probes
+        ]
+
+    def device_sharing(self) -> list[str]:
+        """Per path, how the node's ranks share its device (see `MLPOffloadConfig.device_sharing`): with
+        `"auto"`, the way the probe measured faster for as many ranks at once."""
+        config = self.config
+        if config.device_sharing != "auto":
+            return [config.device_sharing] * len(config.paths)
+        if self.profile is None:
+            return ["shared"] * len(config.paths)
+        return [profiles.sharing_choice(p.get("sharing")) for p in self.profile.probes]
 
     def plan(self, pipeline: ChunkPipeline, store: ObjectStore) -> dict[str, Any] | None:
         """The performance model's plan from the profile `load_profile` found; with `weights: "auto"` the

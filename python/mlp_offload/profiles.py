@@ -52,6 +52,8 @@ class ProbeOptions:
     depths: list[int] | None = None
     engine: str = "auto"
     together_secs: float | None = None
+    # Ranks of the node: above 1, each device's sharing among them is measured too.
+    ranks: int = 1
 
 
 @dataclass
@@ -133,6 +135,22 @@ class Profile:
             measured_bytes_per_s=measured_bytes_per_s,
             **model_options,
         )
+
+
+# Turns must beat sharing request by request by this much to be chosen: sharing keeps every rank's
+# requests flowing, which keeps the ranks' update times together.
+TURNS_MARGIN = 1.05
+
+
+def sharing_choice(sharing: dict[str, Any] | None) -> str:
+    """How the node's ranks should share a device, from the probe's `sharing` figures: `"turns"` when
+    the whole limit by turns moved more than `TURNS_MARGIN` times what request by request did, else
+    `"shared"` (also without figures)."""
+    if not sharing:
+        return "shared"
+    return (
+        "turns" if sharing["turns_bytes_per_s"] > TURNS_MARGIN * sharing["shared_bytes_per_s"] else "shared"
+    )
 
 
 def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:

@@ -39,7 +39,8 @@ class ObjectStore:
 
     `device_inflight` (one per path, `None` for none) is the node-wide limit of requests in flight on
     each path's device, shared by every store of this user on the node on that device (node-wide
-    admission, see the Rust crate's `admission` module).
+    admission, see the Rust crate's `admission` module); `device_sharing` (one per path, `"shared"` by
+    default, or `"turns"`) says how.
 
     `write` and `read` return an `IoHandle` at once; `handle.wait()` blocks (without the GIL) and raises
     `OSError` (with `errno` and `filename`) on failure, `CorruptObjectError` on a checksum mismatch.
@@ -59,6 +60,7 @@ class ObjectStore:
         checksum: bool = True,
         shadow_slots: bool = True,
         device_inflight: Sequence[int | None] | None = None,
+        device_sharing: Sequence[str] | None = None,
     ) -> None:
         def open_store() -> _core.ObjectStore:
             return _core.ObjectStore(
@@ -71,6 +73,7 @@ class ObjectStore:
                 checksum=checksum,
                 shadow_slots=shadow_slots,
                 device_inflight=list(device_inflight) if device_inflight is not None else None,
+                device_sharing=list(device_sharing) if device_sharing is not None else None,
             )
 
         try:

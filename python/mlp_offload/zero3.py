@@ -118,6 +118,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             checksum=config.checksum,
             shadow_slots=config.shadow_slots,
             device_inflight=self._mlp_planner.device_inflight(),
+            device_sharing=self._mlp_planner.device_sharing(),
         )
         # When the last step ended (forward and backward run until the next one starts).
         self._mlp_last_step_end: float | None = None
@@ -219,6 +220,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "weights": self._mlp_store.weights,
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
+                "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
                 "plan": plan,
             }
         )

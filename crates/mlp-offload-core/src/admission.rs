@@ -24,7 +24,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -48,6 +51,8 @@ pub struct NodeAdmission {
     key_file: PathBuf,
     /// Set when the semaphore failed (removed by hand): requests then pass freely.
     disabled: AtomicBool,
+    /// A set of this process alone (`private`), removed when dropped.
+    private: bool,
 }
 
 /// Where the key files live: `/dev/shm` (node-local memory, gone at reboot with the sets themselves),
@@ -142,7 +147,40 @@ impl NodeAdmission {
             device_id: device_id.to_string(),
             key_file,
             disabled: AtomicBool::new(false),
+            private: false,
         })
+    }
+
+    /// A set of `limit` requests for this process alone (`IPC_PRIVATE`), removed when dropped: the probe
+    /// measures ranks sharing a device with it, as threads of one process.
+    pub fn private(limit: u32) -> Result<Self> {
+        let key_file = PathBuf::from("IPC_PRIVATE");
+        // SAFETY: plain syscall; the result is checked.
+        let semid = unsafe { libc::semget(libc::IPC_PRIVATE, SEMS, 0o600) };
+        if semid < 0 {
+            return Err(Error::io(
+                "create semaphore",
+                &key_file,
+                io::Error::last_os_error(),
+            ));
+        }
+        let admission = NodeAdmission {
+            semid,
+            limit,
+            device_id: "private".into(),
+            key_file,
+            disabled: AtomicBool::new(false),
+            private: true,
+        };
+        for (sem, value) in [
+            (LIMIT, limit as i32),
+            (MARKER, MARKER_VALUE),
+            (FREE, limit as i32),
+        ] {
+            set_value(semid, sem, value)
+                .map_err(|e| Error::io("initialise semaphore", &admission.key_file, e))?;
+        }
+        Ok(admission)
     }
 
     /// The node-wide limit in force.
@@ -154,9 +192,9 @@ impl NodeAdmission {
         &self.device_id
     }
 
-    /// Takes one request, waiting at most `timeout` (in the kernel's queue of waiters). `Ok(false)` when
-    /// the time ran out.
-    pub fn acquire(&self, timeout: Duration) -> Result<bool> {
+    /// Takes `n` requests at once, waiting at most `timeout` (in the kernel's queue of waiters).
+    /// `Ok(false)` when the time ran out.
+    pub fn acquire(&self, n: u32, timeout: Duration) -> Result<bool> {
         if self.disabled.load(Ordering::Relaxed) {
             return Ok(true);
         }
@@ -165,7 +203,7 @@ impl NodeAdmission {
             tv_nsec: timeout.subsec_nanos() as libc::c_long,
         };
         loop {
-            match self.semop(-1, Some(&ts)) {
+            match self.semop(-(n as i16), Some(&ts)) {
                 Ok(()) => return Ok(true),
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Ok(false),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
@@ -174,19 +212,19 @@ impl NodeAdmission {
         }
     }
 
-    /// Gives one request back. A failure (the set removed under us) is logged: the request is gone
+    /// Gives `n` requests back. A failure (the set removed under us) is logged: the requests are gone
     /// with the set.
-    pub fn release(&self) {
-        if self.disabled.load(Ordering::Relaxed) {
+    pub fn release(&self, n: u32) {
+        if n == 0 || self.disabled.load(Ordering::Relaxed) {
             return;
         }
         loop {
-            match self.semop(1, None) {
+            match self.semop(n as i16, None) {
                 Ok(()) => return,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 Err(e) => {
                     log::error!(
-                        "device {}: giving back a request to {}: {e}; going on without node-wide \
+                        "device {}: giving back requests to {}: {e}; going on without node-wide \
                          admission",
                         self.device_id,
                         self.key_file.display()
@@ -230,6 +268,195 @@ impl NodeAdmission {
             Ok(())
         } else {
             Err(io::Error::last_os_error())
+        }
+    }
+}
+
+/// How the ranks of a node share a device under its node-wide limit: which of the two the performance
+/// model picks from the probe's measurement of both (`probe.rs`, "sharing").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Sharing {
+    /// Every rank takes one request at a time: the ranks' requests interleave on the device.
+    #[default]
+    Shared,
+    /// A rank takes the whole limit at once, for a turn of up to [`TURN_BYTES`], then gives it all
+    /// back; the next rank in the kernel's queue has the device to itself. For devices that lose
+    /// bandwidth when several streams interleave (seeking disks, some remote file systems).
+    Turns,
+}
+
+impl std::str::FromStr for Sharing {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "shared" => Ok(Sharing::Shared),
+            "turns" => Ok(Sharing::Turns),
+            other => Err(Error::config(
+                "device_sharing",
+                format!("{other:?} is not one of \"shared\", \"turns\""),
+            )),
+        }
+    }
+}
+
+/// The bytes of one turn (with [`Sharing::Turns`]).
+pub const TURN_BYTES: usize = 256 << 20;
+
+/// How long a waiter sleeps in the kernel before it checks whether its engine is closing.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// One engine's side of its device's admission, whatever the engine: [`take`](Admitter::take) before
+/// a request enters the kernel, [`give_back`](Admitter::give_back) when it completes.
+pub struct Admitter {
+    node: Arc<NodeAdmission>,
+    sharing: Sharing,
+    /// Requests per turn (turns only).
+    turn_requests: usize,
+    turn: Mutex<Turn>,
+    turn_changed: Condvar,
+}
+
+/// A turn's requests (turns only).
+#[derive(Default)]
+struct Turn {
+    /// Taken from the node for this turn and not handed to the engine.
+    held: u32,
+    /// Requests the turn may still start.
+    left: usize,
+    /// This turn's requests not yet given back to the node (held or in the engine's hands).
+    out: u32,
+    /// A thread is waiting in the kernel for the next turn.
+    fetching: bool,
+}
+
+impl Admitter {
+    /// `chunk_size` is the engine's request size (it sets how many requests make a turn).
+    pub fn new(node: Arc<NodeAdmission>, sharing: Sharing, chunk_size: usize) -> Self {
+        Admitter {
+            node,
+            sharing,
+            turn_requests: TURN_BYTES.div_ceil(chunk_size.max(1)).max(1),
+            turn: Mutex::new(Turn::default()),
+            turn_changed: Condvar::new(),
+        }
+    }
+
+    pub fn node(&self) -> &NodeAdmission {
+        &self.node
+    }
+
+    pub fn sharing(&self) -> Sharing {
+        self.sharing
+    }
+
+    /// Blocks until this engine may start one request (`true`), or until `closing` is set (`false`).
+    /// A failing semaphore is logged and admission turned off: requests then pass.
+    pub fn take(&self, closing: &AtomicBool) -> bool {
+        match self.sharing {
+            Sharing::Shared => self.wait_for(1, closing),
+            Sharing::Turns => self.take_in_turn(closing),
+        }
+    }
+
+    /// One request of this engine is done; `more` says whether the engine has more waiting, which lets
+    /// a turn go on.
+    pub fn give_back(&self, more: bool) {
+        if self.sharing == Sharing::Shared {
+            self.node.release(1);
+            return;
+        }
+        let mut turn = self.turn.lock().expect("turn lock");
+        if turn.left > 0 && more {
+            turn.held += 1;
+        } else {
+            // The turn is spent, or this engine has nothing more to do: all of it goes back, what is
+            // still in flight as it completes.
+            let n = 1 + turn.held;
+            turn.held = 0;
+            turn.left = 0;
+            turn.out -= n;
+            self.node.release(n);
+        }
+        self.turn_changed.notify_all();
+    }
+
+    /// Waits in the kernel's queue for `n` requests of the node.
+    fn wait_for(&self, n: u32, closing: &AtomicBool) -> bool {
+        loop {
+            if closing.load(Ordering::Acquire) {
+                return false;
+            }
+            match self.node.acquire(n, WAIT_SLICE) {
+                Ok(true) => break,
+                Ok(false) => continue,
+                Err(e) => {
+                    // The set is gone (removed by hand): go on without it.
+                    log::error!("{e}; this path goes on without node-wide admission");
+                    self.node.disable();
+                    break;
+                }
+            }
+        }
+        true
+    }
+
+    fn take_in_turn(&self, closing: &AtomicBool) -> bool {
+        let mut turn = self.turn.lock().expect("turn lock");
+        loop {
+            if closing.load(Ordering::Acquire) {
+                return false;
+            }
+            if turn.held > 0 && turn.left > 0 {
+                turn.held -= 1;
+                turn.left -= 1;
+                return true;
+            }
+            if turn.out == 0 && !turn.fetching {
+                // The last turn is all back: queue for the next one (the whole limit at once).
+                turn.fetching = true;
+                drop(turn);
+                let limit = self.node.limit();
+                let got = self.wait_for(limit, closing);
+                turn = self.turn.lock().expect("turn lock");
+                turn.fetching = false;
+                if got {
+                    *turn = Turn {
+                        held: limit,
+                        left: self.turn_requests,
+                        out: limit,
+                        fetching: false,
+                    };
+                }
+                self.turn_changed.notify_all();
+                continue;
+            }
+            turn = self
+                .turn_changed
+                .wait_timeout(turn, WAIT_SLICE)
+                .expect("turn lock")
+                .0;
+        }
+    }
+
+    /// Gives back what this engine holds and no longer uses (when it closes).
+    pub fn close(&self) {
+        if self.sharing == Sharing::Turns {
+            let mut turn = self.turn.lock().expect("turn lock");
+            let n = turn.held;
+            turn.held = 0;
+            turn.out -= n;
+            turn.left = 0;
+            self.node.release(n);
+        }
+    }
+}
+
+impl Drop for NodeAdmission {
+    fn drop(&mut self) {
+        if self.private {
+            // SAFETY: plain syscall on our own set, which nothing uses any more.
+            unsafe { libc::semctl(self.semid, 0, libc::IPC_RMID) };
         }
     }
 }
@@ -303,15 +530,15 @@ mod tests {
     fn a_semaphore_removed_by_hand_is_an_error_naming_the_key_file_then_requests_pass() {
         let node =
             NodeAdmission::open(&format!("test-removed-{}:0", std::process::id()), 1).unwrap();
-        assert!(node.acquire(Duration::from_millis(10)).unwrap());
+        assert!(node.acquire(1, Duration::from_millis(10)).unwrap());
         // What `ipcrm -s` does.
         // SAFETY: plain syscall on our own set.
         assert_eq!(unsafe { libc::semctl(node.semid, 0, libc::IPC_RMID) }, 0);
-        let e = node.acquire(Duration::from_millis(10)).unwrap_err();
+        let e = node.acquire(1, Duration::from_millis(10)).unwrap_err();
         assert!(e.to_string().contains("mlp-offload-admission"), "{e}");
         // What the engines do with that error: go on without admission.
         node.disable();
-        assert!(node.acquire(Duration::from_millis(10)).unwrap());
-        node.release();
+        assert!(node.acquire(1, Duration::from_millis(10)).unwrap());
+        node.release(1);
     }
 }

@@ -1,7 +1,9 @@
 //! Measures storage paths through our own engine: each path's sequential read and write bandwidth over
 //! a sweep of chunk sizes and in-flight limits, its bandwidth with reads and writes at once (the update
 //! phase does both), and, for several paths, what each gives while all of them work together (two
-//! directories on one device, or a shared file system, do not add up).
+//! directories on one device, or a shared file system, do not add up). For a node of several ranks,
+//! what each device gives to that many streams at once under one node-wide in-flight limit, request by
+//! request and by turns, so the model can pick how its ranks share it.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -10,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::admission::{Admitter, NodeAdmission, Sharing};
 use crate::buffer::AlignedBuf;
 use crate::completion::Completion;
 use crate::engine::{
@@ -38,8 +41,11 @@ pub struct ProbeOptions {
     pub chunk_sizes: Vec<usize>,
     pub depths: Vec<usize>,
     pub engine: EngineChoice,
-    /// How long all paths run together for the concurrent measurement.
+    /// How long all paths run together for the concurrent measurement (and each way of sharing a
+    /// device runs for the sharing measurement).
     pub together: Duration,
+    /// Ranks of the node: above 1, how each device is best shared among them is measured.
+    pub ranks: usize,
 }
 
 impl Default for ProbeOptions {
@@ -51,6 +57,7 @@ impl Default for ProbeOptions {
             depths: vec![4, 16],
             engine: EngineChoice::Auto,
             together: Duration::from_secs(3),
+            ranks: 1,
         }
     }
 }
@@ -79,6 +86,22 @@ pub struct PathProbe {
     pub device_id: String,
     pub device_name: String,
     pub samples: Vec<ProbeSample>,
+    /// How the device serves the node's ranks at once (`ranks` above 1), the same for every path on it.
+    pub sharing: Option<SharingProbe>,
+}
+
+/// What a device gives to several ranks at once under one node-wide limit of requests in flight, by
+/// each way of sharing it ([`Sharing`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct SharingProbe {
+    /// Ranks stood in for: streams at once, each with its own engine and its own part of the file.
+    pub streams: usize,
+    /// The node-wide limit they shared: the device's best in-flight count.
+    pub limit: u32,
+    /// Reads and writes of all streams together, bytes per second, each taking one request at a time.
+    pub shared_bytes_per_s: f64,
+    /// The same, each taking the whole limit for a turn.
+    pub turns_bytes_per_s: f64,
 }
 
 /// A probe file of real blocks in one directory, removed on drop: the sweep uses its first `bytes`, the
@@ -159,6 +182,29 @@ pub fn probe_paths(
         let file = ProbeFile::create(dir, opts, &mut buf)?;
         probes.push(sweep(dir, &file, opts, &mut buf, progress)?);
         files.push(file);
+    }
+    if opts.ranks > 1 {
+        let mut measured: Vec<(String, SharingProbe)> = Vec::new();
+        for (file, probe) in files.iter().zip(probes.iter_mut()) {
+            let found = measured.iter().find(|(id, _)| *id == probe.device_id);
+            let sharing = match found {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = sharing(file, probe, opts)?;
+                    progress(&format!(
+                        "{}: {} ranks at once under {} in flight: {:.0} MiB/s request by request, {:.0} MiB/s by turns",
+                        probe.path.display(),
+                        s.streams,
+                        s.limit,
+                        s.shared_bytes_per_s / (1 << 20) as f64,
+                        s.turns_bytes_per_s / (1 << 20) as f64
+                    ));
+                    measured.push((probe.device_id.clone(), s.clone()));
+                    s
+                }
+            };
+            probe.sharing = Some(sharing);
+        }
     }
     if files.len() > 1 {
         let rates = together(&files, &probes, opts)?;
@@ -290,6 +336,7 @@ fn sweep(
         device_id: tier.device_id.clone(),
         device_name: tier.device_name.clone(),
         samples,
+        sharing: None,
     })
 }
 
@@ -435,6 +482,73 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
             .collect()
     })
 }
+/// Most streams the sharing measurement runs: enough to show interleaving, few enough for small files.
+const SHARING_STREAMS: usize = 4;
+
+/// `min(ranks, 4)` streams at once on the path's device, each its own engine at the path's best settings
+/// over its own part of the sustained working set, all under one private node-wide limit of the best
+/// in-flight count: for `opts.together` request by request, then as long by turns.
+fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingProbe> {
+    let streams = opts.ranks.min(SHARING_STREAMS);
+    let limits = p.best_read;
+    let limit = limits.max_inflight as u32;
+    let chunk = limits.chunk_size as u64;
+    // Each stream's part of the file, whole chunks (so every pass starts aligned for O_DIRECT).
+    let part = (f.sustained_bytes / streams as u64 / chunk).max(2) * chunk;
+    let pass = ((p.mixed_bytes_per_s * 0.25 / streams as f64) as u64 / chunk)
+        .clamp(2, part / chunk)
+        * chunk;
+    let measure = |way: Sharing| -> Result<f64> {
+        let node = Arc::new(NodeAdmission::private(limit)?);
+        let start = Instant::now();
+        let deadline = start + opts.together;
+        let moved = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..streams as u64)
+                .map(|k| {
+                    let node = node.clone();
+                    scope.spawn(move || -> Result<u64> {
+                        let admitter = Arc::new(Admitter::new(node, way, limits.chunk_size));
+                        let label = p.path.to_string_lossy();
+                        let engine = open_engine(opts.engine, &label, limits, Some(admitter))?;
+                        let mut read_buf = AlignedBuf::new(limits.chunk_size, false)?;
+                        let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
+                        write_buf.as_mut_slice().fill(0x3c);
+                        let (first, mut offset, mut moved) =
+                            ((k * part).min(f.sustained_bytes - part), 0, 0);
+                        while Instant::now() < deadline {
+                            if offset + pass > part {
+                                offset = 0;
+                            }
+                            moved += mixed_pass(
+                                &*engine,
+                                f,
+                                first + offset,
+                                pass,
+                                &mut read_buf,
+                                &mut write_buf,
+                                limits.chunk_size,
+                            )?;
+                            offset += pass;
+                        }
+                        Ok(moved)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().expect("probe thread panicked"))
+                .sum::<Result<u64>>()
+        })?;
+        Ok(moved as f64 / start.elapsed().as_secs_f64())
+    };
+    Ok(SharingProbe {
+        streams,
+        limit,
+        shared_bytes_per_s: measure(Sharing::Shared)?,
+        turns_bytes_per_s: measure(Sharing::Turns)?,
+    })
+}
+
 /// Moves `bytes` from `base` sequentially between the file and `buf` (reused for successive ranges) and
 /// returns the seconds it took.
 fn run(

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use crate::admission::NodeAdmission;
+use crate::admission::{Admitter, NodeAdmission, Sharing};
 use crate::buffer::AlignedBuf;
 use crate::checksum::PieceSums;
 use crate::completion::Completion;
@@ -55,6 +55,7 @@ pub struct StoreConfig {
     checksum: bool,
     shadow_slots: bool,
     device_inflight: Vec<Option<u32>>,
+    device_sharing: Vec<Sharing>,
 }
 
 impl StoreConfig {
@@ -72,6 +73,7 @@ impl StoreConfig {
             checksum: true,
             shadow_slots: true,
             device_inflight: vec![None; n_paths],
+            device_sharing: vec![Sharing::Shared; n_paths],
         }
     }
 
@@ -127,6 +129,13 @@ impl StoreConfig {
     /// Default: `None` everywhere.
     pub fn with_device_inflight(mut self, limits: Vec<Option<u32>>) -> Self {
         self.device_inflight = limits;
+        self
+    }
+
+    /// Per path, how the node's ranks share its device under the node-wide limit: one request at a
+    /// time each, or the whole limit by turns (see [`Sharing`]). Default: shared everywhere.
+    pub fn with_device_sharing(mut self, sharing: Vec<Sharing>) -> Self {
+        self.device_sharing = sharing;
         self
     }
 
@@ -190,6 +199,8 @@ pub struct PathReport {
     pub max_inflight: usize,
     /// The node-wide limit of requests in flight on the path's device, when admission is on.
     pub device_inflight: Option<u32>,
+    /// How the node's ranks share the device, when admission is on.
+    pub device_sharing: Option<Sharing>,
     pub stats: PathStats,
 }
 
@@ -200,8 +211,8 @@ pub struct ObjectStore {
     tiers: Vec<TierInfo>,
     rank_dirs: Vec<PathBuf>,
     engines: Vec<Box<dyn IoEngine>>,
-    /// Per path, its device's node-wide admission (shared by the paths on one device).
-    admissions: Vec<Option<Arc<NodeAdmission>>>,
+    /// Per path, its engine's side of its device's node-wide admission.
+    admissions: Vec<Option<Arc<Admitter>>>,
     objects: Mutex<HashMap<String, Arc<ObjectEntry>>>,
     /// Held while a manifest is written: its contents are the object table at that moment.
     manifest_lock: Mutex<()>,
@@ -291,7 +302,7 @@ impl ObjectStore {
             rank_dirs.push(rank_dir);
         }
         warn_about_shared_devices(&tiers);
-        let admissions = open_admissions(&tiers, &config.device_inflight)?;
+        let admissions = open_admissions(&tiers, &config)?;
         let mut engines = Vec::with_capacity(tiers.len());
         for (i, tier) in tiers.iter().enumerate() {
             config.limits[i]
@@ -357,7 +368,8 @@ impl ObjectStore {
                 engine: engine.kind(),
                 chunk_size: limits.chunk_size,
                 max_inflight: limits.max_inflight,
-                device_inflight: admission.as_ref().map(|a| a.limit()),
+                device_inflight: admission.as_ref().map(|a| a.node().limit()),
+                device_sharing: admission.as_ref().map(|a| a.sharing()),
                 stats: engine.counters().snapshot(),
             })
             .collect()
@@ -1099,23 +1111,20 @@ fn wait_for(entry: &ObjectEntry, which: impl Fn(Op) -> bool) {
     }
 }
 
-/// Per path, the node-wide admission of its device: one per device among the paths that ask for it
-/// (the first such path's limit).
-fn open_admissions(
-    tiers: &[TierInfo],
-    limits: &[Option<u32>],
-) -> Result<Vec<Option<Arc<NodeAdmission>>>> {
+/// Per path, its engine's side of its device's node-wide admission: one `NodeAdmission` per device
+/// among the paths that ask for it (the first such path's limit), one `Admitter` per path.
+fn open_admissions(tiers: &[TierInfo], config: &StoreConfig) -> Result<Vec<Option<Arc<Admitter>>>> {
     let mut by_device: HashMap<&str, Arc<NodeAdmission>> = HashMap::new();
     let mut out = Vec::with_capacity(tiers.len());
-    for (i, (tier, limit)) in tiers.iter().zip(limits).enumerate() {
-        let Some(limit) = *limit else {
+    for (i, tier) in tiers.iter().enumerate() {
+        let Some(limit) = config.device_inflight[i] else {
             out.push(None);
             continue;
         };
-        let admission = match by_device.get(tier.device_id.as_str()) {
-            Some(a) => a.clone(),
+        let node = match by_device.get(tier.device_id.as_str()) {
+            Some(node) => node.clone(),
             None => {
-                let a = Arc::new(NodeAdmission::open(&tier.device_id, limit).map_err(
+                let node = Arc::new(NodeAdmission::open(&tier.device_id, limit).map_err(
                     |e| match e {
                         Error::Config { key, message } => Error::config(
                             format!("paths[{i}].{key}"),
@@ -1124,11 +1133,15 @@ fn open_admissions(
                         other => other,
                     },
                 )?);
-                by_device.insert(&tier.device_id, a.clone());
-                a
+                by_device.insert(&tier.device_id, node.clone());
+                node
             }
         };
-        out.push(Some(admission));
+        out.push(Some(Arc::new(Admitter::new(
+            node,
+            config.device_sharing[i],
+            config.limits[i].chunk_size,
+        ))));
     }
     Ok(out)
 }
@@ -1213,6 +1226,16 @@ fn validate_config(config: &StoreConfig) -> Result<()> {
             format!(
                 "{} entries for {} paths",
                 config.limits.len(),
+                config.paths.len()
+            ),
+        ));
+    }
+    if config.device_sharing.len() != config.paths.len() {
+        return Err(Error::config(
+            "device_sharing",
+            format!(
+                "{} entries for {} paths",
+                config.device_sharing.len(),
                 config.paths.len()
             ),
         ));

@@ -21,18 +21,18 @@ fn the_limit_holds_across_handles_and_a_request_given_back_is_taken_again() {
         NodeAdmission::open(&device, 3).unwrap(),
         NodeAdmission::open(&device, 3).unwrap(),
     );
-    assert!(a.acquire(SHORT).unwrap());
-    assert!(b.acquire(SHORT).unwrap());
-    assert!(a.acquire(SHORT).unwrap());
+    assert!(a.acquire(1, SHORT).unwrap());
+    assert!(b.acquire(1, SHORT).unwrap());
+    assert!(a.acquire(1, SHORT).unwrap());
     assert_eq!(b.in_flight(), 3);
     assert!(
-        !b.acquire(SHORT).unwrap(),
+        !b.acquire(1, SHORT).unwrap(),
         "a fourth request passed a limit of 3"
     );
-    a.release();
-    assert!(b.acquire(SHORT).unwrap());
+    a.release(1);
+    assert!(b.acquire(1, SHORT).unwrap());
     for h in [&a, &b, &b] {
-        h.release();
+        h.release(1);
     }
     assert_eq!(a.in_flight(), 0);
 }
@@ -41,10 +41,10 @@ fn the_limit_holds_across_handles_and_a_request_given_back_is_taken_again() {
 fn a_limit_is_reset_only_when_nobody_holds_a_request() {
     let device = test_device("reset");
     let first = NodeAdmission::open(&device, 2).unwrap();
-    assert!(first.acquire(SHORT).unwrap());
+    assert!(first.acquire(1, SHORT).unwrap());
     // Held: the other limit is not taken.
     assert_eq!(NodeAdmission::open(&device, 5).unwrap().limit(), 2);
-    first.release();
+    first.release(1);
     // Free: the new limit is.
     let second = NodeAdmission::open(&device, 5).unwrap();
     assert_eq!(second.limit(), 5);
@@ -69,7 +69,7 @@ fn child_holds_every_request() {
     };
     let node = NodeAdmission::open(&device, 4).unwrap();
     for _ in 0..4 {
-        assert!(node.acquire(Duration::from_secs(5)).unwrap());
+        assert!(node.acquire(1, Duration::from_secs(5)).unwrap());
     }
     println!("holding");
     std::thread::sleep(Duration::from_secs(600));
@@ -98,7 +98,7 @@ fn a_process_killed_while_it_holds_requests_gives_them_back_at_once() {
     let node = NodeAdmission::open(&device, 4).unwrap();
     assert_eq!(node.in_flight(), 4);
     assert!(
-        !node.acquire(SHORT).unwrap(),
+        !node.acquire(1, SHORT).unwrap(),
         "a request passed while the child held all 4"
     );
     // A waiter already queued in the kernel is served the moment the child dies.
@@ -107,8 +107,8 @@ fn a_process_killed_while_it_holds_requests_gives_them_back_at_once() {
         move || {
             let node = NodeAdmission::open(&device, 4).unwrap();
             let t = Instant::now();
-            let got = node.acquire(Duration::from_secs(30)).unwrap();
-            node.release();
+            let got = node.acquire(1, Duration::from_secs(30)).unwrap();
+            node.release(1);
             (got, t.elapsed())
         }
     });

@@ -6,6 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::engine::{open_engine, IoFile, Op, Transfer};
 use mlp_offload_core::{
     AlignedBuf, Completion, EngineChoice, EngineKind, Error, HostPtr, IoBuffer, ObjectStore,
@@ -150,7 +151,8 @@ for_each_engine!(
     running_out_of_space_names_the_path_and_keeps_the_old_contents,
     a_read_waits_for_the_write_before_it,
     the_in_flight_limit_holds,
-    two_ranks_on_one_device_share_its_node_wide_limit,
+    two_ranks_share_a_device_request_by_request,
+    two_ranks_take_a_device_in_turns,
     stripes_go_where_the_weights_say,
     new_weights_move_an_object_on_its_next_write,
     a_delete_is_in_the_manifest_before_it_returns,
@@ -591,10 +593,19 @@ fn the_in_flight_limit_holds(engine: EngineChoice) {
     }
 }
 
+fn two_ranks_share_a_device_request_by_request(engine: EngineChoice) {
+    two_ranks_on_one_device(engine, Sharing::Shared);
+}
+
+fn two_ranks_take_a_device_in_turns(engine: EngineChoice) {
+    two_ranks_on_one_device(engine, Sharing::Turns);
+}
+
 /// Two stores of two ranks on one device, each allowed 8 requests in flight, under a node-wide limit of 3:
 /// the limit holds across them (as each saw it when it took a request), both move all their bytes, and
-/// a path without admission reports none.
-fn two_ranks_on_one_device_share_its_node_wide_limit(engine: EngineChoice) {
+/// a path without admission reports none. By turns, one store's requests never overlap the other's:
+/// their busy times add up to no more than the time both took (shared, they add up to more).
+fn two_ranks_on_one_device(engine: EngineChoice, sharing: Sharing) {
     // The device's limit is shared with every other store of this user on the device: one test of
     // this binary at a time uses it.
     static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -610,12 +621,14 @@ fn two_ranks_on_one_device_share_its_node_wide_limit(engine: EngineChoice) {
                     chunk_size: 64 << 10,
                     max_inflight: 8,
                 })
-                .with_device_inflight(vec![Some(limit)]),
+                .with_device_inflight(vec![Some(limit)])
+                .with_device_sharing(vec![sharing]),
         )
         .unwrap()
     };
     let stores = [open_rank(0), open_rank(1)];
     let data = random_bytes(8 << 20, 17);
+    let started = std::time::Instant::now();
     std::thread::scope(|scope| {
         for (rank, store) in stores.iter().enumerate() {
             let data = &data;
@@ -630,15 +643,18 @@ fn two_ranks_on_one_device_share_its_node_wide_limit(engine: EngineChoice) {
                 for p in pending {
                     p.wait().unwrap();
                 }
-                for i in 0..4 {
-                    assert!(read_back(store, &format!("r{rank}o{i}"), data.len()) == *data);
-                }
             });
         }
     });
-    for store in &stores {
+    let took = started.elapsed().as_nanos() as u64;
+    let mut busy = 0;
+    for (rank, store) in stores.iter().enumerate() {
+        for i in 0..4 {
+            assert!(read_back(store, &format!("r{rank}o{i}"), data.len()) == data);
+        }
         let report = &store.path_reports()[0];
         assert_eq!(report.device_inflight, Some(limit));
+        assert_eq!(report.device_sharing, Some(sharing));
         let seen = report.stats.node_inflight_max;
         assert!(
             (1..=limit as usize).contains(&seen),
@@ -646,6 +662,13 @@ fn two_ranks_on_one_device_share_its_node_wide_limit(engine: EngineChoice) {
         );
         assert!(report.stats.inflight_max <= limit as usize);
         assert_eq!(report.stats.bytes_written, 4 * (8 << 20));
+        busy += report.stats.write_busy_ns;
+    }
+    if sharing == Sharing::Turns {
+        assert!(
+            busy <= took,
+            "turns overlapped: busy {busy} ns in {took} ns"
+        );
     }
     drop(stores);
     let free = open(&paths, engine);
@@ -810,6 +833,10 @@ fn bad_configuration_names_the_key() {
         (
             StoreConfig::new(paths.clone()).with_device_inflight(vec![Some(0), None]),
             "paths[0].device_inflight",
+        ),
+        (
+            StoreConfig::new(paths.clone()).with_device_sharing(vec![Sharing::Turns]),
+            "device_sharing",
         ),
     ];
     for (config, key) in cases {

@@ -5,6 +5,7 @@ use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::model::{plan_split, PathProfile, PathSample, UpdateWorkload, WeightTuner};
 use mlp_offload_core::probe::{probe_paths, ProbeOptions};
 use mlp_offload_core::{
@@ -243,7 +244,7 @@ impl PyObjectStore {
 impl PyObjectStore {
     #[new]
     #[pyo3(signature = (paths, *, rank=0, engine="auto", chunk_size=None, max_inflight=None, weights=None,
-                        checksum=true, shadow_slots=true, device_inflight=None))]
+                        checksum=true, shadow_slots=true, device_inflight=None, device_sharing=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -256,6 +257,7 @@ impl PyObjectStore {
         checksum: bool,
         shadow_slots: bool,
         device_inflight: Option<Vec<Option<u32>>>,
+        device_sharing: Option<Vec<String>>,
     ) -> PyResult<Self> {
         let defaults = PathLimits::default();
         let n_paths = paths.len();
@@ -269,7 +271,15 @@ impl PyObjectStore {
             .with_limits(limits)
             .with_checksum(checksum)
             .with_shadow_slots(shadow_slots)
-            .with_device_inflight(device_inflight.unwrap_or_else(|| vec![None; n_paths]));
+            .with_device_inflight(device_inflight.unwrap_or_else(|| vec![None; n_paths]))
+            .with_device_sharing(match device_sharing {
+                None => vec![Sharing::Shared; n_paths],
+                Some(ways) => ways
+                    .iter()
+                    .map(|w| w.parse())
+                    .collect::<mlp_offload_core::Result<_>>()
+                    .map_err(to_py)?,
+            });
         if let Some(w) = weights {
             config = config.with_weights(w);
         }
@@ -463,7 +473,7 @@ fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
 /// read+write), then all of them at once. `progress`, if given, is called with a line per measurement.
 #[pyfunction]
 #[pyo3(signature = (paths, *, bytes=None, sustained_bytes=None, chunk_sizes=None, depths=None,
-                    engine="auto", together_secs=None, progress=None))]
+                    engine="auto", together_secs=None, ranks=None, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn probe_bandwidth(
     py: Python<'_>,
@@ -474,6 +484,7 @@ fn probe_bandwidth(
     depths: Option<Vec<usize>>,
     engine: &str,
     together_secs: Option<f64>,
+    ranks: Option<usize>,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let defaults = ProbeOptions::default();
@@ -496,6 +507,7 @@ fn probe_bandwidth(
         depths: depths.unwrap_or(defaults.depths),
         engine: engine.parse().map_err(to_py)?,
         together,
+        ranks: ranks.unwrap_or(defaults.ranks).max(1),
     };
     let result = py.detach(|| {
         probe_paths(&paths, &opts, &mut |line| {

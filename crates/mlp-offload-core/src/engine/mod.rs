@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::admission::NodeAdmission;
+use crate::admission::Admitter;
 use crate::completion::Completion;
 use crate::error::{Error, Result};
 
@@ -384,7 +384,7 @@ pub fn open_engine(
     choice: EngineChoice,
     label: &str,
     limits: PathLimits,
-    admission: Option<Arc<NodeAdmission>>,
+    admission: Option<Arc<Admitter>>,
 ) -> Result<Box<dyn IoEngine>> {
     let uring = match choice {
         EngineChoice::Threads => false,

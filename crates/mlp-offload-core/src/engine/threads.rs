@@ -1,18 +1,18 @@
 //! The fallback engine: `max_inflight` threads per path doing blocking `pread`/`pwrite`. With node-wide
 //! admission each worker takes one of the device's requests before its system call and gives it back
-//! after, waiting in the kernel's queue like any other rank.
+//! after, waiting in the kernel's queue (or for its engine's turn) like any other rank.
 
 use std::io;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::{
     split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
 };
-use crate::admission::NodeAdmission;
+use crate::admission::Admitter;
 use crate::error::{Error, Result};
 
 pub struct ThreadPoolEngine {
@@ -23,11 +23,7 @@ pub struct ThreadPoolEngine {
 }
 
 impl ThreadPoolEngine {
-    pub fn new(
-        label: &str,
-        limits: PathLimits,
-        admission: Option<Arc<NodeAdmission>>,
-    ) -> Result<Self> {
+    pub fn new(label: &str, limits: PathLimits, admission: Option<Arc<Admitter>>) -> Result<Self> {
         let (tx, rx) = crossbeam_channel::unbounded::<Chunk>();
         let counters = Arc::new(PathCounters::default());
         let workers = (0..limits.max_inflight)
@@ -37,7 +33,7 @@ impl ThreadPoolEngine {
                 let admission = admission.clone();
                 std::thread::Builder::new()
                     .name(format!("mlpo-io-{i}"))
-                    .spawn(move || worker(rx, &counters, admission.as_deref()))
+                    .spawn(move || worker(&rx, &counters, admission.as_deref()))
                     .map_err(|e| Error::io("start I/O thread for", label, e))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -50,17 +46,21 @@ impl ThreadPoolEngine {
     }
 }
 
-fn worker(rx: Receiver<Chunk>, counters: &PathCounters, admission: Option<&NodeAdmission>) {
+/// A worker never stops waiting for admission: it holds a chunk that must be done.
+static NEVER_CLOSING: AtomicBool = AtomicBool::new(false);
+
+fn worker(rx: &Receiver<Chunk>, counters: &PathCounters, admission: Option<&Admitter>) {
     while let Ok(mut chunk) = rx.recv() {
         let error = loop {
-            if let Some(node) = admission {
-                take_request(node, counters);
+            if let Some(admitter) = admission {
+                admitter.take(&NEVER_CLOSING);
+                counters.observe_node_inflight(admitter.node().in_flight() as usize);
             }
             counters.started(chunk.state.op);
             let result = syscall(&chunk);
             counters.ended(chunk.state.op);
-            if let Some(node) = admission {
-                node.release();
+            if let Some(admitter) = admission {
+                admitter.give_back(!rx.is_empty());
             }
             match chunk.outcome(result, counters) {
                 ChunkOutcome::Done => break None,
@@ -73,22 +73,6 @@ fn worker(rx: Receiver<Chunk>, counters: &PathCounters, admission: Option<&NodeA
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         chunk.finish(error);
     }
-}
-
-/// Waits in the kernel's queue for one of the device's requests (the worker has nothing else to do).
-fn take_request(node: &NodeAdmission, counters: &PathCounters) {
-    loop {
-        match node.acquire(Duration::from_secs(1)) {
-            Ok(true) => break,
-            Ok(false) => continue,
-            Err(e) => {
-                log::error!("{e}; this path goes on without node-wide admission");
-                node.disable();
-                break;
-            }
-        }
-    }
-    counters.observe_node_inflight(node.in_flight() as usize);
 }
 
 fn syscall(chunk: &Chunk) -> io::Result<usize> {

@@ -8,7 +8,6 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{opcode, types, IoUring, Probe};
@@ -16,7 +15,7 @@ use io_uring::{opcode, types, IoUring, Probe};
 use super::{
     split, Chunk, ChunkOutcome, EngineKind, IoEngine, Op, PathCounters, PathLimits, Transfer,
 };
-use crate::admission::NodeAdmission;
+use crate::admission::Admitter;
 use crate::error::{Error, Result};
 
 /// `user_data` of the eventfd poll; chunk slots use their index.
@@ -67,11 +66,7 @@ pub struct UringEngine {
 impl UringEngine {
     /// An engine for one path; with `admission`, every request also takes one of the device's
     /// node-wide requests (see [`NodeAdmission`]).
-    pub fn new(
-        label: &str,
-        limits: PathLimits,
-        admission: Option<Arc<NodeAdmission>>,
-    ) -> Result<Self> {
+    pub fn new(label: &str, limits: PathLimits, admission: Option<Arc<Admitter>>) -> Result<Self> {
         let entries = (limits.max_inflight + 1).next_power_of_two() as u32;
         let ring = IoUring::new(entries).map_err(|e| Error::io("io_uring_setup for", label, e))?;
         // SAFETY: plain syscall; the returned descriptor is checked before use.
@@ -161,14 +156,14 @@ struct RingWorker {
     admission: Option<AdmissionLink>,
 }
 
-/// The ring's side of node-wide admission: a thread that waits in the kernel's queue for one of the
-/// device's requests at a time, on the ring's behalf, so the ring itself never blocks there and goes
-/// on reaping completions.
+/// The ring's side of node-wide admission: a thread that waits (in the kernel's queue, or for this
+/// engine's turn) for one request at a time on the ring's behalf, so the ring itself never blocks there
+/// and goes on reaping completions.
 struct AdmissionLink {
-    node: Arc<NodeAdmission>,
+    admitter: Arc<Admitter>,
     asks: Option<Sender<()>>,
     grants: Receiver<()>,
-    /// A request asked for and not yet granted (at most one: one place in the kernel's queue).
+    /// A request asked for and not yet granted (at most one: one place in the queue).
     asked: bool,
     /// Requests granted and not yet used.
     held: usize,
@@ -176,12 +171,9 @@ struct AdmissionLink {
     thread: Option<JoinHandle<()>>,
 }
 
-/// How long the admission thread waits in the kernel before checking whether the engine is closing.
-const ADMISSION_WAIT: Duration = Duration::from_millis(100);
-
 impl AdmissionLink {
     fn start(
-        node: Arc<NodeAdmission>,
+        admitter: Arc<Admitter>,
         wake: Arc<OwnedFd>,
         counters: Arc<PathCounters>,
         label: &str,
@@ -190,31 +182,17 @@ impl AdmissionLink {
         let (granted, grants) = crossbeam_channel::unbounded::<()>();
         let closing = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (node, closing) = (node.clone(), closing.clone());
+            let (admitter, closing) = (admitter.clone(), closing.clone());
             std::thread::Builder::new()
                 .name("mlpo-admit".into())
                 .spawn(move || {
                     while asked.recv().is_ok() {
-                        loop {
-                            if closing.load(Ordering::Acquire) {
-                                return;
-                            }
-                            match node.acquire(ADMISSION_WAIT) {
-                                Ok(true) => break,
-                                Ok(false) => continue,
-                                Err(e) => {
-                                    // The set is gone (removed by hand): go on without it.
-                                    log::error!(
-                                        "{e}; this path goes on without node-wide admission"
-                                    );
-                                    node.disable();
-                                    break;
-                                }
-                            }
+                        if !admitter.take(&closing) {
+                            return;
                         }
-                        counters.observe_node_inflight(node.in_flight() as usize);
+                        counters.observe_node_inflight(admitter.node().in_flight() as usize);
                         if granted.send(()).is_err() {
-                            node.release();
+                            admitter.give_back(false);
                             return;
                         }
                         kick(&wake);
@@ -223,7 +201,7 @@ impl AdmissionLink {
                 .map_err(|e| Error::io("start admission thread for", label, e))?
         };
         Ok(AdmissionLink {
-            node,
+            admitter,
             asks: Some(asks),
             grants,
             asked: false,
@@ -265,8 +243,9 @@ impl Drop for AdmissionLink {
         // Granted and never used: back to the other ranks.
         self.take_grants();
         for _ in 0..self.held {
-            self.node.release();
+            self.admitter.give_back(false);
         }
+        self.admitter.close();
     }
 }
 
@@ -396,8 +375,11 @@ impl RingWorker {
         self.inflight -= 1;
         self.counters.ended(chunk.state.op);
         if let Some(admission) = &self.admission {
-            // Given back at once, also before a retry: a waiting rank is served first.
-            admission.node.release();
+            // Given back at once, also before a retry: a waiting rank is served first (or, in a turn,
+            // kept for this engine's next request while it has one).
+            admission
+                .admitter
+                .give_back(!self.queued.is_empty() || self.inflight > 0);
         }
         let result = if result < 0 {
             Err(io::Error::from_raw_os_error(-result))
