@@ -12,6 +12,7 @@ Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 
 - `mlp-offload-2path`: the same budget on two paths, the work disk plus the test bed's bandwidth-capped
   loop device (`scripts/testbed.sh`), when this machine can host it (root, loop devices, cgroup v1 blkio);
 - `mlp-offload-capped`: the same budget on the test bed's capped loop device alone;
+- `mlp-offload-nochecksum`: `mlp-offload` without the CRC32C of every object (what checksums cost);
 - `...-noadmit` after either: the same without node-wide admission (`device_inflight: "off"`), for
   `--ranks` above 1 (with one rank admission is off anyway);
 - `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload.
@@ -50,6 +51,7 @@ CONTENDERS = (
     "ds-nvme-partitioned",
     "ds-nvme-pipelined",
     "mlp-offload",
+    "mlp-offload-nochecksum",
     "mlp-offload-half",
     "mlp-offload-default",
     "mlp-offload-2path",
@@ -101,6 +103,8 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         config["mlp_offload"] = {"paths": spec["paths"], "host_memory": 6 * params if half else "deepspeed"}
         if contender.endswith("-noadmit"):
             config["mlp_offload"]["device_inflight"] = "off"
+        if contender.endswith("-nochecksum"):
+            config["mlp_offload"]["checksum"] = False
     return config
 
 

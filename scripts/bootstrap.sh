@@ -2,7 +2,7 @@
 # Everything a fresh machine needs, idempotent and quick when already done:
 #   1. Debian packages, when missing: fio (the benchmark's ceiling), e2fsprogs and util-linux (the
 #      two-path test bed and the tests' tmpfs mounts), libaio-dev (DeepSpeed's own NVMe offload, the
-#      baseline of the end-to-end benchmark);
+#      baseline of the end-to-end benchmark), fuse3 (the fault tests' failing path);
 #   2. the Rust toolchain's clippy and rustfmt (checked, they ship with the toolchain);
 #   3. a virtual environment at .venv with requirements-dev.txt;
 #   4. the native module, built in release mode into .venv (maturin develop).
@@ -16,6 +16,8 @@ command -v fio >/dev/null 2>&1 || missing+=(fio)
 command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(util-linux)
 [[ -e /usr/include/libaio.h ]] || missing+=(libaio-dev)
+# libfuse 3 and fusermount3: the fault tests' failing storage path (tests/faultfs.py).
+command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
         say "installing Debian packages: ${missing[*]}"

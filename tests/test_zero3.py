@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -507,6 +508,71 @@ def test_killed_in_an_update_the_job_resumes_from_its_last_checkpoint(
     with pytest.raises(AssertionError, match=r"killed rank 0 failed \(-9\)"):
         run_case(killed, tmp_path, "killed")
     resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed")
+    assert_bit_equal(resumed, {**stock_resumed, "losses": stock_resumed["losses"][5:]})
+
+
+FAULTFS = Path(__file__).with_name("faultfs.py")
+
+
+@pytest.fixture
+def faulty_path(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """A path through `faultfs.py` (FUSE) whose reads or writes fail with EIO on demand, or which
+    disappears when its process is killed."""
+    if not Path("/dev/fuse").exists() or importlib.util.find_spec("mfusepy") is None:
+        pytest.skip("needs /dev/fuse and mfusepy (libfuse)")
+    backing, mount = tmp_path / "backing", tmp_path / "faulty"
+    backing.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, str(FAULTFS), str(backing), str(mount)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "mounted", "the FUSE file system did not mount"
+        yield {"backing": backing, "mount": mount, "pid": proc.pid}
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        subprocess.run(["fusermount3", "-u", "-z", str(mount)], check=False, capture_output=True)
+
+
+# name, how the fault comes, the errno the step must name
+FAULTS = [
+    ("EIO on writes", ".fail-writes", errno.EIO),
+    ("EIO on reads", ".fail-reads", errno.EIO),
+    ("the path disappears", None, errno.ENOTCONN),
+]
+
+
+@pytest.mark.parametrize(("switch", "errno_"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_other(
+    switch: str | None,
+    errno_: int,
+    faulty_path: dict[str, Any],
+    stock_resumed: dict[str, Any],
+    work_dirs: list[Path],
+    tmp_path: Path,
+) -> None:
+    """Two paths, the second of which fails for real from step 7 (its reads or writes give EIO, or it
+    disappears: ENOTCONN), after a checkpoint at step 5, the state streaming through a small budget.
+    Step 7 raises an `OSError` with that errno and an object's file on the failing path (or, for the
+    writes still in flight when step 7 returned, step 8 does). A new process resumes from the checkpoint
+    on the path that is left and trains steps 5 to 9 as DeepSpeed's own resume does, bit for bit."""
+    failing = faulty_path["mount"]
+    ckpt = str(tmp_path / "ckpt")
+    both = section([work_dirs[0], failing], host_memory="200K", update_chunk="24K")
+    fault = {"switch": str(faulty_path["backing"] / switch)} if switch else {"kill": faulty_path["pid"]}
+    failed = run_case(
+        {"save_at": 5, "fault_at": 7, "fault": fault, "checkpoint_dir": ckpt, "mlp_offload": both},
+        tmp_path,
+        "failed",
+    )
+    error = failed["error"]
+    assert error, f"no step raised in {failed['steps']} steps"
+    assert error["errno"] == errno_, error
+    assert error["filename"].startswith(str(failing)) and error["filename"].endswith(".mlpo"), error
+    left = section([work_dirs[0]], host_memory="200K", update_chunk="24K")
+    resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": left}, tmp_path, "resumed")
     assert_bit_equal(resumed, {**stock_resumed, "losses": stock_resumed["losses"][5:]})
 
 

@@ -149,6 +149,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     for step in range(first_step, case.get("steps", 10)):
         if step == fail_at:
             return fail_step(engine, optimizer, case, data)
+        if step == case.get("fault_at"):
+            return fault_step(engine, case, data)
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
         if step == case.get("sigkill_in_update_at"):
@@ -304,6 +306,35 @@ def kill_in_update(optimizer: Any, after_chunks: int) -> None:
     pipeline.run_step = killing_run_step
 
 
+def fault_step(engine: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:
+    """Switches the case's fault on (a switch file of `faultfs.py`, or SIGKILL to its process: the path
+    disappears), runs steps until one raises (at most two: the writes still in flight when a step
+    returns complete during the next forward and backward, and their failure surfaces in the next
+    step), and reports the error and how many steps ran."""
+    import signal
+
+    fault = case["fault"]
+    if "switch" in fault:
+        Path(fault["switch"]).touch()
+    else:
+        os.kill(fault["kill"], signal.SIGKILL)
+    for steps in (1, 2):
+        if error := step_error(engine, data):
+            return {"error": error, "steps": steps}
+    return {"error": {}, "steps": 2}
+
+
+def step_error(engine: Any, data: torch.Generator) -> dict[str, Any]:
+    """Runs one step; the `OSError` it raised, if any (type, errno, filename, message)."""
+    try:
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+        engine.backward(engine(tokens))
+        engine.step()
+    except OSError as e:
+        return {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
+    return {}
+
+
 def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:
     """Makes every object file immutable (writes then fail with EPERM), runs a step, and reports the
     error and whether a fresh store over the same paths reads every subgroup afterwards."""
@@ -314,13 +345,8 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
     paths = case["mlp_offload"]["paths"]
     files = [str(f) for p in paths for f in Path(p).rglob("*.mlpo")]
     subprocess.run(["chattr", "+i", *files], check=True)
-    error: dict[str, Any] = {}
     try:
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
-        engine.backward(engine(tokens))
-        engine.step()
-    except OSError as e:
-        error = {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
+        error = step_error(engine, data)
     finally:
         subprocess.run(["chattr", "-i", *files], check=True)
     # Closed (synced, its directories unlocked), so a fresh store can open the same paths.

@@ -13,6 +13,10 @@
 //!   in arrival order. Each engine asks for one request at a time (the io_uring engine through one
 //!   waiting thread, the thread pool through its workers), so the device's requests go round the ranks
 //!   that want them and no rank starves.
+//! - **Turns.** With [`Sharing::Turns`] a rank takes the whole limit at once (one decrement of the
+//!   limit, waiting in the same queue) and keeps it for a turn, so the ranks have the device one after
+//!   another instead of interleaving; which way a device is shared is the performance model's choice
+//!   from the probe's measurement of both.
 //! - **Identity.** The semaphore set is found through a lock file per device and user in `/dev/shm`
 //!   (or the temporary directory), `ftok` of which is its key. The file's `flock` serialises creation,
 //!   so a set is initialised exactly once; it carries a marker, checked when it is found again.
@@ -21,7 +25,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -79,7 +83,13 @@ impl NodeAdmission {
             ));
         }
         let dir = key_dir();
-        fs::create_dir_all(&dir).map_err(|e| Error::io("create admission directory", &dir, e))?;
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir)
+                .map_err(|e| Error::io("create admission directory", &dir, e))?;
+            // Shared by every user of the node, each with key files of their own, like /tmp. Best
+            // effort: another user may have made it a moment ago.
+            let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o1777));
+        }
         // SAFETY: plain syscall.
         let uid = unsafe { libc::getuid() };
         let key_file = dir.join(format!("dev-{}-uid{uid}", device_id.replace(':', "-")));

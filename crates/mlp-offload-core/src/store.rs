@@ -1220,35 +1220,18 @@ fn validate_config(config: &StoreConfig) -> Result<()> {
             ));
         }
     }
-    if config.limits.len() != config.paths.len() {
-        return Err(Error::config(
-            "limits",
-            format!(
-                "{} entries for {} paths",
-                config.limits.len(),
-                config.paths.len()
-            ),
-        ));
-    }
-    if config.device_sharing.len() != config.paths.len() {
-        return Err(Error::config(
-            "device_sharing",
-            format!(
-                "{} entries for {} paths",
-                config.device_sharing.len(),
-                config.paths.len()
-            ),
-        ));
-    }
-    if config.device_inflight.len() != config.paths.len() {
-        return Err(Error::config(
-            "device_inflight",
-            format!(
-                "{} entries for {} paths",
-                config.device_inflight.len(),
-                config.paths.len()
-            ),
-        ));
+    // Settings given per path: one entry per path.
+    for (key, entries) in [
+        ("limits", config.limits.len()),
+        ("device_inflight", config.device_inflight.len()),
+        ("device_sharing", config.device_sharing.len()),
+    ] {
+        if entries != config.paths.len() {
+            return Err(Error::config(
+                key,
+                format!("{entries} entries for {} paths", config.paths.len()),
+            ));
+        }
     }
     if let Some(w) = &config.weights {
         check_weights(w, config.paths.len())?;

@@ -65,7 +65,7 @@ pub struct UringEngine {
 
 impl UringEngine {
     /// An engine for one path; with `admission`, every request also takes one of the device's
-    /// node-wide requests (see [`NodeAdmission`]).
+    /// node-wide requests (see [`Admitter`]).
     pub fn new(label: &str, limits: PathLimits, admission: Option<Arc<Admitter>>) -> Result<Self> {
         let entries = (limits.max_inflight + 1).next_power_of_two() as u32;
         let ring = IoUring::new(entries).map_err(|e| Error::io("io_uring_setup for", label, e))?;
@@ -79,7 +79,7 @@ impl UringEngine {
         let (tx, rx) = crossbeam_channel::unbounded();
         let counters = Arc::new(PathCounters::default());
         let admission = admission
-            .map(|node| AdmissionLink::start(node, wake.clone(), counters.clone(), label))
+            .map(|admitter| AdmissionLink::start(admitter, wake.clone(), counters.clone(), label))
             .transpose()?;
         let worker = RingWorker {
             ring,
