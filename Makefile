@@ -11,6 +11,9 @@ TESTBED := scripts/testbed.sh
 # bench-scale's contenders: (a) DeepSpeed's pipelined NVMe offload, (b) ours at its pinned memory, (c) ours
 # with half the state's bytes, (d) ours as the README configures it; CONTENDERS=... replaces them.
 CONTENDERS ?= ds-nvme-pipelined,mlp-offload,mlp-offload-half,mlp-offload-default
+# bench-node's: DeepSpeed's NVMe offload, ours with node-wide admission and without, on the work disk plus
+# the test bed and on the test bed alone; NODE_CONTENDERS=... replaces them.
+NODE_CONTENDERS ?= ds-nvme-pipelined,mlp-offload-2path,mlp-offload-2path-noadmit,mlp-offload-capped,mlp-offload-capped-noadmit
 
 .PHONY: help
 help: ## list the targets
@@ -99,11 +102,11 @@ bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=
 	    --out docs/data/bench-scale.json
 
 .PHONY: bench-node
-bench-node: setup ## many ranks on one node (RANKS=4, SIZE=1B): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
+bench-node: setup ## many ranks on one node (RANKS=4, SIZE=470M): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
-	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --ranks $(or $(RANKS),4) \
+	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),470M) --ranks $(or $(RANKS),4) \
 	    --warmup 1 --steps 3 \
-	    --contenders $(or $(NODE_CONTENDERS),ds-nvme-pipelined,mlp-offload-2path,mlp-offload-2path-noadmit,mlp-offload-capped,mlp-offload-capped-noadmit) \
+	    --contenders $(NODE_CONTENDERS) \
 	    --out docs/data/bench-node.json
 
 .PHONY: testbed-up

@@ -538,23 +538,26 @@ def faulty_path(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 # name, how the fault comes, the errno the step must name
 FAULTS = [
-    ("EIO on writes", ".fail-writes", errno.EIO),
-    ("EIO on reads", ".fail-reads", errno.EIO),
-    ("the path disappears", None, errno.ENOTCONN),
+    ("EIO on writes", ".fail-writes", {errno.EIO}),
+    ("EIO on reads", ".fail-reads", {errno.EIO}),
+    # A request the kernel had already handed to the dead FUSE process ends with ECONNABORTED; one made
+    # after the connection is gone, with ENOTCONN. Which comes first depends on timing.
+    ("the path disappears", None, {errno.ENOTCONN, errno.ECONNABORTED}),
 ]
 
 
-@pytest.mark.parametrize(("switch", "errno_"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
+@pytest.mark.parametrize(("switch", "errnos"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
 def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_other(
     switch: str | None,
-    errno_: int,
+    errnos: set[int],
     faulty_path: dict[str, Any],
     stock_resumed: dict[str, Any],
     work_dirs: list[Path],
     tmp_path: Path,
 ) -> None:
     """Two paths, the second of which fails for real from step 7 (its reads or writes give EIO, or it
-    disappears: ENOTCONN), after a checkpoint at step 5, the state streaming through a small budget.
+    disappears: ENOTCONN or ECONNABORTED), after a checkpoint at step 5, the state streaming through a
+    small budget.
     Step 7 raises an `OSError` with that errno and an object's file on the failing path (or, for the
     writes still in flight when step 7 returned, step 8 does). A new process resumes from the checkpoint
     on the path that is left and trains steps 5 to 9 as DeepSpeed's own resume does, bit for bit."""
@@ -569,7 +572,7 @@ def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_othe
     )
     error = failed["error"]
     assert error, f"no step raised in {failed['steps']} steps"
-    assert error["errno"] == errno_, error
+    assert error["errno"] in errnos, error
     assert error["filename"].startswith(str(failing)) and error["filename"].endswith(".mlpo"), error
     left = section([work_dirs[0]], host_memory="200K", update_chunk="24K")
     resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": left}, tmp_path, "resumed")
