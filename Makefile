@@ -102,10 +102,10 @@ bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=
 	    --out docs/data/bench-scale.json
 
 .PHONY: bench-node
-bench-node: setup ## many ranks on one node (RANKS=4, SIZE=470M): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
+bench-node: setup ## many ranks on one node (RANKS=4, SIZE=270M, sub_group_size 1e7): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
-	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),470M) --ranks $(or $(RANKS),4) \
-	    --warmup 1 --steps 3 \
+	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),270M) --ranks $(or $(RANKS),4) \
+	    --sub-group-size 10000000 --warmup 1 --steps 3 \
 	    --contenders $(NODE_CONTENDERS) \
 	    --out docs/data/bench-node.json
 

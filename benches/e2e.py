@@ -82,6 +82,10 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         },
         "steps_per_print": 10**9,
     }
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every contender's backward with smaller buckets than DeepSpeed's defaults (5e8 elements reduced
+        # at once, 1e9 kept gathered), so that four ranks fit this machine's memory beside one another.
+        config["zero_optimization"].update(reduce_bucket_size=5e7, stage3_max_live_parameters=1e8)
     if contender.startswith("ds-nvme"):
         pipelined = contender == "ds-nvme-pipelined"
         offload.update(
@@ -124,19 +128,28 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from mlp_offload.models import GPT, WideTables, llama
     from mlp_offload.train import timed_iteration
 
-    torch.manual_seed(0)
+    def build() -> Any:
+        if spec["model"] == "gpt":
+            return GPT.from_size(spec["size"], max_seq=spec["seq"])
+        if spec["model"] == "wide":
+            return WideTables.from_size(spec["size"])
+        return llama(spec["size"], vocab=32000, max_seq=spec["seq"])
+
     rank = int(os.environ.get("RANK", "0"))
-    if spec["model"] == "gpt":
-        model = GPT.from_size(spec["size"], max_seq=spec["seq"])
-        vocab = model.vocab
-    elif spec["model"] == "wide":
-        model = WideTables.from_size(spec["size"])
-        vocab = 32000
-    else:
-        model = llama(spec["size"], vocab=32000, max_seq=spec["seq"])
-        vocab = 32000
-    params = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        shape = build()
+    params = sum(p.numel() for p in shape.parameters())
+    vocab = getattr(shape, "vocab", 32000)
     config = ds_config(spec, params)
+    torch.manual_seed(0)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Many ranks build the model as large jobs do, each allocating only its own partition of every
+        # parameter (a whole model in fp32 in each of four ranks would not fit this machine's memory).
+        deepspeed.init_distributed(dist_backend="gloo")
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = build()
+    else:
+        model = build()
     init = mlp_offload.initialize if spec["contender"].startswith("mlp-offload") else deepspeed.initialize
     t0 = time.perf_counter()
     engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(), config=config)

@@ -64,9 +64,9 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
 
 
 def test_probe_for_a_node_of_ranks_measures_both_ways_of_sharing_each_device(work_dirs: list[Path]) -> None:
-    """With `--ranks 3` each device is measured with 3 streams at once under one limit, request by
-    request and by turns (once per device: both directories are on the work disk), and the table says
-    which the model picks."""
+    """With `--ranks 3` each device is measured with 3 streams at once, each at its own limit, then under
+    one node-wide limit request by request and by turns (once per device: both directories are on the
+    work disk), and the table says what the model picks."""
     out = run_cli(
         *PROBE[3:], "--ranks", "3", "--json", "-q", "--no-save", str(work_dirs[0]), str(work_dirs[1])
     )
@@ -74,9 +74,38 @@ def test_probe_for_a_node_of_ranks_measures_both_ways_of_sharing_each_device(wor
     sharing = [r["sharing"] for r in results]
     assert sharing[0] == sharing[1], "one measurement per device"
     assert sharing[0]["streams"] == 3 and sharing[0]["limit"] == results[0]["best_read"]["max_inflight"]
-    assert sharing[0]["shared_bytes_per_s"] > 0 and sharing[0]["turns_bytes_per_s"] > 0
+    assert all(sharing[0][f"{way}_bytes_per_s"] > 0 for way in ("free", "shared", "turns")), sharing[0]
     table = run_cli(*PROBE[3:], "--ranks", "3", "-q", "--no-save", str(work_dirs[0])).stdout
-    assert "3 ranks at once under" in table and "the model picks" in table
+    assert "3 ranks at once: " in table and "each at its own limit" in table, table
+    assert "the model limits the node" in table or "the model leaves each rank its own limit" in table
+
+
+MiB = 2**20
+# the probe's figures for N ranks at once (MiB/s): each at its own limit, under a node-wide one request
+# by request, by turns; whether the model limits the node, and how
+SHARING_CHOICES = [
+    ("no difference: no limit", (1000, 1000, 1000), False, "shared"),
+    ("the limit within 5%: no limit", (1000, 1040, 1045), False, "shared"),
+    ("contention, shared best", (600, 1000, 1000), True, "shared"),
+    ("contention, turns 5% better", (600, 900, 1000), True, "turns"),
+    ("a profile from before free was measured", (None, 1000, 1000), True, "shared"),
+]
+
+
+@pytest.mark.parametrize(
+    ("rates", "limits", "way"), [c[1:] for c in SHARING_CHOICES], ids=[c[0] for c in SHARING_CHOICES]
+)
+def test_the_model_limits_the_node_only_where_the_probe_measured_it_faster(
+    rates: tuple[int | None, int, int], limits: bool, way: str
+) -> None:
+    from mlp_offload import profiles
+
+    free, shared, turns = rates
+    sharing = {"streams": 4, "limit": 8, "shared_bytes_per_s": shared * MiB, "turns_bytes_per_s": turns * MiB}
+    if free is not None:
+        sharing["free_bytes_per_s"] = free * MiB
+    assert profiles.admission_helps(sharing) is limits
+    assert profiles.sharing_choice(sharing) == way
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:

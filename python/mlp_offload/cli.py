@@ -69,10 +69,15 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
         if (sharing := r.get("sharing")) and r["device_id"] not in seen:
             seen.add(r["device_id"])
             lines.append(
-                f"{r['device_name']} {r['device_id']}: {sharing['streams']} ranks at once under "
-                f"{sharing['limit']} requests in flight: {_mib(sharing['shared_bytes_per_s'])} MiB/s request "
-                f"by request, {_mib(sharing['turns_bytes_per_s'])} MiB/s by turns; the model picks "
-                f"{profiles.sharing_choice(sharing)}"
+                f"{r['device_name']} {r['device_id']}: {sharing['streams']} ranks at once: "
+                f"{_mib(sharing['free_bytes_per_s'])} MiB/s each at its own limit; under "
+                f"{sharing['limit']} requests in flight for the node, {_mib(sharing['shared_bytes_per_s'])} "
+                f"MiB/s request by request, {_mib(sharing['turns_bytes_per_s'])} MiB/s by turns; the model "
+                + (
+                    f"limits the node, {profiles.sharing_choice(sharing)}"
+                    if profiles.admission_helps(sharing)
+                    else "leaves each rank its own limit"
+                )
             )
     return "\n".join(lines)
 

@@ -78,9 +78,10 @@ class MLPOffloadConfig(BaseModel):
     """Requests in flight on each path's device for the whole node, all its ranks together (node-wide
     admission): every rank takes one of them for each request it submits and gives it back when the
     request completes, waiting its turn in the kernel when none is free; a rank that dies gives back
-    what it held at once. `"auto"`: on when the node runs more than one rank, at what one rank would
-    put in flight alone (`max_inflight`), or more where the probe found the device fastest with more
-    bytes in flight; a number: on, at that count; `"off"`: each rank is bounded by its own
+    what it held at once. `"auto"`: on when the node runs more than one rank and the probe found the
+    device moving 5% more under a node-wide limit than with each rank at its own, at what one rank
+    would put in flight alone (`max_inflight`), or more where the probe found the device fastest with
+    more bytes in flight; a number: on, at that count; `"off"`: each rank is bounded by its own
     `max_inflight` alone."""
 
     device_sharing: Literal["auto", "shared", "turns"] = "auto"

@@ -145,10 +145,11 @@ class UpdatePlanner:
 
     def device_inflight(self) -> list[int | None]:
         """Per path, the node-wide limit of requests in flight on its device, or None (see
-        `MLPOffloadConfig.device_inflight`). With `"auto"`: what one rank would put in flight alone
-        (`max_inflight`), or more where the probe found the device fastest with more bytes in flight
-        (its best in-flight count times its best request size, in this store's requests); the node's
-        ranks then share that instead of each using it."""
+        `MLPOffloadConfig.device_inflight`). With `"auto"`: none where the probe measured the node's
+        ranks moving as much at their own limits as under any node-wide one (`profiles.admission_helps`);
+        elsewhere what one rank would put in flight alone (`max_inflight`), or more where the probe found
+        the device fastest with more bytes in flight (its best in-flight count times its best request
+        size, in this store's requests), which the node's ranks then share instead of each using it."""
         config = self.config
         n = len(config.paths)
         limit = config.device_inflight
@@ -162,6 +163,8 @@ class UpdatePlanner:
         request = config.chunk_size or DEFAULT_CHUNK_SIZE
         return [
             max(own, -(-p["best_read"]["max_inflight"] * p["best_read"]["chunk_size"] // request))
+            if profiles.admission_helps(p.get("sharing"))
+            else None
             for p in self.profile.probes
         ]
 

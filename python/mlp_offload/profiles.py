@@ -137,20 +137,32 @@ class Profile:
         )
 
 
-# Turns must beat sharing request by request by this much to be chosen: sharing keeps every rank's
-# requests flowing, which keeps the ranks' update times together.
+# A node-wide limit must beat the ranks' own limits (no admission) by this much to be used, and turns
+# must beat sharing request by request by as much to be chosen: without a limit and request by request,
+# every rank's requests keep flowing, which keeps the ranks' update times together.
 TURNS_MARGIN = 1.05
+ADMISSION_MARGIN = 1.05
 
 
 def sharing_choice(sharing: dict[str, Any] | None) -> str:
-    """How the node's ranks should share a device, from the probe's `sharing` figures: `"turns"` when
-    the whole limit by turns moved more than `TURNS_MARGIN` times what request by request did, else
-    `"shared"` (also without figures)."""
+    """How the node's ranks should share a device under a node-wide limit, from the probe's `sharing`
+    figures: `"turns"` when the whole limit by turns moved more than `TURNS_MARGIN` times what request
+    by request did, else `"shared"` (also without figures)."""
     if not sharing:
         return "shared"
     return (
         "turns" if sharing["turns_bytes_per_s"] > TURNS_MARGIN * sharing["shared_bytes_per_s"] else "shared"
     )
+
+
+def admission_helps(sharing: dict[str, Any] | None) -> bool:
+    """Whether a node-wide limit moved more on the device than the ranks did at their own limits alone
+    (by `ADMISSION_MARGIN`), from the probe's `sharing` figures. True without them (a profile saved
+    before they were measured): bounding the node is the safe default."""
+    if not sharing or "free_bytes_per_s" not in sharing:
+        return True
+    limited = max(sharing["shared_bytes_per_s"], sharing["turns_bytes_per_s"])
+    return limited > ADMISSION_MARGIN * sharing["free_bytes_per_s"]
 
 
 def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:

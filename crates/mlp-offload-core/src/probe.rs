@@ -2,8 +2,8 @@
 //! a sweep of chunk sizes and in-flight limits, its bandwidth with reads and writes at once (the update
 //! phase does both), and, for several paths, what each gives while all of them work together (two
 //! directories on one device, or a shared file system, do not add up). For a node of several ranks,
-//! what each device gives to that many streams at once under one node-wide in-flight limit, request by
-//! request and by turns, so the model can pick how its ranks share it.
+//! what each device gives to that many streams at once with no node-wide limit, and under one, request
+//! by request and by turns, so the model can pick whether and how its ranks share it.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -98,6 +98,9 @@ pub struct SharingProbe {
     pub streams: usize,
     /// The node-wide limit they shared: the device's best in-flight count.
     pub limit: u32,
+    /// Reads and writes of all streams together, bytes per second, each with its own in-flight limit
+    /// and none for the node (what the ranks do without admission).
+    pub free_bytes_per_s: f64,
     /// Reads and writes of all streams together, bytes per second, each taking one request at a time.
     pub shared_bytes_per_s: f64,
     /// The same, each taking the whole limit for a turn.
@@ -192,9 +195,10 @@ pub fn probe_paths(
                 None => {
                     let s = sharing(file, probe, opts)?;
                     progress(&format!(
-                        "{}: {} ranks at once under {} in flight: {:.0} MiB/s request by request, {:.0} MiB/s by turns",
+                        "{}: {} ranks at once: {:.0} MiB/s each at its own limit; under {} in flight for the node, {:.0} MiB/s request by request, {:.0} MiB/s by turns",
                         probe.path.display(),
                         s.streams,
+                        s.free_bytes_per_s / (1 << 20) as f64,
                         s.limit,
                         s.shared_bytes_per_s / (1 << 20) as f64,
                         s.turns_bytes_per_s / (1 << 20) as f64
@@ -486,8 +490,8 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
 const SHARING_STREAMS: usize = 4;
 
 /// `min(ranks, 4)` streams at once on the path's device, each its own engine at the path's best settings
-/// over its own part of the sustained working set, all under one private node-wide limit of the best
-/// in-flight count: for `opts.together` request by request, then as long by turns.
+/// over its own part of the sustained working set, for `opts.together` each: with no node-wide limit,
+/// then under one private node-wide limit of the best in-flight count request by request, then by turns.
 fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingProbe> {
     let streams = opts.ranks.min(SHARING_STREAMS);
     let limits = p.best_read;
@@ -498,8 +502,12 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
     let pass = ((p.mixed_bytes_per_s * 0.25 / streams as f64) as u64 / chunk)
         .clamp(2, part / chunk)
         * chunk;
-    let measure = |way: Sharing| -> Result<f64> {
-        let node = Arc::new(NodeAdmission::private(limit)?);
+    // `None`: no node-wide limit, each stream at its own.
+    let measure = |way: Option<Sharing>| -> Result<f64> {
+        let node = match way {
+            Some(_) => Some(Arc::new(NodeAdmission::private(limit)?)),
+            None => None,
+        };
         let start = Instant::now();
         let deadline = start + opts.together;
         let moved = std::thread::scope(|scope| {
@@ -507,9 +515,11 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
                 .map(|k| {
                     let node = node.clone();
                     scope.spawn(move || -> Result<u64> {
-                        let admitter = Arc::new(Admitter::new(node, way, limits.chunk_size));
+                        let admitter = node.zip(way).map(|(node, way)| {
+                            Arc::new(Admitter::new(node, way, limits.chunk_size))
+                        });
                         let label = p.path.to_string_lossy();
-                        let engine = open_engine(opts.engine, &label, limits, Some(admitter))?;
+                        let engine = open_engine(opts.engine, &label, limits, admitter)?;
                         let mut read_buf = AlignedBuf::new(limits.chunk_size, false)?;
                         let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
                         write_buf.as_mut_slice().fill(0x3c);
@@ -544,8 +554,9 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
     Ok(SharingProbe {
         streams,
         limit,
-        shared_bytes_per_s: measure(Sharing::Shared)?,
-        turns_bytes_per_s: measure(Sharing::Turns)?,
+        free_bytes_per_s: measure(None)?,
+        shared_bytes_per_s: measure(Some(Sharing::Shared))?,
+        turns_bytes_per_s: measure(Some(Sharing::Turns))?,
     })
 }
 
