@@ -53,12 +53,12 @@ def test_whole_state_caches_every_chunk() -> None:
 @pytest.mark.parametrize(
     ("buffers", "chunks", "cache", "expected"),
     [
-        (30, 100, None, (30, 18)),  # the stream keeps 12
-        (4, 100, None, (4, 0)),  # a small budget streams everything
+        (30, 100, None, (30, 30)),  # by default every buffer keeps its chunk across steps
+        (4, 100, None, (4, 4)),
         (200, 10, None, (22, 10)),  # no more buffers than chunks plus the stream
         (10, 10, None, (10, 10)),  # every chunk fits: all cached, nothing streams
-        (9, 10, None, (9, 0)),
-        (20, 100, 3, (20, 3)),
+        (9, 10, None, (9, 9)),  # one chunk read and one written a step
+        (20, 100, 3, (20, 3)),  # as many as asked: the other 17 written back every step
         (5, 5, 5, (5, 5)),  # every chunk cached: nothing streams
     ],
 )

@@ -313,9 +313,9 @@ def blkio_root() -> Path | None:
 
 
 def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> None:
-    """Writes throttled to 2 MiB/s (reads not): the last writes of each step are still in flight when
-    the next step reads those objects. A read that did not wait would see the old state and break the
-    bit-for-bit equality."""
+    """Writes throttled to 2 MiB/s (reads not), every chunk written back at the end of each step
+    (`cache_chunks` 0): the last writes of each step are still in flight when the next step reads those
+    objects. A read that did not wait would see the old state and break the bit-for-bit equality."""
     root = blkio_root()
     if os.geteuid() != 0 or root is None or not (root / "blkio.throttle.write_bps_device").exists():
         pytest.skip("needs root and the cgroup v1 blkio throttle")
@@ -327,7 +327,10 @@ def test_reads_wait_for_slow_writes(work_dirs: list[Path], tmp_path: Path) -> No
             f"{os.major(dev)}:{os.minor(dev)} {2 << 20}\n"
         )
         ours = run_case(
-            {"mlp_offload": section(work_dirs[:1], host_memory="deepspeed")}, tmp_path, "slow", cgroup=cgroup
+            {"mlp_offload": section(work_dirs[:1], host_memory="deepspeed", cache_chunks=0)},
+            tmp_path,
+            "slow",
+            cgroup=cgroup,
         )
     finally:
         for pid in (cgroup / "cgroup.procs").read_text().split():
@@ -614,7 +617,7 @@ def test_partial_checkpoint_loads_match_deepspeed(
 
 
 def test_a_long_run_holds_memory_files_and_threads_flat(work_dirs: list[Path], tmp_path: Path) -> None:
-    """500 steps streaming chunks through two paths (reads, writes, a retained tail every step): after
+    """500 steps streaming chunks through two paths (reads and writes every step): after
     the first 50, resident memory grows by less than 1% (allocator noise) and the open files and threads
     do not change. Samples, not timings."""
     ours = section(work_dirs[:2], host_memory="200K", update_chunk="24K")

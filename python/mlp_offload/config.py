@@ -57,8 +57,9 @@ class MLPOffloadConfig(BaseModel):
     two updates after it were no slower than the two before (`WeightTuner`, docs/model.md)."""
 
     cache_chunks: int | Literal["auto"] = "auto"
-    """Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`: as
-    many as `host_memory` holds beyond the stream's buffers."""
+    """Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`:
+    every buffer `host_memory` holds, the stream's included (a step then reads and writes only what
+    does not fit); a number: that many, the other buffers written back at the end of every step."""
 
     update_chunk: Size | Literal["auto"] = "auto"
     """Bytes of state (fp32 weights and both Adam moments, 12 bytes per element) per chunk, the unit of

@@ -161,25 +161,26 @@ def whole_state_bytes(numels: Sequence[int], update_chunk: int | None = None) ->
     return _cached_bytes(numels, _largest_elements(numels, update_chunk))
 
 
-# Buffers the stream needs besides the cache: reads ahead, the chunk being updated, writes behind. With 6
-# the reads waited behind writes that held the buffers; 12 moved 20-40% more bytes per second on this
-# machine's disk (docs/results.md). Fewer still work (down to one: read, update, write, one at a time).
+# Buffers the stream needs besides a cache of a fixed size (`cache_chunks`), and the most worth allocating
+# beyond the chunks: reads ahead, the chunk being updated, writes behind. With 6 the reads waited behind
+# writes that held the buffers; 12 moved 20-40% more bytes per second on this machine's disk
+# (docs/results.md). Fewer still work (down to one: read, update, write, one at a time).
 PIPELINE_BUFFERS = 12
 
 
 def stream_buffers(buffers: int, chunks: int, cache: int | None) -> tuple[int, int]:
-    """The buffers worth allocating out of `buffers` for `chunks` chunks, and how many of them cache
-    (`cache`, or "auto" when None: every chunk when they all fit, else what is left beyond the stream's
-    `PIPELINE_BUFFERS`). A cache that leaves no buffer for the uncached chunks is a `ValueError` naming
-    `cache_chunks`."""
+    """The buffers worth allocating out of `buffers` for `chunks` chunks, and how many of them keep
+    their chunks across steps (`cache`, or "auto" when None: every buffer, the stream's included, which
+    then evicts a chunk only for one it must read). A cache that leaves no buffer for the uncached chunks
+    is a `ValueError` naming `cache_chunks`."""
     if buffers < 1:
         raise ValueError(f"buffers: {buffers} host buffers; the pipeline needs at least 1")
+    count = min(buffers, chunks + PIPELINE_BUFFERS)
     if cache is None:
-        # Everything when everything fits; else what the stream leaves.
-        cache = chunks if buffers >= chunks else max(0, buffers - PIPELINE_BUFFERS)
+        return count, min(chunks, count)
     slots = min(cache, chunks)
     if chunks > slots > buffers - 1:
         raise ValueError(
             f"cache_chunks: {slots} cached chunks leave none of the {buffers} buffers for the others"
         )
-    return min(buffers, chunks + PIPELINE_BUFFERS), slots
+    return count, slots

@@ -2,17 +2,20 @@
 
 The unit of I/O, host memory and compute is a chunk, one object in the store (the engine makes each a
 slice of one subgroup's elements). One pool of equal buffers serves everything: `cache_slots` of them
-keep chunks across steps (no read, no write: resident), the others stream the rest, read ahead of their
-update and written behind it, so the paths have reads and writes in flight at once.
+(by default all) keep the chunks they hold when a step ends (resident). The next step updates those
+first, with no read, and writes each only when its buffer is wanted for a chunk still to be read, so a
+step reads and writes the same number of chunks: the state's bytes less the pool's. The rest stream
+through the freed buffers, read ahead of their update and written behind it, so the paths have reads
+and writes in flight at once.
 
 The order of a step follows from the end of the one before:
 1. the chunks whose buffers still hold them from the last write-back (retained: no read);
-2. the resident ones (no I/O), while the first reads and the retained chunks' writes run;
+2. the resident ones, while the first reads and the retained chunks' writes run;
 3. the rest, most recently written first.
-The last `cache_slots` chunks of a step stay resident; the writes still in flight when it ends keep their
-buffers. So when forward and backward begin, every buffer holds a chunk the next step takes first: the
-stream's buffers are the reads ahead of the next step, their writes run meanwhile, and no buffer is left
-that could read anything more.
+The last `cache_slots` chunks of a step stay resident. With fewer cache slots than buffers (a number of
+`cache_chunks`), the other buffers' writes are still in flight when the step ends and keep their
+buffers (retained), and the initial writes leave the same. Either way, when forward and backward begin,
+every buffer holds a chunk the next step takes first.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ class ChunkPipeline:
     """Drives one update phase per `run_step` over the objects `keys[c]` of `sizes[c]` bytes.
 
     `buffers` host buffers of the largest chunk's size make the budget (at least 1). `cache_slots` of
-    them keep chunks across steps (default: every chunk when all fit, else what the stream's
-    `PIPELINE_BUFFERS` leave; see `memory.stream_buffers`); at least one must stay for the rest. `lock`
-    page-locks the buffers (and registers them with CUDA when it is there).
+    them keep chunks across steps (default: every buffer, the stream's included; a number leaves the
+    others to stream, written behind and so read ahead; see `memory.stream_buffers`); at least one must
+    stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there).
     """
 
     def __init__(

@@ -124,7 +124,8 @@ class Profile:
         **model_options: Any,
     ) -> dict[str, Any]:
         """The plan for the streaming update: chunks of `sizes` bytes (the model takes their mean), each
-        read and written once per step unless cached, `cache_slots` of `buffer_count` buffers caching."""
+        read and written once per step unless cached, `cache_slots` of `buffer_count` buffers caching
+        (the others, if any, are the model's pipeline buffers: written behind at the end of a step)."""
         mean = sum(sizes) // len(sizes)
         return self.plan_subgroups(
             subgroups=len(sizes),
