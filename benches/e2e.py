@@ -67,6 +67,11 @@ TESTBED = "scripts/testbed.sh"
 TESTBED_MOUNT = "/mnt/mlp-offload-testbed"
 
 
+def many_ranks() -> bool:
+    """Whether this worker is one of several data-parallel ranks (`--ranks` above 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
     contender = spec["contender"]
     offload: dict[str, Any] = {"device": "cpu"}
@@ -82,7 +87,7 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         },
         "steps_per_print": 10**9,
     }
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if many_ranks():
         # Every contender's backward with smaller buckets than DeepSpeed's defaults (5e8 elements reduced
         # at once, 1e9 kept gathered), so that four ranks fit this machine's memory beside one another.
         config["zero_optimization"].update(reduce_bucket_size=5e7, stage3_max_live_parameters=1e8)
@@ -142,7 +147,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     vocab = getattr(shape, "vocab", 32000)
     config = ds_config(spec, params)
     torch.manual_seed(0)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if many_ranks():
         # Many ranks build the model as large jobs do, each allocating only its own partition of every
         # parameter (a whole model in fp32 in each of four ranks would not fit this machine's memory).
         deepspeed.init_distributed(dist_backend="gloo")

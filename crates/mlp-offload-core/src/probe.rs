@@ -504,10 +504,9 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
         * chunk;
     // `None`: no node-wide limit, each stream at its own.
     let measure = |way: Option<Sharing>| -> Result<f64> {
-        let node = match way {
-            Some(_) => Some(Arc::new(NodeAdmission::private(limit)?)),
-            None => None,
-        };
+        let node = way
+            .map(|way| NodeAdmission::private(limit).map(|node| (Arc::new(node), way)))
+            .transpose()?;
         let start = Instant::now();
         let deadline = start + opts.together;
         let moved = std::thread::scope(|scope| {
@@ -515,7 +514,7 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
                 .map(|k| {
                     let node = node.clone();
                     scope.spawn(move || -> Result<u64> {
-                        let admitter = node.zip(way).map(|(node, way)| {
+                        let admitter = node.map(|(node, way)| {
                             Arc::new(Admitter::new(node, way, limits.chunk_size))
                         });
                         let label = p.path.to_string_lossy();
