@@ -56,6 +56,10 @@ test-rust: ## cargo test (the core crate, both engines)
 test-python: ## pytest (the bindings and the CLI, both engines)
 	$(PY) -m pytest -q
 
+.PHONY: soak
+soak: setup ## 500 steps of the main job, its memory, open files and threads sampled each step (about 8 minutes)
+	MLP_OFFLOAD_SOAK=1 $(PY) -m pytest -q -s tests/test_train.py -k 500_steps
+
 .PHONY: test-deepspeed
 test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engine swapped in (DEEPSPEED_TESTS=checkout or tests dir; else ../shared/deepspeed-tests; skips, saying so, when neither is there)
 	$(PY) tests/deepspeed_suite/run.py

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,6 +107,89 @@ def test_the_model_limits_the_node_only_where_the_probe_measured_it_faster(
         sharing["free_bytes_per_s"] = free * MiB
     assert profiles.admission_helps(sharing) is limits
     assert profiles.sharing_choice(sharing) == way
+
+
+# ranks; per path its device and what one rank alone moved on it (MiB/s); each device's sharing figures
+# for 4 streams (free, shared, turns; None: not measured); the ways the ranks share each path's device
+# (None: as "auto" picks); each path's expected part of its probed bandwidth
+RANK_SHARES = [
+    ("one rank owns its devices", 1, [("a", 1000)], {"a": (2000, 2000, 2000)}, None, [1.0]),
+    (
+        "4 ranks, no limit: a quarter of the total each",
+        4,
+        [("a", 1000)],
+        {"a": (2000, 1800, 1700)},
+        None,
+        [0.5],
+    ),
+    ("4 ranks by turns (auto picks them)", 4, [("a", 1000)], {"a": (600, 900, 1000)}, None, [0.25]),
+    ("a way set by hand", 4, [("a", 1000)], {"a": (600, 900, 1000)}, ["shared"], [0.225]),
+    ("never more than alone", 2, [("a", 500)], {"a": (4000, 4000, 4000)}, None, [1.0]),
+    (
+        "two paths on one device share its part; another device its own",
+        4,
+        [("a", 600), ("a", 400), ("b", 1000)],
+        {"a": (2000, 2000, 2000), "b": (1000, 1000, 1000)},
+        None,
+        [0.5, 0.5, 0.25],
+    ),
+    ("no sharing figures: as owning it", 4, [("a", 1000)], {"a": None}, None, [1.0]),
+]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "paths", "sharing", "ways", "expected"),
+    [c[1:] for c in RANK_SHARES],
+    ids=[c[0] for c in RANK_SHARES],
+)
+def test_each_rank_is_planned_with_its_part_of_a_shared_device(
+    ranks: int,
+    paths: list[tuple[str, int]],
+    sharing: dict[str, tuple[int, int, int] | None],
+    ways: list[str] | None,
+    expected: list[float],
+) -> None:
+    """The model plans each of the node's ranks with the device's total for that many ranks, measured
+    by the probe the way they share it, divided among them; and the predicted update of an I/O-bound
+    plan grows as the part shrinks."""
+    from mlp_offload import profiles
+
+    def figures(device: str) -> dict[str, Any] | None:
+        rates = sharing[device]
+        if rates is None:
+            return None
+        free, shared, turns = rates
+        return {
+            "streams": 4,
+            "limit": 8,
+            "free_bytes_per_s": free * MiB,
+            "shared_bytes_per_s": shared * MiB,
+            "turns_bytes_per_s": turns * MiB,
+        }
+
+    probes = [
+        {
+            "device_id": device,
+            "read_bytes_per_s": alone * MiB,
+            "write_bytes_per_s": alone * MiB,
+            "mixed_bytes_per_s": alone * MiB,
+            "concurrent_bytes_per_s": alone * MiB,
+            "best_read": {"max_inflight": 8, "chunk_size": 1 << 20},
+            "sharing": figures(device),
+        }
+        for device, alone in paths
+    ]
+    profile = profiles.Profile(paths=[f"/p{i}" for i in range(len(paths))], probes=probes, probed_at=0.0)
+    assert profile.rank_share(ranks, ways) == pytest.approx(expected)
+    sizes = [48 * MiB] * 64
+    alone = profile.plan_stream(sizes, 8, 8)
+    shared = profile.plan_stream(sizes, 8, 8, share=profile.rank_share(ranks, ways))
+    slowest = min(expected)
+    assert shared["predicted_update_secs"] >= alone["predicted_update_secs"] * (0.99 if slowest == 1 else 1.0)
+    if all(part == expected[0] for part in expected):
+        assert shared["predicted_update_secs"] == pytest.approx(
+            alone["predicted_update_secs"] / slowest, rel=0.05
+        )
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:

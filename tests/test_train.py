@@ -103,3 +103,78 @@ def test_bad_input_is_named(args: list[str], named: str, work_dirs: list[Path], 
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert named in proc.stderr
+
+
+SOAK_STEPS = 500
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MLP_OFFLOAD_SOAK"), reason="`make soak` runs it: 500 steps take about 8 minutes"
+)
+@pytest.mark.timeout(1800)
+def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """The main job as users run it (`mlp-offload train`: its 20M model, DeepSpeed's pinned memory, so
+    every step streams chunks through both tiers), sampled from outside (`/proc/PID`) each time its
+    telemetry says a step ended. After the first 50 steps its resident memory grows by under 1% and its
+    open files and threads do not change. Samples, not timings."""
+    out = tmp_path / "run"
+    tiers = [str(p) for p in work_dirs[:2]]
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_PORT": "29583",
+    }
+    args = ["train", "--steps", str(SOAK_STEPS), "--no-progress", "--out", str(out), "--paths", *tiers]
+    telemetry = out / "telemetry.jsonl"
+    samples: dict[int, dict[str, int]] = {}
+    with open(tmp_path / "train.log", "w") as log:
+        proc = subprocess.Popen([str(BIN), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc_dir = Path(f"/proc/{proc.pid}")
+        try:
+            sample_each_step(proc, proc_dir, telemetry, samples)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.wait() == 0, (tmp_path / "train.log").read_text()[-3000:]
+    # Every sample, for a look at the curve when an assertion below fails.
+    (tmp_path / "samples.json").write_text(json.dumps(samples))
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["steps"]) == SOAK_STEPS
+    for tier in summary["tiers"]:
+        assert tier["bytes_read_per_step"] > 0 and tier["bytes_written_per_step"] > 0, tier
+    kept = [samples[s] for s in sorted(samples) if s > 50]
+    assert len(kept) > 0.9 * (SOAK_STEPS - 50), f"only {len(kept)} steps sampled"
+    assert {s["fds"] for s in kept} == {kept[0]["fds"]}, "open files changed"
+    assert {s["threads"] for s in kept} == {kept[0]["threads"]}, "threads changed"
+    early, late = max(s["rss"] for s in kept[:50]), max(s["rss"] for s in kept[-50:])
+    assert late <= early * 1.01, f"resident memory grew from {early / 2**20:.1f} to {late / 2**20:.1f} MiB"
+    print(
+        f"soak: {len(kept)} steps sampled; RSS {early / 2**20:.1f} -> {late / 2**20:.1f} MiB, "
+        f"{kept[0]['fds']} files, {kept[0]['threads']} threads"
+    )
+
+
+def sample_each_step(
+    proc: subprocess.Popen[bytes], proc_dir: Path, telemetry: Path, samples: dict[int, dict[str, int]]
+) -> None:
+    """Until `proc` ends: its resident memory, open files and threads (from `proc_dir`) once after each
+    step its telemetry records."""
+    import time
+
+    while proc.poll() is None:
+        # Records so far: the start, then one per step.
+        steps = len(telemetry.read_text().splitlines()) - 1 if telemetry.exists() else 0
+        if steps > 0 and steps not in samples:
+            try:
+                status = dict(line.split(":", 1) for line in (proc_dir / "status").read_text().splitlines())
+                samples[steps] = {
+                    "rss": int(status["VmRSS"].split()[0]) * 1024,
+                    "fds": len(os.listdir(proc_dir / "fd")),
+                    "threads": int(status["Threads"]),
+                }
+            except (FileNotFoundError, ProcessLookupError, KeyError):
+                break  # the process ended between the poll and the read
+        time.sleep(0.05)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import mounted_tmpfs
 from deepspeed_runs import assert_bit_equal, harness_env
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -580,6 +581,38 @@ def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_othe
     left = section([work_dirs[0]], host_memory="200K", update_chunk="24K")
     resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": left}, tmp_path, "resumed")
     assert_bit_equal(resumed, {**stock_resumed, "losses": stock_resumed["losses"][5:]})
+
+
+@pytest.fixture
+def filling_path(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs: a path that can be filled up for real."""
+    yield from mounted_tmpfs(tmp_path / "filling", "64m")
+
+
+def test_a_path_that_fills_up_mid_run_costs_no_step_and_the_manifest_names_it(
+    filling_path: Path, stock_resumed: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Another job takes every free block of the second path before step 3. Every object's blocks were
+    reserved when it was created, so rewrites need none: training goes on bit-equal to DeepSpeed's
+    uninterrupted run, and a checkpoint is saved at step 5. Only the store's manifest needs a new block
+    when it changes: `destroy()` raises ENOSPC naming the manifest on the full path (the first path's,
+    written first, is whole and current), and the store still opens. A new process resumes from the
+    checkpoint on the same, still full, paths, bit-equal to DeepSpeed's own resume."""
+    ckpt = str(tmp_path / "ckpt")
+    both = section([work_dirs[0], filling_path], host_memory="200K", update_chunk="24K")
+    full = run_case(
+        {"fill_at": 3, "fill": str(filling_path), "save_at": 5, "checkpoint_dir": ckpt, "mlp_offload": both},
+        tmp_path,
+        "full",
+    )
+    assert_bit_equal(full, run_case({}, tmp_path, "stock"))
+    error = full["destroy_error"]
+    assert error["errno"] == errno.ENOSPC, error
+    assert error["filename"].startswith(str(filling_path)) and "manifest" in error["filename"], error
+    assert full["store_keys_after_destroy"], "the store opened empty"
+    resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": both}, tmp_path, "resumed")
+    assert_bit_equal(resumed, {**stock_resumed, "losses": stock_resumed["losses"][5:]})
+    assert resumed["destroy_error"]["errno"] == errno.ENOSPC, resumed["destroy_error"]
 
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}

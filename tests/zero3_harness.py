@@ -151,6 +151,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             return fail_step(engine, optimizer, case, data)
         if step == case.get("fault_at"):
             return fault_step(engine, case, data)
+        if step == case.get("fill_at"):
+            fill(case["fill"])
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
         if step == case.get("sigkill_in_update_at"):
@@ -219,7 +221,20 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             for c in state_of.of_subgroup[i]:
                 parts = [whole[s] for s in state_of._slices(c)]
                 chunks[state_of.keys[c]] = torch.cat(parts)
-    engine.destroy()
+    try:
+        engine.destroy()
+    except OSError as e:
+        # Closing writes the store's manifest, which needs new blocks (a path that filled up).
+        result["destroy_error"] = os_error(e)
+        paths, rank = optimizer._mlp_config.paths, optimizer._mlp_rank
+        store = mlp_offload.ObjectStore(paths, rank=rank)
+        result["store_keys_after_destroy"] = sorted(store.keys())
+        try:
+            # The manifest on the full path is one write behind the others, and still cannot be replaced.
+            store.close()
+        except OSError as e:
+            result["store_close_error"] = os_error(e)
+        return result
     if chunks is not None:
         # What a fresh store over the same paths reads after destroy() (no mlp_offload_flush()).
         paths, rank = optimizer._mlp_config.paths, optimizer._mlp_rank
@@ -331,8 +346,28 @@ def step_error(engine: Any, data: torch.Generator) -> dict[str, Any]:
         engine.backward(engine(tokens))
         engine.step()
     except OSError as e:
-        return {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
+        return os_error(e)
     return {}
+
+
+def os_error(e: OSError) -> dict[str, Any]:
+    return {"type": type(e).__name__, "errno": e.errno, "filename": e.filename, "message": str(e)}
+
+
+def fill(directory: str) -> None:
+    """Takes every free block of the file system under `directory`, as another job's files would, and
+    checks that nothing is left: a new file's first page now fails with ENOSPC."""
+    import errno
+
+    free = os.statvfs(directory)
+    with open(os.path.join(directory, "filler"), "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, free.f_bavail * free.f_frsize)
+    try:
+        Path(directory, "probe").write_bytes(b"x" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    else:
+        raise AssertionError(f"{directory} still has free space after the filler")
 
 
 def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:

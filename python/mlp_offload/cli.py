@@ -139,6 +139,8 @@ def plan_at(
         cache,
         adam_secs_per_chunk=layout.buffer_bytes / rate if rate > 0 else 0.0,
         fwd_bwd_secs=args.fwd_bwd_secs,
+        # One rank's part of each device the node's `--ranks` share, the way "auto" would share it.
+        share=profile.rank_share(args.ranks),
     )
     return layout, plan
 

@@ -107,6 +107,11 @@ class UpdatePlanner:
         # Per recent step, each path's bytes per busy second (the first step left out: it also holds
         # the initial writes of the whole state).
         self._measured: deque[list[float]] = deque(maxlen=PREDICTION_STEPS)
+        # Set by `plan` from the profile: per path, how the node's ranks share its device and this
+        # rank's part of its bandwidth.
+        self._ways = ["free"] * len(config.paths)
+        self._share: list[float] | None = None
+        self._turns_ranks = 1
         self._agreement = RankAgreement() if config.adapt else None
         self._file = self._open(config.telemetry_file)
 
@@ -142,6 +147,12 @@ class UpdatePlanner:
                 config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=None
             )
             log.info("mlp-offload: %s", source)
+
+    @property
+    def rank_share(self) -> list[float] | None:
+        """Per path, this rank's part of the probed bandwidth of its device, shared by the node's ranks
+        (`profiles.Profile.rank_share`); None before `plan` or without a profile."""
+        return self._share
 
     def device_inflight(self) -> list[int | None]:
         """Per path, the node-wide limit of requests in flight on its device, or None (see
@@ -185,6 +196,14 @@ class UpdatePlanner:
         self._pipeline = pipeline
         if self.profile is None:
             return None
+        # How the node's ranks share each path's device, and so each rank's part of its bandwidth.
+        ranks = memory.local_ranks()
+        self._ways = [
+            "free" if inflight is None else sharing
+            for inflight, sharing in zip(self.device_inflight(), self.device_sharing(), strict=True)
+        ]
+        self._share = self.profile.rank_share(ranks, self._ways)
+        self._turns_ranks = ranks
         plan = self._replan()
         self.prediction = plan["predicted_update_secs"]
         if config.adapt:
@@ -211,6 +230,7 @@ class UpdatePlanner:
             adam_secs_per_chunk=adam_secs_per_chunk,
             measured_bytes_per_s=measured_bytes_per_s,
             weights=weights,
+            share=self._share,
         )
 
     def after_step(
@@ -235,6 +255,11 @@ class UpdatePlanner:
         rates = [
             (p["read_bytes"] + p["write_bytes"]) / p["busy_secs"] if p["busy_secs"] > 0 else 0.0
             for p in stats.per_path
+        ]
+        # By turns, a rank is busy on a device only in its own turns, so its bytes per busy second are
+        # the whole device's: its part is that over the ranks taking turns.
+        rates = [
+            r / self._turns_ranks if way == "turns" else r for r, way in zip(rates, self._ways, strict=True)
         ]
         if fwd_bwd is not None and all(r > 0 for r in rates):
             # Only steps in which every path moved bytes say what each path gives.

@@ -87,6 +87,26 @@ class Profile:
             for p in self.probes
         ]
 
+    def rank_share(self, ranks: int, ways: Sequence[str] | None = None) -> list[float]:
+        """Per path, the fraction of what one rank alone measured on it that each of the node's `ranks`
+        gets when they all update at once: the device's total for that many ranks (the probe's `sharing`
+        figure for `ways[i]`, how the ranks share path i's device: `"free"`, no node-wide limit,
+        `"shared"` or `"turns"`; by default the way `"auto"` picks) divided among them, over what one
+        rank moved on the device's paths together; at most 1. 1 for one rank, and where the probe did not
+        measure sharing (the model then plans each rank as owning the device, as before)."""
+        share = [1.0] * len(self.probes)
+        if ranks <= 1:
+            return share
+        for indices in self.devices.values():
+            sharing = self.probes[indices[0]].get("sharing")
+            way = ways[indices[0]] if ways is not None else auto_way(sharing)
+            total = (sharing or {}).get(f"{way}_bytes_per_s")
+            alone = sum(self.probes[i]["concurrent_bytes_per_s"] for i in indices)
+            if total and alone > 0:
+                for i in indices:
+                    share[i] = min(1.0, total / ranks / alone)
+        return share
+
     def plan_subgroups(
         self,
         *,
@@ -94,12 +114,24 @@ class Profile:
         bytes_per_subgroup: int,
         host_memory: int,
         measured_bytes_per_s: Sequence[float] | None = None,
+        share: Sequence[float] | None = None,
         **model_options: Any,
     ) -> dict[str, Any]:
         """The performance model's plan for `subgroups` objects of `bytes_per_subgroup`, each read and
-        written whole per update (see `_core.plan_update` for `model_options`). `measured_bytes_per_s`,
-        one per path, replaces the probe's concurrent figures with what the paths gave while running."""
+        written whole per update (see `_core.plan_update` for `model_options`). `share`, one per path,
+        scales the probe's figures to one rank's part of a device the node's ranks share (`rank_share`).
+        `measured_bytes_per_s`, one per path, replaces the concurrent figures with what this rank's
+        paths gave while running (already its part)."""
         inputs = self.model_inputs()
+        if share is not None:
+            for path, part in zip(inputs, share, strict=True):
+                for key in (
+                    "read_bytes_per_s",
+                    "write_bytes_per_s",
+                    "mixed_bytes_per_s",
+                    "concurrent_bytes_per_s",
+                ):
+                    path[key] *= part
         if measured_bytes_per_s is not None:
             for path, bytes_per_s in zip(inputs, measured_bytes_per_s, strict=True):
                 path["concurrent_bytes_per_s"] = bytes_per_s
@@ -164,6 +196,12 @@ def admission_helps(sharing: dict[str, Any] | None) -> bool:
         return True
     limited = max(sharing["shared_bytes_per_s"], sharing["turns_bytes_per_s"])
     return limited > ADMISSION_MARGIN * sharing["free_bytes_per_s"]
+
+
+def auto_way(sharing: dict[str, Any] | None) -> str:
+    """How the node's ranks share a device with `device_inflight` and `device_sharing` both `"auto"`:
+    `"free"` (each rank at its own limit) unless a node-wide limit helps, then its `sharing_choice`."""
+    return sharing_choice(sharing) if admission_helps(sharing) else "free"
 
 
 def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:

@@ -221,6 +221,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
                 "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
+                # Per path, this rank's part of its device's probed bandwidth, which the plan takes.
+                "rank_share": self._mlp_planner.rank_share,
                 "plan": plan,
             }
         )

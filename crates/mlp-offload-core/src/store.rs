@@ -214,8 +214,10 @@ pub struct ObjectStore {
     /// Per path, its engine's side of its device's node-wide admission.
     admissions: Vec<Option<Arc<Admitter>>>,
     objects: Mutex<HashMap<String, Arc<ObjectEntry>>>,
-    /// Held while a manifest is written: its contents are the object table at that moment.
-    manifest_lock: Mutex<()>,
+    /// The manifest last written to every rank directory (empty when none is known to be there), held
+    /// while one is written: its contents are the object table at that moment. A manifest that would not
+    /// change is not written again, so opening and closing a store on a full path needs no new block.
+    written_manifest: Mutex<Vec<u8>>,
     /// Each rank directory's lock, held for the store's life (see the module docs).
     _dir_locks: Vec<File>,
 }
@@ -333,11 +335,19 @@ impl ObjectStore {
             engines,
             admissions,
             objects: Mutex::new(HashMap::new()),
-            manifest_lock: Mutex::new(()),
+            written_manifest: Mutex::new(Vec::new()),
             _dir_locks: dir_locks,
         };
         store.load_manifest()?;
         store.remove_unknown_files()?;
+        let text = store.manifest_text();
+        if store
+            .rank_dirs
+            .iter()
+            .all(|dir| fs::read(dir.join(MANIFEST_NAME)).is_ok_and(|on_disk| on_disk == text))
+        {
+            *store.written_manifest.lock().expect("manifest lock") = text;
+        }
         Ok(store)
     }
 
@@ -643,9 +653,9 @@ impl ObjectStore {
             wait_for(&entry, |_| true);
         }
         {
-            let writing = self.manifest_lock.lock().expect("manifest lock");
+            let mut written = self.written_manifest.lock().expect("manifest lock");
             self.lock_objects().remove(key);
-            self.write_manifest(&writing)?;
+            self.write_manifest(&mut written)?;
         }
         for file in entry.all_files() {
             fs::remove_file(&file.path).map_err(|e| Error::io("remove", &file.path, e))?;
@@ -665,8 +675,8 @@ impl ObjectStore {
                     .map_err(|e| Error::io("fdatasync", &file.path, e))?;
             }
         }
-        let writing = self.manifest_lock.lock().expect("manifest lock");
-        self.write_manifest(&writing)
+        let mut written = self.written_manifest.lock().expect("manifest lock");
+        self.write_manifest(&mut written)
     }
 
     fn lock_objects(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<ObjectEntry>>> {
@@ -998,9 +1008,8 @@ impl ObjectStore {
         Ok(())
     }
 
-    /// Replaces the manifest in every rank directory with the object table as it is now (the caller
-    /// holds `manifest_lock`, so two writers never interleave).
-    fn write_manifest(&self, _writing: &std::sync::MutexGuard<'_, ()>) -> Result<()> {
+    /// The manifest of the object table as it is now, as it is written.
+    fn manifest_text(&self) -> Vec<u8> {
         let manifest = Manifest {
             format: MANIFEST_FORMAT,
             paths: self.config.paths.clone(),
@@ -1010,7 +1019,16 @@ impl ObjectStore {
                 .map(|e| (e.key.clone(), e.record.lock().expect("record lock").clone()))
                 .collect(),
         };
-        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serialises");
+        serde_json::to_vec_pretty(&manifest).expect("manifest serialises")
+    }
+
+    /// Replaces the manifest in every rank directory with the object table as it is now, unless that is
+    /// what `written` says they hold (the caller holds its lock, so two writers never interleave).
+    fn write_manifest(&self, written: &mut std::sync::MutexGuard<'_, Vec<u8>>) -> Result<()> {
+        let text = self.manifest_text();
+        if **written == text {
+            return Ok(());
+        }
         for dir in &self.rank_dirs {
             let path = dir.join(MANIFEST_NAME);
             let tmp = path.with_extension("json.tmp");
@@ -1028,6 +1046,7 @@ impl ObjectStore {
             };
             write().map_err(|e| Error::io("write manifest", &path, e))?;
         }
+        **written = text;
         Ok(())
     }
 }

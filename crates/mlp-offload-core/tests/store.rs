@@ -2,6 +2,7 @@
 //! engine (`io_uring::*` and `threads::*`).
 
 use std::fs;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -149,6 +150,7 @@ for_each_engine!(
     truncated_object_file_is_detected,
     corrupted_object_file_is_detected_unless_checksums_are_off,
     running_out_of_space_names_the_path_and_keeps_the_old_contents,
+    a_full_path_opens_and_rewrites_and_only_a_changed_manifest_fails,
     a_read_waits_for_the_write_before_it,
     the_in_flight_limit_holds,
     two_ranks_share_a_device_request_by_request,
@@ -534,6 +536,82 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
     assert!(back == old, "the previous contents stay readable");
     drop(store);
     fs::remove_file(&filler).unwrap();
+}
+
+/// Takes every free block of the file system under `dir` (as another job's files would).
+fn fill(dir: &Path) {
+    let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: statvfs is plain old data, overwritten by the call; `c` is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; `st` outlives the call.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    let filler = fs::File::create(dir.join("filler")).unwrap();
+    let len = (st.f_bavail * st.f_frsize) as libc::off_t;
+    // SAFETY: plain syscall on an open descriptor.
+    assert_eq!(
+        unsafe { libc::posix_fallocate(filler.as_raw_fd(), 0, len) },
+        0
+    );
+}
+
+fn a_full_path_opens_and_rewrites_and_only_a_changed_manifest_fails(engine: EngineChoice) {
+    if !is_root() {
+        eprintln!("skipped: mounting a small tmpfs needs root");
+        return;
+    }
+    // With shadow slots the last manifest's copy reads back; with one copy it is refused by name.
+    for shadow in [true, false] {
+        let (_root, paths) = dirs(1);
+        let _mount = Mount::tmpfs(&paths[0], "size=4m");
+        let open = || {
+            ObjectStore::open(
+                StoreConfig::new(paths.iter().cloned())
+                    .with_engine(engine)
+                    .with_limits(SMALL_LIMITS)
+                    .with_shadow_slots(shadow),
+            )
+            .unwrap()
+        };
+        let old = random_bytes(300_000, 5);
+        {
+            let store = open();
+            store
+                .write("a", aligned_copy(&old), None)
+                .unwrap()
+                .wait()
+                .unwrap();
+        } // dropped: manifest written
+        fill(&paths[0]);
+        // Opening and syncing with nothing changed writes nothing, so a full path opens and closes.
+        let store = open();
+        assert!(read_back(&store, "a", old.len()) == old);
+        store.sync().unwrap();
+        // Rewrites reuse the blocks reserved when the object was created.
+        let new = random_bytes(300_000, 6);
+        store
+            .write("a", aligned_copy(&new), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(read_back(&store, "a", new.len()) == new);
+        // The manifest now changes (the new checksum), and its replacement needs a block.
+        let err = store.sync().err().unwrap();
+        assert_eq!(err.errno(), Some(libc::ENOSPC), "{err}");
+        assert!(err.to_string().contains("manifest.json"), "{err}");
+        drop(store);
+        // The last manifest written stays whole, and the store opens on the full path.
+        let store = open();
+        assert_eq!(store.keys(), vec!["a".to_string()]);
+        let read = store.read("a", vec![0u8; old.len()]).unwrap().wait();
+        if shadow {
+            assert!(read.unwrap() == old, "the last manifest's copy");
+        } else {
+            let err = read.err().unwrap();
+            assert!(err.to_string().contains("a.mlpo"), "{err}");
+        }
+        drop(store);
+        fs::remove_file(paths[0].join("filler")).unwrap();
+    }
 }
 
 fn a_read_waits_for_the_write_before_it(engine: EngineChoice) {
