@@ -57,7 +57,7 @@ test-python: ## pytest (the bindings and the CLI, both engines)
 	$(PY) -m pytest -q
 
 .PHONY: soak
-soak: setup ## 500 steps of the main job, its memory, open files and threads sampled each step (about 8 minutes)
+soak: setup ## 500 steps of the main job, its memory, open files and threads sampled each step (about 13 minutes)
 	MLP_OFFLOAD_SOAK=1 $(PY) -m pytest -q -s tests/test_train.py -k 500_steps
 
 .PHONY: test-deepspeed

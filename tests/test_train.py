@@ -109,7 +109,7 @@ SOAK_STEPS = 500
 
 
 @pytest.mark.skipif(
-    not os.environ.get("MLP_OFFLOAD_SOAK"), reason="`make soak` runs it: 500 steps take about 8 minutes"
+    not os.environ.get("MLP_OFFLOAD_SOAK"), reason="`make soak` runs it: 500 steps take about 13 minutes"
 )
 @pytest.mark.timeout(1800)
 def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
@@ -117,8 +117,8 @@ def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
 ) -> None:
     """The main job as users run it (`mlp-offload train`: its 20M model, DeepSpeed's pinned memory, so
     every step streams chunks through both tiers), sampled from outside (`/proc/PID`) each time its
-    telemetry says a step ended. After the first 50 steps its resident memory grows by under 1% and its
-    open files and threads do not change. Samples, not timings."""
+    telemetry says a step ended. After the first 50 steps the floor of its resident memory grows by under
+    1% and its open files and threads do not change. Samples, not timings."""
     out = tmp_path / "run"
     tiers = [str(p) for p in work_dirs[:2]]
     env = {
@@ -149,10 +149,12 @@ def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
     assert len(kept) > 0.9 * (SOAK_STEPS - 50), f"only {len(kept)} steps sampled"
     assert {s["fds"] for s in kept} == {kept[0]["fds"]}, "open files changed"
     assert {s["threads"] for s in kept} == {kept[0]["threads"]}, "threads changed"
-    early, late = max(s["rss"] for s in kept[:50]), max(s["rss"] for s in kept[-50:])
+    # The floor of 50 samples: single steps rise up to 4% above it and fall back (the allocator), and a
+    # leak raises the floor.
+    early, late = min(s["rss"] for s in kept[:50]), min(s["rss"] for s in kept[-50:])
     assert late <= early * 1.01, f"resident memory grew from {early / 2**20:.1f} to {late / 2**20:.1f} MiB"
     print(
-        f"soak: {len(kept)} steps sampled; RSS {early / 2**20:.1f} -> {late / 2**20:.1f} MiB, "
+        f"soak: {len(kept)} steps sampled; RSS floor {early / 2**20:.1f} -> {late / 2**20:.1f} MiB, "
         f"{kept[0]['fds']} files, {kept[0]['threads']} threads"
     )
 
