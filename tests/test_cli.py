@@ -190,6 +190,12 @@ def test_each_rank_is_planned_with_its_part_of_a_shared_device(
         assert shared["predicted_update_secs"] == pytest.approx(
             alone["predicted_update_secs"] / slowest, rel=0.05
         )
+    if len(paths) == 1:
+        # A path probed alone has no concurrent figure: its mixed one stands for it.
+        probes[0]["concurrent_bytes_per_s"] = None
+        assert profile.rank_share(ranks, ways) == pytest.approx(expected)
+        plan = profile.plan_stream(sizes, 8, 8, share=profile.rank_share(ranks, ways))
+        assert plan["predicted_update_secs"] > 0
 
 
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:

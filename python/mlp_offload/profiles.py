@@ -101,7 +101,11 @@ class Profile:
             sharing = self.probes[indices[0]].get("sharing")
             way = ways[indices[0]] if ways is not None else auto_way(sharing)
             total = (sharing or {}).get(f"{way}_bytes_per_s")
-            alone = sum(self.probes[i]["concurrent_bytes_per_s"] for i in indices)
+            # All paths at once where the probe measured that (several paths), else the path's mixed figure.
+            alone = sum(
+                self.probes[i]["concurrent_bytes_per_s"] or self.probes[i]["mixed_bytes_per_s"]
+                for i in indices
+            )
             if total and alone > 0:
                 for i in indices:
                     share[i] = min(1.0, total / ranks / alone)
@@ -131,7 +135,9 @@ class Profile:
                     "mixed_bytes_per_s",
                     "concurrent_bytes_per_s",
                 ):
-                    path[key] *= part
+                    # The concurrent figure is None for a path probed alone.
+                    if path[key] is not None:
+                        path[key] *= part
         if measured_bytes_per_s is not None:
             for path, bytes_per_s in zip(inputs, measured_bytes_per_s, strict=True):
                 path["concurrent_bytes_per_s"] = bytes_per_s
