@@ -111,7 +111,6 @@ class UpdatePlanner:
         # rank's part of its bandwidth.
         self._ways = ["free"] * len(config.paths)
         self._share: list[float] | None = None
-        self._turns_ranks = 1
         self._agreement = RankAgreement() if config.adapt else None
         self._file = self._open(config.telemetry_file)
 
@@ -203,7 +202,6 @@ class UpdatePlanner:
             for inflight, sharing in zip(self.device_inflight(), self.device_sharing(), strict=True)
         ]
         self._share = self.profile.rank_share(ranks, self._ways)
-        self._turns_ranks = ranks
         plan = self._replan()
         self.prediction = plan["predicted_update_secs"]
         if config.adapt:
@@ -259,7 +257,8 @@ class UpdatePlanner:
         # By turns, a rank is busy on a device only in its own turns, so its bytes per busy second are
         # the whole device's: its part is that over the ranks taking turns.
         rates = [
-            r / self._turns_ranks if way == "turns" else r for r, way in zip(rates, self._ways, strict=True)
+            r / memory.local_ranks() if way == "turns" else r
+            for r, way in zip(rates, self._ways, strict=True)
         ]
         if fwd_bwd is not None and all(r > 0 for r in rates):
             # Only steps in which every path moved bytes say what each path gives.

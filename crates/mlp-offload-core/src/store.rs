@@ -340,14 +340,6 @@ impl ObjectStore {
         };
         store.load_manifest()?;
         store.remove_unknown_files()?;
-        let text = store.manifest_text();
-        if store
-            .rank_dirs
-            .iter()
-            .all(|dir| fs::read(dir.join(MANIFEST_NAME)).is_ok_and(|on_disk| on_disk == text))
-        {
-            *store.written_manifest.lock().expect("manifest lock") = text;
-        }
         Ok(store)
     }
 
@@ -915,6 +907,8 @@ impl ObjectStore {
     /// reordered, missing or added is recognised whichever path comes first.
     fn load_manifest(&self) -> Result<()> {
         let mut found: Option<Manifest> = None;
+        // Each rank directory's manifest as read, to know whether every one already holds the table.
+        let mut on_disk: Vec<String> = Vec::new();
         for dir in &self.rank_dirs {
             let path = dir.join(MANIFEST_NAME);
             let text = match fs::read_to_string(&path) {
@@ -949,6 +943,7 @@ impl ObjectStore {
                 ));
             }
             found.get_or_insert(manifest);
+            on_disk.push(text);
         }
         let Some(manifest) = found else { return Ok(()) };
         let mut objects = self.lock_objects();
@@ -975,6 +970,12 @@ impl ObjectStore {
                     submit_lock: Mutex::new(()),
                 }),
             );
+        }
+        drop(objects);
+        // Every rank directory already holds this table: closing unchanged writes nothing.
+        let text = self.manifest_text();
+        if on_disk.len() == self.rank_dirs.len() && on_disk.iter().all(|t| t.as_bytes() == text) {
+            *self.written_manifest.lock().expect("manifest lock") = text;
         }
         Ok(())
     }

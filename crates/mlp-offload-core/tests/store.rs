@@ -512,13 +512,7 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
         .set_len(stride)
         .unwrap();
     let filler = paths[0].join("filler");
-    let free = {
-        // SAFETY: statvfs is plain old data; the path is a valid C string.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        let c = std::ffi::CString::new(paths[0].to_str().unwrap()).unwrap();
-        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
-        st.f_bavail * st.f_frsize
-    };
+    let free = free_bytes(&paths[0]);
     fs::write(&filler, vec![0u8; free as usize - 8192]).unwrap();
     let new = random_bytes(300_000, 4);
     let err = store
@@ -538,15 +532,20 @@ fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: Engine
     fs::remove_file(&filler).unwrap();
 }
 
-/// Takes every free block of the file system under `dir` (as another job's files would).
-fn fill(dir: &Path) {
+/// The bytes free for an unprivileged file on the file system under `dir`.
+fn free_bytes(dir: &Path) -> u64 {
     let c = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
     // SAFETY: statvfs is plain old data, overwritten by the call; `c` is a valid C string.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above; `st` outlives the call.
     assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut st) }, 0);
+    st.f_bavail * st.f_frsize
+}
+
+/// Takes every free block of the file system under `dir` (as another job's files would).
+fn fill(dir: &Path) {
     let filler = fs::File::create(dir.join("filler")).unwrap();
-    let len = (st.f_bavail * st.f_frsize) as libc::off_t;
+    let len = free_bytes(dir) as libc::off_t;
     // SAFETY: plain syscall on an open descriptor.
     assert_eq!(
         unsafe { libc::posix_fallocate(filler.as_raw_fd(), 0, len) },
