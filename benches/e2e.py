@@ -15,7 +15,9 @@ Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 
 - `mlp-offload-nochecksum`: `mlp-offload` without the CRC32C of every object (what checksums cost);
 - `...-noadmit` after either: the same without node-wide admission (`device_inflight: "off"`), for
   `--ranks` above 1 (with one rank admission is off anyway);
-- `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload.
+- `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload;
+- `mlp-offload+NAME`, one per `--variant NAME=JSON`: `mlp-offload` with those keys of our section, for
+  A/B runs of a setting, e.g. `--variant inflight16='{"max_inflight": 16}'`.
 
 `--ranks N` runs every contender as N data-parallel ranks of one node (gloo, `LOCAL_WORLD_SIZE` N, as
 torchrun sets it), each with its share of the model's state: a step's phase times are the slowest
@@ -114,6 +116,7 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
             config["mlp_offload"]["device_inflight"] = "off"
         if contender.endswith("-nochecksum"):
             config["mlp_offload"]["checksum"] = False
+        config["mlp_offload"].update(spec.get("section_keys", {}))
     return config
 
 
@@ -259,6 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="adds contender mlp-offload+NAME: mlp-offload with these keys of its section (repeatable)",
+    )
     parser.add_argument("--testbed-bps", default="500M", help="the second path's cap (500M)")
     parser.add_argument(
         "--ranks", type=int, default=1, help="data-parallel ranks of one node per contender (1)"
@@ -275,6 +285,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
         parser.error(f"--contenders: {', '.join(sorted(unknown))} not among {', '.join(CONTENDERS)}")
+    args.section_keys = {}
+    for variant in args.variant:
+        name, _, keys = variant.partition("=")
+        try:
+            section_keys = json.loads(keys)
+        except json.JSONDecodeError as e:
+            parser.error(f"--variant {variant!r}: the keys after '=' are not JSON ({e})")
+        if not name or not isinstance(section_keys, dict):
+            parser.error(f"--variant {variant!r}: expected NAME={{...}}, keys of the mlp_offload section")
+        args.section_keys[f"mlp-offload+{name}"] = section_keys
+        contenders.append(f"mlp-offload+{name}")
     notes: list[str] = []
     testbed_up = False
     on_testbed = [c for c in contenders if c in TESTBED_CONTENDERS]
@@ -346,6 +367,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "paths": run_paths,
                 "warmup": args.warmup,
                 "steps": args.steps,
+                "section_keys": args.section_keys.get(contender, {}),
             }
             spec_file = root / f"{contender}.spec.json"
             spec_file.write_text(json.dumps(spec))
@@ -514,14 +536,14 @@ def print_report(report: dict[str, Any]) -> None:
     of_ranks = f", {ranks} ranks of one node (each phase the slowest rank's)" if ranks > 1 else ""
     print(f"\n{report['params'] / 1e6:.0f}M parameters{of_ranks}; medians, seconds per iteration")
     print(
-        f"{'contender':20} {'fwd':>6} {'bwd':>6} {'update':>7} {'iter':>6} {'upd x':>6} {'iter x':>6} "
+        f"{'contender':24} {'fwd':>6} {'bwd':>6} {'update':>7} {'iter':>6} {'upd x':>6} {'iter x':>6} "
         f"{'GiB/step':>8} {'MiB/s':>7} {'floor s':>7} {'upd/floor':>9} {'peak GiB':>8}"
     )
     for contender, m in report["median"].items():
         r = report["speedup_over_baseline"].get(contender, {})
         floor = m["update_over_io_floor"]
         print(
-            f"{contender:20} {m['forward']:6.2f} {m['backward']:6.2f} {m['update']:7.2f} "
+            f"{contender:24} {m['forward']:6.2f} {m['backward']:6.2f} {m['update']:7.2f} "
             f"{m['iteration']:6.2f} {r.get('update', math.nan):6.2f} {r.get('iteration', math.nan):6.2f} "
             f"{(m['bytes_read'] + m['bytes_written']) / gib:8.2f} {m['update_bytes_per_s'] / 2**20:7.0f} "
             f"{m['io_floor_secs']:7.2f} {floor if floor is not None else math.nan:9.2f} "
