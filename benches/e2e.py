@@ -120,6 +120,52 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
     return config
 
 
+class DeviceWatch:
+    """What reached the storage devices under `paths`, from their own block counters
+    (`_core.block_counters`): per iteration, and per update phase (around `engine.step`). The counters are
+    the device's, so they count every process's requests: the ranks of one node together, and whatever
+    else runs (nothing, in a benchmark). Devices without counters (FUSE, tmpfs) are left out."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        from mlp_offload import _core
+
+        self._core = _core
+        ids = {_core.probe_directory(p)["device_id"] for p in paths}
+        self.devices = sorted(d for d in ids if _core.block_counters(d) is not None)
+
+    def read(self) -> tuple[float, list[Any]]:
+        return time.perf_counter(), [self._core.block_counters(d) for d in self.devices]
+
+    def between(self, before: tuple[float, list[Any]], after: tuple[float, list[Any]]) -> dict[str, Any]:
+        """The devices' activity between two readings, summed over devices (sizes and depths: the
+        request-weighted means)."""
+        secs = after[0] - before[0]
+        each = [self._core.block_activity(b, a, secs) for b, a in zip(before[1], after[1], strict=True)]
+        total: dict[str, Any] = {"secs": secs, "devices": self.devices}
+        for k in ("read_bytes", "write_bytes", "read_requests", "write_requests", "queue_depth"):
+            total[k] = sum(e[k] for e in each)
+        for way in ("read", "write"):
+            requests = total[f"{way}_requests"]
+            total[f"{way}_request_bytes"] = total[f"{way}_bytes"] / requests if requests else 0.0
+            total[f"{way}_merged"] = (
+                sum(e[f"{way}_merged"] * e[f"{way}_requests"] for e in each) / requests if requests else 0.0
+            )
+        return total
+
+    def wrap_step(self, engine: Any, updates: list[dict[str, Any]]) -> None:
+        """Makes `engine.step()` append what reached the devices while it ran to `updates`."""
+        step = engine.step
+
+        def watched_step(*args: Any, **kwargs: Any) -> Any:
+            before = self.read()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                updates.append(self.between(before, self.read()))
+
+        engine.step = watched_step
+
+
 def proc_io() -> tuple[int, int]:
     """Bytes this process (all its threads, io_uring workers included) read from and wrote to storage."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
@@ -165,16 +211,23 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # Each data-parallel rank its own batches.
     data = torch.Generator().manual_seed(1 + rank)
     steps = []
+    watch = DeviceWatch(spec["paths"]) if spec["contender"] != "ds-cpu" else None
+    updates: list[dict[str, Any]] = []
+    if watch is not None:
+        watch.wrap_step(engine, updates)
     for _ in range(spec["warmup"] + spec["steps"]):
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
         tokens = tokens.to(engine.device)
         io0 = proc_io()
+        disk0 = watch.read() if watch else None
         if spec["model"] in ("gpt", "wide"):
             step = timed_iteration(engine, tokens)
         else:
             step = timed_iteration(engine, input_ids=tokens[:, :-1], labels=tokens[:, :-1])
         io1 = proc_io()
         steps.append({**step, "bytes_read": io1[0] - io0[0], "bytes_written": io1[1] - io0[1]})
+        if watch is not None and disk0 is not None:
+            steps[-1]["disk"] = {"iteration": watch.between(disk0, watch.read()), "update": updates[-1]}
     result: dict[str, Any] = {
         "params": params,
         "init_secs": init_secs,
@@ -456,6 +509,9 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             step[k] = sum(s[k] for s in per_rank)
         updates = [s["update"] for s in per_rank]
         step["update_spread"] = (max(updates) - min(updates)) / max(updates)
+        if "disk" in per_rank[0]:
+            # The device's own counters: every rank's requests already, so rank 0's reading stands.
+            step["disk"] = per_rank[0]["disk"]
         steps.append(step)
     merged["steps"] = steps
     merged["ranks"] = len(ranks)
@@ -482,6 +538,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         row["io_floor_secs"] = moved / bandwidth if contender != "ds-cpu" and bandwidth > 0 else 0.0
         row["update_over_io_floor"] = row["update"] / row["io_floor_secs"] if row["io_floor_secs"] else None
         row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
+        if disks := [s["disk"] for s in steps if "disk" in s]:
+            row["disk"] = disk_medians(disks)
         if spreads := [s["update_spread"] for s in steps if "update_spread" in s]:
             row["update_spread_median"] = statistics.median(spreads)
             row["update_spread_max"] = max(spreads)
@@ -507,6 +565,29 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             ratios[contender] = {k: base[k] / m[k] for k in ("update", "iteration")}
     params = next(iter(runs.values()))[0]["params"]
     return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
+
+
+def disk_medians(disks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over steps of what the devices' own counters saw: bytes per iteration, and during the update
+    phase its bytes per second, request sizes, merged shares and queue depth."""
+    it, up = [d["iteration"] for d in disks], [d["update"] for d in disks]
+
+    def med(rows: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    return {
+        "devices": disks[0]["update"]["devices"],
+        "iteration_read_bytes": med(it, "read_bytes"),
+        "iteration_write_bytes": med(it, "write_bytes"),
+        "update_read_bytes": med(up, "read_bytes"),
+        "update_write_bytes": med(up, "write_bytes"),
+        "update_bytes_per_s": statistics.median((u["read_bytes"] + u["write_bytes"]) / u["secs"] for u in up),
+        "update_read_request_bytes": med(up, "read_request_bytes"),
+        "update_write_request_bytes": med(up, "write_request_bytes"),
+        "update_read_merged": med(up, "read_merged"),
+        "update_write_merged": med(up, "write_merged"),
+        "update_queue_depth": med(up, "queue_depth"),
+    }
 
 
 def per_path_medians(paths: list[str], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -539,6 +620,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{'contender':24} {'fwd':>6} {'bwd':>6} {'update':>7} {'iter':>6} {'upd x':>6} {'iter x':>6} "
         f"{'GiB/step':>8} {'MiB/s':>7} {'floor s':>7} {'upd/floor':>9} {'peak GiB':>8}"
     )
+    base_disk = report["median"].get(report["baseline"] or "", {}).get("disk")
     for contender, m in report["median"].items():
         r = report["speedup_over_baseline"].get(contender, {})
         floor = m["update_over_io_floor"]
@@ -549,6 +631,18 @@ def print_report(report: dict[str, Any]) -> None:
             f"{m['io_floor_secs']:7.2f} {floor if floor is not None else math.nan:9.2f} "
             f"{m['peak_rss_bytes'] / gib:8.2f}"
         )
+        if d := m.get("disk"):
+            rate = d["update_bytes_per_s"]
+            of_base = f" ({rate / base_disk['update_bytes_per_s']:.2f}x the baseline's)" if base_disk else ""
+            print(
+                f"  disk ({', '.join(d['devices'])}): {(d['iteration_read_bytes']) / gib:.2f} GiB read, "
+                f"{d['iteration_write_bytes'] / gib:.2f} GiB written per iteration; in the update "
+                f"{(d['update_read_bytes'] + d['update_write_bytes']) / gib:.2f} GiB at {rate / 2**20:.0f} "
+                f"MiB/s{of_base}, requests of {d['update_read_request_bytes'] / 1024:.0f} KiB read "
+                f"({100 * d['update_read_merged']:.0f}% merged) and "
+                f"{d['update_write_request_bytes'] / 1024:.0f} KiB written "
+                f"({100 * d['update_write_merged']:.0f}% merged), {d['update_queue_depth']:.1f} queued"
+            )
         if "update_spread_max" in m:
             print(
                 f"  update spread between ranks: median {100 * m['update_spread_median']:.1f}%, "
@@ -569,7 +663,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"x: the baseline's ({report['baseline']}) median time over the contender's. "
         "GiB/step: bytes read and written per iteration (/proc/self/io); MiB/s: those bytes over the "
         "update time; floor: those bytes over fio's half-read, half-write bandwidth on the same paths, "
-        "measured in this run (our probe's mixed figure when fio is missing)."
+        "measured in this run (our probe's mixed figure when fio is missing). disk: the devices' own "
+        "block counters (every process's requests), per iteration and during the update phase."
     )
     for note in report.get("notes", []):
         print(f"note: {note}")

@@ -4,6 +4,7 @@ the bit-for-bit comparison of two runs' results."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +12,25 @@ import torch
 
 
 def harness_env(**overrides: str) -> dict[str, str]:
-    """This process's environment for a DeepSpeed run on the CPU, with `overrides` on top."""
+    """This process's environment for a DeepSpeed run, with `overrides` on top: on the CPU, or on the
+    accelerator that `MLP_OFFLOAD_TEST_ACCELERATOR` names (`cuda` in the GPU report)."""
     return {
         # DeepSpeed's just-in-time ops (cpu_adam, shm comm) build once into target/, not per run.
         "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
         **os.environ,
-        "DS_ACCELERATOR": "cpu",
+        "DS_ACCELERATOR": os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR", "cpu"),
         "OMP_NUM_THREADS": "2",
         **overrides,
     }
+
+
+def free_port() -> int:
+    """A TCP port that nobody listens on now, for one run's rendezvous: tests that run at once (pytest -n)
+    must not share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:

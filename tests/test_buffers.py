@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,39 @@ def test_pool_is_registered_with_cuda_and_copies_round_trip() -> None:
     assert torch.equal(back, host)
     del host, buf
     pool.close()
+
+
+# pages asked for, buffer size, whether huge pages may back it
+PAGES = [
+    ("small", 4 << 20, False),
+    ("huge", 4 << 20, True),
+    # Smaller than a huge page: 4 KiB pages whatever was asked.
+    ("huge", 1 << 20, False),
+]
+
+
+@pytest.mark.parametrize(("pages", "size", "may_be_huge"), PAGES)
+def test_pool_pages_are_reported_as_the_kernel_backed_them(pages: str, size: int, may_be_huge: bool) -> None:
+    pool = mlp_offload.PinnedBufferPool(2, size, lock=False, pages=pages)
+    report = pool.page_report
+    assert pool.pages == pages and report["bytes"] == 2 * size
+    huge = report["reserved_huge_bytes"] + report["transparent_huge_bytes"]
+    assert huge <= report["bytes"]
+    if not may_be_huge:
+        assert huge == 0, report
+    elif "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        # Where the kernel gives transparent huge pages at all, 8 MiB of unfragmented memory gets some.
+        assert huge > 0, report
+    buf = pool.acquire()
+    assert buf is not None
+    view = mlp_offload.as_tensor(buf, torch.float32)
+    assert view.abs().sum() == 0  # zeroed
+    view.fill_(1.0)
+    assert view.sum() == view.numel()
+    del view, buf
+    pool.close()
+
+
+def test_unknown_pages_are_named() -> None:
+    with pytest.raises(ValueError, match=r"pages.*'large'|pages.*\"large\""):
+        mlp_offload.PinnedBufferPool(1, 1 << 20, pages="large")

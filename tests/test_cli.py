@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mlp_offload import _core
 from mlp_offload.cli import parse_size
 
 
@@ -58,6 +59,19 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
         assert r["mixed_bytes_per_s"] > 0 and r["concurrent_bytes_per_s"] > 0
         assert r["engine"] in ("io_uring", "threads") and r["direct_io"] is True
         assert {s["op"] for s in r["samples"]} == {"read", "write"} and len(r["samples"]) == 8
+        # Host buffers of either page size at the best settings, and the pages the sustained figures used.
+        pages = r["pages"]
+        assert all(
+            pages[f"{k}_bytes_per_s"] > 0 for k in ("small_read", "small_write", "huge_read", "huge_write")
+        )
+        assert pages["chosen"] == _core.pages_choice([pages])
+        assert pages["huge_buffer"]["bytes"] >= 1 << 20
+        if _core.block_counters(r["device_id"]) is None:
+            continue  # a file system without a block device of its own: nothing the device saw
+        # What the device saw is beside every figure: requests of some size.
+        for activity in [*(s["device"] for s in r["samples"]), r["read_device"], r["write_device"]]:
+            assert activity is not None and activity["read_requests"] + activity["write_requests"] > 0
+        assert r["read_device"]["read_request_bytes"] > 0 and r["write_device"]["write_request_bytes"] > 0
     assert not any(p.name.startswith(".mlp-offload") for d in work_dirs for p in d.iterdir())
     alone = json.loads(run_cli(*PROBE[3:], "--json", "-q", "--no-save", str(work_dirs[2])).stdout)
     assert alone[0]["concurrent_bytes_per_s"] is None, "nothing to run together with"

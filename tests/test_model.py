@@ -1,7 +1,9 @@
-"""The performance model through the bindings: planning at a split chosen elsewhere (the tuner's)."""
+"""The performance model through the bindings: planning at a split chosen elsewhere (the tuner's), and the
+host buffers' pages it chooses."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,3 +45,72 @@ def test_plan_at_a_given_split_is_paced_by_the_slowest_path(
 def test_a_bad_split_is_a_value_error_naming_weights(weights: list[float]) -> None:
     with pytest.raises(ValueError, match=r"^weights:"):
         _core.plan_update(PATHS, **WORK, weights=weights)
+
+
+def pages_probe(
+    small_read: float, huge_read: float, small_write: float = 1e9, huge_write: float = 1e9
+) -> dict:
+    return {
+        "small_read_bytes_per_s": small_read,
+        "huge_read_bytes_per_s": huge_read,
+        "small_write_bytes_per_s": small_write,
+        "huge_write_bytes_per_s": huge_write,
+    }
+
+
+# name, host_pages, each path's pages figures (None: no profile), pages, why
+HOST_PAGES = [
+    ("configured huge", "huge", [pages_probe(3e9, 1e9)], "huge", "configured"),
+    ("configured small", "small", [pages_probe(1e9, 3e9)], "small", "configured"),
+    ("auto without a profile", "auto", None, "huge", "auto, no probe profile"),
+    ("auto, huge faster here", "auto", [pages_probe(1.4e9, 4.4e9)], "huge", "auto, as the probe measured"),
+    ("auto, a tie", "auto", [pages_probe(3e9, 2.96e9)], "huge", "auto, as the probe measured"),
+    (
+        "auto, huge slower on one path of two",
+        "auto",
+        [pages_probe(1.4e9, 4.4e9), pages_probe(3e9, 3e9, 3e9, 2.5e9)],
+        "small",
+        "auto, as the probe measured",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "figures", "pages", "why"), HOST_PAGES, ids=[h[0] for h in HOST_PAGES]
+)
+def test_host_pages_follow_the_setting_or_the_probe(
+    name: str, setting: str, figures: list[dict] | None, pages: str, why: str, tmp_path: Path
+) -> None:
+    from mlp_offload import profiles
+    from mlp_offload.config import MLPOffloadConfig
+    from mlp_offload.planning import UpdatePlanner
+
+    paths = [str(tmp_path / f"p{i}") for i in range(len(figures or [0]))]
+    planner = UpdatePlanner(MLPOffloadConfig(paths=paths, host_pages=setting, weights="equal"), rank=0)
+    if figures is not None:
+        planner.profile = profiles.Profile(paths, [{"pages": f} for f in figures], probed_at=0.0)
+    assert planner.host_pages() == (pages, why)
+
+
+@pytest.mark.parametrize(
+    ("report", "words"),
+    [
+        (
+            {"bytes": 2 << 30, "reserved_huge_bytes": 0, "transparent_huge_bytes": 2 << 30},
+            "2.00 GiB transparent of 2.00",
+        ),
+        (
+            {"bytes": 2 << 30, "reserved_huge_bytes": 1 << 30, "transparent_huge_bytes": 1 << 29},
+            "1.00 GiB reserved + 0.50 GiB transparent of 2.00 GiB, 0.50 GiB in 4 KiB pages",
+        ),
+        (
+            {"bytes": 1 << 30, "reserved_huge_bytes": 0, "transparent_huge_bytes": 0},
+            "none of 1.00 GiB, 1.00 GiB in 4 KiB",
+        ),
+    ],
+)
+def test_the_start_up_line_says_what_pages_the_kernel_gave(report: dict, words: str) -> None:
+    from mlp_offload.memory import describe_pages
+
+    assert words in describe_pages("huge", "configured", report)
+    assert describe_pages("small", "configured", report) == "host buffers in 4 KiB pages (configured)"

@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from conftest import mounted_tmpfs
-from deepspeed_runs import assert_bit_equal, harness_env
+from deepspeed_runs import assert_bit_equal, free_port, harness_env
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
 HARNESS = Path(__file__).with_name("zero3_harness.py")
-_ports = iter(range(29600, 29900))
 
 
 def run_case(
@@ -32,7 +31,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
     stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`."""
-    case = {**case, "port": next(_ports)}
+    case = {**case, "port": free_port()}
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps(case))
     # The machine's cores shared among the ranks.

@@ -171,7 +171,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
         for _ in range(case.get("grad_accum", 1)):
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
-            loss = engine(tokens)
+            loss = engine(tokens.to(engine.device))
             if step == overflow_at:
                 loss = loss * float("inf")
             engine.backward(loss)
@@ -343,7 +343,7 @@ def step_error(engine: Any, data: torch.Generator) -> dict[str, Any]:
     """Runs one step; the `OSError` it raised, if any (type, errno, filename, message)."""
     try:
         tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
-        engine.backward(engine(tokens))
+        engine.backward(engine(tokens.to(engine.device)))
         engine.step()
     except OSError as e:
         return os_error(e)

@@ -11,7 +11,10 @@ __all__ = [
     "ObjectStore",
     "WeightTuner",
     "__version__",
+    "block_activity",
+    "block_counters",
     "io_uring_unavailable_reason",
+    "pages_choice",
     "plan_update",
     "probe_bandwidth",
     "probe_directory",
@@ -46,9 +49,17 @@ class HostBuffer:
 
 @final
 class HostBufferPool:
-    """A fixed set of equally sized `HostBuffer`s, optionally locked in RAM."""
+    """A fixed set of equally sized `HostBuffer`s of small (4 KiB) or huge (2 MiB) pages, optionally
+    locked in RAM."""
 
-    def __new__(cls, count: int, buffer_size: int, lock: bool = True) -> Self: ...
+    def __new__(cls, count: int, buffer_size: int, lock: bool = True, pages: str = "small") -> Self: ...
+    @property
+    def pages(self) -> str:
+        """The pages asked for: `"small"` or `"huge"`."""
+    @property
+    def page_report(self) -> dict[str, int]:
+        """How the buffers' bytes are backed: `bytes`, `reserved_huge_bytes` (`MAP_HUGETLB`),
+        `transparent_huge_bytes` (as `/proc/self/smaps` reports them)."""
     def acquire(self) -> HostBuffer | None:
         """A free buffer, or None when every buffer is in use."""
     @property
@@ -161,3 +172,17 @@ def plan_update(
     and optionally `mixed_bytes_per_s` and `concurrent_bytes_per_s`. `weights`, one per path: plan at
     that split instead of the model's own.
     """
+
+def pages_choice(paths: list[dict[str, Any]]) -> str:
+    """The host buffers' pages (`"huge"` or `"small"`) that each path's `pages` probe figures call for."""
+
+def block_counters(device_id: str) -> tuple[int, int, int, int, int, int, int, int] | None:
+    """Device `major:minor`'s block counters, to pass to `block_activity`; None where it has none."""
+
+def block_activity(
+    before: tuple[int, int, int, int, int, int, int, int],
+    after: tuple[int, int, int, int, int, int, int, int],
+    secs: float,
+) -> dict[str, Any]:
+    """What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
+    direction, mean request sizes, merged shares, mean queue depth, busy share."""

@@ -45,16 +45,16 @@ def _unregister_all(memory: object, addresses: Sequence[int]) -> None:
 
 
 class PinnedBufferPool:
-    """A fixed pool of equally sized host buffers; with `lock` (DeepSpeed's `pin_memory`), locked in
-    RAM and registered with CUDA when present.
+    """A fixed pool of equally sized host buffers of 4 KiB or huge `pages` (`"small"`, `"huge"`); with
+    `lock` (DeepSpeed's `pin_memory`), locked in RAM and registered with CUDA when present.
 
     `acquire` gives a `HostBuffer` (view it with `as_tensor`); it returns to the pool when the buffer
     and every tensor viewing it are gone. The CUDA registration ends at `close()`, or when the pool is
     collected without one (an engine never destroyed), before its memory is freed.
     """
 
-    def __init__(self, count: int, buffer_size: int, *, lock: bool = True) -> None:
-        self._pool = _core.HostBufferPool(count, buffer_size, lock=lock)
+    def __init__(self, count: int, buffer_size: int, *, lock: bool = True, pages: str = "small") -> None:
+        self._pool = _core.HostBufferPool(count, buffer_size, lock=lock, pages=pages)
         every = [self._pool.acquire() for _ in range(count)]
         self._addresses = [b.address for b in every if b is not None]
         self.cuda_registered = False
@@ -84,6 +84,14 @@ class PinnedBufferPool:
     @property
     def locked(self) -> bool:
         return self._pool.locked
+
+    @property
+    def pages(self) -> str:
+        return self._pool.pages
+
+    @property
+    def page_report(self) -> dict[str, int]:
+        return self._pool.page_report
 
     def close(self) -> None:
         """Unregisters the buffers from CUDA; the memory itself goes when the pool object does."""

@@ -27,6 +27,12 @@ def _mib(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 2**20:,.0f}"
 
 
+def _pages(pages: dict[str, Any]) -> str:
+    read = pages["huge_read_bytes_per_s"] / pages["small_read_bytes_per_s"]
+    write = pages["huge_write_bytes_per_s"] / pages["small_write_bytes_per_s"]
+    return f"{pages['chosen']} ({read:.2f}x, {write:.2f}x)"
+
+
 def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
     header = [
         "path",
@@ -39,6 +45,7 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
         "best write",
         "mixed MiB/s",
         "together MiB/s",
+        "pages",
     ]
     rows = []
     devices = [r["device_id"] for r in results]
@@ -56,11 +63,14 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
                 f"{r['best_write']['chunk_size'] >> 20} MiB x{r['best_write']['max_inflight']}",
                 _mib(r["mixed_bytes_per_s"]),
                 "-" if r["concurrent_bytes_per_s"] is None else _mib(r["concurrent_bytes_per_s"]),
+                _pages(r["pages"]),
             ]
         )
     lines = render_table(header, rows)
     lines.append(
-        "mixed: reads and writes at once on that path alone; together: the same on every path at once"
+        "mixed: reads and writes at once on that path alone; together: the same on every path at once; "
+        "pages: the host buffers' pages the path's figures were measured with, and huge pages' read and "
+        "write rates over 4 KiB pages' at the best settings"
     )
     if any(devices.count(d) > 1 for d in devices):
         lines.append("(shared): these paths are on one device and share its bandwidth")

@@ -66,6 +66,14 @@ class MLPOffloadConfig(BaseModel):
     the streaming update's I/O, memory and compute. `"auto"`: up to 48 MiB, smaller when `host_memory`
     would otherwise hold fewer than 24 chunks."""
 
+    host_pages: Literal["auto", "huge", "small"] = "auto"
+    """The pages of the host buffers (the cache and the stream). Huge (2 MiB) pages reach a device in
+    whole requests, where 4 KiB pages scattered in RAM split each request into many small ones.
+    `"huge"`: huge pages the machine reserved (`MAP_HUGETLB`) where enough are free, else transparent
+    ones; memory too fragmented for them leaves part in 4 KiB pages, as the start-up line reports.
+    `"auto"`: what the probe measured on these paths (huge unless they moved 5% less than 4 KiB pages on
+    some path; huge without a profile); `"small"`: 4 KiB pages."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

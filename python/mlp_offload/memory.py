@@ -184,3 +184,20 @@ def stream_buffers(buffers: int, chunks: int, cache: int | None) -> tuple[int, i
             f"cache_chunks: {slots} cached chunks leave none of the {buffers} buffers for the others"
         )
     return count, slots
+
+
+def describe_pages(pages: str, source: str, report: dict[str, int]) -> str:
+    """The host buffers' pages in words, for the start-up line: what was asked, why, and what the kernel
+    gave (reserved or transparent huge pages, or 4 KiB ones where memory was too fragmented)."""
+    total = report["bytes"]
+    if pages == "small" or total == 0:
+        return f"host buffers in 4 KiB pages ({source})"
+    huge = report["reserved_huge_bytes"] + report["transparent_huge_bytes"]
+    parts = []
+    if report["reserved_huge_bytes"]:
+        parts.append(f"{report['reserved_huge_bytes'] / 2**30:.2f} GiB reserved")
+    if report["transparent_huge_bytes"]:
+        parts.append(f"{report['transparent_huge_bytes'] / 2**30:.2f} GiB transparent")
+    got = " + ".join(parts) or "none"
+    small = f", {(total - huge) / 2**30:.2f} GiB in 4 KiB pages" if huge < total else ""
+    return f"host buffers in huge pages ({source}): {got} of {total / 2**30:.2f} GiB{small}"

@@ -72,7 +72,8 @@ class ChunkPipeline:
     `buffers` host buffers of the largest chunk's size make the budget (at least 1). `cache_slots` of
     them keep chunks across steps (default: every buffer, the stream's included; a number leaves the
     others to stream, written behind and so read ahead; see `memory.stream_buffers`); at least one must
-    stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there).
+    stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there);
+    `pages` is `"small"` or `"huge"` (see `MLPOffloadConfig.host_pages`).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class ChunkPipeline:
         *,
         cache_slots: int | None = None,
         lock: bool = False,
+        pages: str = "small",
     ) -> None:
         if not sizes:
             raise ValueError("sizes: there are no chunks")
@@ -95,7 +97,7 @@ class ChunkPipeline:
         self.keys = list(keys)
         self.sizes = list(sizes)
         self.buffer_size = max(self.sizes)
-        self._pool = PinnedBufferPool(self.buffer_count, self.buffer_size, lock=lock)
+        self._pool = PinnedBufferPool(self.buffer_count, self.buffer_size, lock=lock, pages=pages)
         self._free: list[_core.HostBuffer] = []
         while (b := self._pool.acquire()) is not None:
             self._free.append(b)
@@ -106,6 +108,11 @@ class ChunkPipeline:
         self._order = list(range(n))
         self._step = 0
         self._snapshot = [r["stats"] for r in store.path_reports()]
+
+    @property
+    def page_report(self) -> dict[str, int]:
+        """How the buffers' bytes are backed (see `_core.HostBufferPool.page_report`)."""
+        return self._pool.page_report
 
     @property
     def order(self) -> list[int]:

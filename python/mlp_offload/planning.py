@@ -147,6 +147,16 @@ class UpdatePlanner:
             )
             log.info("mlp-offload: %s", source)
 
+    def host_pages(self) -> tuple[str, str]:
+        """The host buffers' pages (`"huge"` or `"small"`) and why (see `MLPOffloadConfig.host_pages`):
+        with `"auto"`, what the profile's figures call for (`_core.pages_choice`)."""
+        if self.config.host_pages != "auto":
+            return self.config.host_pages, "configured"
+        if self.profile is None:
+            return "huge", "auto, no probe profile"
+        pages = _core.pages_choice([p["pages"] for p in self.profile.probes])
+        return pages, "auto, as the probe measured"
+
     @property
     def rank_share(self) -> list[float] | None:
         """Per path, this rank's part of the probed bandwidth of its device, shared by the node's ranks

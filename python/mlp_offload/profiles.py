@@ -27,7 +27,8 @@ from typing import Any
 
 from mlp_offload import _core
 
-FORMAT = 1
+# 2: each path's probe has `pages` (host buffers of either page size) and the device's own view.
+FORMAT = 2
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600
 
 

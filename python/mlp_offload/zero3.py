@@ -180,6 +180,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         host_memory, budget_source = host_memory_budget(config, numels, self._mlp_buffer_count)
         layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
         c, buffer_bytes = layout.elements, layout.buffer_bytes
+        pages, pages_source = self._mlp_planner.host_pages()
         grad_bytes = memory.GRAD_BYTES * c
         try:
             layout.require_a_buffer(host_memory)
@@ -191,6 +192,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 layout,
                 cache_chunks=None if config.cache_chunks == "auto" else config.cache_chunks,
                 lock=self._mlp_pin,
+                pages=pages,
             )
         except ValueError as e:
             # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
@@ -200,6 +202,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             ) from None
         self._mlp_grad = torch.empty(c, dtype=FP32)
         pipeline = self._mlp_state.pipeline
+        page_report = pipeline.page_report
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
         # The initial state, placed by the plan's weights, through the pool's buffers.
         self._mlp_state.initialize(lambda i: self.fp16_partitioned_groups_flat[i])
@@ -217,6 +220,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "buffers": pipeline.buffer_count,
                 "buffer_bytes": buffer_bytes,
                 "cached_chunks": pipeline.cache_slots,
+                # The pages asked for, why, and how the kernel backed the buffers.
+                "host_pages": {"pages": pages, "source": pages_source, **page_report},
                 "weights": self._mlp_store.weights,
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
@@ -228,7 +233,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         log.info(
             "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
-            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; weights %s; "
+            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; weights %s; "
             "predicted update %.2f s",
             self._mlp_rank,
             len(numels),
@@ -240,6 +245,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             pipeline.buffer_count,
             grad_bytes / 2**20,
             pipeline.cache_slots,
+            memory.describe_pages(pages, pages_source, page_report),
             [round(w, 3) for w in self._mlp_store.weights],
             plan["predicted_update_secs"] if plan else float("nan"),
         )

@@ -3,6 +3,7 @@
 //! `mlp-offload-py` binds it.
 
 pub mod admission;
+pub mod blockstat;
 pub mod buffer;
 pub mod checksum;
 pub mod completion;
@@ -13,7 +14,9 @@ pub mod probe;
 pub mod store;
 pub mod tier;
 
-pub use buffer::{AlignedBuf, BufferPool, PooledBuf, BUFFER_ALIGN};
+pub use buffer::{
+    page_report, AlignedBuf, BufferPool, PageReport, Pages, PooledBuf, BUFFER_ALIGN, HUGE_PAGE,
+};
 pub use completion::Completion;
 pub use engine::{EngineChoice, EngineKind, HostPtr, PathLimits, PathStats};
 pub use error::{Error, Result};

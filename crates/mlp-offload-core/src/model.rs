@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use crate::buffer::Pages;
 use crate::error::{Error, Result};
 
 /// What the model needs to know about one storage path (a probe's figures).
@@ -23,6 +24,36 @@ pub struct PathProfile {
     pub concurrent_bytes_per_s: Option<f64>,
     /// The in-flight limit at which the path was fastest.
     pub best_inflight: usize,
+}
+
+/// A path's best read and write settings measured with host buffers of either page size (the probe's
+/// `pages`), bytes per second.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PageRates {
+    pub small_read_bytes_per_s: f64,
+    pub small_write_bytes_per_s: f64,
+    pub huge_read_bytes_per_s: f64,
+    pub huge_write_bytes_per_s: f64,
+}
+
+/// Huge pages are refused only where they moved at least this much less than small ones: below it, the
+/// two are within a disk's swing from one measurement to the next.
+pub const PAGES_TOLERANCE: f64 = 0.05;
+
+/// The pages of the host buffers, from each path's figures: huge, unless reads or writes from huge pages
+/// moved [`PAGES_TOLERANCE`] less than from small ones on some path. Huge pages cost nothing else (the
+/// same bytes, fewer TLB misses in the update's passes over them), so a tie goes to them, and so does a
+/// plan without figures.
+pub fn pages_choice(paths: &[PageRates]) -> Pages {
+    let loses = |huge: f64, small: f64| huge < small * (1.0 - PAGES_TOLERANCE);
+    if paths.iter().any(|p| {
+        loses(p.huge_read_bytes_per_s, p.small_read_bytes_per_s)
+            || loses(p.huge_write_bytes_per_s, p.small_write_bytes_per_s)
+    }) {
+        Pages::Small
+    } else {
+        Pages::Huge
+    }
 }
 
 /// One optimizer step's update phase, as the offload engine sees it.
@@ -698,6 +729,48 @@ mod tests {
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn huge_pages_unless_they_measured_slower() {
+        let rates = |sr: f64, sw: f64, hr: f64, hw: f64| PageRates {
+            small_read_bytes_per_s: sr,
+            small_write_bytes_per_s: sw,
+            huge_read_bytes_per_s: hr,
+            huge_write_bytes_per_s: hw,
+        };
+        // name, paths' figures, choice
+        let cases = [
+            ("no figures", vec![], Pages::Huge),
+            (
+                "huge faster (a virtual disk)",
+                vec![rates(1.4, 4.2, 4.4, 9.0)],
+                Pages::Huge,
+            ),
+            (
+                "a tie (NVMe)",
+                vec![rates(3.0, 2.5, 2.95, 2.5)],
+                Pages::Huge,
+            ),
+            (
+                "huge reads 5% slower",
+                vec![rates(3.0, 2.5, 2.84, 2.5)],
+                Pages::Small,
+            ),
+            (
+                "huge writes 10% slower",
+                vec![rates(3.0, 2.5, 3.0, 2.25)],
+                Pages::Small,
+            ),
+            (
+                "one path of two loses",
+                vec![rates(1.4, 4.2, 4.4, 9.0), rates(3.0, 2.5, 2.0, 2.5)],
+                Pages::Small,
+            ),
+        ];
+        for (name, paths, expected) in cases {
+            assert_eq!(pages_choice(&paths), expected, "{name}");
+        }
+    }
 
     const MB: f64 = 1e6;
 

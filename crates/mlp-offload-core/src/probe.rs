@@ -4,6 +4,11 @@
 //! directories on one device, or a shared file system, do not add up). For a node of several ranks,
 //! what each device gives to that many streams at once with no node-wide limit, and under one, request
 //! by request and by turns, so the model can pick whether and how its ranks share it.
+//!
+//! Host buffers of huge pages reach a device in larger requests (see [`crate::buffer`]): the sweep runs
+//! on them, each path's best settings are measured again with 4 KiB pages, and the sustained figures
+//! use whichever moved more ([`crate::model::pages_choice`]). Every figure carries what the device
+//! itself saw meanwhile, where it has block counters: its request sizes, merges and queue depth.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -13,12 +18,14 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::admission::{Admitter, NodeAdmission, Sharing};
-use crate::buffer::AlignedBuf;
+use crate::blockstat::{observe, BlockActivity};
+use crate::buffer::{page_report, AlignedBuf, PageReport, Pages};
 use crate::completion::Completion;
 use crate::engine::{
     open_engine, EngineChoice, EngineKind, HostPtr, IoEngine, IoFile, Op, PathLimits, Transfer,
 };
 use crate::error::{Error, Result};
+use crate::model::{pages_choice, PageRates};
 use crate::tier::{probe_dir, TierInfo};
 
 /// Largest host buffer the probe allocates; larger measurements reuse it for successive file ranges.
@@ -68,6 +75,22 @@ pub struct ProbeSample {
     pub chunk_size: usize,
     pub max_inflight: usize,
     pub bytes_per_s: f64,
+    /// What reached the device meanwhile; `None` without block counters.
+    pub device: Option<BlockActivity>,
+}
+
+/// Each path's best read and write settings measured with host buffers of either page size, and the
+/// pages chosen for the path's sustained figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct PagesProbe {
+    #[serde(flatten)]
+    pub rates: PageRates,
+    /// How the probe's huge-page buffer was backed: fragmented memory can leave it in small pages.
+    pub huge_buffer: PageReport,
+    pub chosen: Pages,
+    /// What reached the device during each measurement, where it has block counters.
+    pub small_read_device: Option<BlockActivity>,
+    pub huge_read_device: Option<BlockActivity>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -81,6 +104,12 @@ pub struct PathProbe {
     pub concurrent_bytes_per_s: Option<f64>,
     pub best_read: PathLimits,
     pub best_write: PathLimits,
+    /// The best settings again with either page size, and the pages the sustained figures used.
+    pub pages: PagesProbe,
+    /// What reached the device during the sustained read, write and mixed measurements.
+    pub read_device: Option<BlockActivity>,
+    pub write_device: Option<BlockActivity>,
+    pub mixed_device: Option<BlockActivity>,
     pub engine: EngineKind,
     pub direct_io: bool,
     pub device_id: String,
@@ -175,10 +204,7 @@ pub fn probe_paths(
             "paths, bytes, sustained bytes, chunk sizes and depths must not be empty",
         ));
     }
-    let mut buf = AlignedBuf::new(PROBE_BUFFER.min(opts.bytes as usize).max(1 << 20), false)?;
-    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-        *b = (i % 253) as u8 | 1;
-    }
+    let mut buf = probe_buffer(opts, Pages::Huge)?;
     let mut files = Vec::with_capacity(dirs.len());
     let mut probes = Vec::with_capacity(dirs.len());
     for dir in dirs {
@@ -224,6 +250,48 @@ pub fn probe_paths(
     Ok(probes)
 }
 
+/// The probe's host buffer of `pages`, filled with a pattern (never all zeros, which some devices
+/// compress or skip).
+fn probe_buffer(opts: &ProbeOptions, pages: Pages) -> Result<AlignedBuf> {
+    let len = PROBE_BUFFER.min(opts.bytes as usize).max(1 << 20);
+    let mut buf = AlignedBuf::with_pages(len, false, pages)?;
+    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 253) as u8 | 1;
+    }
+    Ok(buf)
+}
+
+/// `bytes` per second, and `activity` in the words of a progress line: the device's request sizes,
+/// merges and queue depth.
+fn describe(bytes_per_s: f64, activity: Option<&BlockActivity>) -> String {
+    let rate = format!("{:.0} MiB/s", bytes_per_s / (1 << 20) as f64);
+    match activity {
+        Some(a) if a.read_requests + a.write_requests > 0 => {
+            let mut parts = Vec::new();
+            if a.read_requests > 0 {
+                parts.push(format!(
+                    "reads of {:.0} KiB ({:.0}% merged)",
+                    a.read_request_bytes / 1024.0,
+                    a.read_merged * 100.0
+                ));
+            }
+            if a.write_requests > 0 {
+                parts.push(format!(
+                    "writes of {:.0} KiB ({:.0}% merged)",
+                    a.write_request_bytes / 1024.0,
+                    a.write_merged * 100.0
+                ));
+            }
+            format!(
+                "{rate}; the device saw {}, {:.1} queued",
+                parts.join(" and "),
+                a.queue_depth
+            )
+        }
+        _ => rate,
+    }
+}
+
 /// Probes one directory alone.
 pub fn probe_path(
     dir: &Path,
@@ -254,20 +322,23 @@ fn sweep(
             let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
             engine_kind = engine.kind();
             for op in [Op::Write, Op::Read] {
-                let secs = run(&*engine, op, file, buf, 0, bytes, tier.direct_io)?;
+                let (secs, device) = observe(&tier.device_id, || {
+                    run(&*engine, op, file, buf, 0, bytes, tier.direct_io)
+                });
                 let sample = ProbeSample {
                     op: if op == Op::Read { "read" } else { "write" },
                     chunk_size,
                     max_inflight: depth,
-                    bytes_per_s: bytes as f64 / secs,
+                    bytes_per_s: bytes as f64 / secs?,
+                    device,
                 };
                 progress(&format!(
-                    "{}: {} chunk {} MiB x {} in flight: {:.0} MiB/s",
+                    "{}: {} chunk {} MiB x {} in flight: {}",
                     dir.display(),
                     sample.op,
                     chunk_size >> 20,
                     depth,
-                    sample.bytes_per_s / (1 << 20) as f64
+                    describe(sample.bytes_per_s, sample.device.as_ref())
                 ));
                 samples.push(sample);
             }
@@ -289,44 +360,75 @@ fn sweep(
             })
             .expect("at least one sample per op")
     };
-    let (_, best_read) = best("read");
-    let (_, best_write) = best("write");
-    // The sustained figures, at the best settings, over the whole working set.
-    let mut sustained_of = |label: &str, limits: PathLimits, op: Option<Op>| -> Result<f64> {
-        let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
-        let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
-        write_buf.as_mut_slice().fill(0x5a);
-        let (total, align) = (probe_file.sustained_bytes, tier.alignment());
-        let rate = sustained(total, align, |offset, window| {
-            let start = Instant::now();
-            let moved = match op {
-                Some(op) => {
-                    run(&*engine, op, file, buf, offset, window, tier.direct_io)?;
-                    window
-                }
-                None => mixed_pass(
-                    &*engine,
-                    probe_file,
-                    offset,
-                    window,
-                    buf,
-                    &mut write_buf,
-                    limits.chunk_size,
-                )?,
-            };
-            Ok((moved, start.elapsed().as_secs_f64()))
-        })?;
-        progress(&format!(
-            "{}: {label}, sustained over {} MiB: {:.0} MiB/s",
-            dir.display(),
-            probe_file.sustained_bytes >> 20,
-            rate / (1 << 20) as f64
-        ));
-        Ok(rate)
+    let (huge_read, best_read) = best("read");
+    let (huge_write, best_write) = best("write");
+    // The best settings again with 4 KiB pages, then the sustained figures with the pages that won.
+    let pages = compare_pages(
+        dir,
+        probe_file,
+        opts,
+        buf,
+        (best_read, huge_read),
+        (best_write, huge_write),
+    )?;
+    progress(&format!(
+        "{}: host buffers of 4 KiB pages: read {}, write {:.0} MiB/s; of huge pages ({} of {} MiB huge): read {}, write {:.0} MiB/s: {} pages chosen",
+        dir.display(),
+        describe(pages.rates.small_read_bytes_per_s, pages.small_read_device.as_ref()),
+        pages.rates.small_write_bytes_per_s / (1 << 20) as f64,
+        pages.huge_buffer.huge_bytes() >> 20,
+        pages.huge_buffer.bytes >> 20,
+        describe(pages.rates.huge_read_bytes_per_s, pages.huge_read_device.as_ref()),
+        pages.rates.huge_write_bytes_per_s / (1 << 20) as f64,
+        pages.chosen.name(),
+    ));
+    let mut small_buf;
+    let buf = if pages.chosen == Pages::Huge {
+        buf
+    } else {
+        small_buf = probe_buffer(opts, Pages::Small)?;
+        &mut small_buf
     };
-    let write_bps = sustained_of("write", best_write, Some(Op::Write))?;
-    let read_bps = sustained_of("read", best_read, Some(Op::Read))?;
-    let mixed = sustained_of("mixed read+write", best_read, None)?;
+    // The sustained figures, at the best settings, over the whole working set.
+    let mut sustained_of =
+        |label: &str, limits: PathLimits, op: Option<Op>| -> Result<(f64, Option<BlockActivity>)> {
+            let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
+            let mut write_buf = AlignedBuf::with_pages(limits.chunk_size, false, pages.chosen)?;
+            write_buf.as_mut_slice().fill(0x5a);
+            let (total, align) = (probe_file.sustained_bytes, tier.alignment());
+            let (rate, device) = observe(&tier.device_id, || {
+                sustained(total, align, |offset, window| {
+                    let start = Instant::now();
+                    let moved = match op {
+                        Some(op) => {
+                            run(&*engine, op, file, buf, offset, window, tier.direct_io)?;
+                            window
+                        }
+                        None => mixed_pass(
+                            &*engine,
+                            probe_file,
+                            offset,
+                            window,
+                            buf,
+                            &mut write_buf,
+                            limits.chunk_size,
+                        )?,
+                    };
+                    Ok((moved, start.elapsed().as_secs_f64()))
+                })
+            });
+            let rate = rate?;
+            progress(&format!(
+                "{}: {label}, sustained over {} MiB: {}",
+                dir.display(),
+                probe_file.sustained_bytes >> 20,
+                describe(rate, device.as_ref())
+            ));
+            Ok((rate, device))
+        };
+    let (write_bps, write_device) = sustained_of("write", best_write, Some(Op::Write))?;
+    let (read_bps, read_device) = sustained_of("read", best_read, Some(Op::Read))?;
+    let (mixed, mixed_device) = sustained_of("mixed read+write", best_read, None)?;
     Ok(PathProbe {
         path: dir.to_path_buf(),
         read_bytes_per_s: read_bps,
@@ -335,12 +437,57 @@ fn sweep(
         concurrent_bytes_per_s: None,
         best_read,
         best_write,
+        pages,
+        read_device,
+        write_device,
+        mixed_device,
         engine: engine_kind,
         direct_io: tier.direct_io,
         device_id: tier.device_id.clone(),
         device_name: tier.device_name.clone(),
         samples,
         sharing: None,
+    })
+}
+
+/// Measures the best read and write settings again with a host buffer of 4 KiB pages, beside the sweep's
+/// figures on `huge` (its buffer of huge pages), and chooses the pages of the path's sustained figures.
+fn compare_pages(
+    dir: &Path,
+    probe_file: &ProbeFile,
+    opts: &ProbeOptions,
+    huge: &mut AlignedBuf,
+    (best_read, huge_read): (PathLimits, f64),
+    (best_write, huge_write): (PathLimits, f64),
+) -> Result<PagesProbe> {
+    let (tier, file, bytes) = (&probe_file.tier, &probe_file.file, probe_file.bytes);
+    let mut small = probe_buffer(opts, Pages::Small)?;
+    let rate = |limits: PathLimits,
+                op: Op,
+                buf: &mut AlignedBuf|
+     -> Result<(f64, Option<BlockActivity>)> {
+        let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
+        let (secs, device) = observe(&tier.device_id, || {
+            run(&*engine, op, file, buf, 0, bytes, tier.direct_io)
+        });
+        Ok((bytes as f64 / secs?, device))
+    };
+    let (small_write, _) = rate(best_write, Op::Write, &mut small)?;
+    let (small_read, small_read_device) = rate(best_read, Op::Read, &mut small)?;
+    // Read once more on huge pages, beside the small-page figure in time, for the device's view.
+    let (_, huge_read_device) = rate(best_read, Op::Read, huge)?;
+    let rates = PageRates {
+        small_read_bytes_per_s: small_read,
+        small_write_bytes_per_s: small_write,
+        huge_read_bytes_per_s: huge_read,
+        huge_write_bytes_per_s: huge_write,
+    };
+    Ok(PagesProbe {
+        rates,
+        huge_buffer: page_report([&*huge]),
+        chosen: pages_choice(&[rates]),
+        small_read_device,
+        huge_read_device,
     })
 }
 
@@ -449,8 +596,8 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
                     let engine =
                         open_engine(opts.engine, &p.path.to_string_lossy(), p.best_read, None)?;
                     let chunk = p.best_read.chunk_size;
-                    let mut read_buf = AlignedBuf::new(chunk, false)?;
-                    let mut write_buf = AlignedBuf::new(chunk, false)?;
+                    let mut read_buf = AlignedBuf::with_pages(chunk, false, p.pages.chosen)?;
+                    let mut write_buf = AlignedBuf::with_pages(chunk, false, p.pages.chosen)?;
                     write_buf.as_mut_slice().fill(0xa5);
                     // Passes short enough that the last one ends soon after the deadline.
                     let pass = (p.mixed_bytes_per_s * 0.25) as u64;
@@ -519,8 +666,10 @@ fn sharing(f: &ProbeFile, p: &PathProbe, opts: &ProbeOptions) -> Result<SharingP
                         });
                         let label = p.path.to_string_lossy();
                         let engine = open_engine(opts.engine, &label, limits, admitter)?;
-                        let mut read_buf = AlignedBuf::new(limits.chunk_size, false)?;
-                        let mut write_buf = AlignedBuf::new(limits.chunk_size, false)?;
+                        let pages = p.pages.chosen;
+                        let mut read_buf = AlignedBuf::with_pages(limits.chunk_size, false, pages)?;
+                        let mut write_buf =
+                            AlignedBuf::with_pages(limits.chunk_size, false, pages)?;
                         write_buf.as_mut_slice().fill(0x3c);
                         let (first, mut offset, mut moved) =
                             ((k * part).min(f.sustained_bytes - part), 0, 0);

@@ -6,11 +6,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use mlp_offload_core::admission::Sharing;
-use mlp_offload_core::model::{plan_split, PathProfile, PathSample, UpdateWorkload, WeightTuner};
+use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
+use mlp_offload_core::model::{
+    pages_choice as choose_pages, plan_split, PageRates, PathProfile, PathSample, UpdateWorkload,
+    WeightTuner,
+};
 use mlp_offload_core::probe::{probe_paths, ProbeOptions};
 use mlp_offload_core::{
-    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, PathLimits,
-    PooledBuf, StoreConfig,
+    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, Pages,
+    PathLimits, PooledBuf, StoreConfig,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
@@ -188,12 +192,31 @@ struct HostBufferPool {
 #[pymethods]
 impl HostBufferPool {
     #[new]
-    #[pyo3(signature = (count, buffer_size, lock=true))]
-    fn new(py: Python<'_>, count: usize, buffer_size: usize, lock: bool) -> PyResult<Self> {
+    #[pyo3(signature = (count, buffer_size, lock=true, pages="small"))]
+    fn new(
+        py: Python<'_>,
+        count: usize,
+        buffer_size: usize,
+        lock: bool,
+        pages: &str,
+    ) -> PyResult<Self> {
+        let pages = Pages::parse("pages", pages).map_err(to_py)?;
         let pool = py
-            .detach(|| BufferPool::new(count, buffer_size, lock))
+            .detach(|| BufferPool::with_pages(count, buffer_size, lock, pages))
             .map_err(to_py)?;
         Ok(HostBufferPool { pool })
+    }
+
+    /// The pages asked for: `"small"` or `"huge"`.
+    #[getter]
+    fn pages(&self) -> &'static str {
+        self.pool.pages().name()
+    }
+
+    /// How the buffers' bytes are backed: `bytes`, `reserved_huge_bytes`, `transparent_huge_bytes`.
+    #[getter]
+    fn page_report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py_json(py, &self.pool.page_report())
     }
 
     /// A free buffer, or None when every buffer is in use.
@@ -561,6 +584,55 @@ fn plan_update(
     to_py_json(py, &planned)
 }
 
+/// The host buffers' pages the probe's figures call for (`"huge"` or `"small"`): one dict per path with
+/// the `small_`/`huge_` `read_`/`write_bytes_per_s` of its `pages` probe.
+#[pyfunction]
+fn pages_choice(paths: Vec<Bound<'_, PyAny>>) -> PyResult<&'static str> {
+    let rates: Vec<PageRates> = from_dicts(&paths, "paths")?;
+    Ok(choose_pages(&rates).name())
+}
+
+/// The block counters of device `major:minor` (`ObjectStore.path_reports()[i]["tier"]["device_id"]`),
+/// as a tuple to pass to `block_activity`, or None for a device without them.
+#[pyfunction]
+fn block_counters(device_id: &str) -> Option<[u64; 8]> {
+    BlockCounters::read(device_id).map(|c| {
+        [
+            c.read_requests,
+            c.read_merges,
+            c.read_sectors,
+            c.write_requests,
+            c.write_merges,
+            c.write_sectors,
+            c.io_ms,
+            c.queue_ms,
+        ]
+    })
+}
+
+/// What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
+/// direction, their mean sizes, the merged shares, the mean queue depth and the busy share.
+#[pyfunction]
+fn block_activity(
+    py: Python<'_>,
+    before: [u64; 8],
+    after: [u64; 8],
+    secs: f64,
+) -> PyResult<Py<PyAny>> {
+    let counters = |c: [u64; 8]| BlockCounters {
+        read_requests: c[0],
+        read_merges: c[1],
+        read_sectors: c[2],
+        write_requests: c[3],
+        write_merges: c[4],
+        write_sectors: c[5],
+        io_ms: c[6],
+        queue_ms: c[7],
+    };
+    let activity = BlockActivity::between(&counters(before), &counters(after), secs);
+    to_py_json(py, &activity)
+}
+
 /// Why io_uring cannot be used in this process, or None when it can.
 #[pyfunction]
 fn io_uring_unavailable_reason() -> Option<String> {
@@ -585,5 +657,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(plan_update, m)?)?;
+    m.add_function(wrap_pyfunction!(pages_choice, m)?)?;
+    m.add_function(wrap_pyfunction!(block_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(block_activity, m)?)?;
     Ok(())
 }
