@@ -105,6 +105,11 @@ bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=
 	    --contenders $(CONTENDERS) \
 	    --out docs/data/bench-scale.json
 
+.PHONY: bench-kernel
+bench-kernel: setup ## the per-chunk update, fused pass vs DeepSpeed's passes (with and without checksums), bytes touched per element (docs/data/bench-kernel.json)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(VENV)/bin/python benches/update_kernel.py --out docs/data/bench-kernel.json
+
 .PHONY: bench-node
 bench-node: setup ## many ranks on one node (RANKS=4, SIZE=270M, sub_group_size 1e7): ours with node-wide admission and without, on the work disk plus the 500 MiB/s test bed and on the test bed alone, against DeepSpeed's NVMe offload; fio floor (root; docs/data/bench-node.json)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \

@@ -49,6 +49,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from blocktrace import BlockTrace, describe
+
 CONTENDERS = (
     "ds-nvme-partitioned",
     "ds-nvme-pipelined",
@@ -213,8 +215,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     steps = []
     watch = DeviceWatch(spec["paths"]) if spec["contender"] != "ds-cpu" else None
     updates: list[dict[str, Any]] = []
+    traces: list[dict[str, Any]] = []
     if watch is not None:
         watch.wrap_step(engine, updates)
+        if spec.get("trace_block"):
+            trace_step(engine, BlockTrace(watch.devices), spec["warmup"], traces)
     for _ in range(spec["warmup"] + spec["steps"]):
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
         tokens = tokens.to(engine.device)
@@ -239,8 +244,28 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry:
         result["telemetry"] = telemetry
+    if traces:
+        result["block_trace"] = traces[0]
     engine.destroy()
     return result
+
+
+def trace_step(engine: Any, trace: BlockTrace, warmup: int, traces: list[dict[str, Any]]) -> None:
+    """Makes the first measured `engine.step()` (after `warmup` steps) record the requests its devices
+    were sent (`blocktrace.py`), appended to `traces`."""
+    step, calls = engine.step, [0]
+
+    def traced_step(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] != warmup + 1:
+            return step(*args, **kwargs)
+        trace.start()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            traces.append(trace.stop())
+
+    engine.step = traced_step
 
 
 def testbed_available() -> tuple[bool, str]:
@@ -326,6 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ranks", type=int, default=1, help="data-parallel ranks of one node per contender (1)"
     )
+    parser.add_argument(
+        "--trace-block",
+        action="store_true",
+        help="record the requests the disk was sent in each contender's first measured update (root)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results; the chart goes beside it")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -334,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(os.environ["MLP_OFFLOAD_BENCH_RESULT"]).write_text(json.dumps(worker(spec)))
         return 0
 
+    if args.trace_block and (why := BlockTrace.unavailable()):
+        parser.error(f"--trace-block: {why}")
     contenders = args.contenders.split(",")
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
@@ -421,6 +453,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "warmup": args.warmup,
                 "steps": args.steps,
                 "section_keys": args.section_keys.get(contender, {}),
+                "trace_block": args.trace_block,
             }
             spec_file = root / f"{contender}.spec.json"
             spec_file.write_text(json.dumps(spec))
@@ -643,6 +676,11 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{d['update_write_request_bytes'] / 1024:.0f} KiB written "
                 f"({100 * d['update_write_merged']:.0f}% merged), {d['update_queue_depth']:.1f} queued"
             )
+        for rnd, run in enumerate(report["runs"].get(contender, [])):
+            if "block_trace" in run:
+                print(
+                    f"  requests of round {rnd + 1}'s first measured update: {describe(run['block_trace'])}"
+                )
         if "update_spread_max" in m:
             print(
                 f"  update spread between ranks: median {100 * m['update_spread_median']:.1f}%, "

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from mlp_offload import ObjectStore, WeightTuner, profiles
+from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, profiles
 from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.pipeline import ChunkPipeline, next_order
 from mlp_offload.planning import UpdatePlanner
@@ -71,6 +72,60 @@ def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
             back = torch.empty(size, dtype=torch.uint8)
             store.read(keys[i], back).wait()
             assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+
+
+def sums_at(view: torch.Tensor, starts: list[int] | None) -> list[int] | None:
+    """Each stripe's CRC32C of `view`'s bytes, cut at `starts` (None: none asked for)."""
+    if starts is None:
+        return None
+    ends = [*starts[1:], view.numel()]
+    return [_core.crc32c(view[a:b].numpy()) for a, b in zip(starts, ends, strict=True)]
+
+
+def test_sums_from_the_update_are_the_stores_and_a_corrupt_read_is_kept_nowhere(
+    engine: str, work_dirs: list[Path]
+) -> None:
+    """With `checksums_in_update`, the update hashes each chunk as read and as written (here in Python;
+    the fused kernel in the engine): a store reopened later verifies every chunk with the sums it was
+    given, and a chunk damaged on disk raises CorruptObjectError naming its file before anything made of
+    it is written or cached."""
+    chunks, size = 6, 3 * 4096 * 8
+    keys = [f"c{i}" for i in range(chunks)]
+    asked: list[tuple[list[int] | None, list[int] | None]] = []
+
+    def bump(
+        index: int, view: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
+    ) -> Any:
+        asked.append((read_cuts, write_cuts))
+        read_sums = sums_at(view, read_cuts)
+        view.add_(1)
+        return read_sums, sums_at(view, write_cuts)
+
+    with ObjectStore(work_dirs[:2], engine=engine, weights=[1.0, 2.0]) as store:
+        pipeline = ChunkPipeline(store, keys, [size] * chunks, 3)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        for _ in range(3):
+            pipeline.run_step(bump, drain=True, checksums_in_update=True)
+        # Chunks read from the store were verified, at their stripes; cached ones were not read.
+        assert any(r is not None for r, _ in asked) and all(r is None or r[0] == 0 for r, _ in asked)
+        assert all(w is None or len(w) == 2 for _, w in asked), "two paths: two stripes per write"
+        pipeline.flush()
+    with ObjectStore(work_dirs[:2], engine=engine, weights=[1.0, 2.0]) as store:
+        for i in range(chunks):
+            back = torch.empty(size, dtype=torch.uint8)
+            store.read(keys[i], back).wait()  # the store verifies the sums the update gave it
+            assert torch.equal(back, torch.full((size,), i + 3, dtype=torch.uint8)), i
+        pipeline = ChunkPipeline(store, keys, [size] * chunks, 3, cache_slots=0)
+        victim = pipeline.order[0]
+        path = work_dirs[1] / "rank0" / f"{keys[victim]}.mlpo"
+        raw = bytearray(path.read_bytes())
+        raw[123] ^= 0x10
+        path.write_bytes(bytes(raw))
+        before = {k: store.placement(k) for k in keys}
+        with pytest.raises(CorruptObjectError, match="checksum mismatch") as e:
+            pipeline.run_step(bump, drain=True, checksums_in_update=True)
+        assert e.value.filename == str(path)
+        assert victim not in pipeline.resident and store.placement(keys[victim]) == before[keys[victim]]
 
 
 def test_replace_reaches_resident_retained_and_stored_chunks(engine: str, work_dirs: list[Path]) -> None:

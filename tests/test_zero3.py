@@ -79,6 +79,13 @@ CASES = [
     ("bf16, the default budget: all in memory", {}, {}, 1),
     ("bf16, three paths, some cached", {}, {"host_memory": "64M", "cache_chunks": 2}, 3),
     ("bf16, every chunk cached", {}, {"host_memory": "64M", "cache_chunks": 1000}, 2),
+    # DeepSpeed's own passes per chunk instead of the fused kernel (every other row of CPU Adam fuses).
+    (
+        "DeepSpeed's passes (update_kernel: deepspeed), clipping",
+        {"clip": 0.05},
+        {"host_memory": "200K", "update_chunk": "24K", "update_kernel": "deepspeed"},
+        2,
+    ),
     # Chunks of 2048 elements: six or so per subgroup, the last of each shorter.
     ("chunks of a few thousand elements", {}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
     (
@@ -131,6 +138,10 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     steps = [r for r in ours["telemetry"] if r["event"] == "step"]
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
     assert start["chunks"] > 2, "the state must span several chunks"
+    # DeepSpeed's CPU Adam runs fused unless configured otherwise; torch's optimizers run their own.
+    torch_optimizer = ds_case.get("torch_adam") or ds_case.get("client_optimizer")
+    fused = not torch_optimizer and extra.get("update_kernel") != "deepspeed"
+    assert start["update_kernel"]["kernel"] == ("fused" if fused else "deepspeed"), start["update_kernel"]
     if "sub_group_size" not in ds_case:
         assert start["subgroups"] > 2, "the model must span several subgroups"
     if ds_case.get("overflow_at_step") is not None:

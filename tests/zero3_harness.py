@@ -309,12 +309,14 @@ def kill_in_update(optimizer: Any, after_chunks: int) -> None:
     def killing_run_step(update: Any, **kwargs: Any) -> Any:
         done = 0
 
-        def update_then_maybe_die(chunk: int, view: torch.Tensor) -> None:
+        def update_then_maybe_die(chunk: int, view: torch.Tensor, *cuts: Any) -> Any:
             nonlocal done
-            update(chunk, view)
+            # The fused update also takes and returns the chunk's checksums (`checksums_in_update`).
+            result = update(chunk, view, *cuts)
             done += 1
             if done == after_chunks:
                 os.kill(os.getpid(), signal.SIGKILL)
+            return result
 
         return run_step(update_then_maybe_die, **kwargs)
 

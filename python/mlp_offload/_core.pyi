@@ -4,15 +4,18 @@ from collections.abc import Callable
 from typing import Any, Self, final
 
 __all__ = [
+    "AdamKernel",
     "CorruptObjectError",
     "HostBuffer",
     "HostBufferPool",
     "IoHandle",
     "ObjectStore",
+    "ReadCheck",
     "WeightTuner",
     "__version__",
     "block_activity",
     "block_counters",
+    "crc32c",
     "io_uring_unavailable_reason",
     "pages_choice",
     "plan_update",
@@ -72,6 +75,63 @@ class HostBufferPool:
     def locked(self) -> bool: ...
 
 @final
+class AdamKernel:
+    """DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
+    the half-precision copy (see `mlp_offload.kernel`), keeping DeepSpeed's per-optimizer bias state."""
+
+    def __new__(
+        cls,
+        beta1: float,
+        beta2: float,
+        *,
+        vector_width: int = 16,
+        momentum: str = "gradient",
+        variance: str = "gradient",
+        others: bool = True,
+        bias_sqrt: str = "float",
+        simd: str = "auto",
+    ) -> Self: ...
+    @staticmethod
+    def candidates() -> list[dict[str, Any]]:
+        """Every arithmetic a DeepSpeed build may have, as constructor keywords, the likeliest first."""
+    @staticmethod
+    def sqrt_witness(beta2: float) -> int | None:
+        """The first Adam step (from 3) at which a float and a double square root give another bias
+        correction for a call that jumps there, or None."""
+    @property
+    def simd(self) -> str:
+        """The SIMD instructions the pass uses: `"avx512"`, `"avx2"` or `"scalar"`."""
+    @property
+    def arith(self) -> dict[str, Any]:
+        """The DeepSpeed arithmetic it matches, as `candidates()` gives it."""
+    def update(
+        self,
+        state: int,
+        grad: int,
+        params: int | None,
+        *,
+        count: int,
+        grad_dtype: str,
+        params_dtype: str,
+        grad_scale: float,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        adamw: bool,
+        threads: int,
+        read_cuts: list[int] | None = None,
+        write_cuts: list[int] | None = None,
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """One chunk in place at these addresses (GIL released): `state` `3 count` fp32, `grad` and
+        `params` `count` of their dtypes; the bias correction advances as DeepSpeed's would at `step`.
+        Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
+        (stripe starts), where given."""
+
+@final
 class ObjectStore:
     """The virtual-tier object store over raw addresses (see `mlp_offload.ObjectStore` for tensors)."""
 
@@ -90,9 +150,26 @@ class ObjectStore:
         device_sharing: list[str] | None = None,
     ) -> Self: ...
     def write(
-        self, key: str, address: int, nbytes: int, owner: object, weights: list[float] | None = None
-    ) -> IoHandle: ...
-    def read(self, key: str, address: int, nbytes: int, owner: object) -> IoHandle: ...
+        self,
+        key: str,
+        address: int,
+        nbytes: int,
+        owner: object,
+        weights: list[float] | None = None,
+        sums: tuple[list[int], list[int]] | None = None,
+    ) -> IoHandle:
+        """Writes the bytes as `key`; `sums` (stripe starts as `write_cuts` gave them, and each stripe's
+        CRC32C) spares the store hashing them, if the split is still that one."""
+    def read(self, key: str, address: int, nbytes: int, owner: object, verify: bool = True) -> IoHandle:
+        """Reads `key` into the bytes; `verify=False` leaves its checksums to the caller (`verify`)."""
+    def write_cuts(self, nbytes: int) -> list[int]:
+        """Where each stripe of an `nbytes` object written now would start."""
+    def read_check(self, key: str) -> ReadCheck:
+        """What a read of `key` reads now, for `verify`."""
+    def verify(self, check: ReadCheck, sums: list[int]) -> None:
+        """Compares a read's stripe sums with the stored ones; `CorruptObjectError` on a mismatch."""
+    @property
+    def checksum(self) -> bool: ...
     def delete(self, key: str) -> None: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
@@ -108,6 +185,17 @@ class ObjectStore:
     def weights(self) -> list[float]: ...
     @weights.setter
     def weights(self, weights: list[float]) -> None: ...
+
+@final
+class ReadCheck:
+    """What a read without the store's verification read, for `ObjectStore.verify`."""
+
+    @property
+    def starts(self) -> list[int]:
+        """Each stripe's first byte in the object, ascending from 0."""
+    @property
+    def has_sums(self) -> bool:
+        """Whether the object has checksums to verify."""
 
 @final
 class WeightTuner:
@@ -186,3 +274,6 @@ def block_activity(
 ) -> dict[str, Any]:
     """What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
     direction, mean request sizes, merged shares, mean queue depth, busy share."""
+
+def crc32c(buffer: Any) -> int:
+    """The CRC32C of a contiguous buffer-protocol object's bytes (GIL released), as the store keeps it."""

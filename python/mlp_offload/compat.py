@@ -10,6 +10,11 @@ tested. A function counts as coupled when
   the gradient partitions we read in half precision), or
 - the engine calls or wraps it (`CALLED`).
 
+The fused update kernel (`crates/mlp-offload-core/src/kernel.rs`) mirrors DeepSpeed's C++ CPU Adam, so
+the files it was written from are fingerprinted too (`MIRRORED_SOURCES`). (Its start-up check compares
+its bits with DeepSpeed's kernel on every run, and falls back to DeepSpeed's when they differ; this says
+which file to read when they do.)
+
 `tests/test_compat.py` fails naming each function whose source differs from `FINGERPRINTS`, and each
 function that became coupled or stopped existing. `install()` warns once, naming the tested versions
 and what changed, when the installed DeepSpeed is not one of them. After reviewing a new release
@@ -23,6 +28,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import os
 import textwrap
 import warnings
 from typing import Any
@@ -139,6 +145,27 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
 }
 
 
+# The C++ of DeepSpeed's CPU Adam that the fused kernel mirrors (`Step_AVX`, its scalar tail,
+# `IncrementStep`, `update_state`), under the `deepspeed` package: file digests in DeepSpeed 0.19.8.
+MIRRORED_SOURCES: dict[str, str] = {
+    "ops/csrc/includes/cpu_adam.h": "d269bd3a7adcd2b6",
+    "ops/csrc/adam/cpu_adam_impl.cpp": "b9f44e950995ad05",
+    "ops/csrc/includes/simd.h": "525321614f3f817d",
+}
+
+
+def file_digest(relative: str) -> str | None:
+    """A digest of a file of the installed `deepspeed` package, or None when it has no such file."""
+    import deepspeed
+
+    path = os.path.join(os.path.dirname(deepspeed.__file__), relative)
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except FileNotFoundError:
+        return None
+
+
 def fingerprints() -> dict[str, str]:
     """`FINGERPRINTS` by dotted name."""
     return {
@@ -245,6 +272,10 @@ def differences(engine: type) -> dict[str, str]:
             found[name] = "changed"
     for name in known.keys() - set(coupled):
         found[name] = "gone" if source_digest(name) is None else "no longer coupled"
+    for relative, known_digest in MIRRORED_SOURCES.items():
+        digest = file_digest(relative)
+        if digest != known_digest:
+            found[f"deepspeed/{relative}"] = "gone" if digest is None else "changed"
     return found
 
 
@@ -287,6 +318,10 @@ def main() -> None:
             owner = name_owner
         print(f'        "{member}": "{source_digest(name)}",')
     print("    },\n}")
+    print("MIRRORED_SOURCES: dict[str, str] = {")
+    for relative in MIRRORED_SOURCES:
+        print(f'    "{relative}": "{file_digest(relative)}",')
+    print("}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ class MLPOffloadConfig(BaseModel):
     `"auto"`: what the probe measured on these paths (huge unless they moved 5% less than 4 KiB pages on
     some path; huge without a profile); `"small"`: 4 KiB pages."""
 
+    update_kernel: Literal["auto", "fused", "deepspeed"] = "auto"
+    """How each chunk is updated. `"fused"`: one pass over its memory in the Rust core (the gradient's
+    widening and unscaling, DeepSpeed's CPU Adam, the half-precision copy), bit for bit what DeepSpeed's
+    passes give; checked at start-up against DeepSpeed's own kernel on this CPU, and refused, naming what
+    differed, if it does not agree. `"auto"`: the fused pass where it agrees, else DeepSpeed's passes,
+    saying why. `"deepspeed"`: DeepSpeed's passes. Optimizers other than DeepSpeed's CPU Adam (torch's
+    Adam, AdamW) always run their own."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

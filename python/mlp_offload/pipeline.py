@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -180,13 +181,23 @@ class ChunkPipeline:
         # A step that failed dropped its buffers; they came back to the pool when their last user went.
         return self._pool.acquire()
 
-    def run_step(self, update: Callable[[int, torch.Tensor], None], *, drain: bool = True) -> StepStats:
+    def run_step(
+        self, update: Callable[..., Any], *, drain: bool = True, checksums_in_update: bool = False
+    ) -> StepStats:
         """One update phase: `update(chunk, view)` changes each chunk's state in place.
 
         With `drain=False` the step returns while its last writes are still in flight: they go on while
         forward and backward run, and their buffers keep the state, so the next step uses them without
         reading them back.
+
+        With `checksums_in_update` (and the store keeping checksums), `update(chunk, view, read_cuts,
+        write_cuts)` also hashes the chunk's state as it reads and writes it, and returns the CRC32C per
+        stripe (`(read_sums, write_sums)`, cut at the stripe starts it was given, None where it was given
+        None). The store then neither verifies the read nor hashes the write on its own threads; a
+        chunk read from the store is verified here, after its update and before it is written or kept,
+        so corrupt state never reaches the store or the cache.
         """
+        sums_here = checksums_in_update and self.store.checksum
         n = len(self.sizes)
         order = self._order
         keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
@@ -216,12 +227,14 @@ class ChunkPipeline:
                         return
                     continue
                 i = to_read.popleft()
-                reading[i] = (buffer, self.store.read(self.keys[i], self.view(i, buffer)))
+                view = self.view(i, buffer)
+                reading[i] = (buffer, self.store.read(self.keys[i], view, verify=not sums_here))
                 stats.reads += 1
                 stats.bytes_read += self.sizes[i]
 
         for i in order:
             read_ahead()
+            was_read = False
             if i in self._resident:
                 buffer = self._resident.pop(i)
                 stats.cached += 1
@@ -244,11 +257,25 @@ class ChunkPipeline:
                 t = time.perf_counter()
                 handle.wait()
                 stats.read_wait_seconds += time.perf_counter() - t
-            update(i, self.view(i, buffer))
+                was_read = True
+            view = self.view(i, buffer)
+            sums = None
+            if not sums_here:
+                update(i, view)
+            else:
+                check = self.store.read_check(self.keys[i]) if was_read else None
+                read_cuts = check.starts if check is not None and check.has_sums else None
+                write_cuts = None if i in keep else self.store.write_cuts(self.sizes[i])
+                read_sums, write_sums = update(i, view, read_cuts, write_cuts)
+                if check is not None and read_cuts is not None:
+                    # Raises CorruptObjectError naming the stripe's file: nothing made of it is kept.
+                    self.store.verify(check, read_sums)
+                if write_cuts is not None:
+                    sums = (write_cuts, write_sums)
             if i in keep:
                 self._resident[i] = buffer
             else:
-                writing.append((i, buffer, self.store.write(self.keys[i], self.view(i, buffer))))
+                writing.append((i, buffer, self.store.write(self.keys[i], view, sums=sums)))
                 stats.writes += 1
                 stats.bytes_written += self.sizes[i]
         if drain:

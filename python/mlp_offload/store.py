@@ -86,15 +86,44 @@ class ObjectStore:
             gc.collect()
             self._store = open_store()
 
-    def write(self, key: str, src: Any, *, weights: Sequence[float] | None = None) -> _core.IoHandle:
-        """Writes `src` as object `key` (created on first write, placed by `weights`)."""
+    def write(
+        self,
+        key: str,
+        src: Any,
+        *,
+        weights: Sequence[float] | None = None,
+        sums: tuple[list[int], list[int]] | None = None,
+    ) -> _core.IoHandle:
+        """Writes `src` as object `key` (created on first write, placed by `weights`). `sums`: each
+        stripe's CRC32C of `src`, cut where `write_cuts` said, computed by the caller (the fused update
+        computes them as it writes the bytes); the store then does not hash them again."""
         address, nbytes, owner = memory_of(src, writable=False)
-        return self._store.write(key, address, nbytes, owner, list(weights) if weights else None)
+        return self._store.write(key, address, nbytes, owner, list(weights) if weights else None, sums)
 
-    def read(self, key: str, dst: Any) -> _core.IoHandle:
-        """Reads object `key` into `dst`, which must have exactly the object's size in bytes."""
+    def read(self, key: str, dst: Any, *, verify: bool = True) -> _core.IoHandle:
+        """Reads object `key` into `dst`, which must have exactly the object's size in bytes. With
+        `verify=False` the store does not check its checksums: the caller hashes what it read and calls
+        `verify(read_check(key), sums)` before trusting anything made of it."""
         address, nbytes, owner = memory_of(dst, writable=True)
-        return self._store.read(key, address, nbytes, owner)
+        return self._store.read(key, address, nbytes, owner, verify)
+
+    def write_cuts(self, nbytes: int) -> list[int]:
+        """Where each stripe of an `nbytes` object written now would start (the current split)."""
+        return self._store.write_cuts(nbytes)
+
+    def read_check(self, key: str) -> _core.ReadCheck:
+        """What a read of `key` reads now (`starts`: where to cut its sums), for `verify`."""
+        return self._store.read_check(key)
+
+    def verify(self, check: _core.ReadCheck, sums: list[int]) -> None:
+        """Raises `CorruptObjectError`, naming the stripe's file, where the caller's `sums` of what it read
+        differ from the stored ones."""
+        self._store.verify(check, sums)
+
+    @property
+    def checksum(self) -> bool:
+        """Whether a CRC32C of every stripe is kept and checked."""
+        return self._store.checksum
 
     def delete(self, key: str) -> None:
         self._store.delete(key)

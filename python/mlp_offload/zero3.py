@@ -39,7 +39,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
-from mlp_offload import checkpoint, memory
+from mlp_offload import checkpoint, kernel, memory
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.planning import UpdatePlanner, host_memory_budget, update_chunk
@@ -201,6 +201,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         self._mlp_grad = torch.empty(c, dtype=FP32)
+        half = self.fp16_partitioned_groups_flat[0].dtype
+        self._mlp_fused, kernel_why = kernel.choose(config.update_kernel, self.optimizer, half, half)
+        kernel_record: dict[str, Any] = {
+            "kernel": "deepspeed" if self._mlp_fused is None else "fused",
+            "why": kernel_why,
+        }
+        if self._mlp_fused is not None:
+            kernel_record.update(simd=self._mlp_fused.kernel.simd, arith=self._mlp_fused.kernel.arith)
         pipeline = self._mlp_state.pipeline
         page_report = pipeline.page_report
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
@@ -222,6 +230,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "cached_chunks": pipeline.cache_slots,
                 # The pages asked for, why, and how the kernel backed the buffers.
                 "host_pages": {"pages": pages, "source": pages_source, **page_report},
+                # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
+                "update_kernel": kernel_record,
                 "weights": self._mlp_store.weights,
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
@@ -233,8 +243,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         log.info(
             "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
-            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; weights %s; "
-            "predicted update %.2f s",
+            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; update kernel: %s (%s); "
+            "weights %s; predicted update %.2f s",
             self._mlp_rank,
             len(numels),
             len(layout.chunks),
@@ -246,6 +256,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             grad_bytes / 2**20,
             pipeline.cache_slots,
             memory.describe_pages(pages, pages_source, page_report),
+            kernel_record["kernel"],
+            kernel_why,
             [round(w, 3) for w in self._mlp_store.weights],
             plan["predicted_update_secs"] if plan else float("nan"),
         )
@@ -299,6 +311,50 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         for key in ("exp_avg", "exp_avg_sq"):
             if key in adam:
                 adam[key] = torch.empty(0, dtype=FP32)
+
+    def _mlp_grad_scale(self, total_norm: Any) -> float:
+        """What DeepSpeed's `unscale_and_clip_grads` multiplies every fp32 gradient by this step, from the
+        same expressions (a float, or a 0-dim tensor's value: torch multiplies by it as a float)."""
+        combined_scale = self.loss_scale
+        if self.clip_grad > 0.0:
+            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+            clip = torch.clamp(clip, min=1.0)
+            combined_scale = clip * self.loss_scale
+        return float(1.0 / combined_scale)
+
+    def _mlp_fused_update(
+        self,
+        chunk: int,
+        state_bytes: torch.Tensor,
+        step: int,
+        grad_scale: float,
+        read_cuts: list[int] | None,
+        write_cuts: list[int] | None,
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
+        bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
+        the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
+        the state's checksums as read and as written, cut at the store's stripes."""
+        assert self._mlp_fused is not None
+        i, first, count = self._mlp_state.chunks[chunk]
+        group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+        half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
+        grad = self._mlp_gradient(i)[first : first + count]
+        sums = self._mlp_fused.update(
+            state_bytes.view(FP32),
+            grad,
+            half,
+            grad_scale=grad_scale,
+            step=step,
+            group=group,
+            read_cuts=read_cuts,
+            write_cuts=write_cuts,
+        )
+        adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
+        adam["step"] = self._mlp_step_value(step)
+        for key in ("exp_avg", "exp_avg_sq"):
+            adam.setdefault(key, torch.empty(0, dtype=FP32))
+        return sums
 
     def _mlp_gradient(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
@@ -360,6 +416,25 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
         steps = [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
         remaining = [len(chunks) for chunks in self._mlp_state.of_subgroup]
+        grad_scale = self._mlp_grad_scale(scaled_global_grad_norm) if self._mlp_fused is not None else 1.0
+
+        def fused_update(
+            chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
+        ) -> tuple[list[int] | None, list[int] | None]:
+            """The update of one chunk as one fused pass, checksums included."""
+            nonlocal compute_secs
+            t = time.perf_counter()
+            i = self._mlp_state.chunks[chunk][0]
+            try:
+                sums = self._mlp_fused_update(
+                    chunk, state_bytes, steps[i] + 1, grad_scale, read_cuts, write_cuts
+                )
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    self._unflatten_partitioned_parameters(i)
+                return sums
+            finally:
+                compute_secs += time.perf_counter() - t
 
         def update(chunk: int, state_bytes: torch.Tensor) -> None:
             """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and
@@ -383,8 +458,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_unbind(i)
                 compute_secs += time.perf_counter() - t
 
-        # The last writes go on while the next forward and backward run.
-        stats = self._mlp_state.pipeline.run_step(update, drain=False)
+        # The last writes go on while the next forward and backward run. The fused pass checksums the
+        # state as it reads and writes it, so the store does not hash it again.
+        if self._mlp_fused is not None:
+            stats = self._mlp_state.pipeline.run_step(fused_update, drain=False, checksums_in_update=True)
+        else:
+            stats = self._mlp_state.pipeline.run_step(update, drain=False)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
         seconds = time.perf_counter() - step_start

@@ -157,7 +157,8 @@ impl AlignedBuf {
         let (ptr, map_len, mapping) = if pages == Pages::Huge && len >= HUGE_PAGE {
             // Reserved pages only for a whole number of them: a rounded-up tail would be memory the
             // budget did not count.
-            let reserved = (len % HUGE_PAGE == 0)
+            let reserved = len
+                .is_multiple_of(HUGE_PAGE)
                 .then(|| map_anonymous(len, libc::MAP_HUGETLB).ok())
                 .flatten();
             match reserved {

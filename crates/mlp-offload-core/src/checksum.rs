@@ -16,6 +16,11 @@ use crossbeam_channel::Sender;
 use crate::completion::Completion;
 use crate::engine::HostPtr;
 
+/// The CRC32C (iSCSI polynomial) of `bytes`: the store's checksum of a stripe.
+pub fn crc32c(bytes: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(bytes)
+}
+
 /// The largest piece one job hashes: small enough that the pool's threads share an object, large enough
 /// that combining costs nothing.
 pub const PIECE: usize = 4 << 20;

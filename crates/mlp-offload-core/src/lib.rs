@@ -9,6 +9,7 @@ pub mod checksum;
 pub mod completion;
 pub mod engine;
 pub mod error;
+pub mod kernel;
 pub mod model;
 pub mod probe;
 pub mod store;
@@ -20,5 +21,5 @@ pub use buffer::{
 pub use completion::Completion;
 pub use engine::{EngineChoice, EngineKind, HostPtr, PathLimits, PathStats};
 pub use error::{Error, Result};
-pub use store::{IoBuffer, ObjectStore, PathReport, Pending, StoreConfig};
+pub use store::{IoBuffer, ObjectStore, PathReport, Pending, ReadCheck, StoreConfig, StripeSums};
 pub use tier::{probe_dir, TierInfo};

@@ -139,6 +139,11 @@ impl StoreConfig {
         self
     }
 
+    /// Whether a CRC32C of every stripe is kept and checked.
+    pub fn checksum(&self) -> bool {
+        self.checksum
+    }
+
     pub fn paths(&self) -> &[PathBuf] {
         &self.paths
     }
@@ -244,6 +249,37 @@ impl IoBuffer for AlignedBuf {
     fn io_len(&self) -> usize {
         self.len()
     }
+}
+
+/// What a read without the store's own verification ([`ObjectStore::read_raw_unverified`]) read, for the
+/// caller to verify: the object's contents as of the read (its generation), each stripe's start in the
+/// object, its stored CRC32C (`None` where written without checksums) and its file.
+#[derive(Debug, Clone)]
+pub struct ReadCheck {
+    key: String,
+    generation: u64,
+    starts: Vec<u64>,
+    expected: Vec<Option<u32>>,
+    paths: Vec<PathBuf>,
+}
+
+impl ReadCheck {
+    /// Each stripe's first byte in the object, ascending from 0: where the caller's sums are cut.
+    pub fn starts(&self) -> &[u64] {
+        &self.starts
+    }
+
+    /// Whether there is anything to verify (the store keeps checksums, and the object has them).
+    pub fn has_sums(&self) -> bool {
+        self.expected.iter().any(Option::is_some)
+    }
+}
+
+/// CRC32C sums a caller computed over an object's bytes, one per stripe starting at `starts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StripeSums {
+    pub starts: Vec<u64>,
+    pub sums: Vec<u32>,
 }
 
 /// An operation on an owned buffer; [`wait`](Pending::wait) gives the buffer back.
@@ -441,6 +477,16 @@ impl ObjectStore {
         Ok(Pending { completion, buffer })
     }
 
+    /// Where each stripe of a `len`-byte object written now starts (the current weights' split): what a
+    /// caller computing a write's checksums itself cuts them at ([`ObjectStore::write_raw_with_sums`]).
+    pub fn write_cuts(&self, len: u64) -> Result<Vec<u64>> {
+        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
+        Ok(plan_stripes(len, &self.weights(), &aligns)?
+            .iter()
+            .map(|s| s.object_offset)
+            .collect())
+    }
+
     /// Writes `len` bytes at `buf` as object `key`.
     ///
     /// # Safety
@@ -453,6 +499,25 @@ impl ObjectStore {
         len: usize,
         keepalive: Box<dyn Any + Send>,
         weights: Option<&[f64]>,
+    ) -> Result<Completion> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.write_raw_with_sums(key, buf, len, keepalive, weights, None) }
+    }
+
+    /// [`ObjectStore::write_raw`] with the stripes' CRC32C computed by the caller (`sums`, cut at
+    /// [`ObjectStore::write_cuts`]) instead of on the store's checksum threads. Sums cut elsewhere (the
+    /// weights changed in between) are not used: the store hashes the bytes itself, as without them.
+    ///
+    /// # Safety
+    /// As [`ObjectStore::write_raw`]; and `sums` must be the CRC32C of those bytes.
+    pub unsafe fn write_raw_with_sums(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+        weights: Option<&[f64]>,
+        sums: Option<StripeSums>,
     ) -> Result<Completion> {
         let weights = match weights {
             Some(w) => w.to_vec(),
@@ -473,17 +538,20 @@ impl ObjectStore {
         };
         // The slot being written is not current, so changing its split disturbs no reader.
         self.relayout(&entry, slot, &stripes)?;
-        // Hashed on the checksum threads while the kernel moves the bytes; the finisher, which runs
-        // after every part, records the sums.
-        let sums = self
-            .config
-            .checksum
-            .then(|| PieceSums::new(ranges_of(&stripes)));
+        // The caller's sums where they are cut as this write's stripes; else hashed on the checksum
+        // threads while the kernel moves the bytes. The finisher, which runs after every part, records
+        // them.
+        let starts: Vec<u64> = stripes.iter().map(|s| s.object_offset).collect();
+        let given = sums
+            .filter(|s| self.config.checksum && s.starts == starts && s.sums.len() == starts.len())
+            .map(|s| s.sums);
+        let sums =
+            (self.config.checksum && given.is_none()).then(|| PieceSums::new(ranges_of(&stripes)));
         let completion = Completion::new();
         completion.keep_alive(keepalive);
         {
             let entry = entry.clone();
-            let sums = sums.clone();
+            let (sums, given) = (sums.clone(), given.clone());
             let stripe_count = stripes.len();
             completion.set_finisher(move |result| {
                 let mut record = entry.record.lock().expect("record lock");
@@ -491,9 +559,10 @@ impl ObjectStore {
                     Ok(()) => {
                         record.active = Some(slot);
                         record.generation += 1;
-                        record.checksums[slot as usize] = match &sums {
-                            Some(sums) => sums.range_sums().into_iter().map(Some).collect(),
-                            None => vec![None; stripe_count],
+                        record.checksums[slot as usize] = match (&given, &sums) {
+                            (Some(given), _) => given.iter().copied().map(Some).collect(),
+                            (None, Some(sums)) => sums.range_sums().into_iter().map(Some).collect(),
+                            (None, None) => vec![None; stripe_count],
                         };
                     }
                     // The previous slot stays current; with one slot its contents are now unknown.
@@ -529,6 +598,107 @@ impl ObjectStore {
         buf: HostPtr,
         len: usize,
         keepalive: Box<dyn Any + Send>,
+    ) -> Result<Completion> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.read_raw_verifying(key, buf, len, keepalive, true) }
+    }
+
+    /// [`ObjectStore::read_raw`] without the store's checksum verification: the caller hashes the bytes
+    /// it reads (in the same pass as it uses them) and verifies them with [`ObjectStore::read_check`] and
+    /// [`ObjectStore::verify`] before trusting anything it made of them.
+    ///
+    /// # Safety
+    /// As [`ObjectStore::read_raw`].
+    pub unsafe fn read_raw_unverified(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+    ) -> Result<Completion> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.read_raw_verifying(key, buf, len, keepalive, false) }
+    }
+
+    /// What a read of `key` now reads (its current contents), for [`ObjectStore::verify`]: take it after
+    /// the read and before the next write of `key`.
+    pub fn read_check(&self, key: &str) -> Result<ReadCheck> {
+        let entry = self.entry(key)?;
+        let record = entry.record.lock().expect("record lock");
+        let slot = record.active.unwrap_or(0) as usize;
+        let stripes = &record.layouts[slot];
+        Ok(ReadCheck {
+            key: key.to_string(),
+            generation: record.generation,
+            starts: stripes.iter().map(|s| s.object_offset).collect(),
+            expected: if self.config.checksum {
+                record.checksums[slot].clone()
+            } else {
+                vec![None; stripes.len()]
+            },
+            paths: stripes
+                .iter()
+                .map(|s| self.object_path(s.path, key))
+                .collect(),
+        })
+    }
+
+    /// Compares `sums`, the caller's CRC32C of each stripe of what it read (cut at `check.starts()`),
+    /// with the stored ones; a mismatch is [`Error::Corrupt`] naming the stripe's file, as the store's
+    /// own verification reports it.
+    pub fn verify(&self, check: &ReadCheck, sums: &[u32]) -> Result<()> {
+        if sums.len() != check.starts.len() {
+            return Err(Error::config(
+                "sums",
+                format!(
+                    "{} sums for the {} stripes of object {:?}",
+                    sums.len(),
+                    check.starts.len(),
+                    check.key
+                ),
+            ));
+        }
+        let generation = self
+            .entry(&check.key)?
+            .record
+            .lock()
+            .expect("record lock")
+            .generation;
+        if generation != check.generation {
+            return Err(Error::config(
+                "check",
+                format!(
+                    "object {:?} was written again after the read being verified",
+                    check.key
+                ),
+            ));
+        }
+        for ((actual, expected), path) in sums.iter().zip(&check.expected).zip(&check.paths) {
+            match expected {
+                Some(expected) if expected != actual => {
+                    return Err(Error::Corrupt {
+                        key: check.key.clone(),
+                        path: path.clone(),
+                        reason: format!(
+                            "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
+                        ),
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// # Safety
+    /// As [`ObjectStore::read_raw`].
+    unsafe fn read_raw_verifying(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+        verify: bool,
     ) -> Result<Completion> {
         let entry = self.entry(key)?;
         let _submitting = entry.submit_lock.lock().expect("submit lock");
@@ -580,7 +750,7 @@ impl ObjectStore {
         }
         let completion = Completion::new();
         completion.keep_alive(keepalive);
-        let verify = self.config.checksum && checksums.iter().any(Option::is_some);
+        let verify = verify && self.config.checksum && checksums.iter().any(Option::is_some);
         if !verify {
             self.submit_stripes(Op::Read, &entry, &stripes, slot, buf, &completion);
         } else {
@@ -847,7 +1017,7 @@ impl ObjectStore {
         let engine = &self.engines[stripe.path];
         // SAFETY: stripes lie inside the caller's buffer (checked against the object size).
         let mem = HostPtr(unsafe { buf.0.add(stripe.object_offset as usize) });
-        let aligned_mem = (mem.0 as usize) % (tier.dio_mem_align.max(512) as usize) == 0;
+        let aligned_mem = (mem.0 as usize).is_multiple_of(tier.dio_mem_align.max(512) as usize);
         let transfer = |direct: bool, offset: u64, ptr: HostPtr, len: usize, finish| {
             completion.add_part();
             Transfer {

@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use mlp_offload_core::admission::Sharing;
+use mlp_offload_core::checksum::crc32c;
 use mlp_offload_core::engine::{open_engine, IoFile, Op, Transfer};
 use mlp_offload_core::{
     AlignedBuf, Completion, EngineChoice, EngineKind, Error, HostPtr, IoBuffer, ObjectStore,
-    PathLimits, StoreConfig,
+    PathLimits, StoreConfig, StripeSums,
 };
 use rand::{Rng, SeedableRng};
 
@@ -149,6 +150,7 @@ for_each_engine!(
     a_short_read_reports_path_and_offset,
     truncated_object_file_is_detected,
     corrupted_object_file_is_detected_unless_checksums_are_off,
+    sums_computed_by_the_caller_are_kept_and_verified,
     running_out_of_space_names_the_path_and_keeps_the_old_contents,
     a_full_path_opens_and_rewrites_and_only_a_changed_manifest_fails,
     a_read_waits_for_the_write_before_it,
@@ -478,6 +480,119 @@ fn corrupted_object_file_is_detected_unless_checksums_are_off(engine: EngineChoi
             );
         }
     }
+}
+
+/// Each stripe's CRC32C of `data`, cut at `starts`.
+fn sums_at(data: &[u8], starts: &[u64]) -> Vec<u32> {
+    let mut ends: Vec<u64> = starts[1..].to_vec();
+    ends.push(data.len() as u64);
+    starts
+        .iter()
+        .zip(&ends)
+        .map(|(&a, &b)| crc32c(&data[a as usize..b as usize]))
+        .collect()
+}
+
+fn sums_computed_by_the_caller_are_kept_and_verified(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let store = ObjectStore::open(
+        StoreConfig::new(paths.clone())
+            .with_engine(engine)
+            .with_limits(SMALL_LIMITS)
+            .with_weights(vec![1.0, 3.0])
+            .with_shadow_slots(false),
+    )
+    .unwrap();
+    let data = random_bytes(300_000, 9);
+    let starts = store.write_cuts(data.len() as u64).unwrap();
+    assert_eq!(starts.len(), 2, "two stripes: {starts:?}");
+    // Sums cut as the write cuts are kept: a verifying read agrees.
+    let given = StripeSums {
+        starts: starts.clone(),
+        sums: sums_at(&data, &starts),
+    };
+    let buf = aligned_copy(&data);
+    // SAFETY: `buf` lives until the write is waited for, unchanged; the sums are its CRC32C.
+    let done = unsafe {
+        store.write_raw_with_sums(
+            "a",
+            HostPtr(buf.as_ptr() as *mut u8),
+            data.len(),
+            Box::new(()),
+            None,
+            Some(given),
+        )
+    }
+    .unwrap();
+    done.wait().unwrap();
+    drop(buf);
+    assert_eq!(read_back(&store, "a", data.len()), data);
+    // Sums cut elsewhere (as if the weights had moved) are not used: the store hashes the bytes itself.
+    let wrong = StripeSums {
+        starts: vec![0],
+        sums: vec![0xdead_beef],
+    };
+    let buf = aligned_copy(&data);
+    // SAFETY: as above.
+    let done = unsafe {
+        store.write_raw_with_sums(
+            "b",
+            HostPtr(buf.as_ptr() as *mut u8),
+            data.len(),
+            Box::new(()),
+            None,
+            Some(wrong),
+        )
+    }
+    .unwrap();
+    done.wait().unwrap();
+    drop(buf);
+    assert_eq!(read_back(&store, "b", data.len()), data);
+    // A read the caller verifies: the right sums pass, a flipped byte is named by its stripe's file.
+    let mut out = AlignedBuf::new(data.len(), false).unwrap();
+    let ptr = HostPtr(out.as_mut_ptr());
+    // SAFETY: `out` outlives the wait and nothing else touches it.
+    unsafe { store.read_raw_unverified("a", ptr, data.len(), Box::new(())) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    let check = store.read_check("a").unwrap();
+    assert_eq!(check.starts(), &starts[..]);
+    store
+        .verify(&check, &sums_at(out.as_slice(), check.starts()))
+        .unwrap();
+    let file = paths[1].join("rank0/a.mlpo");
+    let mut bytes = fs::read(&file).unwrap();
+    bytes[100] ^= 0x40;
+    fs::write(&file, &bytes).unwrap();
+    // SAFETY: as above.
+    unsafe { store.read_raw_unverified("a", ptr, data.len(), Box::new(())) }
+        .unwrap()
+        .wait()
+        .expect("an unverified read does not check");
+    let check = store.read_check("a").unwrap();
+    let err = store
+        .verify(&check, &sums_at(out.as_slice(), check.starts()))
+        .unwrap_err();
+    assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+    assert!(
+        err.to_string().contains("checksum mismatch")
+            && err.to_string().contains("path1/rank0/a.mlpo"),
+        "{err}"
+    );
+    // A check taken before the object was written again is refused, not compared.
+    store
+        .write("a", aligned_copy(&data), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let err = store.verify(&check, &[0, 0]).unwrap_err().to_string();
+    assert!(err.contains("written again"), "{err}");
+    let err = store
+        .verify(&store.read_check("a").unwrap(), &[0])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("1 sums for the 2 stripes"), "{err}");
 }
 
 fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: EngineChoice) {

@@ -7,11 +7,15 @@ use std::time::Duration;
 
 use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
+use mlp_offload_core::kernel::{
+    update_at, AdamBias, AdamHyper, BiasSqrt, Cuts, DeepSpeedArith, Kind, MomentFma, Simd, TailFma,
+};
 use mlp_offload_core::model::{
     pages_choice as choose_pages, plan_split, PageRates, PathProfile, PathSample, UpdateWorkload,
     WeightTuner,
 };
 use mlp_offload_core::probe::{probe_paths, ProbeOptions};
+use mlp_offload_core::store::{ReadCheck, StripeSums};
 use mlp_offload_core::{
     AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, Pages,
     PathLimits, PooledBuf, StoreConfig,
@@ -247,6 +251,221 @@ impl HostBufferPool {
     }
 }
 
+fn moment_fma(key: &str, value: &str) -> PyResult<MomentFma> {
+    match value {
+        "gradient" => Ok(MomentFma::Gradient),
+        "old" => Ok(MomentFma::Old),
+        "separate" => Ok(MomentFma::Separate),
+        other => Err(to_py(Error::config(
+            key,
+            format!("{other:?} is not \"gradient\", \"old\" or \"separate\""),
+        ))),
+    }
+}
+
+fn moment_name(how: MomentFma) -> &'static str {
+    match how {
+        MomentFma::Gradient => "gradient",
+        MomentFma::Old => "old",
+        MomentFma::Separate => "separate",
+    }
+}
+
+fn arith_dict(py: Python<'_>, arith: &DeepSpeedArith) -> PyResult<Py<PyAny>> {
+    let dict = pyo3::types::PyDict::new(py);
+    dict.set_item("vector_width", arith.vector_width)?;
+    dict.set_item("momentum", moment_name(arith.tail.momentum))?;
+    dict.set_item("variance", moment_name(arith.tail.variance))?;
+    dict.set_item("others", arith.tail.others)?;
+    dict.set_item(
+        "bias_sqrt",
+        match arith.bias_sqrt {
+            BiasSqrt::Float => "float",
+            BiasSqrt::Double => "double",
+        },
+    )?;
+    Ok(dict.into_any().unbind())
+}
+
+/// The state's stripe checksums as read and as written, where asked for.
+type ChunkSumsPy = (Option<Vec<u32>>, Option<Vec<u32>>);
+
+/// DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
+/// the half-precision copy (see `mlp_offload.kernel`), keeping DeepSpeed's per-optimizer bias state.
+#[pyclass(module = "mlp_offload._core", frozen)]
+struct AdamKernel {
+    bias: std::sync::Mutex<AdamBias>,
+    arith: DeepSpeedArith,
+    simd: Simd,
+}
+
+#[pymethods]
+impl AdamKernel {
+    #[new]
+    #[pyo3(signature = (beta1, beta2, *, vector_width=16, momentum="gradient", variance="gradient",
+                        others=true, bias_sqrt="float", simd="auto"))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        beta1: f32,
+        beta2: f32,
+        vector_width: usize,
+        momentum: &str,
+        variance: &str,
+        others: bool,
+        bias_sqrt: &str,
+        simd: &str,
+    ) -> PyResult<Self> {
+        let bias_sqrt = match bias_sqrt {
+            "float" => BiasSqrt::Float,
+            "double" => BiasSqrt::Double,
+            other => {
+                return Err(to_py(Error::config(
+                    "bias_sqrt",
+                    format!("{other:?} is not \"float\" or \"double\""),
+                )))
+            }
+        };
+        if vector_width == 0 {
+            return Err(to_py(Error::config("vector_width", "must be at least 1")));
+        }
+        Ok(AdamKernel {
+            bias: std::sync::Mutex::new(AdamBias::new(beta1, beta2, bias_sqrt)),
+            arith: DeepSpeedArith {
+                vector_width,
+                tail: TailFma {
+                    momentum: moment_fma("momentum", momentum)?,
+                    variance: moment_fma("variance", variance)?,
+                    others,
+                },
+                bias_sqrt,
+            },
+            simd: Simd::parse("simd", simd).map_err(to_py)?,
+        })
+    }
+
+    /// Every arithmetic a DeepSpeed build may have, as keyword arguments of the constructor, the likeliest
+    /// first.
+    #[staticmethod]
+    fn candidates(py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        DeepSpeedArith::candidates()
+            .iter()
+            .map(|a| arith_dict(py, a))
+            .collect()
+    }
+
+    /// The first Adam step (from 3) at which a call jumping there with this `beta2` computes another bias
+    /// correction with a float square root than with a double one, or None: a check call there tells
+    /// DeepSpeed's build apart.
+    #[staticmethod]
+    fn sqrt_witness(beta2: f32) -> Option<u64> {
+        AdamBias::sqrt_witness(beta2)
+    }
+
+    /// The SIMD instructions the pass uses: `"avx512"`, `"avx2"` or `"scalar"`.
+    #[getter]
+    fn simd(&self) -> &'static str {
+        self.simd.name()
+    }
+
+    /// The DeepSpeed arithmetic it matches, as `candidates()` gives it.
+    #[getter]
+    fn arith(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        arith_dict(py, &self.arith)
+    }
+
+    /// One chunk, in place: `state` (address of `3 count` fp32: params, exp_avg, exp_avg_sq), `grad`
+    /// (`count` of `grad_dtype`), `params` (`count` of `params_dtype`, or None). The bias correction
+    /// advances as DeepSpeed's would for a call at Adam step `step`. Runs without the GIL.
+    #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
+                        beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
+                        read_cuts=None, write_cuts=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn update(
+        &self,
+        py: Python<'_>,
+        state: usize,
+        grad: usize,
+        params: Option<usize>,
+        count: usize,
+        grad_dtype: &str,
+        params_dtype: &str,
+        grad_scale: f32,
+        step: u64,
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        bias_correction: bool,
+        adamw: bool,
+        threads: usize,
+        read_cuts: Option<Vec<u64>>,
+        write_cuts: Option<Vec<u64>>,
+    ) -> PyResult<ChunkSumsPy> {
+        let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
+        let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
+        let hyper = AdamHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            bias_correction,
+            adamw,
+        };
+        let k = self.bias.lock().expect("bias lock").constants(step, &hyper);
+        let (arith, simd) = (self.arith, self.simd);
+        let cuts = Cuts {
+            read: read_cuts.as_deref(),
+            write: write_cuts.as_deref(),
+        };
+        let sums = py
+            .detach(|| {
+                // SAFETY: `mlp_offload.kernel.FusedAdam.update` passes the data pointers of contiguous CPU
+                // tensors of these lengths and dtypes, which it holds for the whole call; the state buffer,
+                // the gradient and the half-precision partition are distinct tensors.
+                unsafe {
+                    update_at(
+                        state,
+                        (grad, grad_kind),
+                        params.map(|a| (a, params_kind)),
+                        count,
+                        grad_scale,
+                        &k,
+                        &arith,
+                        simd,
+                        threads,
+                        cuts,
+                    )
+                }
+            })
+            .map_err(to_py)?;
+        Ok((sums.read, sums.write))
+    }
+}
+
+/// What a read without the store's verification read: each stripe's start (`starts`), for the caller's
+/// sums, and what `ObjectStore.verify` compares them with.
+#[pyclass(module = "mlp_offload._core", name = "ReadCheck", frozen)]
+struct PyReadCheck {
+    check: ReadCheck,
+}
+
+#[pymethods]
+impl PyReadCheck {
+    /// Each stripe's first byte in the object, ascending from 0.
+    #[getter]
+    fn starts(&self) -> Vec<u64> {
+        self.check.starts().to_vec()
+    }
+
+    /// Whether the object has checksums to verify.
+    #[getter]
+    fn has_sums(&self) -> bool {
+        self.check.has_sums()
+    }
+}
+
 /// The virtual-tier object store (see `mlp_offload.ObjectStore` for the tensor-level API).
 #[pyclass(module = "mlp_offload._core", name = "ObjectStore", frozen)]
 struct PyObjectStore {
@@ -314,7 +533,8 @@ impl PyObjectStore {
 
     /// Writes `nbytes` at `address` as object `key`; `owner` (the tensor or buffer that owns the memory)
     /// is kept alive until the write is done.
-    #[pyo3(signature = (key, address, nbytes, owner, weights=None))]
+    #[pyo3(signature = (key, address, nbytes, owner, weights=None, sums=None))]
+    #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
         py: Python<'_>,
@@ -323,20 +543,51 @@ impl PyObjectStore {
         nbytes: usize,
         owner: Py<PyAny>,
         weights: Option<Vec<f64>>,
+        sums: Option<(Vec<u64>, Vec<u32>)>,
     ) -> PyResult<IoHandle> {
         let store = self.get()?;
         let ptr = HostPtr(address as *mut u8);
+        let sums = sums.map(|(starts, sums)| StripeSums { starts, sums });
         let completion = py
             .detach(|| {
                 // SAFETY: the caller (the Python layer) passes the address and size of a live, contiguous
-                // CPU buffer owned by `owner`; `owner` is held by the completion until the I/O is done.
-                unsafe { store.write_raw(key, ptr, nbytes, Box::new(owner), weights.as_deref()) }
+                // CPU buffer owned by `owner`, and sums it computed over those bytes; `owner` is held by
+                // the completion until the I/O is done.
+                unsafe {
+                    store.write_raw_with_sums(
+                        key,
+                        ptr,
+                        nbytes,
+                        Box::new(owner),
+                        weights.as_deref(),
+                        sums,
+                    )
+                }
             })
             .map_err(to_py)?;
         Ok(IoHandle { completion })
     }
 
-    /// Reads object `key` into `nbytes` at `address`; `owner` is kept alive until the read is done.
+    /// Where each stripe of an `nbytes` object written now would start (the current weights' split).
+    fn write_cuts(&self, nbytes: u64) -> PyResult<Vec<u64>> {
+        self.get()?.write_cuts(nbytes).map_err(to_py)
+    }
+
+    /// What a read of `key` reads now, for `verify`: take it after a read with `verify=False`.
+    fn read_check(&self, key: &str) -> PyResult<PyReadCheck> {
+        let check = self.get()?.read_check(key).map_err(to_py)?;
+        Ok(PyReadCheck { check })
+    }
+
+    /// Compares a read's stripe sums (the caller's) with the stored ones: `CorruptObjectError` naming the
+    /// stripe's file on a mismatch.
+    fn verify(&self, check: &PyReadCheck, sums: Vec<u32>) -> PyResult<()> {
+        self.get()?.verify(&check.check, &sums).map_err(to_py)
+    }
+
+    /// Reads object `key` into `nbytes` at `address`; `owner` is kept alive until the read is done. With
+    /// `verify=False` the store does not check its checksums: the caller does (`read_check`, `verify`).
+    #[pyo3(signature = (key, address, nbytes, owner, verify=true))]
     fn read(
         &self,
         py: Python<'_>,
@@ -344,13 +595,20 @@ impl PyObjectStore {
         address: usize,
         nbytes: usize,
         owner: Py<PyAny>,
+        verify: bool,
     ) -> PyResult<IoHandle> {
         let store = self.get()?;
         let ptr = HostPtr(address as *mut u8);
         let completion = py
             .detach(|| {
                 // SAFETY: as in `write`; the buffer is writable memory owned by `owner`.
-                unsafe { store.read_raw(key, ptr, nbytes, Box::new(owner)) }
+                unsafe {
+                    if verify {
+                        store.read_raw(key, ptr, nbytes, Box::new(owner))
+                    } else {
+                        store.read_raw_unverified(key, ptr, nbytes, Box::new(owner))
+                    }
+                }
             })
             .map_err(to_py)?;
         Ok(IoHandle { completion })
@@ -391,6 +649,12 @@ impl PyObjectStore {
     /// `[(path_index, nbytes), ...]`, one per stripe.
     fn placement(&self, key: &str) -> PyResult<Vec<(usize, u64)>> {
         self.get()?.placement(key).map_err(to_py)
+    }
+
+    /// Whether a CRC32C of every stripe is kept and checked.
+    #[getter]
+    fn checksum(&self) -> PyResult<bool> {
+        Ok(self.get()?.config().checksum())
     }
 
     #[getter]
@@ -633,6 +897,23 @@ fn block_activity(
     to_py_json(py, &activity)
 }
 
+/// The CRC32C of `nbytes` at `address` (a buffer-protocol object's memory: `HostBuffer.address`,
+/// `Tensor.data_ptr()`), as the store keeps it per stripe; computed without the GIL.
+#[pyfunction]
+fn crc32c(py: Python<'_>, buffer: Bound<'_, PyAny>) -> PyResult<u32> {
+    let view = pyo3::buffer::PyBuffer::<u8>::get(&buffer)?;
+    if !view.is_c_contiguous() {
+        return Err(PyValueError::new_err("buffer: must be contiguous"));
+    }
+    let (address, len) = (view.buf_ptr() as usize, view.len_bytes());
+    Ok(py.detach(|| {
+        // SAFETY: the buffer view keeps the exporter's memory alive and in place until it is dropped,
+        // after this closure returns; CRC only reads it.
+        let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len) };
+        mlp_offload_core::checksum::crc32c(bytes)
+    }))
+}
+
 /// Why io_uring cannot be used in this process, or None when it can.
 #[pyfunction]
 fn io_uring_unavailable_reason() -> Option<String> {
@@ -652,7 +933,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HostBuffer>()?;
     m.add_class::<HostBufferPool>()?;
     m.add_class::<PyObjectStore>()?;
+    m.add_class::<PyReadCheck>()?;
     m.add_class::<PyWeightTuner>()?;
+    m.add_class::<AdamKernel>()?;
     m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
@@ -660,5 +943,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pages_choice, m)?)?;
     m.add_function(wrap_pyfunction!(block_counters, m)?)?;
     m.add_function(wrap_pyfunction!(block_activity, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     Ok(())
 }

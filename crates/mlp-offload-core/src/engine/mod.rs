@@ -108,7 +108,9 @@ impl PathLimits {
                 format!("{} is outside 1..=1024", self.max_inflight),
             ));
         }
-        if self.chunk_size == 0 || self.chunk_size as u64 % align != 0 || self.chunk_size > 1 << 30
+        if self.chunk_size == 0
+            || !(self.chunk_size as u64).is_multiple_of(align)
+            || self.chunk_size > 1 << 30
         {
             return Err(Error::config(
                 "chunk_size",

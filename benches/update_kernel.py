@@ -1,0 +1,169 @@
+"""The update's per-chunk CPU work, side by side in one run: the fused pass (`update_kernel: "fused"`)
+against DeepSpeed's passes as the engine runs them with `update_kernel: "deepspeed"` (the half-precision
+gradient widened into an fp32 chunk, `unscale_and_clip_grads`, CPU Adam, the copy into the
+half-precision partition). With checksums of the chunk's state as read and as written: DeepSpeed's
+passes with the store's own (CRC32C passes on two threads, as its checksum pool hashes), the fused one
+with them in its pass (as the engine runs it), or as separate passes; and each without checksums.
+
+    .venv/bin/python benches/update_kernel.py          # chunks of 4 Mi elements (48 MiB of state), bf16
+    make bench-kernel                                  # the same, JSON to docs/data/bench-kernel.json
+
+Chunks rotate over a working set larger than the CPU's caches, as chunks arrive from storage; the
+variants run interleaved, round by round, over the same chunks; the figures are medians per chunk.
+Bytes touched per element count each pass's reads and writes of memory (a write to memory not read in
+the same pass also reads the line first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+import torch
+
+# Per element, bytes read and written by each pass (bf16 gradient and parameters, fp32 state):
+# widen (read 2, write 4 + the line's read 4), unscale (4 + 4), CPU Adam (16 + 12), the half copy
+# (4, 2 + 2), a checksum pass over the state (12).
+DEEPSPEED_BYTES = (2 + 8) + 8 + 28 + 8
+CHECKSUM_BYTES = 2 * 12
+# One pass: gradient 2, state 12 + 12, parameters 2 + the line's read 2; its checksums hash the state
+# while it is in the core's cache.
+FUSED_BYTES = 2 + 24 + 4
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--elements", type=int, default=4 << 20, help="elements per chunk (4 Mi)")
+    parser.add_argument("--chunks", type=int, default=6, help="chunks in the working set (6)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from mlp_offload import _core, kernel
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    n, threads = args.elements, torch.get_num_threads()
+    param = torch.nn.Parameter(torch.zeros(4))
+    ds = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+    fused, why = kernel.self_check(ds, dtype, dtype)
+    if fused is None:
+        raise SystemExit(f"the fused kernel cannot be used here: {why}")
+    group = ds.param_groups[0]
+    beta1, beta2 = group["betas"]
+    generator = torch.Generator().manual_seed(0)
+    chunks = []
+    for _ in range(args.chunks):
+        state = torch.empty(3 * n)
+        state[:n] = torch.randn(n, generator=generator) * 0.05
+        state[n:] = torch.rand(2 * n, generator=generator) * 1e-4
+        grad = (torch.randn(n, generator=generator) * 1e-2).to(dtype)
+        chunks.append((state, grad, torch.empty(n, dtype=dtype)))
+    grad32 = torch.empty(n)
+    scale = 1.0 / 3.0
+    pool = ThreadPoolExecutor(2)
+    step = [0]
+
+    def checksums(state: torch.Tensor) -> None:
+        # The store hashes each object's stripes in pieces on its checksum threads.
+        halves = state.view(torch.uint8).chunk(2)
+        list(pool.map(_core.crc32c, (h.numpy() for h in halves)))
+
+    def deepspeed_passes(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        grad32.copy_(grad)
+        grad32.mul_(scale)
+        p, m, v = state[:n], state[n : 2 * n], state[2 * n :]
+        ds.ds_opt_adam.adam_update(
+            ds.opt_id,
+            step[0],
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            True,
+            p,
+            grad32,
+            m,
+            v,
+        )
+        half.copy_(p)
+
+    def fused_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        fused.update(state, grad, half, grad_scale=scale, step=step[0], group=group)
+
+    def fused_pass_summing(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        # One stripe (one path), as read and as written.
+        fused.update(
+            state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0]
+        )
+
+    def with_checksums(update: Callable[..., None]) -> Callable[..., None]:
+        def run(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+            checksums(state)  # the read's verification
+            update(state, grad, half)
+            checksums(state)  # the write's sums
+
+        return run
+
+    variants: dict[str, tuple[Callable[..., None], int]] = {
+        "deepspeed passes + checksums": (with_checksums(deepspeed_passes), DEEPSPEED_BYTES + CHECKSUM_BYTES),
+        "deepspeed passes": (deepspeed_passes, DEEPSPEED_BYTES),
+        "fused, checksums in the pass": (fused_pass_summing, FUSED_BYTES),
+        "fused + checksum passes": (with_checksums(fused_pass), FUSED_BYTES + CHECKSUM_BYTES),
+        "fused": (fused_pass, FUSED_BYTES),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rnd in range(args.rounds + 1):
+        for name, (run, _) in variants.items():
+            step[0] += 1
+            for state, grad, half in chunks:
+                t = time.perf_counter()
+                run(state, grad, half)
+                if rnd > 0:  # the first round warms up
+                    times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["deepspeed passes + checksums"])
+    rows = {}
+    print(
+        f"chunks of {n} elements ({12 * n / 2**20:.0f} MiB of state), {args.dtype}, {threads} threads, "
+        f"fused: {fused.kernel.simd}; medians of {len(times['fused'])} chunks"
+    )
+    print(f"{'variant':30} {'ms/chunk':>9} {'GB/s of state':>14} {'x today':>8} {'bytes/element':>14}")
+    for name, (_, touched) in variants.items():
+        secs = statistics.median(times[name])
+        rows[name] = {"secs_per_chunk": secs, "of_today": secs / base, "bytes_touched_per_element": touched}
+        print(f"{name:30} {secs * 1e3:9.2f} {12 * n / secs / 1e9:14.1f} {secs / base:8.2f} {touched:14d}")
+    print("x today: the variant's time over DeepSpeed's passes with checksums (what the engine ran before)")
+    report = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
+        "args": vars(args) | {"out": str(args.out)},
+        "threads": threads,
+        "simd": fused.kernel.simd,
+        "arith": fused.kernel.arith,
+        "variants": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"results: {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

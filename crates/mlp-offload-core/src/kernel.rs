@@ -1,0 +1,1778 @@
+//! The update's per-chunk work in one pass over memory: the half-precision gradient widened to fp32 and
+//! unscaled (DeepSpeed's `unscale_and_clip_grads`), Adam or AdamW exactly as DeepSpeed's CPU Adam
+//! computes it, and the new half-precision parameters (DeepSpeed's copy into its bf16/fp16 partition).
+//! Where those run as four passes (a cast, a multiply, CPU Adam, a copy) each element here is read once
+//! and written once: 14 bytes read and 14 written per element (bf16) against about 54.
+//!
+//! Bit-equality with DeepSpeed is the contract. It holds because every element goes through the same
+//! IEEE operations in the same order: [`adam_element`] is the specification, written from DeepSpeed
+//! 0.19's `cpu_adam.h` (`Step_AVX`, with a fused multiply-add wherever it uses `SIMD_FMA`), and the SIMD
+//! paths are tested against it. Two things are DeepSpeed's build's, not its source's, so they are
+//! parameters ([`DeepSpeedArith`]) found at start-up by comparing with DeepSpeed's own kernel on this CPU:
+//! the vector width of its build (the last `n % width` elements of a call take its scalar loop), and how
+//! the compiler fused that scalar loop's multiply-adds. The bias corrections follow DeepSpeed's
+//! per-optimizer state machine ([`AdamBias`]), whose history (not only the step) decides them.
+//!
+//! The same pass can checksum the chunk's state as read and as written, for the store ([`Cuts`]): each
+//! thread takes its range in blocks small enough to stay in the CPU's cache, hashes a block's state
+//! before and after updating it, and the pieces are combined into one CRC32C per stripe, so the store
+//! neither hashes the bytes again nor verifies the read on its own threads.
+
+use crc_fast::CrcAlgorithm::Crc32Iscsi;
+
+use crate::error::{Error, Result};
+
+/// bf16 bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+/// IEEE half bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+/// The element types of a gradient or of parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Kind {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Kind::F32 => 4,
+            Kind::Bf16 | Kind::F16 => 2,
+        }
+    }
+
+    /// `"float32"`, `"bfloat16"` or `"float16"` (torch's names); anything else is an error naming `key`.
+    pub fn parse(key: &str, value: &str) -> Result<Kind> {
+        match value {
+            "float32" => Ok(Kind::F32),
+            "bfloat16" => Ok(Kind::Bf16),
+            "float16" => Ok(Kind::F16),
+            other => Err(Error::config(
+                key,
+                format!("{other:?} is not \"float32\", \"bfloat16\" or \"float16\""),
+            )),
+        }
+    }
+}
+
+/// An element type of the gradient or the parameters, converted to and from fp32 as torch converts it
+/// on x86-64 (the specification the SIMD paths are held to).
+pub trait Elem: Copy + Send + Sync + 'static {
+    const KIND: Kind;
+    fn widen(self) -> f32;
+    fn narrow(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    const KIND: Kind = Kind::F32;
+    fn widen(self) -> f32 {
+        self
+    }
+    fn narrow(x: f32) -> Self {
+        x
+    }
+}
+
+impl Elem for Bf16 {
+    const KIND: Kind = Kind::Bf16;
+    /// Exact: the bf16 bits are the high half of the fp32 ones (NaN payloads kept, as torch's shift).
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+    /// Round to nearest even; every NaN becomes 0xffff, as torch's vectorised copy writes it.
+    fn narrow(x: f32) -> Self {
+        if x.is_nan() {
+            return Bf16(0xffff);
+        }
+        let bits = x.to_bits();
+        let rounding = ((bits >> 16) & 1) + 0x7fff;
+        Bf16((bits.wrapping_add(rounding) >> 16) as u16)
+    }
+}
+
+impl Elem for F16 {
+    const KIND: Kind = Kind::F16;
+    /// Exact (subnormal halves become normal floats); a NaN keeps its payload and becomes quiet, as
+    /// F16C's `vcvtph2ps` does.
+    fn widen(self) -> f32 {
+        let h = u32::from(self.0);
+        let sign = (h & 0x8000) << 16;
+        let exp = (h >> 10) & 0x1f;
+        let man = h & 0x3ff;
+        let bits = match (exp, man) {
+            (0, 0) => sign,
+            (0, _) => {
+                // Subnormal: normalise the significand.
+                let shift = man.leading_zeros() - 21;
+                let man = (man << shift) & 0x3ff;
+                sign | ((127 - 15 + 1 - shift) << 23) | (man << 13)
+            }
+            (0x1f, 0) => sign | 0x7f80_0000,
+            (0x1f, _) => sign | 0x7fc0_0000 | (man << 13),
+            _ => sign | ((exp + 127 - 15) << 23) | (man << 13),
+        };
+        f32::from_bits(bits)
+    }
+    /// Round to nearest even, overflow to infinity, NaN quiet with the payload's top bits, as F16C's
+    /// `vcvtps2ph` (which torch uses) does.
+    fn narrow(x: f32) -> Self {
+        let bits = x.to_bits();
+        let sign = ((bits >> 16) & 0x8000) as u16;
+        let exp = ((bits >> 23) & 0xff) as i32;
+        let man = bits & 0x7f_ffff;
+        if exp == 0xff {
+            let nan = if man != 0 {
+                0x0200 | (man >> 13) as u16
+            } else {
+                0
+            };
+            return F16(sign | 0x7c00 | nan);
+        }
+        // The value as a 24-bit significand (implicit bit included) times 2^(e - 23).
+        let e = exp - 127;
+        if e > 15 {
+            return F16(sign | 0x7c00);
+        }
+        let (significand, e) = if exp == 0 {
+            (man, -126)
+        } else {
+            (man | 0x80_0000, e)
+        };
+        // Bits of the 24-bit significand to drop: 13 for a normal half, more below its range.
+        let drop = if e >= -14 { 13 } else { 13 + (-14 - e) as u32 };
+        if drop > 24 {
+            return F16(sign);
+        }
+        let kept = significand >> drop;
+        let rest = significand & ((1 << drop) - 1);
+        let half = 1 << (drop - 1);
+        let rounded = kept + u32::from(rest > half || (rest == half && kept & 1 == 1));
+        // Normal halves: the exponent field, to which a rounding carry adds naturally.
+        let value = if e >= -14 {
+            (((e + 15) as u32) << 10) + rounded - 0x400
+        } else {
+            rounded
+        };
+        F16(sign | value.min(0x7c00) as u16)
+    }
+}
+
+/// How weight decay enters, as DeepSpeed's CPU Adam applies it (only for a decay above 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decay {
+    None,
+    /// Adam's L2: the gradient gains `decay x param`.
+    L2(f32),
+    /// AdamW: the parameter gains `w_decay x param`, with `w_decay = -lr x decay`.
+    AdamW(f32),
+}
+
+/// The per-element constants of one DeepSpeed CPU Adam call (`Step_AVX`'s broadcasts).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConstants {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
+    pub bias_correction2: f32,
+    pub eps: f32,
+    pub step_size: f32,
+    pub decay: Decay,
+}
+
+/// One param group's Adam settings for a call, as DeepSpeed's Python passes them (as floats).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamHyper {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub bias_correction: bool,
+    pub adamw: bool,
+}
+
+/// How `1 / sqrt(1 - beta2^t)` is computed: DeepSpeed's `update_state` calls an unqualified `sqrt` on
+/// a float, which C++ may resolve to the float or the double overload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BiasSqrt {
+    Float,
+    Double,
+}
+
+/// DeepSpeed's bias-correction state, kept per optimizer object (`Adam_Optimizer::IncrementStep` and
+/// `update_state`): `beta^t` is multiplied on by one beta when a call's step is the last plus one, and
+/// recomputed with `pow` when the betas change or the step jumps. So the history of calls, not only the
+/// step, decides the bits; a new process (a resumed job) starts it afresh, as DeepSpeed's does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamBias {
+    step: u64,
+    beta1: f32,
+    beta2: f32,
+    beta1_t: f32,
+    beta2_t: f32,
+    sqrt: BiasSqrt,
+}
+
+impl AdamBias {
+    /// As DeepSpeed's `create_adam` makes it, with the optimizer's initial betas.
+    pub fn new(beta1: f32, beta2: f32, sqrt: BiasSqrt) -> Self {
+        AdamBias {
+            step: 0,
+            beta1,
+            beta2,
+            beta1_t: 1.0,
+            beta2_t: 1.0,
+            sqrt,
+        }
+    }
+
+    /// The first Adam step, from 3 on, at which a call that jumps there (the `pow` path) gives another
+    /// bias correction with a float square root than with a double one: a call there tells a build's
+    /// `sqrt` apart. None if they agree for the first 100 000 steps.
+    pub fn sqrt_witness(beta2: f32) -> Option<u64> {
+        let hyper = |beta2| AdamHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            adamw: true,
+        };
+        (3..100_000).find(|&step| {
+            let mut float = AdamBias::new(0.9, beta2, BiasSqrt::Float);
+            let mut double = AdamBias::new(0.9, beta2, BiasSqrt::Double);
+            float.constants(step, &hyper(beta2)).bias_correction2
+                != double.constants(step, &hyper(beta2)).bias_correction2
+        })
+    }
+
+    /// `std::pow(float, size_t)`: both promoted to double, the result rounded to float.
+    fn pow(beta: f32, step: u64) -> f32 {
+        f64::from(beta).powf(step as f64) as f32
+    }
+
+    /// The constants of one call at Adam step `step` (the step after this update, as DeepSpeed's
+    /// Python passes it), advancing the state as DeepSpeed's `IncrementStep` does.
+    pub fn constants(&mut self, step: u64, h: &AdamHyper) -> AdamConstants {
+        if h.beta1 != self.beta1 || h.beta2 != self.beta2 {
+            self.step = step;
+            self.beta1 = h.beta1;
+            self.beta2 = h.beta2;
+            self.beta1_t = Self::pow(self.beta1, step);
+            self.beta2_t = Self::pow(self.beta2, step);
+        } else if step == self.step + 1 {
+            self.step += 1;
+            self.beta1_t *= self.beta1;
+            self.beta2_t *= self.beta2;
+        } else if step != self.step {
+            self.beta1_t = Self::pow(self.beta1, step);
+            self.beta2_t = Self::pow(self.beta2, step);
+            self.step = step;
+        }
+        let (bias_correction1, bias_correction2) = if h.bias_correction {
+            let second = match self.sqrt {
+                BiasSqrt::Float => 1.0 / (1.0 - self.beta2_t).sqrt(),
+                BiasSqrt::Double => (1.0 / f64::from(1.0 - self.beta2_t).sqrt()) as f32,
+            };
+            (1.0 - self.beta1_t, second)
+        } else {
+            (1.0, 1.0)
+        };
+        let decay = if h.weight_decay > 0.0 {
+            if h.adamw {
+                Decay::AdamW(-h.lr * h.weight_decay)
+            } else {
+                Decay::L2(h.weight_decay)
+            }
+        } else {
+            Decay::None
+        };
+        AdamConstants {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            one_minus_beta1: 1.0 - self.beta1,
+            one_minus_beta2: 1.0 - self.beta2,
+            bias_correction2,
+            eps: h.eps,
+            step_size: -h.lr / bias_correction1,
+            decay,
+        }
+    }
+}
+
+/// Which product of a `old * beta` plus `grad * (1 - beta)` moment update the compiler fused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MomentFma {
+    /// `fma(grad, 1 - beta, old * beta)`, as DeepSpeed's SIMD code writes it.
+    Gradient,
+    /// `fma(old, beta, grad * (1 - beta))`.
+    Old,
+    /// No fused multiply-add: two products and a sum, each rounded.
+    Separate,
+}
+
+/// How a DeepSpeed build computes the last `n % width` elements of a call in its scalar loop: the
+/// compiler's fusing of its multiply-adds (C++ allows it, GCC does it by default, and which product of a
+/// sum it fuses depends on its passes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TailFma {
+    pub momentum: MomentFma,
+    pub variance: MomentFma,
+    /// The decay, denominator and parameter updates (one product each) fused or not.
+    pub others: bool,
+}
+
+impl TailFma {
+    /// The arithmetic of DeepSpeed's SIMD code, which every element below a call's last `n % width`
+    /// gets.
+    pub const VECTOR: TailFma = TailFma {
+        momentum: MomentFma::Gradient,
+        variance: MomentFma::Gradient,
+        others: true,
+    };
+}
+
+/// What a fused pass must know of the DeepSpeed build it matches (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeepSpeedArith {
+    /// Elements per SIMD vector of DeepSpeed's build (16 with AVX-512, 8 with AVX2, 4 with NEON; 1 for a
+    /// build without SIMD, whose every element takes the scalar loop).
+    pub vector_width: usize,
+    pub tail: TailFma,
+    pub bias_sqrt: BiasSqrt,
+}
+
+impl DeepSpeedArith {
+    /// Every combination a start-up check may try, the likeliest first.
+    pub fn candidates() -> Vec<DeepSpeedArith> {
+        let moments = [MomentFma::Gradient, MomentFma::Old, MomentFma::Separate];
+        let mut out = Vec::new();
+        for bias_sqrt in [BiasSqrt::Float, BiasSqrt::Double] {
+            for vector_width in [16, 8, 4, 1] {
+                for others in [true, false] {
+                    for momentum in moments {
+                        for variance in moments {
+                            out.push(DeepSpeedArith {
+                                vector_width,
+                                tail: TailFma {
+                                    momentum,
+                                    variance,
+                                    others,
+                                },
+                                bias_sqrt,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[inline(always)]
+fn product_sum(a: f32, b: f32, c: f32, fused: bool) -> f32 {
+    if fused {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+#[inline(always)]
+fn moment(old: f32, beta: f32, grad: f32, one_minus: f32, how: MomentFma) -> f32 {
+    match how {
+        MomentFma::Gradient => grad.mul_add(one_minus, old * beta),
+        MomentFma::Old => old.mul_add(beta, grad * one_minus),
+        MomentFma::Separate => grad * one_minus + old * beta,
+    }
+}
+
+/// The specification: one element's Adam step from its (already unscaled) fp32 gradient, in DeepSpeed's
+/// order of operations, with `how`'s fusing. Returns the new parameter, `exp_avg` and `exp_avg_sq`.
+#[inline(always)]
+pub fn adam_element(
+    param: f32,
+    grad: f32,
+    exp_avg: f32,
+    exp_avg_sq: f32,
+    k: &AdamConstants,
+    how: TailFma,
+) -> (f32, f32, f32) {
+    let mut grad = grad;
+    let mut param = param;
+    if let Decay::L2(decay) = k.decay {
+        grad = product_sum(param, decay, grad, how.others);
+    }
+    let m = moment(exp_avg, k.beta1, grad, k.one_minus_beta1, how.momentum);
+    let v = moment(
+        exp_avg_sq,
+        k.beta2,
+        grad * grad,
+        k.one_minus_beta2,
+        how.variance,
+    );
+    let denominator = product_sum(v.sqrt(), k.bias_correction2, k.eps, how.others);
+    let update = m / denominator;
+    if let Decay::AdamW(w_decay) = k.decay {
+        param = product_sum(param, w_decay, param, how.others);
+    }
+    (product_sum(update, k.step_size, param, how.others), m, v)
+}
+
+/// The SIMD instructions a pass uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Simd {
+    /// 16 lanes (AVX-512F).
+    Avx512,
+    /// 8 lanes (AVX2, FMA, F16C).
+    Avx2,
+    /// The specification itself, element by element (aarch64, older x86-64).
+    Scalar,
+}
+
+impl Simd {
+    /// The widest this CPU runs.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Scalar
+    }
+
+    /// `"auto"` (the widest here), `"avx512"`, `"avx2"` or `"scalar"`; one this CPU cannot run is an
+    /// error naming `key`.
+    pub fn parse(key: &str, value: &str) -> Result<Simd> {
+        let simd = match value {
+            "auto" => return Ok(Simd::detect()),
+            "avx512" => Simd::Avx512,
+            "avx2" => Simd::Avx2,
+            "scalar" => Simd::Scalar,
+            other => {
+                return Err(Error::config(
+                    key,
+                    format!("{other:?} is not \"auto\", \"avx512\", \"avx2\" or \"scalar\""),
+                ))
+            }
+        };
+        // Every CPU with AVX-512F has AVX2, FMA and F16C.
+        let supported = matches!(
+            (simd, Simd::detect()),
+            (Simd::Scalar, _) | (_, Simd::Avx512) | (Simd::Avx2, Simd::Avx2)
+        );
+        if !supported {
+            return Err(Error::config(
+                key,
+                format!("{value:?}: this CPU lacks the instructions"),
+            ));
+        }
+        Ok(simd)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Avx512 => "avx512",
+            Simd::Avx2 => "avx2",
+            Simd::Scalar => "scalar",
+        }
+    }
+
+    fn lanes(self) -> usize {
+        match self {
+            Simd::Avx512 => 16,
+            Simd::Avx2 => 8,
+            Simd::Scalar => 1,
+        }
+    }
+}
+
+/// One chunk's memory for a fused update: `state` is `[params | exp_avg | exp_avg_sq]` (fp32, `3 n`),
+/// `grad` the chunk's gradient (`n`), `params` where the new half-precision parameters go (`n`), if
+/// anywhere.
+pub struct Chunk<'a, G: Elem, P: Elem> {
+    pub state: &'a mut [f32],
+    pub grad: &'a [G],
+    pub params: Option<&'a mut [P]>,
+}
+
+/// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
+/// threads write one line.
+const SHARE_ALIGN: usize = 64;
+
+/// Elements per block of a thread's range: its state, gradient and parameters (128 KiB in bf16) stay in
+/// the core's own cache between the read's checksum, the update and the write's checksum. A multiple of
+/// every SIMD width.
+const BLOCK: usize = 8192;
+
+/// Where to cut the checksums of a chunk's state (`[params | exp_avg | exp_avg_sq]`, `12 n` bytes), as
+/// the store cuts the object into stripes: each stripe's first byte, ascending from 0 (the store's
+/// `read_check().starts()` for the state as read, `write_cuts()` for it as written). `None`: not summed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cuts<'a> {
+    pub read: Option<&'a [u64]>,
+    pub write: Option<&'a [u64]>,
+}
+
+/// The CRC32C of each stripe of the state as read and as written, where [`Cuts`] asked for them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkSums {
+    pub read: Option<Vec<u32>>,
+    pub write: Option<Vec<u32>>,
+}
+
+/// One contiguous byte range of the state, within one stripe, one array and one thread's range: hashed
+/// as the blocks pass by.
+struct Piece {
+    start: u64,
+    end: u64,
+    digest: crc_fast::Digest,
+}
+
+/// The pieces of one thread's range of the state, per array, cut at `cuts`.
+fn pieces(cuts: &[u64], n: usize, first: usize, len: usize) -> [Vec<Piece>; 3] {
+    std::array::from_fn(|a| {
+        let (lo, hi) = (
+            (a * 4 * n + 4 * first) as u64,
+            (a * 4 * n + 4 * (first + len)) as u64,
+        );
+        let mut bounds: Vec<u64> = cuts.iter().copied().filter(|&c| c > lo && c < hi).collect();
+        bounds.insert(0, lo);
+        bounds.push(hi);
+        bounds
+            .windows(2)
+            .filter(|w| w[1] > w[0])
+            .map(|w| Piece {
+                start: w[0],
+                end: w[1],
+                digest: crc_fast::Digest::new(Crc32Iscsi),
+            })
+            .collect()
+    })
+}
+
+/// Hashes `bytes`, the state's bytes from offset `at`, into the pieces they fall in.
+fn hash(pieces: &mut [Piece], at: u64, bytes: &[u8]) {
+    let end = at + bytes.len() as u64;
+    for piece in pieces.iter_mut().filter(|p| p.start < end && p.end > at) {
+        let (from, to) = (piece.start.max(at), piece.end.min(end));
+        piece
+            .digest
+            .update(&bytes[(from - at) as usize..(to - at) as usize]);
+    }
+}
+
+fn as_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any f32 is four initialised bytes; the view lives no longer than `x`.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
+}
+
+/// Each stripe's CRC32C from the pieces (together covering every byte once): combined in order.
+fn stripe_sums(cuts: &[u64], mut pieces: Vec<(u64, u64, u32)>) -> Vec<u32> {
+    pieces.sort_unstable_by_key(|p| p.0);
+    let mut sums = vec![0u32; cuts.len()];
+    for (start, len, crc) in pieces {
+        // The stripe holding this piece: the last start at or before it.
+        let s = cuts.partition_point(|&c| c <= start).saturating_sub(1);
+        sums[s] = crc_fast::checksum_combine(Crc32Iscsi, sums[s].into(), crc.into(), len) as u32;
+    }
+    sums
+}
+
+fn check_cuts(name: &str, cuts: &[u64], total: u64) -> Result<()> {
+    let ascending = cuts.windows(2).all(|w| w[0] < w[1]);
+    if cuts.first() != Some(&0) || !ascending || cuts.last().is_some_and(|&c| c >= total.max(1)) {
+        return Err(Error::config(
+            name,
+            format!("{cuts:?} must ascend from 0 within the {total} bytes of the state"),
+        ));
+    }
+    Ok(())
+}
+
+/// Updates `chunk` in one pass: each gradient element widened and multiplied by `grad_scale`, Adam with
+/// `k` as DeepSpeed computes it (its last `n % arith.vector_width` elements with `arith.tail`'s
+/// arithmetic), the new parameters narrowed into `chunk.params`, and the state's checksums where `cuts`
+/// asks for them. Runs on `threads` threads (the caller's among them), each over its own range.
+#[allow(clippy::too_many_arguments)]
+pub fn update<G: Elem, P: Elem>(
+    chunk: Chunk<'_, G, P>,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    let n = chunk.grad.len();
+    if chunk.state.len() != 3 * n {
+        return Err(Error::config(
+            "state",
+            format!(
+                "{} fp32 elements for a gradient of {n}: [params | exp_avg | exp_avg_sq] needs {}",
+                chunk.state.len(),
+                3 * n
+            ),
+        ));
+    }
+    if let Some(params) = &chunk.params {
+        if params.len() != n {
+            return Err(Error::config(
+                "params",
+                format!("{} elements for a gradient of {n}", params.len()),
+            ));
+        }
+    }
+    if arith.vector_width == 0 {
+        return Err(Error::config("vector_width", "must be at least 1"));
+    }
+    let total = 12 * n as u64;
+    for (name, c) in [("read_cuts", cuts.read), ("write_cuts", cuts.write)] {
+        if let Some(c) = c {
+            check_cuts(name, c, total)?;
+        }
+    }
+    let (p, rest) = chunk.state.split_at_mut(n);
+    let (m, v) = rest.split_at_mut(n);
+    // Elements below `body` get DeepSpeed's vector arithmetic, the rest its scalar loop's.
+    let body = n - n % arith.vector_width;
+    let threads = threads.clamp(1, n.div_ceil(SHARE_ALIGN).max(1));
+    let share = (n / threads).next_multiple_of(SHARE_ALIGN);
+    let mut parts = Vec::with_capacity(threads);
+    let (mut p, mut m, mut v, mut g) = (p, m, v, chunk.grad);
+    let mut out = chunk.params;
+    let mut first = 0;
+    while first < n {
+        let len = if parts.len() + 1 == threads {
+            n - first
+        } else {
+            share.min(n - first)
+        };
+        let (p0, p1) = p.split_at_mut(len);
+        let (m0, m1) = m.split_at_mut(len);
+        let (v0, v1) = v.split_at_mut(len);
+        let (g0, g1) = g.split_at(len);
+        let o0 = match out.take() {
+            Some(o) => {
+                let (o0, o1) = o.split_at_mut(len);
+                out = Some(o1);
+                Some(o0)
+            }
+            None => None,
+        };
+        // Of this part, how much lies below `body` (vector arithmetic).
+        let vector = body.saturating_sub(first).min(len);
+        let sums = [cuts.read, cuts.write].map(|c| c.map(|c| pieces(c, n, first, len)));
+        parts.push(Part {
+            p: p0,
+            m: m0,
+            v: v0,
+            g: g0,
+            o: o0,
+            vector,
+            offsets: [4 * first, 4 * (n + first), 4 * (2 * n + first)],
+            sums,
+        });
+        (p, m, v, g) = (p1, m1, v1, g1);
+        first += len;
+    }
+    let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
+    let mut parts = parts.into_iter();
+    let mine = parts.next();
+    let hashed: Vec<Hashed> = std::thread::scope(|scope| {
+        let others: Vec<_> = parts.map(|part| scope.spawn(move || run(part))).collect();
+        let mut all: Vec<_> = mine.map(run).into_iter().collect();
+        all.extend(
+            others
+                .into_iter()
+                .map(|t| t.join().expect("a kernel thread panicked")),
+        );
+        all
+    });
+    let [read, write] = [0, 1].map(|d| {
+        [cuts.read, cuts.write][d].map(|c| {
+            let pieces = hashed
+                .iter()
+                .flat_map(|h| h[d].iter().flatten().copied())
+                .collect();
+            stripe_sums(c, pieces)
+        })
+    });
+    Ok(ChunkSums { read, write })
+}
+
+/// [`update`] over raw memory: `state` holds `3 count` fp32 elements, `grad` `count` of its kind,
+/// `params` (if given) `count` of its kind. Misaligned addresses are an error naming the array.
+///
+/// # Safety
+/// Every address must point to live memory of that many elements, which nothing else reads or writes
+/// until this returns, and no two ranges may overlap.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn update_at(
+    state: usize,
+    grad: (usize, Kind),
+    params: Option<(usize, Kind)>,
+    count: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    for (name, address, kind) in [("state", state, Kind::F32), ("grad", grad.0, grad.1)]
+        .into_iter()
+        .chain(params.map(|(a, kind)| ("params", a, kind)))
+    {
+        if address == 0 || address % kind.size() != 0 {
+            return Err(Error::config(
+                name,
+                format!("address {address:#x} is not aligned for {kind:?} elements"),
+            ));
+        }
+    }
+    // SAFETY: the caller's promise, and the alignment checked above.
+    let state = unsafe { std::slice::from_raw_parts_mut(state as *mut f32, 3 * count) };
+    // SAFETY: as above.
+    unsafe {
+        match grad.1 {
+            Kind::F32 => update_with_params(
+                state,
+                slice::<f32>(grad.0, count),
+                params,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Kind::Bf16 => update_with_params(
+                state,
+                slice::<Bf16>(grad.0, count),
+                params,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Kind::F16 => update_with_params(
+                state,
+                slice::<F16>(grad.0, count),
+                params,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+        }
+    }
+}
+
+/// # Safety
+/// As [`update_at`]: `count` live, aligned elements of `T` at `address`.
+unsafe fn slice<'a, T>(address: usize, count: usize) -> &'a [T] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(address as *const T, count) }
+}
+
+/// # Safety
+/// As [`update_at`]: `count` live, aligned elements of `T` at `address`, used by nothing else.
+unsafe fn slice_mut<'a, T>(address: usize, count: usize) -> &'a mut [T] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts_mut(address as *mut T, count) }
+}
+
+/// # Safety
+/// As [`update_at`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn update_with_params<G: Elem>(
+    state: &mut [f32],
+    grad: &[G],
+    params: Option<(usize, Kind)>,
+    count: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    // SAFETY: the caller's promise for `params`.
+    unsafe {
+        match params {
+            None => update::<G, f32>(
+                Chunk {
+                    state,
+                    grad,
+                    params: None,
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::F32)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<f32>(a, count)),
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::Bf16)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<Bf16>(a, count)),
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::F16)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<F16>(a, count)),
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+        }
+    }
+}
+
+/// A thread's checksum pieces, `(start, len, crc)`, of the state as read and as written.
+type Hashed = [Option<Vec<(u64, u64, u32)>>; 2];
+
+/// One thread's range of a chunk: its arrays, how many of its first elements take the vector
+/// arithmetic, each array's first byte in the state, and its checksum pieces (as read, as written).
+struct Part<'a, G, P> {
+    p: &'a mut [f32],
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    g: &'a [G],
+    o: Option<&'a mut [P]>,
+    vector: usize,
+    offsets: [usize; 3],
+    sums: [Option<[Vec<Piece>; 3]>; 2],
+}
+
+/// One thread's range, block by block: the block's state hashed as read, updated (its elements below
+/// `vector` with DeepSpeed's vector arithmetic, in SIMD where `simd` says, the rest with `tail`'s), and
+/// hashed as written. Returns the pieces' `(start, len, crc)`, as read and as written.
+fn run_part<G: Elem, P: Elem>(
+    mut part: Part<'_, G, P>,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+    simd: Simd,
+) -> Hashed {
+    let len = part.g.len();
+    for b0 in (0..len).step_by(BLOCK) {
+        let b1 = (b0 + BLOCK).min(len);
+        hash_block(&mut part, 0, b0, b1);
+        run_block(&mut part, b0, b1, grad_scale, k, tail, simd);
+        hash_block(&mut part, 1, b0, b1);
+    }
+    part.sums.map(|pieces| {
+        pieces.map(|arrays| {
+            arrays
+                .into_iter()
+                .flatten()
+                .map(|p| (p.start, p.end - p.start, p.digest.finalize() as u32))
+                .collect()
+        })
+    })
+}
+
+/// Hashes elements `b0..b1` of the part's state into its pieces of direction `d` (0 read, 1 written).
+fn hash_block<G: Elem, P: Elem>(part: &mut Part<'_, G, P>, d: usize, b0: usize, b1: usize) {
+    if let Some(pieces) = &mut part.sums[d] {
+        for (a, x) in [&*part.p, &*part.m, &*part.v].into_iter().enumerate() {
+            hash(
+                &mut pieces[a],
+                (part.offsets[a] + 4 * b0) as u64,
+                as_bytes(&x[b0..b1]),
+            );
+        }
+    }
+}
+
+/// Elements `b0..b1` of a thread's range (see [`run_part`]).
+fn run_block<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    b0: usize,
+    b1: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+    simd: Simd,
+) {
+    let lanes = simd.lanes();
+    // The SIMD stretch: from the block's start (a multiple of every width) up to its vector elements.
+    let simd_end = if lanes > 1 {
+        let vector_end = part.vector.clamp(b0, b1);
+        b0 + (vector_end - b0) / lanes * lanes
+    } else {
+        b0
+    };
+    if simd_end > b0 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let at = x86::Lanes {
+                p: part.p[b0..].as_mut_ptr(),
+                m: part.m[b0..].as_mut_ptr(),
+                v: part.v[b0..].as_mut_ptr(),
+                g: (G::KIND, part.g[b0..].as_ptr().cast()),
+                o: part
+                    .o
+                    .as_deref_mut()
+                    .map(|o| (P::KIND, o[b0..].as_mut_ptr().cast())),
+                len: simd_end - b0,
+            };
+            match simd {
+                // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; the
+                // slices are distinct, each at least `simd_end` long, the stretch a multiple of the lanes.
+                Simd::Avx512 => unsafe { x86::avx512(&at, grad_scale, k) },
+                // SAFETY: as above.
+                Simd::Avx2 => unsafe { x86::avx2(&at, grad_scale, k) },
+                Simd::Scalar => unreachable!("the scalar path has one lane"),
+            }
+        }
+    }
+    let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
+    for i in simd_end..b1 {
+        let how = if i < part.vector {
+            TailFma::VECTOR
+        } else {
+            tail
+        };
+        let grad = g[i].widen() * grad_scale;
+        let (param, exp_avg, exp_avg_sq) = adam_element(p[i], grad, m[i], v[i], k, how);
+        (p[i], m[i], v[i]) = (param, exp_avg, exp_avg_sq);
+        if let Some(o) = part.o.as_deref_mut() {
+            o[i] = P::narrow(param);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The vector arithmetic of [`super::adam_element`] (`TailFma::VECTOR`) with x86 intrinsics, lane
+    //! for lane the same operations: DeepSpeed's `Step_AVX` with the conversions around it.
+
+    use std::arch::x86_64::*;
+
+    use super::{AdamConstants, Decay, Kind};
+
+    /// 16 elements of `kind` at `src`, widened to fp32 as `Elem::widen` does.
+    ///
+    /// # Safety
+    /// `src` must hold 16 readable elements of `kind`; AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16(kind: Kind, src: *const u8) -> __m512 {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm512_loadu_ps(src.cast()),
+                Kind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(src.cast()),
+                ))),
+                Kind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(src.cast())),
+            }
+        }
+    }
+
+    /// 16 lanes of `x` narrowed to `kind` at `dst`, as `Elem::narrow` does (bf16: torch's
+    /// `cvtfp32_bf16`, round to nearest even and NaN lanes 0xffff; fp16: F16C, as torch).
+    ///
+    /// # Safety
+    /// `dst` must hold 16 writable elements of `kind`; AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store16(kind: Kind, dst: *mut u8, x: __m512) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm512_storeu_ps(dst.cast(), x),
+                Kind::Bf16 => {
+                    let bits = _mm512_castps_si512(x);
+                    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+                    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+                        bits,
+                        _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+                    ));
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x);
+                    let out = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), rounded);
+                    _mm256_storeu_si256(dst.cast(), _mm512_cvtusepi32_epi16(out))
+                }
+                Kind::F16 => _mm256_storeu_si256(
+                    dst.cast(),
+                    _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x),
+                ),
+            }
+        }
+    }
+
+    /// 8 elements of `kind` at `src`, widened as `Elem::widen` does.
+    ///
+    /// # Safety
+    /// `src` must hold 8 readable elements of `kind`; AVX2 and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8(kind: Kind, src: *const u8) -> __m256 {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm256_loadu_ps(src.cast()),
+                Kind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(src.cast()),
+                ))),
+                Kind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(src.cast())),
+            }
+        }
+    }
+
+    /// 8 lanes of `x` narrowed to `kind` at `dst`, as `store16`.
+    ///
+    /// # Safety
+    /// `dst` must hold 8 writable elements of `kind`; AVX2 and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store8(kind: Kind, dst: *mut u8, x: __m256) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm256_storeu_ps(dst.cast(), x),
+                Kind::Bf16 => {
+                    let bits = _mm256_castps_si256(x);
+                    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+                    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+                        bits,
+                        _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)),
+                    ));
+                    let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+                    let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), unordered);
+                    // The eight 32-bit lanes (each at most 0xffff) packed to 16 bits, in order.
+                    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(out, out));
+                    _mm_storeu_si128(dst.cast(), _mm256_castsi256_si128(packed))
+                }
+                Kind::F16 => {
+                    _mm_storeu_si128(dst.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+                }
+            }
+        }
+    }
+
+    /// Where one SIMD pass reads and writes: `len` elements of each array.
+    pub struct Lanes {
+        pub p: *mut f32,
+        pub m: *mut f32,
+        pub v: *mut f32,
+        pub g: (Kind, *const u8),
+        pub o: Option<(Kind, *mut u8)>,
+        pub len: usize,
+    }
+
+    /// # Safety
+    /// AVX-512F must be available; every pointer of `at` must hold `at.len` elements (a multiple of 16),
+    /// `p`, `m`, `v` and `o` writable and none overlapping another.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
+        let (beta1, beta2) = (_mm512_set1_ps(k.beta1), _mm512_set1_ps(k.beta2));
+        let (c1, c2) = (
+            _mm512_set1_ps(k.one_minus_beta1),
+            _mm512_set1_ps(k.one_minus_beta2),
+        );
+        let bias2 = _mm512_set1_ps(k.bias_correction2);
+        let (eps, step) = (_mm512_set1_ps(k.eps), _mm512_set1_ps(k.step_size));
+        let scale = _mm512_set1_ps(grad_scale);
+        let (g_kind, g) = at.g;
+        let g_size = g_kind.size();
+        for i in (0..at.len).step_by(16) {
+            // SAFETY: `i + 16 <= len` for every array, as the caller promised.
+            unsafe {
+                let mut grad = _mm512_mul_ps(load16(g_kind, g.add(i * g_size)), scale);
+                let mut param = _mm512_loadu_ps(at.p.add(i));
+                if let Decay::L2(decay) = k.decay {
+                    grad = _mm512_fmadd_ps(param, _mm512_set1_ps(decay), grad);
+                }
+                let old_m = _mm512_mul_ps(_mm512_loadu_ps(at.m.add(i)), beta1);
+                let mom = _mm512_fmadd_ps(grad, c1, old_m);
+                let old_v = _mm512_mul_ps(_mm512_loadu_ps(at.v.add(i)), beta2);
+                let var = _mm512_fmadd_ps(_mm512_mul_ps(grad, grad), c2, old_v);
+                let denominator = _mm512_fmadd_ps(_mm512_sqrt_ps(var), bias2, eps);
+                let update = _mm512_div_ps(mom, denominator);
+                if let Decay::AdamW(w_decay) = k.decay {
+                    param = _mm512_fmadd_ps(param, _mm512_set1_ps(w_decay), param);
+                }
+                param = _mm512_fmadd_ps(update, step, param);
+                _mm512_storeu_ps(at.p.add(i), param);
+                _mm512_storeu_ps(at.m.add(i), mom);
+                _mm512_storeu_ps(at.v.add(i), var);
+                if let Some((kind, o)) = at.o {
+                    store16(kind, o.add(i * kind.size()), param);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; as `avx512` otherwise, `at.len` a multiple of 8.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn avx2(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
+        let (beta1, beta2) = (_mm256_set1_ps(k.beta1), _mm256_set1_ps(k.beta2));
+        let (c1, c2) = (
+            _mm256_set1_ps(k.one_minus_beta1),
+            _mm256_set1_ps(k.one_minus_beta2),
+        );
+        let bias2 = _mm256_set1_ps(k.bias_correction2);
+        let (eps, step) = (_mm256_set1_ps(k.eps), _mm256_set1_ps(k.step_size));
+        let scale = _mm256_set1_ps(grad_scale);
+        let (g_kind, g) = at.g;
+        let g_size = g_kind.size();
+        for i in (0..at.len).step_by(8) {
+            // SAFETY: `i + 8 <= len` for every array, as the caller promised.
+            unsafe {
+                let mut grad = _mm256_mul_ps(load8(g_kind, g.add(i * g_size)), scale);
+                let mut param = _mm256_loadu_ps(at.p.add(i));
+                if let Decay::L2(decay) = k.decay {
+                    grad = _mm256_fmadd_ps(param, _mm256_set1_ps(decay), grad);
+                }
+                let old_m = _mm256_mul_ps(_mm256_loadu_ps(at.m.add(i)), beta1);
+                let mom = _mm256_fmadd_ps(grad, c1, old_m);
+                let old_v = _mm256_mul_ps(_mm256_loadu_ps(at.v.add(i)), beta2);
+                let var = _mm256_fmadd_ps(_mm256_mul_ps(grad, grad), c2, old_v);
+                let denominator = _mm256_fmadd_ps(_mm256_sqrt_ps(var), bias2, eps);
+                let update = _mm256_div_ps(mom, denominator);
+                if let Decay::AdamW(w_decay) = k.decay {
+                    param = _mm256_fmadd_ps(param, _mm256_set1_ps(w_decay), param);
+                }
+                param = _mm256_fmadd_ps(update, step, param);
+                _mm256_storeu_ps(at.p.add(i), param);
+                _mm256_storeu_ps(at.m.add(i), mom);
+                _mm256_storeu_ps(at.v.add(i), var);
+                if let Some((kind, o)) = at.o {
+                    store8(kind, o.add(i * kind.size()), param);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The same bits, or both NaN (x86 picks a NaN operand's payload by instruction form, which a
+    /// compiler chooses; torch's bf16 copy makes every NaN 0xffff anyway).
+    fn same(a: f32, b: f32) -> bool {
+        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+    }
+
+    #[test]
+    fn bf16_conversions_are_torchs() {
+        // value, the bits torch 2.15's copy_ writes on x86-64 (read off it)
+        let cases: &[(f32, u16)] = &[
+            (f32::NAN, 0xffff),
+            (-f32::NAN, 0xffff),
+            (f32::from_bits(0x7f80_0001), 0xffff),
+            (f32::INFINITY, 0x7f80),
+            (f32::NEG_INFINITY, 0xff80),
+            (1e-40, 0x0001),
+            (-1e-40, 0x8001),
+            (1.17e-38, 0x007f),
+            (3.0e-39, 0x0021),
+            (65504.0, 0x4780),
+            (65520.0, 0x4780),
+            (1e-8, 0x322c),
+            (6e-8, 0x3381),
+            (2.98e-8, 0x3300),
+            (1.0000001, 0x3f80),
+            // Ties go to even.
+            (f32::from_bits(0x3f80_8000), 0x3f80),
+            (f32::from_bits(0x3f81_8000), 0x3f82),
+            // Rounding into the next exponent, and up to infinity.
+            (f32::from_bits(0x3fff_ffff), 0x4000),
+            (f32::MAX, 0x7f80),
+        ];
+        for &(x, bits) in cases {
+            assert_eq!(Bf16::narrow(x).0, bits, "{x:e}");
+            if !x.is_nan() {
+                assert_eq!(Bf16(bits).widen().to_bits(), u32::from(bits) << 16);
+            }
+        }
+    }
+
+    /// f32 bit patterns that reach every rounding case of a conversion to half: per exponent, mantissas
+    /// at and around each halfway point, plus random ones.
+    fn f32_patterns() -> Vec<u32> {
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut out = Vec::new();
+        for sign in [0u32, 1 << 31] {
+            for exp in 0u32..256 {
+                let mut mantissas = vec![0, 1, 0x7f_ffff, 0x7f_fffe, 0x40_0000];
+                for drop in 13..=24u32 {
+                    let half = 1u32 << (drop - 1);
+                    for base in [0, 1 << drop, 3 << drop] {
+                        for delta in [-1i64, 0, 1] {
+                            let m = i64::from(base | half) + delta;
+                            if (0..0x80_0000).contains(&m) {
+                                mantissas.push(m as u32);
+                            }
+                        }
+                    }
+                }
+                mantissas.extend((0..64).map(|_| rng.random_range(0..0x80_0000)));
+                out.extend(mantissas.into_iter().map(|m| sign | (exp << 23) | m));
+            }
+        }
+        out
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn f16_conversions_are_f16cs() {
+        use std::arch::x86_64::*;
+        if !is_x86_feature_detected!("f16c") {
+            return;
+        }
+        for bits in f32_patterns() {
+            let x = f32::from_bits(bits);
+            // SAFETY: F16C is available (checked above).
+            let hw = unsafe {
+                #[target_feature(enable = "f16c")]
+                unsafe fn narrow(x: f32) -> u16 {
+                    _mm_extract_epi16::<0>(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(
+                        _mm_set1_ps(x),
+                    )) as u16
+                }
+                narrow(x)
+            };
+            assert_eq!(F16::narrow(x).0, hw, "{bits:#010x} ({x:e})");
+        }
+        for h in 0..=u16::MAX {
+            // SAFETY: as above.
+            let hw = unsafe {
+                #[target_feature(enable = "f16c")]
+                unsafe fn widen(h: u16) -> u32 {
+                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(h as i16))).to_bits()
+                }
+                widen(h)
+            };
+            assert_eq!(F16(h).widen().to_bits(), hw, "{h:#06x}");
+        }
+    }
+
+    fn hyper(lr: f32, weight_decay: f32, adamw: bool, bias_correction: bool) -> AdamHyper {
+        AdamHyper {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+            bias_correction,
+            adamw,
+        }
+    }
+
+    /// Random state and gradient with the values that trip arithmetic up sprinkled in: infinities, NaN,
+    /// subnormals, zeros of both signs, huge and tiny magnitudes.
+    fn inputs(n: usize, rng: &mut StdRng) -> (Vec<f32>, Vec<f32>) {
+        let specials = [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-40,
+            -3e-42,
+            0.0,
+            -0.0,
+            3e38,
+            1e-30,
+        ];
+        let mut pick = |scale: f32, positive: bool| {
+            if rng.random_range(0..17) == 0 {
+                specials[rng.random_range(0..specials.len())]
+            } else {
+                let x = (rng.random::<f32>() - 0.5) * 2.0 * scale;
+                if positive {
+                    x.abs()
+                } else {
+                    x
+                }
+            }
+        };
+        let mut state = Vec::with_capacity(3 * n);
+        state.extend((0..n).map(|_| pick(0.1, false)));
+        state.extend((0..n).map(|_| pick(1e-3, false)));
+        state.extend((0..n).map(|_| pick(1e-6, true)));
+        let grad = (0..n).map(|_| pick(1e-2, false)).collect();
+        (state, grad)
+    }
+
+    /// The specification run element by element, as `update` must produce it.
+    fn reference<G: Elem, P: Elem>(
+        state: &mut [f32],
+        grad: &[G],
+        params: &mut [P],
+        scale: f32,
+        k: &AdamConstants,
+        arith: &DeepSpeedArith,
+    ) {
+        let n = grad.len();
+        let body = n - n % arith.vector_width;
+        for i in 0..n {
+            let how = if i < body {
+                TailFma::VECTOR
+            } else {
+                arith.tail
+            };
+            let (p, m, v) = adam_element(
+                state[i],
+                grad[i].widen() * scale,
+                state[n + i],
+                state[2 * n + i],
+                k,
+                how,
+            );
+            (state[i], state[n + i], state[2 * n + i]) = (p, m, v);
+            params[i] = P::narrow(p);
+        }
+    }
+
+    fn simds() -> Vec<Simd> {
+        [Simd::Avx512, Simd::Avx2, Simd::Scalar]
+            .into_iter()
+            .filter(|s| Simd::parse("simd", s.name()).is_ok())
+            .collect()
+    }
+
+    fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma {
+                momentum: MomentFma::Old,
+                variance: MomentFma::Separate,
+                others: false,
+            },
+            bias_sqrt: BiasSqrt::Float,
+        };
+        // Sizes: empty, within one vector, every tail length, several vectors, a thread split's edges.
+        let sizes = [
+            0,
+            1,
+            7,
+            8,
+            15,
+            16,
+            17,
+            31,
+            33,
+            63,
+            64,
+            65,
+            100,
+            129,
+            1000,
+            1024 + 15,
+            4099,
+        ];
+        // weight decay, AdamW, bias correction
+        let modes = [
+            (0.0, true, true),
+            (0.01, true, true),
+            (0.01, false, true),
+            (-0.5, true, true),
+            (0.0, true, false),
+        ];
+        for &n in &sizes {
+            for &(decay, adamw, bias) in &modes {
+                let mut bias_state = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+                let k = bias_state.constants(3, &hyper(1e-3, decay, adamw, bias));
+                let (state, grad32) = inputs(n, rng);
+                let grad: Vec<G> = grad32.iter().map(|&g| to_grad(g)).collect();
+                let mut want_state = state.clone();
+                let mut want_params = vec![P::narrow(0.0); n];
+                reference(&mut want_state, &grad, &mut want_params, 0.75, &k, &arith);
+                for simd in simds() {
+                    for threads in [1, 3] {
+                        let mut got_state = state.clone();
+                        let mut got_params = vec![P::narrow(0.0); n];
+                        update(
+                            Chunk {
+                                state: &mut got_state,
+                                grad: &grad,
+                                params: Some(&mut got_params),
+                            },
+                            0.75,
+                            &k,
+                            &arith,
+                            simd,
+                            threads,
+                            Cuts::default(),
+                        )
+                        .unwrap();
+                        for i in 0..3 * n {
+                            assert!(
+                                same(got_state[i], want_state[i]),
+                                "{simd:?} n {n} {:?} decay {decay} adamw {adamw} threads {threads}: state[{i}] {} vs {}",
+                                G::KIND,
+                                got_state[i],
+                                want_state[i]
+                            );
+                        }
+                        for i in 0..n {
+                            assert!(
+                                same(got_params[i].widen(), want_params[i].widen()),
+                                "{simd:?} n {n}: params[{i}] as {:?}",
+                                P::KIND
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_paths_are_the_specification_for_every_type_size_and_mode() {
+        let mut rng = StdRng::seed_from_u64(11);
+        check_paths::<Bf16, Bf16>(Bf16::narrow, &mut rng);
+        check_paths::<F16, F16>(F16::narrow, &mut rng);
+        check_paths::<f32, f32>(|x| x, &mut rng);
+        check_paths::<Bf16, f32>(Bf16::narrow, &mut rng);
+        check_paths::<f32, Bf16>(|x| x, &mut rng);
+    }
+
+    #[test]
+    fn without_params_only_the_state_is_written() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let (state, grad) = inputs(100, &mut rng);
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        };
+        let (mut with, mut without) = (state.clone(), state);
+        let mut params = vec![0.0f32; 100];
+        update(
+            Chunk {
+                state: &mut with,
+                grad: &grad,
+                params: Some(&mut params),
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::detect(),
+            2,
+            Cuts::default(),
+        )
+        .unwrap();
+        update::<f32, f32>(
+            Chunk {
+                state: &mut without,
+                grad: &grad,
+                params: None,
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::detect(),
+            2,
+            Cuts::default(),
+        )
+        .unwrap();
+        assert!(with.iter().zip(&without).all(|(a, b)| same(*a, *b)));
+    }
+
+    #[test]
+    fn the_bias_state_follows_deepspeeds_history() {
+        let h = hyper(1e-3, 0.0, true, true);
+        let other = AdamHyper {
+            beta1: 0.8,
+            beta2: 0.99,
+            ..h
+        };
+        let pow = |b: f32, s: u64| (f64::from(b).powf(s as f64)) as f32;
+        let mut bias = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+        // call: (step, hyper); expected beta1^t after it
+        let calls: Vec<(u64, AdamHyper, f32)> = vec![
+            (1, h, 0.9),
+            // The same step again (the next chunk of a subgroup): nothing moves.
+            (1, h, 0.9),
+            // The next step multiplies on, in float.
+            (2, h, 0.9f32 * 0.9f32),
+            (3, h, 0.9f32 * 0.9f32 * 0.9f32),
+            // A jump: pow.
+            (10, h, pow(0.9, 10)),
+            // Other betas: pow with them, from that step.
+            (10, other, pow(0.8, 10)),
+            (11, other, pow(0.8, 10) * 0.8),
+            // Back: pow again.
+            (11, h, pow(0.9, 11)),
+        ];
+        for (i, (step, hyper, beta1_t)) in calls.into_iter().enumerate() {
+            let k = bias.constants(step, &hyper);
+            assert_eq!(bias.beta1_t.to_bits(), beta1_t.to_bits(), "call {i}");
+            assert_eq!(k.step_size, -hyper.lr / (1.0 - beta1_t), "call {i}");
+        }
+        // Without bias correction both corrections are 1.
+        let k = bias.constants(
+            12,
+            &AdamHyper {
+                bias_correction: false,
+                ..h
+            },
+        );
+        assert_eq!((k.step_size, k.bias_correction2), (-1e-3, 1.0));
+        // The double square root rounds once, from double.
+        let mut float = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+        let mut double = AdamBias::new(0.9, 0.999, BiasSqrt::Double);
+        let differ = (1..5000).any(|s| {
+            float.constants(s, &h).bias_correction2 != double.constants(s, &h).bias_correction2
+        });
+        assert!(
+            differ,
+            "the two square roots must be told apart at some step"
+        );
+        let witness = AdamBias::sqrt_witness(0.999).expect("a step that tells them apart");
+        let at = |sqrt| {
+            AdamBias::new(0.9, 0.999, sqrt)
+                .constants(witness, &h)
+                .bias_correction2
+        };
+        assert_ne!(at(BiasSqrt::Float), at(BiasSqrt::Double));
+    }
+
+    #[test]
+    fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
+        let mut rng = StdRng::seed_from_u64(17);
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        };
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
+        let bytes = |x: &[f32]| as_bytes(x).to_vec();
+        for n in [1, 100, 3 * BLOCK + 77] {
+            let total = 12 * n as u64;
+            // name, stripe starts
+            let cases: Vec<(&str, Vec<u64>)> = vec![
+                ("one stripe", vec![0]),
+                ("two, cut inside params", vec![0, 4 * (n as u64 / 2).max(1)]),
+                ("on the arrays' edges", vec![0, 4 * n as u64, 8 * n as u64]),
+                (
+                    "many small ones",
+                    (0..total).step_by((total as usize / 7).max(4)).collect(),
+                ),
+            ];
+            for (name, cuts) in cases {
+                for threads in [1, 3] {
+                    let (state, grad) = inputs(n, &mut rng);
+                    let before = bytes(&state);
+                    let mut after = state.clone();
+                    let sums = update::<f32, f32>(
+                        Chunk {
+                            state: &mut after,
+                            grad: &grad,
+                            params: None,
+                        },
+                        1.0,
+                        &k,
+                        &arith,
+                        Simd::detect(),
+                        threads,
+                        Cuts {
+                            read: Some(&cuts),
+                            write: Some(&cuts),
+                        },
+                    )
+                    .unwrap();
+                    let after = bytes(&after);
+                    let expected = |all: &[u8]| -> Vec<u32> {
+                        let mut ends = cuts[1..].to_vec();
+                        ends.push(total);
+                        cuts.iter()
+                            .zip(&ends)
+                            .map(|(&a, &b)| crate::checksum::crc32c(&all[a as usize..b as usize]))
+                            .collect()
+                    };
+                    assert_eq!(
+                        sums.read,
+                        Some(expected(&before)),
+                        "{name}, n {n}, {threads} threads: read"
+                    );
+                    assert_eq!(
+                        sums.write,
+                        Some(expected(&after)),
+                        "{name}, n {n}, {threads} threads: write"
+                    );
+                }
+            }
+        }
+        // Only what was asked for.
+        let (mut state, grad) = inputs(10, &mut rng);
+        let sums = update::<f32, f32>(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: None,
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::detect(),
+            1,
+            Cuts {
+                read: None,
+                write: Some(&[0]),
+            },
+        )
+        .unwrap();
+        assert!(sums.read.is_none() && sums.write.is_some());
+        // Cuts that do not ascend from 0 inside the state are named.
+        for cuts in [vec![4u64], vec![0, 8, 8], vec![0, 120]] {
+            let err = update::<f32, f32>(
+                Chunk {
+                    state: &mut state,
+                    grad: &grad,
+                    params: None,
+                },
+                1.0,
+                &k,
+                &arith,
+                Simd::detect(),
+                1,
+                Cuts {
+                    read: Some(&cuts),
+                    write: None,
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("read_cuts"), "{cuts:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn bad_lengths_and_addresses_are_named() {
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        };
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+        let mut state = vec![0.0f32; 29];
+        let grad = vec![0.0f32; 10];
+        let err = update::<f32, f32>(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: None,
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("state") && err.contains("29"), "{err}");
+        let mut state = vec![0.0f32; 30];
+        let mut params = vec![0.0f32; 9];
+        let err = update(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: Some(&mut params),
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("params") && err.contains('9'), "{err}");
+        let bytes = [0u8; 64];
+        // SAFETY: the call fails on the misaligned address before touching memory.
+        let err = unsafe {
+            update_at(
+                bytes.as_ptr() as usize + 1,
+                (bytes.as_ptr() as usize, Kind::Bf16),
+                None,
+                1,
+                1.0,
+                &k,
+                &arith,
+                Simd::Scalar,
+                1,
+                Cuts::default(),
+            )
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("state") && err.contains("aligned"), "{err}");
+        assert!(Simd::parse("simd", "sse9")
+            .unwrap_err()
+            .to_string()
+            .contains("sse9"));
+        assert!(Kind::parse("grad_dtype", "int8")
+            .unwrap_err()
+            .to_string()
+            .contains("grad_dtype"));
+    }
+}

@@ -1,0 +1,173 @@
+"""The fused update kernel against DeepSpeed's CPU Adam itself (its JIT-built op on this CPU) with torch's
+conversions around it, as the engine's DeepSpeed path runs them: every size's vector tail, every
+hyperparameter mode, a run of steps with repeats and a jump, gradients with infinities, NaN and
+subnormals, bf16, fp16 and fp32."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mlp_offload import _core, kernel
+
+# DeepSpeed builds its CPU Adam just in time, once, into target/ (as the harness's runs do).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions")
+)
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+deepspeed = pytest.importorskip("deepspeed")
+from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+
+# Sizes: within one vector, every tail length of a 16-wide build, several vectors, a chunk's worth.
+SIZES = [1, 5, 15, 16, 17, 31, 33, 127, 128, 129, 1000, 4096 + 13]
+# Adam steps of the calls, in order: repeats (the chunks of one subgroup), the next ones, a jump.
+STEPS = [1, 1, 2, 3, 3, 4, 9, 10]
+# name, optimizer settings
+MODES = [
+    ("AdamW with decay", {"adamw_mode": True, "weight_decay": 0.01}),
+    ("Adam with L2 decay", {"adamw_mode": False, "weight_decay": 0.01}),
+    ("no decay", {"adamw_mode": True, "weight_decay": 0.0}),
+    ("negative decay is none", {"adamw_mode": True, "weight_decay": -0.1}),
+    ("no bias correction", {"adamw_mode": True, "weight_decay": 0.01, "bias_correction": False}),
+    ("other betas and eps", {"adamw_mode": True, "weight_decay": 0.01, "betas": (0.8, 0.95), "eps": 1e-6}),
+]
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def optimizer(**settings: Any) -> Any:
+    param = torch.nn.Parameter(torch.zeros(4))
+    return DeepSpeedCPUAdam([param], lr=1e-3, **settings)
+
+
+def inputs(
+    n: int, dtype: torch.dtype, generator: torch.Generator, specials: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    state = torch.empty(3 * n)
+    state[:n] = torch.randn(n, generator=generator) * 0.05
+    state[n : 2 * n] = torch.randn(n, generator=generator) * 1e-3
+    state[2 * n :] = torch.rand(n, generator=generator) * 1e-6
+    grad = torch.randn(n, generator=generator) * 1e-2
+    if specials:
+        values = torch.tensor(
+            [float("inf"), float("-inf"), float("nan"), 1e-40, -2e-41, 0.0, -0.0, 6e-8, 1e4]
+        )
+        picks = torch.randint(0, 7, (n,), generator=generator) == 0
+        grad[picks] = values[torch.randint(0, len(values), (int(picks.sum()),), generator=generator)]
+        state[2 * n :][torch.randint(0, 11, (n,), generator=generator) == 0] = 1e-42
+    return state, grad.to(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: the same bits, or both NaN (x86 takes a NaN operand's payload by instruction form,
+    which each compiler chooses)."""
+    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
+
+
+@pytest.mark.parametrize("half", list(HALF))
+@pytest.mark.parametrize(("name", "settings"), MODES, ids=[m[0] for m in MODES])
+def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: str) -> None:
+    dtype = HALF[half]
+    ds = optimizer(**settings)
+    fused, why = kernel.self_check(ds, dtype, dtype)
+    assert fused is not None, why
+    group = ds.param_groups[0]
+    beta1, beta2 = group["betas"]
+    generator = torch.Generator().manual_seed(7)
+    # Two kernels in step: DeepSpeed's own (through the optimizer's op and id) and ours.
+    for call, step in enumerate(STEPS):
+        for n in SIZES:
+            state, grad = inputs(n, dtype, generator, specials=call % 2 == 1)
+            scale = 1.0 / (1.0 + call)
+            # DeepSpeed's path: widen, unscale, CPU Adam, narrow.
+            theirs = state.clone()
+            grad32 = torch.empty(n)
+            grad32.copy_(grad)
+            grad32.mul_(scale)
+            p, m, v = theirs[:n], theirs[n : 2 * n], theirs[2 * n :]
+            ds.ds_opt_adam.adam_update(
+                ds.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                group["bias_correction"], p, grad32, m, v,
+            )  # fmt: skip
+            their_params = torch.empty(n, dtype=dtype)
+            their_params.copy_(p)
+            ours = state.clone()
+            our_params = torch.empty(n, dtype=dtype)
+            fused.update(ours, grad, our_params, grad_scale=scale, step=step, group=group)
+            for what, a, b in (("state", ours, theirs), ("params", our_params, their_params)):
+                agree = same(a, b)
+                assert bool(agree.all()), (
+                    f"{name}, {half}, step {step}, {n} elements: {what}[{int((~agree).nonzero()[0])}] differs"
+                )
+
+
+def test_the_check_names_what_it_cannot_fuse() -> None:
+    param = torch.nn.Parameter(torch.zeros(4))
+    torch_adam = torch.optim.AdamW([param])
+    fused, why = kernel.self_check(torch_adam, torch.bfloat16, torch.bfloat16)
+    assert fused is None and "AdamW" in why
+    assert kernel.choose("auto", torch_adam, torch.bfloat16, torch.bfloat16)[0] is None
+    with pytest.raises(ValueError, match=r"mlp_offload\.update_kernel.*AdamW"):
+        kernel.choose("fused", torch_adam, torch.bfloat16, torch.bfloat16)
+    fused, why = kernel.choose("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
+    assert fused is None and why == "configured"
+
+
+def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
+    """The check fails, naming the output, for an arithmetic DeepSpeed's build does not have: so a CPU or
+    compiler whose DeepSpeed differs gets DeepSpeed's kernel, not wrong bits."""
+    ds = optimizer(adamw_mode=True, weight_decay=0.01)
+    fused, _ = kernel.self_check(ds, torch.bfloat16, torch.bfloat16)
+    assert fused is not None
+    found = fused.kernel.arith
+    for wrong in (
+        {**found, "others": not found["others"]},
+        {**found, "vector_width": 8 if found["vector_width"] != 8 else 16},
+    ):
+        calls = kernel._deepspeed_reference(
+            ds.ds_opt_adam,
+            ds.param_groups[0],
+            True,
+            0.5,
+            torch.bfloat16,
+            torch.bfloat16,
+            torch.Generator().manual_seed(1),
+        )
+        bad = kernel.FusedAdam(_core.AdamKernel(*ds.defaults["betas"], **wrong), adamw=True, threads=1)
+        difference = kernel._first_difference(calls, bad, ds.param_groups[0], 0.5)
+        assert difference is not None and "differ from DeepSpeed's" in difference, wrong
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"simd": "sse9"}, "simd"),
+        ({"momentum": "sideways"}, "momentum"),
+        ({"bias_sqrt": "half"}, "bias_sqrt"),
+        ({"vector_width": 0}, "vector_width"),
+    ],
+)
+def test_bad_kernel_settings_are_named(kwargs: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        _core.AdamKernel(0.9, 0.999, **kwargs)
+
+
+def test_bad_tensors_are_named() -> None:
+    fused = kernel.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=1)
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    state, grad = torch.zeros(30), torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"state: .* 30 elements|state.*30"):
+        fused.update(state[:29].clone(), grad, None, grad_scale=1.0, step=1, group=group)
+    with pytest.raises(ValueError, match=r"params.*strided"):
+        fused.update(
+            state, grad, torch.zeros(20, dtype=torch.bfloat16)[::2], grad_scale=1.0, step=1, group=group
+        )
+    with pytest.raises(ValueError, match="grad"):
+        fused.update(state, torch.zeros(10, dtype=torch.int32), None, grad_scale=1.0, step=1, group=group)
