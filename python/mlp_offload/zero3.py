@@ -201,8 +201,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         self._mlp_grad = torch.empty(c, dtype=FP32)
-        half = self.fp16_partitioned_groups_flat[0].dtype
-        self._mlp_fused, kernel_why = kernel.choose(config.update_kernel, self.optimizer, half, half)
+        first_half = self.fp16_partitioned_groups_flat[0]
+        # The pass writes the half-precision parameters only where they are in host memory.
+        params_dtype = first_half.dtype if first_half.device.type == "cpu" else None
+        self._mlp_fused, kernel_why = kernel.choose(
+            config.update_kernel, self.optimizer, first_half.dtype, params_dtype
+        )
         kernel_record: dict[str, Any] = {
             "kernel": "deepspeed" if self._mlp_fused is None else "fused",
             "why": kernel_why,
@@ -340,16 +344,22 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
+        state = state_bytes.view(FP32)
+        # On a GPU DeepSpeed keeps the half-precision partition there: the pass updates the state, and
+        # the parameters go over with DeepSpeed's own copy (its conversion, on the device), as in its path.
+        on_host = half.device.type == "cpu"
         sums = self._mlp_fused.update(
-            state_bytes.view(FP32),
+            state,
             grad,
-            half,
+            half if on_host else None,
             grad_scale=grad_scale,
             step=step,
             group=group,
             read_cuts=read_cuts,
             write_cuts=write_cuts,
         )
+        if not on_host:
+            half.copy_(state[:count])
         adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
         adam["step"] = self._mlp_step_value(step)
         for key in ("exp_avg", "exp_avg_sq"):
