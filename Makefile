@@ -3,6 +3,8 @@
 SHELL := /bin/bash
 
 VENV := .venv
+# pytest workers (`pytest -n`): one per core of the 2-core machines this is made on and tested by.
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 export PYO3_PYTHON := $(abspath $(PY))
 # The main job's default tiers: local directories on the work disk.
@@ -17,7 +19,7 @@ NODE_CONTENDERS ?= ds-nvme-pipelined,mlp-offload-2path,mlp-offload-2path-noadmit
 
 .PHONY: help
 help: ## list the targets
-	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-16s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-18s %s\n", $$1, $$2}'
 
 .PHONY: setup
 setup: ## install what is missing: Debian packages, .venv, Python packages, the native module
@@ -53,8 +55,12 @@ test-rust: ## cargo test (the core crate, both engines)
 	cargo test -q
 
 .PHONY: test-python
-test-python: ## pytest (the bindings and the CLI, both engines)
-	$(PY) -m pytest -q
+test-python: ## pytest (the bindings and the CLI, both engines), TEST_WORKERS at once, the 20 slowest listed
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
+
+.PHONY: test-python-quick
+test-python-quick: ## the Python tests that start no DeepSpeed (pytest -m "not deepspeed")
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not deepspeed"
 
 .PHONY: soak
 soak: setup ## 500 steps of the main job, its memory, open files and threads sampled each step (about 13 minutes)
@@ -65,7 +71,12 @@ test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engi
 	$(PY) tests/deepspeed_suite/run.py
 
 .PHONY: test
-test: setup lint test-rust test-python test-deepspeed ## everything CI runs: set-up, lint, Rust and Python tests, DeepSpeed's own tests with our engine
+test: ## everything CI runs: set-up, lint, Rust and Python tests, DeepSpeed's own tests with our engine; each stage's time
+	@bash scripts/stages.sh setup lint test-rust test-python test-deepspeed
+
+.PHONY: test-quick
+test-quick: ## the inner loop, within 5 minutes: lint, cargo test, the Python tests that start no DeepSpeed
+	@bash scripts/stages.sh setup lint test-rust test-python-quick
 
 .PHONY: run
 run: setup ## the main job: train a small LLaMA-style model, state on the default tiers (TIERS=dir1:dir2, STEPS=100)

@@ -1,10 +1,18 @@
-"""What the tests that run real DeepSpeed in subprocesses share: the environment those processes get, and
-the bit-for-bit comparison of two runs' results."""
+"""What the tests that run real DeepSpeed in subprocesses share: the environment those processes get,
+running them (forked from `harness_server.py`, or from scratch), and the bit-for-bit comparison of two runs'
+results."""
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +30,197 @@ def harness_env(**overrides: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "2",
         **overrides,
     }
+
+
+SERVER = Path(__file__).with_name("harness_server.py")
+HARNESS = Path(__file__).with_name("zero3_harness.py")
+
+
+@dataclass
+class HarnessRun:
+    """One process of a case: its spec file, result file, log, environment and cgroup (joined first)."""
+
+    spec: Path
+    out: Path
+    log: Path
+    env: dict[str, str]
+    cgroup: Path | None = None
+
+
+class HarnessServer:
+    """A `harness_server.py` process: it has imported torch, DeepSpeed and mlp-offload once, and forks a
+    fresh process for each run from there."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._stderr = tempfile.NamedTemporaryFile("w+", prefix="harness-server-", suffix=".log")
+        self._proc = subprocess.Popen(
+            [sys.executable, str(SERVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env=env,
+        )
+        self._answer()  # {"ready": pid} once everything is imported and loaded
+
+    def _answer(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            self._stderr.seek(0)
+            raise RuntimeError(
+                f"the harness server ended ({self._proc.poll()}):\n{self._stderr.read()[-4000:]}"
+            )
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def run(self, runs: list[HarnessRun], timeout: float) -> list[int | None]:
+        """Each run's exit status (minus a signal's number), None where the batch timed out."""
+        assert self._proc.stdin is not None
+        batch = {
+            "runs": [
+                {
+                    "spec": str(r.spec),
+                    "out": str(r.out),
+                    "log": str(r.log),
+                    "env": r.env,
+                    "cgroup": r.cgroup and str(r.cgroup),
+                }
+                for r in runs
+            ],
+            "timeout": timeout,
+        }
+        self._proc.stdin.write(json.dumps(batch) + "\n")
+        self._proc.stdin.flush()
+        exits: list[int | None] = self._answer()["exits"]
+        return exits
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._stderr.close()
+
+
+_server: HarnessServer | None = None
+
+
+def _harness_server() -> HarnessServer | None:
+    """This worker's server for runs on the CPU, started on first use; None where each run starts from
+    scratch instead (`MLP_OFFLOAD_TEST_FORK=0`, or another accelerator: forking after CUDA's libraries
+    initialised is not safe)."""
+    global _server
+    env = harness_env()
+    if os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") == "0" or env["DS_ACCELERATOR"] != "cpu":
+        return None
+    if _server is None:
+        _server = HarnessServer(env)
+        atexit.register(_server.close)
+    return _server
+
+
+def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None]:
+    """Runs `zero3_harness.py` once per run (the ranks of one case, at once): each exit status, None
+    where it did not end within `timeout` seconds. A failed rank ends the others."""
+    server = _harness_server()
+    if server is not None:
+        return server.run(runs, timeout)
+    procs = []
+    for r in runs:
+        command = [sys.executable, str(HARNESS), str(r.spec), str(r.out)]
+        if r.cgroup is not None:
+            command = ["sh", "-c", f'echo $$ > {r.cgroup}/cgroup.procs && exec "$@"', "sh", *command]
+        # Output to a file, not a pipe: a rank blocked on a full pipe would stall the others' collectives.
+        with r.log.open("w") as sink:
+            procs.append(
+                subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=r.env)
+            )
+    exits: list[int | None] = []
+    try:
+        for proc in procs:
+            try:
+                exits.append(proc.wait(timeout=timeout))
+            except subprocess.TimeoutExpired:
+                exits.append(None)
+            if exits[-1] != 0:
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # the other ranks of a failed one would wait in a collective for ever
+    return exits + [None] * (len(procs) - len(exits))
+
+
+# Where stock runs are kept between tests (and between sessions, until anything they depend on changes).
+STOCK_RUNS = Path(__file__).resolve().parent.parent / "target" / "stock-runs"
+# Case keys whose runs leave what a test looks at besides the result (checkpoint files, a fault, a file
+# system filled up, a killed process, resource samples), or name a path: such runs are never reused.
+UNCACHED_KEYS = {
+    "mlp_offload",
+    "resume_mlp_offload",
+    "checkpoint_dir",
+    "checkpoint_at",
+    "save_at",
+    "save_16bit",
+    "resume_at",
+    "config_file",
+    "nvme_path",
+    "fault",
+    "fault_at",
+    "fill",
+    "fill_at",
+    "immutable_at_step",
+    "sigkill_in_update_at",
+    "sample_resources",
+}
+
+
+def code_digest() -> str:
+    """A digest of the code a stock run executes besides DeepSpeed and torch: the harness and the
+    mlp_offload package (its models; `install()` where a case asks for it), native module included."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([HARNESS, *Path(root, "python", "mlp_offload").rglob("*.py")])
+    files += sorted(Path(root, "python", "mlp_offload").glob("_core*.so"))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def stock_cache(case: dict[str, Any], ranks: int) -> Path | None:
+    """Where a stock DeepSpeed run of `case` on `ranks` ranks is kept: keyed by the case, the ranks (and
+    so the threads each gets), the accelerator, our code (`code_digest`), DeepSpeed's and torch's
+    versions, so a change to any of them runs it again. None for a case that is not a plain stock run
+    (`UNCACHED_KEYS`)."""
+    if UNCACHED_KEYS & case.keys():
+        return None
+    import deepspeed
+
+    key = json.dumps(
+        {
+            "case": case,
+            "ranks": ranks,
+            "accelerator": os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR", "cpu"),
+            "code": code_digest(),
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
+    return STOCK_RUNS / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def keep(results: list[dict[str, Any]], path: Path) -> None:
+    """Saves a stock run's results for `stock_cache`, whole or not at all (two workers may race)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(results, tmp)
+    tmp.replace(path)
 
 
 def free_port() -> int:

@@ -23,6 +23,7 @@ os.environ.setdefault(
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 deepspeed = pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: E402
 
 # Sizes: within one vector, every tail length of a 16-wide build, several vectors, a chunk's worth.

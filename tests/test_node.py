@@ -12,9 +12,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import mlp_offload
+
+# Node-wide admission on the work disk's device: one semaphore per device and user, so these run one after
+# another and never beside the other tests that use it (`pytest -n`).
+pytestmark = pytest.mark.xdist_group("node-wide admission")
 
 SMALL_PROBE = (
     "ProbeOptions(bytes=16 << 20, sustained_bytes=32 << 20, chunk_sizes=[1 << 20], depths=[2, 8], "

@@ -13,26 +13,29 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_runs import free_port
+
 BIN = Path(sys.executable).with_name("mlp-offload")
 
 
-def train(args: list[str], port: int) -> subprocess.CompletedProcess[str]:
+def train(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {
         "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
         **os.environ,
         "DS_ACCELERATOR": "cpu",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": str(free_port()),
     }
     return subprocess.run([str(BIN), "train", *args], env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.deepspeed
 def test_the_main_job_trains_on_two_tiers_and_reports(work_dirs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
     steps = 6
     tiers = [str(p) for p in work_dirs[:2]]
     # 20k-parameter subgroups: the tiny model has several, so the pipeline reads, writes and retains.
     options = ["--size", "tiny", "--steps", str(steps), "--sub-group-size", "20000", "--no-progress"]
-    proc = train([*options, "--out", str(out), "--paths", *tiers], port=29581)
+    proc = train([*options, "--out", str(out), "--paths", *tiers])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     losses = [s["loss"] for s in summary["steps"]]
@@ -97,10 +100,9 @@ def job_args() -> argparse.Namespace:
         (["--size", "5B"], "size: '5B'"),
     ],
 )
+@pytest.mark.deepspeed
 def test_bad_input_is_named(args: list[str], named: str, work_dirs: list[Path], tmp_path: Path) -> None:
-    proc = train(
-        ["--size", "tiny", "--paths", str(work_dirs[0]), "--out", str(tmp_path / "run"), *args], port=29582
-    )
+    proc = train(["--size", "tiny", "--paths", str(work_dirs[0]), "--out", str(tmp_path / "run"), *args])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert named in proc.stderr
 
@@ -112,6 +114,7 @@ SOAK_STEPS = 500
     not os.environ.get("MLP_OFFLOAD_SOAK"), reason="`make soak` runs it: 500 steps take about 13 minutes"
 )
 @pytest.mark.timeout(1800)
+@pytest.mark.deepspeed
 def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
     work_dirs: list[Path], tmp_path: Path
 ) -> None:
@@ -125,7 +128,7 @@ def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
         "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
         **os.environ,
         "DS_ACCELERATOR": "cpu",
-        "MASTER_PORT": "29583",
+        "MASTER_PORT": str(free_port()),
     }
     args = ["train", "--steps", str(SOAK_STEPS), "--no-progress", "--out", str(out), "--paths", *tiers]
     telemetry = out / "telemetry.jsonl"

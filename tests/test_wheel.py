@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_runs import free_port
+
+# Builds and installs the wheel, then trains with it: a DeepSpeed run.
+pytestmark = pytest.mark.deepspeed
 ROOT = Path(__file__).resolve().parent.parent
 DEV_BIN = Path(sys.executable).parent
 
@@ -88,7 +92,7 @@ def test_the_installed_cli_probes_plans_and_trains(installed: Path) -> None:
         cwd=installed,
         PATH=f"{bin_dir}{os.pathsep}{DEV_BIN}{os.pathsep}{os.environ['PATH']}",
         TORCH_EXTENSIONS_DIR=str(ROOT / "target" / "torch_extensions"),
-        MASTER_PORT="29597",
+        MASTER_PORT=str(free_port()),
     )
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["steps"]) == 3 and summary["subgroups"] >= 1

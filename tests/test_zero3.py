@@ -18,19 +18,35 @@ import pytest
 import torch
 
 from conftest import mounted_tmpfs
-from deepspeed_runs import assert_bit_equal, free_port, harness_env
+from deepspeed_runs import (
+    HarnessRun,
+    assert_bit_equal,
+    free_port,
+    harness_env,
+    keep,
+    run_harness,
+    stock_cache,
+)
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
 
-HARNESS = Path(__file__).with_name("zero3_harness.py")
+pytestmark = pytest.mark.deepspeed
+# Tests whose ranks share the work disk's device through node-wide admission run one after another, never
+# beside each other (`pytest -n`): one node-wide semaphore per device and user.
+ONE_NODE = pytest.mark.xdist_group("node-wide admission")
 
 
 def run_case(
     case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
 ) -> dict[str, Any]:
     """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
-    stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`."""
+    stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`. A stock run
+    that leaves nothing else to look at is run once per configuration and code (`stock_cache`)."""
+    kept = stock_cache(case, ranks) if cgroup is None else None
+    if kept is not None and kept.exists():
+        results: list[dict[str, Any]] = torch.load(kept, weights_only=False)
+        return {**results[0], "ranks": results} if ranks > 1 else results[0]
     case = {**case, "port": free_port()}
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps(case))
@@ -39,31 +55,27 @@ def run_case(
     env = harness_env(
         OMP_NUM_THREADS=str(max(1, 2 // ranks)), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)
     )
-    procs = []
-    for rank in range(ranks):
-        out, log = tmp_path / f"{name}.rank{rank}.pt", tmp_path / f"{name}.rank{rank}.log"
-        command = [sys.executable, str(HARNESS), str(spec), str(out)]
-        if cgroup is not None:
-            # Join the cgroup first, so the throttle applies to everything the run does.
-            command = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *command]
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        # Output to a file, not a pipe: a rank blocked on a full pipe would stall the others' collectives.
-        with log.open("w") as sink:
-            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=rank_env)
-        procs.append((proc, out, log))
+    runs = [
+        HarnessRun(
+            spec,
+            tmp_path / f"{name}.rank{rank}.pt",
+            tmp_path / f"{name}.rank{rank}.log",
+            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cgroup,
+        )
+        for rank in range(ranks)
+    ]
+    exits = run_harness(runs)
     results = []
-    try:
-        for rank, (proc, out, log) in enumerate(procs):
-            returncode = proc.wait(timeout=600)
-            if returncode != 0:
-                raise AssertionError(f"{name} rank {rank} failed ({returncode}):\n{log.read_text()[-8000:]}")
-            result: dict[str, Any] = torch.load(out, weights_only=False)
-            result["output"] = log.read_text()
-            results.append(result)
-    finally:
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.kill()  # the other ranks of a failed one would wait in a collective for ever
+    for rank, (run, code) in enumerate(zip(runs, exits, strict=True)):
+        if code != 0:
+            log = run.log.read_text()[-8000:] if run.log.exists() else ""
+            raise AssertionError(f"{name} rank {rank} failed ({code}):\n{log}")
+        result: dict[str, Any] = torch.load(run.out, weights_only=False)
+        result["output"] = run.log.read_text()
+        results.append(result)
+    if kept is not None:
+        keep(results, kept)
     if ranks > 1:
         results[0]["ranks"] = results
     return results[0]
@@ -166,6 +178,7 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert ours["store_after_destroy_matches"]
 
 
+@ONE_NODE
 def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path], tmp_path: Path) -> None:
     """Two ranks (torch.distributed over gloo, as across nodes), each with its own batches, sharing the
     same two paths: every rank's state equals stock DeepSpeed's two-rank run, and each rank keeps its
@@ -211,6 +224,7 @@ def save_stale_profile(paths: list[Path], ranks: int) -> dict[str, Any]:
 NODES = [(2, "auto"), (4, "turns")]
 
 
+@ONE_NODE
 @pytest.mark.parametrize(("ranks", "sharing"), NODES, ids=[f"{r} ranks, {s}" for r, s in NODES])
 def test_the_ranks_of_a_node_share_each_device_and_agree_on_the_split(
     ranks: int, sharing: str, work_dirs: list[Path], tmp_path: Path
@@ -673,6 +687,7 @@ def test_a_long_run_holds_memory_files_and_threads_flat(work_dirs: list[Path], t
     assert late <= early * 1.01, f"resident memory grew from {early / 2**20:.1f} to {late / 2**20:.1f} MiB"
 
 
+@ONE_NODE
 def test_two_ranks_loading_a_checkpoint_one_after_another_match_deepspeed(
     work_dirs: list[Path], tmp_path: Path
 ) -> None:

@@ -1,9 +1,10 @@
 """Trains a small GPT-style model with real DeepSpeed ZeRO-3 on the CPU, stock or with mlp-offload, and
 returns the fp32 master weights and both Adam moments of every parameter, for bit-for-bit comparisons.
 
-Run in its own process per case (`python tests/zero3_harness.py CASE.json OUT.pt`): DeepSpeed keeps
-process-wide state (patched modules, the process group), so each engine gets a fresh interpreter. With
-several ranks, one process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own OUT.
+Run in its own process per case (`python tests/zero3_harness.py CASE.json OUT.pt`, or forked by
+`harness_server.py` from a process that has imported everything already): DeepSpeed keeps process-wide
+state (patched modules, the process group), so each engine gets a fresh process. With several ranks, one
+process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own OUT.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# DeepSpeed builds its CPU ops just in time with ninja, which it looks up on PATH: the one installed
-# next to this interpreter.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-    os.environ.setdefault(key, value)
+
+def default_environment() -> None:
+    """What a run's environment has unless the test says otherwise (also applied again in each child
+    `harness_server.py` forks, whose environment is replaced by its run's)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed builds its CPU ops just in time with ninja, which it looks up on PATH: the one installed
+    # next to this interpreter.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+
+
+default_environment()
 
 import torch  # noqa: E402
 
@@ -401,7 +409,12 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
     return {"error": error, "readable": readable}
 
 
-if __name__ == "__main__":
-    case = json.loads(Path(sys.argv[1]).read_text())
+def main(spec: str, out: str) -> None:
+    """Runs the case in file `spec` and saves its result to `out`."""
+    case = json.loads(Path(spec).read_text())
     os.environ["MASTER_PORT"] = str(case.get("port", 29500))
-    torch.save(train(case), sys.argv[2])
+    torch.save(train(case), out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,113 @@
+"""Runs `zero3_harness.py` cases in processes forked from one that has already imported torch, DeepSpeed
+and mlp-offload and loaded DeepSpeed's just-in-time ops: each run still has a process of its own (fresh
+DeepSpeed state, its own pid, exit status and log), without paying 2-4 s of imports and op loading first.
+
+Started by `deepspeed_runs.HarnessServer` (one per pytest worker) with the environment of a CPU run. It
+reads one JSON line per batch from stdin, `{"runs": [{"spec", "out", "log", "env", "cgroup"}...],
+"timeout": s}` (the ranks of one case), forks a child per run and answers one JSON line, `{"exits":
+[code...]}`: 0, the exit code, minus the signal that ended it (as `subprocess` reports it), or None where
+the batch timed out. A failed rank ends the others, which would otherwise wait in a collective for ever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zero3_harness
+
+
+def preload() -> None:
+    """What every run would load first: DeepSpeed's ZeRO-3 and CPU Adam modules and its JIT ops (CPU
+    Adam, the shared-memory collectives), kept by DeepSpeed's op cache for the children."""
+    import deepspeed  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    from deepspeed.runtime.zero import stage3  # noqa: F401
+
+    import mlp_offload  # noqa: F401
+
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None:
+            builder.load()
+
+
+def run_child(run: dict[str, Any]) -> int:
+    """In the forked child: the run's log as stdout and stderr, its environment, its cgroup, then the
+    case."""
+    fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(run["env"])
+    zero3_harness.default_environment()
+    if run.get("cgroup"):
+        # Joined first, so the throttle applies to everything the run does.
+        Path(run["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        zero3_harness.main(run["spec"], run["out"])
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
+def wait_all(pids: list[int], timeout: float) -> list[int | None]:
+    """Each child's exit (as `subprocess` gives it); a failed one ends the rest, a timeout ends all."""
+    exits: dict[int, int | None] = {}
+    deadline = time.monotonic() + timeout
+    while len(exits) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for p in pids:
+                    if p not in exits:
+                        os.kill(p, signal.SIGKILL)
+                        os.waitpid(p, 0)
+                        exits[p] = None
+                break
+            time.sleep(0.02)
+            continue
+        exits[pid] = os.waitstatus_to_exitcode(status)
+        if exits[pid] != 0:
+            for p in pids:
+                if p not in exits:
+                    os.kill(p, signal.SIGKILL)
+    return [exits.get(p) for p in pids]
+
+
+def serve() -> None:
+    preload()
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        batch = json.loads(line)
+        pids = []
+        for run in batch["runs"]:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = run_child(run)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            pids.append(pid)
+        print(json.dumps({"exits": wait_all(pids, batch["timeout"])}), flush=True)
+
+
+if __name__ == "__main__":
+    serve()
