@@ -1116,90 +1116,72 @@ mod x86 {
         pub len: usize,
     }
 
-    /// # Safety
-    /// AVX-512F must be available; every pointer of `at` must hold `at.len` elements (a multiple of 16),
-    /// `p`, `m`, `v` and `o` writable and none overlapping another.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
-        let (beta1, beta2) = (_mm512_set1_ps(k.beta1), _mm512_set1_ps(k.beta2));
-        let (c1, c2) = (
-            _mm512_set1_ps(k.one_minus_beta1),
-            _mm512_set1_ps(k.one_minus_beta2),
-        );
-        let bias2 = _mm512_set1_ps(k.bias_correction2);
-        let (eps, step) = (_mm512_set1_ps(k.eps), _mm512_set1_ps(k.step_size));
-        let scale = _mm512_set1_ps(grad_scale);
-        let (g_kind, g) = at.g;
-        let g_size = g_kind.size();
-        for i in (0..at.len).step_by(16) {
-            // SAFETY: `i + 16 <= len` for every array, as the caller promised.
-            unsafe {
-                let mut grad = _mm512_mul_ps(load16(g_kind, g.add(i * g_size)), scale);
-                let mut param = _mm512_loadu_ps(at.p.add(i));
-                if let Decay::L2(decay) = k.decay {
-                    grad = _mm512_fmadd_ps(param, _mm512_set1_ps(decay), grad);
-                }
-                let old_m = _mm512_mul_ps(_mm512_loadu_ps(at.m.add(i)), beta1);
-                let mom = _mm512_fmadd_ps(grad, c1, old_m);
-                let old_v = _mm512_mul_ps(_mm512_loadu_ps(at.v.add(i)), beta2);
-                let var = _mm512_fmadd_ps(_mm512_mul_ps(grad, grad), c2, old_v);
-                let denominator = _mm512_fmadd_ps(_mm512_sqrt_ps(var), bias2, eps);
-                let update = _mm512_div_ps(mom, denominator);
-                if let Decay::AdamW(w_decay) = k.decay {
-                    param = _mm512_fmadd_ps(param, _mm512_set1_ps(w_decay), param);
-                }
-                param = _mm512_fmadd_ps(update, step, param);
-                _mm512_storeu_ps(at.p.add(i), param);
-                _mm512_storeu_ps(at.m.add(i), mom);
-                _mm512_storeu_ps(at.v.add(i), var);
-                if let Some((kind, o)) = at.o {
-                    store16(kind, o.add(i * kind.size()), param);
+    /// DeepSpeed's `Step_AVX` over `at`'s elements with one vector width's intrinsics, followed by the
+    /// conversions around it: lane for lane the operations of [`super::adam_element`] with
+    /// `TailFma::VECTOR`, in the same order, written once for every width.
+    macro_rules! adam_lanes {
+        (
+            $(#[$doc:meta])*
+            $name:ident, $features:literal, $lanes:literal,
+            set1: $set1:ident, loadu: $loadu:ident, storeu: $storeu:ident, mul: $mul:ident,
+            fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident
+        ) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
+                let (beta1, beta2) = ($set1(k.beta1), $set1(k.beta2));
+                let (c1, c2) = ($set1(k.one_minus_beta1), $set1(k.one_minus_beta2));
+                let bias2 = $set1(k.bias_correction2);
+                let (eps, step) = ($set1(k.eps), $set1(k.step_size));
+                let scale = $set1(grad_scale);
+                let (g_kind, g) = at.g;
+                let g_size = g_kind.size();
+                for i in (0..at.len).step_by($lanes) {
+                    // SAFETY: `i + lanes <= len` for every array, as the caller promised.
+                    unsafe {
+                        let mut grad = $mul($load(g_kind, g.add(i * g_size)), scale);
+                        let mut param = $loadu(at.p.add(i));
+                        if let Decay::L2(decay) = k.decay {
+                            grad = $fmadd(param, $set1(decay), grad);
+                        }
+                        let old_m = $mul($loadu(at.m.add(i)), beta1);
+                        let mom = $fmadd(grad, c1, old_m);
+                        let old_v = $mul($loadu(at.v.add(i)), beta2);
+                        let var = $fmadd($mul(grad, grad), c2, old_v);
+                        let denominator = $fmadd($sqrt(var), bias2, eps);
+                        let update = $div(mom, denominator);
+                        if let Decay::AdamW(w_decay) = k.decay {
+                            param = $fmadd(param, $set1(w_decay), param);
+                        }
+                        param = $fmadd(update, step, param);
+                        $storeu(at.p.add(i), param);
+                        $storeu(at.m.add(i), mom);
+                        $storeu(at.v.add(i), var);
+                        if let Some((kind, o)) = at.o {
+                            $store(kind, o.add(i * kind.size()), param);
+                        }
+                    }
                 }
             }
-        }
+        };
     }
 
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; as `avx512` otherwise, `at.len` a multiple of 8.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn avx2(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
-        let (beta1, beta2) = (_mm256_set1_ps(k.beta1), _mm256_set1_ps(k.beta2));
-        let (c1, c2) = (
-            _mm256_set1_ps(k.one_minus_beta1),
-            _mm256_set1_ps(k.one_minus_beta2),
-        );
-        let bias2 = _mm256_set1_ps(k.bias_correction2);
-        let (eps, step) = (_mm256_set1_ps(k.eps), _mm256_set1_ps(k.step_size));
-        let scale = _mm256_set1_ps(grad_scale);
-        let (g_kind, g) = at.g;
-        let g_size = g_kind.size();
-        for i in (0..at.len).step_by(8) {
-            // SAFETY: `i + 8 <= len` for every array, as the caller promised.
-            unsafe {
-                let mut grad = _mm256_mul_ps(load8(g_kind, g.add(i * g_size)), scale);
-                let mut param = _mm256_loadu_ps(at.p.add(i));
-                if let Decay::L2(decay) = k.decay {
-                    grad = _mm256_fmadd_ps(param, _mm256_set1_ps(decay), grad);
-                }
-                let old_m = _mm256_mul_ps(_mm256_loadu_ps(at.m.add(i)), beta1);
-                let mom = _mm256_fmadd_ps(grad, c1, old_m);
-                let old_v = _mm256_mul_ps(_mm256_loadu_ps(at.v.add(i)), beta2);
-                let var = _mm256_fmadd_ps(_mm256_mul_ps(grad, grad), c2, old_v);
-                let denominator = _mm256_fmadd_ps(_mm256_sqrt_ps(var), bias2, eps);
-                let update = _mm256_div_ps(mom, denominator);
-                if let Decay::AdamW(w_decay) = k.decay {
-                    param = _mm256_fmadd_ps(param, _mm256_set1_ps(w_decay), param);
-                }
-                param = _mm256_fmadd_ps(update, step, param);
-                _mm256_storeu_ps(at.p.add(i), param);
-                _mm256_storeu_ps(at.m.add(i), mom);
-                _mm256_storeu_ps(at.v.add(i), var);
-                if let Some((kind, o)) = at.o {
-                    store8(kind, o.add(i * kind.size()), param);
-                }
-            }
-        }
-    }
+    adam_lanes!(
+        /// # Safety
+        /// AVX-512F must be available; every pointer of `at` must hold `at.len` elements (a multiple of
+        /// 16), `p`, `m`, `v` and `o` writable and none overlapping another.
+        avx512, "avx512f", 16,
+        set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
+        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16
+    );
+
+    adam_lanes!(
+        /// # Safety
+        /// AVX2, FMA and F16C must be available; as `avx512` otherwise, `at.len` a multiple of 8.
+        avx2, "avx2,fma,f16c", 8,
+        set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
+        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8
+    );
 }
 
 #[cfg(test)]

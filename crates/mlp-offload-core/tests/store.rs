@@ -493,6 +493,18 @@ fn sums_at(data: &[u8], starts: &[u64]) -> Vec<u32> {
         .collect()
 }
 
+/// Writes `data` as `key` with the caller's `sums`, and waits for it.
+fn write_with_sums(store: &ObjectStore, key: &str, data: &[u8], sums: StripeSums) {
+    let mut buf = aligned_copy(data);
+    let ptr = HostPtr(buf.as_mut_ptr());
+    // SAFETY: the buffer is the completion's to keep alive until the write is done, and nothing changes
+    // it meanwhile.
+    unsafe { store.write_raw_with_sums(key, ptr, data.len(), Box::new(buf), None, Some(sums)) }
+        .unwrap()
+        .wait()
+        .unwrap();
+}
+
 fn sums_computed_by_the_caller_are_kept_and_verified(engine: EngineChoice) {
     let (_root, paths) = dirs(2);
     let store = ObjectStore::open(
@@ -511,42 +523,14 @@ fn sums_computed_by_the_caller_are_kept_and_verified(engine: EngineChoice) {
         starts: starts.clone(),
         sums: sums_at(&data, &starts),
     };
-    let buf = aligned_copy(&data);
-    // SAFETY: `buf` lives until the write is waited for, unchanged; the sums are its CRC32C.
-    let done = unsafe {
-        store.write_raw_with_sums(
-            "a",
-            HostPtr(buf.as_ptr() as *mut u8),
-            data.len(),
-            Box::new(()),
-            None,
-            Some(given),
-        )
-    }
-    .unwrap();
-    done.wait().unwrap();
-    drop(buf);
+    write_with_sums(&store, "a", &data, given);
     assert_eq!(read_back(&store, "a", data.len()), data);
     // Sums cut elsewhere (as if the weights had moved) are not used: the store hashes the bytes itself.
     let wrong = StripeSums {
         starts: vec![0],
         sums: vec![0xdead_beef],
     };
-    let buf = aligned_copy(&data);
-    // SAFETY: as above.
-    let done = unsafe {
-        store.write_raw_with_sums(
-            "b",
-            HostPtr(buf.as_ptr() as *mut u8),
-            data.len(),
-            Box::new(()),
-            None,
-            Some(wrong),
-        )
-    }
-    .unwrap();
-    done.wait().unwrap();
-    drop(buf);
+    write_with_sums(&store, "b", &data, wrong);
     assert_eq!(read_back(&store, "b", data.len()), data);
     // A read the caller verifies: the right sums pass, a flipped byte is named by its stripe's file.
     let mut out = AlignedBuf::new(data.len(), false).unwrap();
