@@ -17,7 +17,8 @@ Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 
   `--ranks` above 1 (with one rank admission is off anyway);
 - `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload;
 - `mlp-offload+NAME`, one per `--variant NAME=JSON`: `mlp-offload` with those keys of our section, for
-  A/B runs of a setting, e.g. `--variant inflight16='{"max_inflight": 16}'`.
+  A/B runs of a setting, e.g. `--variant inflight16='{"max_inflight": 16}'`; `--variant BASE/NAME=JSON`
+  adds `mlp-offload-BASE+NAME` the same way, e.g. `--variant half/serial='{"overlap": false}'`.
 
 `--ranks N` runs every contender as N data-parallel ranks of one node (gloo, `LOCAL_WORLD_SIZE` N, as
 torchrun sets it), each with its share of the model's state: a step's phase times are the slowest
@@ -105,14 +106,14 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
             pipeline_write=pipelined,
             buffer_count=12 if pipelined else 4,
         )
-    elif contender == "mlp-offload-default":
+    elif contender.startswith("mlp-offload-default"):
         # The README's configuration as it stands: DeepSpeed's defaults, our section with paths only.
-        config["mlp_offload"] = {"paths": spec["paths"]}
+        config["mlp_offload"] = {"paths": spec["paths"], **spec.get("section_keys", {})}
     elif contender.startswith("mlp-offload"):
         # The pipelined baseline's pinned budget (buffer_count x largest subgroup x 4 bytes), or half the
         # state's bytes.
         offload.update(pin_memory=True, buffer_count=12)
-        half = contender == "mlp-offload-half"
+        half = contender.startswith("mlp-offload-half")
         config["mlp_offload"] = {"paths": spec["paths"], "host_memory": 6 * params if half else "deepspeed"}
         if contender.endswith("-noadmit"):
             config["mlp_offload"]["device_inflight"] = "off"
@@ -241,9 +242,21 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         # Kernel's high-water mark of the resident set, pinned buffers included (KiB on Linux).
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+    if hasattr(optimizer, "mlp_offload_wait"):
+        # The last step's update may still run behind it; its record comes once it ends.
+        optimizer.mlp_offload_wait()
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
     if telemetry:
         result["telemetry"] = telemetry
+        records = [t for t in telemetry if t["event"] == "step"]
+        if len(records) == len(steps):
+            for step, record in zip(steps, records, strict=True):
+                if record.get("overlap") is not None:
+                    # With the update behind step(), step() returns at once and the next forward and
+                    # backward wait for it: the update's phase is its own wall time (which overlaps the
+                    # next forward), and the iteration, measured, is what counts.
+                    step["update_returned"] = step["update"]
+                    step["update"] = record["update_secs"]
     if traces:
         result["block_trace"] = traces[0]
     engine.destroy()
@@ -345,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=JSON",
-        help="adds contender mlp-offload+NAME: mlp-offload with these keys of its section (repeatable)",
+        help="adds contender mlp-offload+NAME: mlp-offload with these keys of its section; BASE/NAME=JSON "
+        "adds mlp-offload-BASE+NAME (e.g. half/, default/) (repeatable)",
     )
     parser.add_argument("--testbed-bps", default="500M", help="the second path's cap (500M)")
     parser.add_argument(
@@ -373,14 +387,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.section_keys = {}
     for variant in args.variant:
         name, _, keys = variant.partition("=")
+        # BASE/NAME: the variant of another of our contenders (mlp-offload-BASE, e.g. half or default).
+        base, _, name = name.rpartition("/")
+        if base and f"mlp-offload-{base}" not in CONTENDERS:
+            parser.error(f"--variant {variant!r}: no contender mlp-offload-{base}")
         try:
             section_keys = json.loads(keys)
         except json.JSONDecodeError as e:
             parser.error(f"--variant {variant!r}: the keys after '=' are not JSON ({e})")
         if not name or not isinstance(section_keys, dict):
             parser.error(f"--variant {variant!r}: expected NAME={{...}}, keys of the mlp_offload section")
-        args.section_keys[f"mlp-offload+{name}"] = section_keys
-        contenders.append(f"mlp-offload+{name}")
+        contender = f"mlp-offload-{base}+{name}" if base else f"mlp-offload+{name}"
+        args.section_keys[contender] = section_keys
+        contenders.append(contender)
     notes: list[str] = []
     testbed_up = False
     on_testbed = [c for c in contenders if c in TESTBED_CONTENDERS]

@@ -3,6 +3,8 @@ exact."""
 
 from __future__ import annotations
 
+import errno
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import torch
 
 from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, profiles
 from mlp_offload.config import MLPOffloadConfig
+from mlp_offload.overlap import UpdateInFlight, update_thread
 from mlp_offload.pipeline import ChunkPipeline, next_order
 from mlp_offload.planning import UpdatePlanner
 
@@ -72,6 +75,120 @@ def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
             back = torch.empty(size, dtype=torch.uint8)
             store.read(keys[i], back).wait()
             assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "buffers", "cache", "cached"),
+    [
+        # In chunk order the cached chunks come first and hold their buffers all step: a cache of
+        # every buffer leaves the stream up to PIPELINE_BUFFERS of them, at least one.
+        (5, 1, None, 0),
+        (5, 2, None, 1),
+        (13, 12, None, 1),
+        (16, 14, None, 2),
+        (5, 5, 4, 4),  # as many as asked: one buffer streams
+        (13, 12, 0, 0),
+        (4, 12, None, 4),  # all stay: the initial writes' buffers are kept, no read at all
+        (8, 8, None, 8),
+    ],
+)
+def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
+    engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
+) -> None:
+    """`ascending` (the update behind the next forward): every step in chunk order, the first `cached`
+    chunks kept in memory and skipped by the next step's reads."""
+    sizes = [(64 << 10) + 4096 * i for i in range(chunks)]
+    keys = [f"c{i}" for i in range(chunks)]
+    seen: list[list[int]] = []
+
+    def bump(index: int, view: torch.Tensor) -> None:
+        seen[-1].append(index)
+        view.add_(1)
+
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        pipeline = ChunkPipeline(store, keys, sizes, buffers, cache_slots=cache, ascending=True)
+        assert pipeline.cache_slots == cached
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        steps = 4
+        for step in range(steps):
+            seen.append([])
+            kept_from_before = set(pipeline.retained) & set(range(cached))
+            stats = pipeline.run_step(bump, drain=step % 2 == 0)
+            assert seen[-1] == list(range(chunks))
+            assert stats.cached == (cached if step else 0)
+            assert stats.retained == len(kept_from_before)
+            assert stats.reads == chunks - stats.cached - stats.retained
+            assert stats.writes == chunks - cached
+            assert pipeline.resident == list(range(cached))
+            assert len(pipeline.resident) + len(pipeline.retained) <= pipeline.buffer_count
+        pipeline.flush()
+        for i, size in enumerate(sizes):
+            back = torch.empty(size, dtype=torch.uint8)
+            store.read(keys[i], back).wait()
+            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+
+
+def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_dirs: list[Path]) -> None:
+    """The update behind `step()` runs the step on its own thread: whatever else would touch the
+    buffers in the meantime is refused by name, not raced."""
+    sizes = [64 << 10] * 3
+    keys = [f"c{i}" for i in range(3)]
+    entered, release = threading.Event(), threading.Event()
+
+    def held(index: int, view: torch.Tensor) -> None:
+        entered.set()
+        release.wait()
+
+    with ObjectStore(work_dirs[:1]) as store:
+        pipeline = ChunkPipeline(store, keys, sizes, 2, ascending=True)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        inflight = UpdateInFlight(
+            lambda done: pipeline.run_step(held), subgroups=1, step=1, thread=update_thread()
+        )
+        entered.wait()
+        for name, call in [
+            ("in_memory", lambda: pipeline.in_memory(0)),
+            ("replace", lambda: pipeline.replace(0, torch.zeros(sizes[0], dtype=torch.uint8))),
+            ("flush", pipeline.flush),
+            ("run_step", lambda: pipeline.run_step(held)),
+        ]:
+            with pytest.raises(RuntimeError, match=f"^{name}: the update phase is still running"):
+                call()
+        release.set()
+        assert inflight.result().writes == 3 - pipeline.cache_slots
+        pipeline.flush()
+
+
+def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_error() -> None:
+    """`UpdateInFlight`: a wait for subgroups already done returns while the update goes on; one for a
+    subgroup the update failed before raises the update's own error (an `OSError` keeps its errno and
+    file), noting the step; so does waiting for the whole update."""
+    go_on = threading.Event()
+
+    def run(done: Any) -> str:
+        done(0)
+        go_on.wait()
+        done(1)
+        raise OSError(errno.EIO, "Input/output error", "/paths/a/rank0/c2.mlpo")
+
+    thread = update_thread()
+    inflight = UpdateInFlight(run, subgroups=3, step=7, thread=thread)
+    inflight.wait_for([0])
+    go_on.set()
+    inflight.wait_for([1, 0])
+    with pytest.raises(OSError, match="Input/output error") as raised:
+        inflight.wait_for([0, 2])
+    assert raised.value.errno == errno.EIO and raised.value.filename == "/paths/a/rank0/c2.mlpo"
+    assert "the update of step 7, before subgroup 2 was updated" in "".join(raised.value.__notes__)
+    with pytest.raises(OSError, match="Input/output error"):
+        inflight.result()
+    assert inflight.waited_secs > 0
+    finished = UpdateInFlight(
+        lambda done: [done(i) for i in range(2)] and "stats", subgroups=2, step=8, thread=thread
+    )
+    assert finished.result() == "stats"
+    finished.wait_for([1])
+    thread.shutdown()
 
 
 def sums_at(view: torch.Tensor, starts: list[int] | None) -> list[int] | None:

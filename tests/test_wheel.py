@@ -22,8 +22,9 @@ import pytest
 
 from deepspeed_runs import free_port
 
-# Builds and installs the wheel, then trains with it: a DeepSpeed run.
-pytestmark = pytest.mark.deepspeed
+# Builds and installs the wheel, then trains with it: a DeepSpeed run. Both tests on one pytest worker,
+# which builds the wheel once: two builds at once race in the one cargo target directory.
+pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("the wheel")]
 ROOT = Path(__file__).resolve().parent.parent
 DEV_BIN = Path(sys.executable).parent
 

@@ -147,6 +147,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     fail_at = case.get("immutable_at_step")
     samples: list[dict[str, int]] = []
     helper_reads: dict[str, torch.Tensor] = {}
+    between: list[dict[str, Any]] = []
+    # The eval batches, drawn apart from the training data, so both runs train on the same batches.
+    data_between = torch.Generator().manual_seed(7 + int(os.environ["RANK"]))
     first_step = case.get("resume_at", 0)
     if first_step:
         # A new process resuming a job from its checkpoint: the batches of the steps before it are
@@ -187,7 +190,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 helper_reads.update(use_tensor_helpers(engine))
             engine.step()
         losses.append(float(loss.detach()))
+        if case.get("read_between_steps"):
+            between.append(read_between_steps(engine, data_between))
         if case.get("sample_resources"):
+            # Between steps with nothing running: the update behind step() done (the fused pass's
+            # threads live as long as its call).
+            getattr(optimizer, "mlp_offload_wait", lambda: None)()
             samples.append(resources())
     state = {}
     for name, p in engine.module.named_parameters():
@@ -214,6 +222,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         result["samples"] = samples
     if helper_reads:
         result["helper_reads"] = helper_reads
+    if between:
+        result["between_steps"] = between
     if directory := case.get("save_16bit"):
         result["saved_16bit"] = engine.save_16bit_model(directory)
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)
@@ -296,6 +306,22 @@ def use_tensor_helpers(engine: Any) -> dict[str, torch.Tensor]:
     return read
 
 
+def read_between_steps(engine: Any, data: torch.Generator) -> dict[str, Any]:
+    """What a job may read between a step and the next forward: an eval pass's loss, then every
+    parameter gathered whole (`GatheredParameters`), as the half-precision values the model holds."""
+    import deepspeed
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+    engine.eval()
+    with torch.no_grad():
+        eval_loss = float(engine(tokens.to(engine.device)))
+    engine.train()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        gathered = torch.cat([p.detach().flatten().float().cpu() for p in params])
+    return {"eval_loss": eval_loss, "gathered": gathered}
+
+
 def resources() -> dict[str, int]:
     """This process's resident memory (bytes), open file descriptors and threads, from /proc."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
@@ -333,9 +359,10 @@ def kill_in_update(optimizer: Any, after_chunks: int) -> None:
 
 def fault_step(engine: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:
     """Switches the case's fault on (a switch file of `faultfs.py`, or SIGKILL to its process: the path
-    disappears), runs steps until one raises (at most two: the writes still in flight when a step
+    disappears), runs steps until one raises (at most three: the writes still in flight when a step
     returns complete during the next forward and backward, and their failure surfaces in the next
-    step), and reports the error and how many steps ran."""
+    step; with the update behind `step()`, in the forward after that), and reports the error and how
+    many steps ran."""
     import signal
 
     fault = case["fault"]
@@ -343,10 +370,10 @@ def fault_step(engine: Any, case: dict[str, Any], data: torch.Generator) -> dict
         Path(fault["switch"]).touch()
     else:
         os.kill(fault["kill"], signal.SIGKILL)
-    for steps in (1, 2):
+    for steps in (1, 2, 3):
         if error := step_error(engine, data):
             return {"error": error, "steps": steps}
-    return {"error": {}, "steps": 2}
+    return {"error": {}, "steps": 3}
 
 
 def step_error(engine: Any, data: torch.Generator) -> dict[str, Any]:

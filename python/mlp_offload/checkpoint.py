@@ -102,6 +102,8 @@ class StateSwapper:
 
     def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: Any = None) -> None:
         opt = self.optimizer
+        # The update behind the last step first: it changes the state and reads the gradients.
+        opt._mlp_settle()
         i = self._index(parameter)
         whole = opt._mlp_state.gather(i)
         self._held[i] = whole
@@ -126,6 +128,7 @@ class StateSwapper:
     ) -> None:
         # A written gradient (DeepSpeed's gradient setters) is kept in fp32 for the subgroup until the
         # step uses it, as stock DeepSpeed's fp32 gradient buffer would hold it.
+        self.optimizer._mlp_settle()
         if write_gradients:
             self.optimizer._mlp_fp32_grads[self._index(parameter)] = parameter.grad
         if write_opt_state:

@@ -62,6 +62,14 @@ CALLED = (
     f"{STAGE3}._loss_scale_update_and_overflow_cleanup",
     f"{STAGE3}._muon_update_lacks_loss_scale",
     f"{STAGE3}._unflatten_partitioned_parameters",
+    # The update behind step(): every gather goes through a parameter's `all_gather`/`_coalesced`
+    # (attached here, wrapped by the engine), the coordinator gathers a list through its first member's,
+    # and releases every parameter, persistent ones too, at the step's start.
+    "deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param",
+    "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
+    "__all_gather_params_",
+    "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
+    "release_and_reset_all",
 )
 
 # Source digests (`source_digest`) in DeepSpeed 0.19.8 by module or class: `python -m mlp_offload.compat`.
@@ -78,6 +86,13 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     "deepspeed.runtime.utils": {
         "combine_grad_norm_groups": "37a114f1037dc520",
         "is_invalid_grad_norm": "6afd483e2c88e25e",
+    },
+    "deepspeed.runtime.zero.partition_parameters.Init": {
+        "_convert_to_deepspeed_param": "109d5ce0cfbc889c",
+    },
+    "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator": {
+        "__all_gather_params_": "a42800097d2e0851",
+        "release_and_reset_all": "40a4b2424248f246",
     },
     "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3": {
         "__init__": "cd4b2ccda90d4f45",
@@ -122,6 +137,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "_writeback_swap_state": "b3b4e0f00b23f8d3",
         "backward_epilogue": "0b55028b62dba4f0",
         "backward_prologue": "1b9ad8d1a8a7864c",
+        "checkpoint_event_prologue": "d32f3d66bf433689",
         "destroy": "1c8f6a96609fe60e",
         "dump_post_step_gradients": "c8959c2d90285817",
         "finalize_gradient_accumulation_boundary": "46cb396087b90926",

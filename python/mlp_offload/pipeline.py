@@ -16,6 +16,11 @@ The last `cache_slots` chunks of a step stay resident. With fewer cache slots th
 `cache_chunks`), the other buffers' writes are still in flight when the step ends and keep their
 buffers (retained), and the initial writes leave the same. Either way, when forward and backward begin,
 every buffer holds a chunk the next step takes first.
+
+With the update overlapped with the next forward (`ascending`), every step goes in chunk order, the order
+in which the forward needs the parameters: the first `cache_slots` chunks stay resident and come first
+with no read, and the rest stream through the other buffers, which the writes still in flight from the
+step before free as they complete.
 """
 
 from __future__ import annotations
@@ -56,9 +61,14 @@ class StepStats:
     per_path: list[dict[str, float]] = field(default_factory=list)
 
 
-def next_order(previous: Sequence[int], resident: set[int], retained: set[int]) -> list[int]:
+def next_order(
+    previous: Sequence[int], resident: set[int], retained: set[int], *, ascending: bool = False
+) -> list[int]:
     """The order of the step after one that went in `previous` order and left `resident` chunks cached
-    and `retained` ones in their buffers: retained, resident, then the rest, each latest first."""
+    and `retained` ones in their buffers: retained, resident, then the rest, each latest first; or, with
+    `ascending`, chunk order whatever the last step left."""
+    if ascending:
+        return sorted(previous)
     latest_first = list(reversed(previous))
     return (
         [c for c in latest_first if c in retained]
@@ -74,7 +84,11 @@ class ChunkPipeline:
     them keep chunks across steps (default: every buffer, the stream's included; a number leaves the
     others to stream, written behind and so read ahead; see `memory.stream_buffers`); at least one must
     stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there);
-    `pages` is `"small"` or `"huge"` (see `MLPOffloadConfig.host_pages`).
+    `pages` is `"small"` or `"huge"` (see `MLPOffloadConfig.host_pages`). `ascending`: every step in
+    chunk order, the first chunks cached (see the module docs).
+
+    A step may run on another thread than the caller's (`overlap.UpdateInFlight`): while it runs, every
+    other method refuses, rather than race with it.
     """
 
     def __init__(
@@ -87,6 +101,7 @@ class ChunkPipeline:
         cache_slots: int | None = None,
         lock: bool = False,
         pages: str = "small",
+        ascending: bool = False,
     ) -> None:
         if not sizes:
             raise ValueError("sizes: there are no chunks")
@@ -94,6 +109,10 @@ class ChunkPipeline:
             raise ValueError(f"keys: {len(keys)} keys for {len(sizes)} chunks")
         n = len(sizes)
         self.buffer_count, self.cache_slots = stream_buffers(buffers, n, cache_slots)
+        if ascending and n > self.cache_slots >= self.buffer_count:
+            # In chunk order the cached chunks come first and hold their buffers all step: a cache of
+            # every buffer ("auto") leaves the stream its buffers.
+            self.cache_slots = self.buffer_count - min(PIPELINE_BUFFERS, max(1, self.buffer_count - 1))
         self.store = store
         self.keys = list(keys)
         self.sizes = list(sizes)
@@ -107,6 +126,9 @@ class ChunkPipeline:
         # Chunk -> (buffer, its write-back, maybe still in flight) from the end of the last step.
         self._retained: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
         self._order = list(range(n))
+        self._ascending = ascending
+        # Set while a step runs (on whichever thread).
+        self._running = False
         self._step = 0
         self._snapshot = [r["stats"] for r in store.path_reports()]
 
@@ -123,9 +145,14 @@ class ChunkPipeline:
     def view(self, chunk: int, buffer: _core.HostBuffer) -> torch.Tensor:
         return as_tensor(buffer)[: self.sizes[chunk]]
 
+    def _idle(self, what: str) -> None:
+        if self._running:
+            raise RuntimeError(f"{what}: the update phase is still running; wait for it first")
+
     def initialize(self, fill: Callable[[int, torch.Tensor], None]) -> None:
         """Creates every chunk's object from `fill(chunk, view)`, with as many writes in flight as there
         are buffers. The last ones written keep their buffers, and the first step begins with them."""
+        self._idle("initialize")
         writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
         for c in range(len(self.sizes)):
             if not self._free:
@@ -137,7 +164,9 @@ class ChunkPipeline:
             fill(c, view)
             writing.append((c, buffer, self.store.write(self.keys[c], view)))
         self._retained = {c: (buffer, handle) for c, buffer, handle in writing}
-        self._order = next_order(range(len(self.sizes)), set(), set(self._retained))
+        self._order = next_order(
+            range(len(self.sizes)), set(), set(self._retained), ascending=self._ascending
+        )
 
     @property
     def resident(self) -> list[int]:
@@ -153,6 +182,7 @@ class ChunkPipeline:
         """The host copy of a chunk's current state and what it is (`"resident"`: newer than the store's;
         `"retained"`: the same as the store's once its write completes, which this waits for), or None
         when the store alone has it."""
+        self._idle("in_memory")
         if (buffer := self._resident.get(chunk)) is not None:
             return self.view(chunk, buffer), "resident"
         if (entry := self._retained.get(chunk)) is not None:
@@ -162,6 +192,7 @@ class ChunkPipeline:
 
     def replace(self, chunk: int, state: torch.Tensor) -> None:
         """Makes `state` (bytes) the chunk's current state, in its host copy and in the store."""
+        self._idle("replace")
         if (buffer := self._resident.get(chunk)) is not None:
             self.view(chunk, buffer).copy_(state)
             return
@@ -197,16 +228,35 @@ class ChunkPipeline:
         chunk read from the store is verified here, after its update and before it is written or kept,
         so corrupt state never reaches the store or the cache.
         """
+        self._idle("run_step")
+        self._running = True
+        try:
+            return self._run_step(update, drain, checksums_in_update)
+        finally:
+            self._running = False
+
+    def _run_step(self, update: Callable[..., Any], drain: bool, checksums_in_update: bool) -> StepStats:
         sums_here = checksums_in_update and self.store.checksum
         n = len(self.sizes)
         order = self._order
-        keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
+        if self._ascending:
+            keep = set(order[: self.cache_slots])
+        else:
+            keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
         retained, self._retained = self._retained, {}
+        stats = StepStats(self._step, 0.0, 0, 0, 0, 0, 0)
+        start = time.perf_counter()
+        if self._ascending:
+            # The last step's final writes come last in chunk order: their buffers serve the stream now.
+            for i in [i for i in retained if i not in keep]:
+                buffer, handle = retained.pop(i)
+                t = time.perf_counter()
+                handle.wait()
+                stats.write_wait_seconds += time.perf_counter() - t
+                self._free.append(buffer)
         to_read = deque(i for i in order if i not in self._resident and i not in retained)
         reading: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
         writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
-        stats = StepStats(self._step, 0.0, 0, 0, 0, 0, 0)
-        start = time.perf_counter()
 
         def reclaim(block: bool) -> bool:
             """Frees the buffer of the oldest write if it is done (or, with `block`, once it is)."""
@@ -282,7 +332,7 @@ class ChunkPipeline:
             while reclaim(block=True):
                 pass
         self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
-        self._order = next_order(order, set(self._resident), set(self._retained))
+        self._order = next_order(order, set(self._resident), set(self._retained), ascending=self._ascending)
         stats.seconds = time.perf_counter() - start
         # Since the end of the last step: writes that ran on during forward and backward count here.
         before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
@@ -303,6 +353,7 @@ class ChunkPipeline:
     def flush(self) -> None:
         """Writes the cached chunks back and waits for every write, so the store alone holds the current
         state."""
+        self._idle("flush")
         for buffer, handle in self._retained.values():
             handle.wait()
             self._free.append(buffer)
@@ -315,6 +366,7 @@ class ChunkPipeline:
 
     def close(self) -> None:
         """Gives the buffers back (and their CUDA registration); cached state not flushed is lost."""
+        self._idle("close")
         for _, handle in self._retained.values():
             handle.wait()
         self._retained.clear()

@@ -249,9 +249,11 @@ class UpdatePlanner:
         fwd_bwd: float | None,
         backward_secs: float,
         compute_secs: float,
+        overlap: dict[str, float] | None = None,
     ) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
-        step's record."""
+        step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
+        the next forward waited for subgroups."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.
@@ -332,6 +334,7 @@ class UpdatePlanner:
                 "fwd_bwd_secs": fwd_bwd,
                 # Made before this step, from the steps before it (the start-up plan's for the first two).
                 "predicted_update_secs": predicted,
+                "overlap": overlap,
             }
         )
 

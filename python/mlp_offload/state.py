@@ -26,7 +26,7 @@ class ChunkedState:
     """The state of subgroups of `numels` elements, chunked by `layout`, in `store`.
 
     `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
-    buffers, of `pages` (`"small"` or `"huge"`).
+    buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order.
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -39,6 +39,7 @@ class ChunkedState:
         cache_chunks: int | None,
         lock: bool,
         pages: str = "small",
+        ascending: bool = False,
     ) -> None:
         self.store = store
         self.numels = list(numels)
@@ -51,7 +52,14 @@ class ChunkedState:
         self.keys = [f"{KEY_PREFIX}{i}.{first}" for i, first, _ in self.chunks]
         self._remove_stale()
         self.pipeline = ChunkPipeline(
-            store, self.keys, layout.sizes, layout.buffers, cache_slots=cache_chunks, lock=lock, pages=pages
+            store,
+            self.keys,
+            layout.sizes,
+            layout.buffers,
+            cache_slots=cache_chunks,
+            lock=lock,
+            pages=pages,
+            ascending=ascending,
         )
 
     def _remove_stale(self) -> None:

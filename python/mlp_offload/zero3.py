@@ -16,6 +16,11 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
    half-precision partition.
 4. After each step the `WeightTuner` moves share from the busiest path to the idler ones, and keeps a move
    only if the two updates after it were no slower than the two before.
+5. With `overlap` (and the fused pass), `step()` returns once the step's outcome is decided, and the
+   chunk loop runs on behind it (`overlap.UpdateInFlight`), in chunk order. Each parameter's all-gather
+   waits for its own subgroup; the persistent parameters, which DeepSpeed gathers at the end of its
+   step, are gathered by the next forward's fetches instead. Everything else that reads parameters,
+   state or gradients first waits for the whole update (`_mlp_settle`).
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
 same operations: each is elementwise; chunk lengths are multiples of CPU Adam's vector block, so each
@@ -29,12 +34,15 @@ and its swapper protocol).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
@@ -42,6 +50,8 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from mlp_offload import checkpoint, kernel, memory
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
+from mlp_offload.overlap import UpdateInFlight, update_thread
+from mlp_offload.pipeline import StepStats
 from mlp_offload.planning import UpdatePlanner, host_memory_budget, update_chunk
 from mlp_offload.state import FP32, ChunkedState
 from mlp_offload.store import ObjectStore
@@ -73,6 +83,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with the optimizer state in the object store (see module docs)."""
 
     overflow: bool  # set by DeepSpeed's overflow check
+    persistent_parameters: list[Any]  # set by DeepSpeed's __init__: parameters every rank keeps whole
     _mlp_state: ChunkedState  # set once DeepSpeed's __init__ has partitioned the model
 
     def __init__(
@@ -125,6 +136,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks.
         self._mlp_backward_secs = 0.0
         self._mlp_backward_start = 0.0
+        # The update running behind `step()`, until something waits for it (`_mlp_settle`), and what
+        # records it then (the step's telemetry).
+        self._mlp_inflight: UpdateInFlight[StepStats] | None = None
+        self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
 
@@ -182,6 +197,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         pages, pages_source = self._mlp_planner.host_pages()
         grad_bytes = memory.GRAD_BYTES * c
+        first_half = self.fp16_partitioned_groups_flat[0]
+        # The pass writes the half-precision parameters only where they are in host memory.
+        params_dtype = first_half.dtype if first_half.device.type == "cpu" else None
+        self._mlp_fused, kernel_why = kernel.choose(
+            config.update_kernel, self.optimizer, first_half.dtype, params_dtype
+        )
+        # The update behind the next forward needs compute that releases the GIL: the fused pass.
+        self._mlp_overlap = config.overlap and self._mlp_fused is not None
+        overlap_why = (
+            "off in the config"
+            if not config.overlap
+            else "on"
+            if self._mlp_overlap
+            else "off: DeepSpeed's passes hold the GIL, the update runs inside step()"
+        )
         try:
             layout.require_a_buffer(host_memory)
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
@@ -193,6 +223,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 cache_chunks=None if config.cache_chunks == "auto" else config.cache_chunks,
                 lock=self._mlp_pin,
                 pages=pages,
+                ascending=self._mlp_overlap,
             )
         except ValueError as e:
             # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
@@ -201,12 +232,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         self._mlp_grad = torch.empty(c, dtype=FP32)
-        first_half = self.fp16_partitioned_groups_flat[0]
-        # The pass writes the half-precision parameters only where they are in host memory.
-        params_dtype = first_half.dtype if first_half.device.type == "cpu" else None
-        self._mlp_fused, kernel_why = kernel.choose(
-            config.update_kernel, self.optimizer, first_half.dtype, params_dtype
-        )
+        if self._mlp_overlap:
+            self._mlp_update_thread = update_thread()
+            self._mlp_wait_in_gathers()
         kernel_record: dict[str, Any] = {
             "kernel": "deepspeed" if self._mlp_fused is None else "fused",
             "why": kernel_why,
@@ -236,6 +264,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "host_pages": {"pages": pages, "source": pages_source, **page_report},
                 # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
                 "update_kernel": kernel_record,
+                # Whether the update runs behind the next forward, and why.
+                "overlap": {"on": self._mlp_overlap, "why": overlap_why},
                 "weights": self._mlp_store.weights,
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
@@ -248,7 +278,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         log.info(
             "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
             "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; update kernel: %s (%s); "
-            "weights %s; predicted update %.2f s",
+            "overlap with the next forward: %s; weights %s; predicted update %.2f s",
             self._mlp_rank,
             len(numels),
             len(layout.chunks),
@@ -262,6 +292,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             memory.describe_pages(pages, pages_source, page_report),
             kernel_record["kernel"],
             kernel_why,
+            overlap_why,
             [round(w, 3) for w in self._mlp_store.weights],
             plan["predicted_update_secs"] if plan else float("nan"),
         )
@@ -332,16 +363,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         state_bytes: torch.Tensor,
         step: int,
         grad_scale: float,
+        groups: list[dict[str, Any]],
         read_cuts: list[int] | None,
         write_cuts: list[int] | None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
-        the state's checksums as read and as written, cut at the store's stripes."""
+        the state's checksums as read and as written, cut at the store's stripes. `groups`: the
+        optimizer's param groups as the step saw them."""
         assert self._mlp_fused is not None
         i, first, count = self._mlp_state.chunks[chunk]
-        group = self.optimizer.param_groups[self.sub_group_to_group_id[i]]
+        group = groups[self.sub_group_to_group_id[i]]
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
         state = state_bytes.view(FP32)
@@ -385,9 +418,67 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         return whole
 
     # ----------------------------------------------------------------------------------------------
+    # The update behind the next forward
+
+    def _mlp_wait_in_gathers(self) -> None:
+        """Makes every all-gather of the module's parameters (DeepSpeed's fetches and prefetches,
+        `GatheredParameters`, the persistent parameters' gather) first wait for the subgroups of the
+        trainable ones among them, while an update runs behind `step()`."""
+        subgroup_of = {id(p): i for i, group in enumerate(self.fp16_groups) for p in group}
+
+        def subgroups(params: Iterable[Any]) -> list[int]:
+            return sorted({subgroup_of[id(p)] for p in params if id(p) in subgroup_of})
+
+        def after_update(gather: Callable[..., Any], owner: Any) -> Callable[..., Any]:
+            @functools.wraps(gather)
+            def gather_after_update(param_list: Any = None, *args: Any, **kwargs: Any) -> Any:
+                if (inflight := self._mlp_inflight) is not None:
+                    try:
+                        inflight.wait_for(subgroups([owner] if param_list is None else param_list))
+                    except BaseException:
+                        # Raised once, as a failed step() raises it: what the update left stays.
+                        self._mlp_inflight = None
+                        raise
+                return gather(param_list, *args, **kwargs)
+
+            return gather_after_update
+
+        # Every parameter, frozen ones too: DeepSpeed gathers a list through its first member's method.
+        for p in self.module.parameters():
+            if hasattr(p, "all_gather_coalesced"):
+                p.all_gather = after_update(p.all_gather, p)
+                p.all_gather_coalesced = after_update(p.all_gather_coalesced, p)
+
+    def _mlp_settle(self) -> None:
+        """Waits for the update running behind `step()`, if one is, and records it; raises what it
+        raised, once."""
+        inflight, self._mlp_inflight = self._mlp_inflight, None
+        if inflight is not None:
+            self._mlp_finish_update(inflight.result(), inflight.waited_secs)
+
+    def _post_step(self, timer_names: Any) -> None:
+        if self._mlp_inflight is None:
+            super()._post_step(timer_names)
+            return
+        # DeepSpeed gathers the persistent parameters here. With the update still running they stay
+        # partitioned (its step released them), and the next forward's fetches gather each, once its
+        # subgroup is updated.
+        persistent, self.persistent_parameters = self.persistent_parameters, []
+        try:
+            super()._post_step(timer_names)
+        finally:
+            self.persistent_parameters = persistent
+
+    def checkpoint_event_prologue(self) -> None:
+        self._mlp_settle()
+        super().checkpoint_event_prologue()
+
+    # ----------------------------------------------------------------------------------------------
     # The step
 
     def backward_prologue(self) -> None:
+        # Backward writes the gradients the update reads.
+        self._mlp_settle()
         self._mlp_backward_start = time.perf_counter()
         super().backward_prologue()
 
@@ -396,9 +487,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_backward_secs += time.perf_counter() - self._mlp_backward_start
 
     def step(self, closure: Any = None) -> None:
-        """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup)."""
+        """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup),
+        which runs on behind this call with `overlap`."""
+        self._mlp_settle()
         step_start = time.perf_counter()
         fwd_bwd = None if self._mlp_last_step_end is None else step_start - self._mlp_last_step_end
+        backward_secs, self._mlp_backward_secs = self._mlp_backward_secs, 0.0
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -414,7 +508,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_planner.emit(
                 {"event": "skipped", "rank": self._mlp_rank, "loss_scale": float(self.loss_scale)}
             )
-            self._mlp_last_step_end, self._mlp_backward_secs = time.perf_counter(), 0.0
+            self._mlp_last_step_end = time.perf_counter()
             self._mlp_fp32_grads.clear()
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
@@ -423,13 +517,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self.timers(OPTIMIZER_STEP_TIMER).start()
 
         compute_secs = 0.0
+        update_end = step_start
         # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
         steps = [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
         remaining = [len(chunks) for chunks in self._mlp_state.of_subgroup]
         grad_scale = self._mlp_grad_scale(scaled_global_grad_norm) if self._mlp_fused is not None else 1.0
+        # The param groups as this step sees them: an lr scheduler changes them once step() returns.
+        groups = [dict(group) for group in self.optimizer.param_groups]
 
         def fused_update(
-            chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
+            chunk: int,
+            state_bytes: torch.Tensor,
+            read_cuts: list[int] | None,
+            write_cuts: list[int] | None,
+            subgroup_done: Callable[[int], None],
         ) -> tuple[list[int] | None, list[int] | None]:
             """The update of one chunk as one fused pass, checksums included."""
             nonlocal compute_secs
@@ -437,11 +538,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             i = self._mlp_state.chunks[chunk][0]
             try:
                 sums = self._mlp_fused_update(
-                    chunk, state_bytes, steps[i] + 1, grad_scale, read_cuts, write_cuts
+                    chunk, state_bytes, steps[i] + 1, grad_scale, groups, read_cuts, write_cuts
                 )
                 remaining[i] -= 1
                 if remaining[i] == 0:
                     self._unflatten_partitioned_parameters(i)
+                    if self.fp16_partitioned_groups_flat[i].device.type != "cpu":
+                        # The copy to the device is queued on this thread's stream; the forward's
+                        # all-gather runs on another.
+                        get_accelerator().current_stream().synchronize()
+                    subgroup_done(i)
                 return sums
             finally:
                 compute_secs += time.perf_counter() - t
@@ -468,32 +574,62 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_unbind(i)
                 compute_secs += time.perf_counter() - t
 
-        # The last writes go on while the next forward and backward run. The fused pass checksums the
-        # state as it reads and writes it, so the store does not hash it again.
-        if self._mlp_fused is not None:
-            stats = self._mlp_state.pipeline.run_step(fused_update, drain=False, checksums_in_update=True)
+        def run(subgroup_done: Callable[[int], None]) -> StepStats:
+            """The chunk loop. The last writes go on while the next forward and backward run. The fused
+            pass checksums the state as it reads and writes it, so the store does not hash it again."""
+            nonlocal update_end
+            if self._mlp_fused is not None:
+                stats = self._mlp_state.pipeline.run_step(
+                    functools.partial(fused_update, subgroup_done=subgroup_done),
+                    drain=False,
+                    checksums_in_update=True,
+                )
+            else:
+                stats = self._mlp_state.pipeline.run_step(update, drain=False)
+            update_end = time.perf_counter()
+            return stats
+
+        def finish(stats: StepStats, waited_secs: float | None) -> None:
+            overlap = None
+            if waited_secs is not None:
+                overlap = {"step_returned_secs": returned - step_start, "forward_waited_secs": waited_secs}
+            self._mlp_planner.after_step(
+                self._mlp_store,
+                stats,
+                update_end - step_start,
+                fwd_bwd,
+                backward_secs,
+                compute_secs,
+                overlap=overlap,
+            )
+            self._mlp_fp32_grads.clear()
+
+        if self._mlp_overlap:
+            self._mlp_inflight = UpdateInFlight(
+                run, len(steps), step=max(steps) + 1, thread=self._mlp_update_thread
+            )
+            self._mlp_finish_update = finish
         else:
-            stats = self._mlp_state.pipeline.run_step(update, drain=False)
+            stats = run(lambda i: None)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)
-        seconds = time.perf_counter() - step_start
-        self._mlp_planner.after_step(
-            self._mlp_store, stats, seconds, fwd_bwd, self._mlp_backward_secs, compute_secs
-        )
+        returned = time.perf_counter()
+        if not self._mlp_overlap:
+            finish(stats, None)
         self._mlp_last_step_end = time.perf_counter()
-        self._mlp_backward_secs = 0.0
-        self._mlp_fp32_grads.clear()
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoints (DeepSpeed's own ZeRO-3 format) and the end of training
 
     def state_dict(self) -> Any:
         """DeepSpeed's ZeRO-3 optimizer state dict, the state gathered from the cache and the store."""
+        self._mlp_settle()
         return checkpoint.state_dict(self)
 
     def _restore_from_bit16_weights(self) -> None:
         """DeepSpeed's `refresh_fp32_params` (a checkpoint loaded without its optimizer states, or only
         the module): the fp32 weights become the half-precision partitions, widened; the moments stay."""
+        self._mlp_settle()
         for i, half in enumerate(self.fp16_partitioned_groups_flat):
             self._mlp_state.set_params(i, half)
 
@@ -501,6 +637,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """Loads this rank's part of a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed
         (same data-parallel degree) into the store. DeepSpeed's own `load_state_dict` calls it, and does
         the rest itself: the elastic-checkpoint refusal, `load_serial`, the persistent parameters."""
+        self._mlp_settle()
         checkpoint.load_state_dict(self, state_dict, load_optimizer_states)
 
     def _load_universal_checkpoint(
@@ -515,9 +652,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """Every record so far: the start-up plan, then one per step (the same as the JSON lines)."""
         return self._mlp_planner.records
 
+    def mlp_offload_wait(self) -> None:
+        """Waits for the update running behind the last `step()` (with `overlap`), so the state and the
+        telemetry are the step's; raises what it raised. Whatever reads them through DeepSpeed waits on
+        its own."""
+        self._mlp_settle()
+
     def mlp_offload_flush(self) -> None:
         """Writes the cached chunks back and syncs the store (at the end of training, before copying the
         store's directories)."""
+        self._mlp_settle()
         if hasattr(self, "_mlp_state"):
             self._mlp_state.pipeline.flush()
         self._mlp_store.sync()
@@ -527,8 +671,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         a mix of steps under a valid manifest; then closes the pipeline, the store and telemetry."""
         if hasattr(self, "_mlp_state"):
             try:
+                self._mlp_settle()
                 self._mlp_state.pipeline.flush()
             finally:
+                if self._mlp_overlap:
+                    self._mlp_update_thread.shutdown()
                 self._mlp_state.pipeline.close()
         self._mlp_store.close()
         self._mlp_planner.close()
