@@ -19,6 +19,27 @@ from mlp_offload.pipeline import ChunkPipeline, next_order
 from mlp_offload.planning import UpdatePlanner
 
 
+class Bumps:
+    """Chunks of distinct sizes (chunk i filled with i), and an update that adds 1 to every byte of a
+    chunk and records the order of each step's chunks (`seen`, a list per step)."""
+
+    def __init__(self, chunks: int) -> None:
+        self.sizes = [(64 << 10) + 4096 * i for i in range(chunks)]
+        self.keys = [f"c{i}" for i in range(chunks)]
+        self.seen: list[list[int]] = []
+
+    def __call__(self, index: int, view: torch.Tensor) -> None:
+        self.seen[-1].append(index)
+        view.add_(1)
+
+    def assert_stored(self, store: ObjectStore, steps: int) -> None:
+        """Every chunk in the store as `steps` updates left it."""
+        for i, size in enumerate(self.sizes):
+            back = torch.empty(size, dtype=torch.uint8)
+            store.read(self.keys[i], back).wait()
+            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+
+
 @pytest.mark.parametrize(
     ("chunks", "buffers", "cache", "cached"),
     [
@@ -37,14 +58,8 @@ from mlp_offload.planning import UpdatePlanner
 def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
     engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
 ) -> None:
-    sizes = [(64 << 10) + 4096 * i for i in range(chunks)]
-    keys = [f"c{i}" for i in range(chunks)]
-    seen: list[list[int]] = []
-
-    def bump(index: int, view: torch.Tensor) -> None:
-        seen[-1].append(index)
-        view.add_(1)
-
+    bump = Bumps(chunks)
+    sizes, keys, seen = bump.sizes, bump.keys, bump.seen
     with ObjectStore(work_dirs[:2], engine=engine) as store:
         pipeline = ChunkPipeline(store, keys, sizes, buffers, cache_slots=cache)
         assert pipeline.cache_slots == cached
@@ -71,10 +86,7 @@ def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
                 assert pipeline.retained, "the last writes keep their buffers"
         pipeline.flush()
         assert not (pipeline.resident or pipeline.retained)
-        for i, size in enumerate(sizes):
-            back = torch.empty(size, dtype=torch.uint8)
-            store.read(keys[i], back).wait()
-            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+        bump.assert_stored(store, steps)
 
 
 @pytest.mark.parametrize(
@@ -97,14 +109,8 @@ def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
 ) -> None:
     """`ascending` (the update behind the next forward): every step in chunk order, the first `cached`
     chunks kept in memory and skipped by the next step's reads."""
-    sizes = [(64 << 10) + 4096 * i for i in range(chunks)]
-    keys = [f"c{i}" for i in range(chunks)]
-    seen: list[list[int]] = []
-
-    def bump(index: int, view: torch.Tensor) -> None:
-        seen[-1].append(index)
-        view.add_(1)
-
+    bump = Bumps(chunks)
+    sizes, keys, seen = bump.sizes, bump.keys, bump.seen
     with ObjectStore(work_dirs[:2], engine=engine) as store:
         pipeline = ChunkPipeline(store, keys, sizes, buffers, cache_slots=cache, ascending=True)
         assert pipeline.cache_slots == cached
@@ -122,10 +128,7 @@ def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
             assert pipeline.resident == list(range(cached))
             assert len(pipeline.resident) + len(pipeline.retained) <= pipeline.buffer_count
         pipeline.flush()
-        for i, size in enumerate(sizes):
-            back = torch.empty(size, dtype=torch.uint8)
-            store.read(keys[i], back).wait()
-            assert torch.equal(back, torch.full((size,), i + steps, dtype=torch.uint8)), f"chunk {i}"
+        bump.assert_stored(store, steps)
 
 
 def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_dirs: list[Path]) -> None:
