@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, profiles
+from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, overlap, profiles
 from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.overlap import UpdateInFlight, update_thread
 from mlp_offload.pipeline import ChunkPipeline, next_order
@@ -160,6 +160,24 @@ def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_
         release.set()
         assert inflight.result().writes == 3 - pipeline.cache_slots
         pipeline.flush()
+
+
+@pytest.mark.parametrize(
+    ("setting", "fused", "every_chunk_cached", "on", "why"),
+    [
+        (False, True, True, False, "off in the config"),
+        (True, False, True, False, "DeepSpeed's passes hold the GIL"),
+        ("auto", False, True, False, "DeepSpeed's passes hold the GIL"),
+        (True, True, False, True, "on (the config)"),
+        ("auto", True, True, True, "every chunk stays in host memory"),
+        ("auto", True, False, False, "the state streams"),
+    ],
+)
+def test_overlap_runs_where_the_fused_pass_does_and_by_default_where_nothing_streams(
+    setting: bool | str, fused: bool, every_chunk_cached: bool, on: bool, why: str
+) -> None:
+    assert overlap.choose(setting, fused, every_chunk_cached)[0] == on
+    assert why in overlap.choose(setting, fused, every_chunk_cached)[1]
 
 
 def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_error() -> None:

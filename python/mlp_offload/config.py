@@ -82,14 +82,16 @@ class MLPOffloadConfig(BaseModel):
     saying why. `"deepspeed"`: DeepSpeed's passes. Optimizers other than DeepSpeed's CPU Adam (torch's
     Adam, AdamW) always run their own."""
 
-    overlap: bool = True
+    overlap: bool | Literal["auto"] = "auto"
     """Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
     clipping) is decided, and each parameter's fetch in the next forward waits for its own subgroup only;
     whatever else reads parameters, state or gradients (the next backward and step, checkpoints, the
     `safe_get/set` helpers, `destroy`) waits for the whole update. Every step then goes in the order the
     forward needs the parameters, the first chunks cached. Bit for bit the same as without it. It needs
     the fused pass (`update_kernel`), whose compute releases the GIL; with DeepSpeed's passes the update
-    runs inside `step()`, as the start-up line says."""
+    runs inside `step()`. `"auto"`: on when every chunk stays in host memory; where the state streams,
+    chunk order moves more bytes (fewer chunks cached) than a short forward hides, so it is off (`true`
+    turns it on). The start-up line says which, and why."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""

@@ -18,7 +18,25 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-__all__ = ["UpdateInFlight", "update_thread"]
+__all__ = ["UpdateInFlight", "choose", "update_thread"]
+
+
+def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
+    """Whether the update runs behind `step()` (`MLPOffloadConfig.overlap`), and why, in words for the
+    start-up line."""
+    if setting is False:
+        return False, "off in the config"
+    if not fused:
+        # The update thread must not hold the GIL while the forward runs.
+        return False, "off: DeepSpeed's passes hold the GIL, the update runs inside step()"
+    if setting is True:
+        return True, "on (the config)"
+    if every_chunk_cached:
+        return True, "on: every chunk stays in host memory"
+    # In chunk order the cache keeps the stream's buffers fewer chunks, and the chunks the last writes
+    # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
+    # forward is long (docs/results.md, issue 30).
+    return False, "off: the state streams (overlap: true runs it behind step() all the same)"
 
 
 def update_thread() -> ThreadPoolExecutor:

@@ -16,11 +16,12 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
    half-precision partition.
 4. After each step the `WeightTuner` moves share from the busiest path to the idler ones, and keeps a move
    only if the two updates after it were no slower than the two before.
-5. With `overlap` (and the fused pass), `step()` returns once the step's outcome is decided, and the
-   chunk loop runs on behind it (`overlap.UpdateInFlight`), in chunk order. Each parameter's all-gather
-   waits for its own subgroup; the persistent parameters, which DeepSpeed gathers at the end of its
-   step, are gathered by the next forward's fetches instead. Everything else that reads parameters,
-   state or gradients first waits for the whole update (`_mlp_settle`).
+5. With `overlap` (the fused pass; by default only when every chunk stays in memory), `step()` returns
+   once the step's outcome is decided, and the chunk loop runs on behind it (`overlap.UpdateInFlight`),
+   in chunk order. Each parameter's all-gather waits for its own subgroup; the persistent parameters,
+   which DeepSpeed gathers at the end of its step, are gathered by the next forward's fetches instead.
+   Everything else that reads parameters, state or gradients first waits for the whole update
+   (`_mlp_settle`).
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
 same operations: each is elementwise; chunk lengths are multiples of CPU Adam's vector block, so each
@@ -47,7 +48,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 
-from mlp_offload import checkpoint, kernel, memory
+from mlp_offload import checkpoint, kernel, memory, overlap
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.overlap import UpdateInFlight, update_thread
@@ -203,24 +204,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_fused, kernel_why = kernel.choose(
             config.update_kernel, self.optimizer, first_half.dtype, params_dtype
         )
-        # The update behind the next forward needs compute that releases the GIL: the fused pass.
-        self._mlp_overlap = config.overlap and self._mlp_fused is not None
-        overlap_why = (
-            "off in the config"
-            if not config.overlap
-            else "on"
-            if self._mlp_overlap
-            else "off: DeepSpeed's passes hold the GIL, the update runs inside step()"
-        )
+        cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
         try:
             layout.require_a_buffer(host_memory)
+            _, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
+            self._mlp_overlap, overlap_why = overlap.choose(
+                config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
+            )
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
             # leaves) and checks it.
             self._mlp_state = ChunkedState(
                 self._mlp_store,
                 numels,
                 layout,
-                cache_chunks=None if config.cache_chunks == "auto" else config.cache_chunks,
+                cache_chunks=cache_chunks,
                 lock=self._mlp_pin,
                 pages=pages,
                 ascending=self._mlp_overlap,
