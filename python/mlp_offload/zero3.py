@@ -652,7 +652,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def mlp_offload_wait(self) -> None:
         """Waits for the update running behind the last `step()` (with `overlap`), so the state and the
         telemetry are the step's; raises what it raised. Whatever reads them through DeepSpeed waits on
-        its own."""
+        its own. Call it on every rank: recording the update takes the ranks' tuners' agreement, a
+        collective (`adapt`)."""
         self._mlp_settle()
 
     def mlp_offload_flush(self) -> None:
