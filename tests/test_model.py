@@ -92,6 +92,69 @@ def test_host_pages_follow_the_setting_or_the_probe(
     assert planner.host_pages() == (pages, why)
 
 
+def samples(request: int, rates: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+    """A probe's samples at `request` bytes: per in-flight count, (read, write) MiB/s."""
+    return [
+        {"op": op, "chunk_size": request, "max_inflight": depth, "bytes_per_s": rate * 2**20}
+        for depth, pair in rates.items()
+        for op, rate in zip(("read", "write"), pair, strict=True)
+    ]
+
+
+M4 = 4 << 20
+# name, the config's max_inflight, each path's samples (None: no probe), expected (count, why)
+MAX_INFLIGHT = [
+    ("configured wins", 4, [samples(M4, {16: (2800, 5700)})], (4, "configured")),
+    (
+        "the probe's fastest at the store's request size, reads and writes together",
+        None,
+        [samples(M4, {4: (2730, 5320), 16: (2790, 5760)}) + samples(16 << 20, {64: (9000, 9000)})],
+        (16, "auto, as the probe measured fastest with 4,194,304-byte requests"),
+    ),
+    (
+        "a faster write does not make up for a slower read at equal bytes",
+        None,
+        [samples(M4, {4: (2000, 4000), 16: (1000, 9000)})],
+        (4, "auto, as the probe measured fastest with 4,194,304-byte requests"),
+    ),
+    (
+        "the largest over the paths (they share one limit)",
+        None,
+        [samples(M4, {4: (900, 900), 16: (800, 800)}), samples(M4, {4: (2000, 2000), 16: (2500, 2500)})],
+        (16, "auto, as the probe measured fastest with 4,194,304-byte requests"),
+    ),
+    (
+        "no samples at the store's request size",
+        None,
+        [samples(1 << 20, {16: (2800, 5700)})],
+        (8, "default (no probe of 4,194,304-byte requests)"),
+    ),
+    ("no probe", None, None, (8, "default (no probe of 4,194,304-byte requests)")),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "configured", "probed", "expected"), MAX_INFLIGHT, ids=[m[0] for m in MAX_INFLIGHT]
+)
+def test_requests_in_flight_follow_the_config_or_the_probe(
+    name: str,
+    configured: int | None,
+    probed: list[list[dict[str, Any]]] | None,
+    expected: tuple[int, str],
+    tmp_path: Path,
+) -> None:
+    from mlp_offload import profiles
+    from mlp_offload.config import MLPOffloadConfig
+    from mlp_offload.planning import UpdatePlanner
+
+    paths = [str(tmp_path / f"p{i}") for i in range(len(probed or [0]))]
+    config = MLPOffloadConfig(paths=paths, max_inflight=configured, weights="equal")
+    planner = UpdatePlanner(config, rank=0)
+    if probed is not None:
+        planner.profile = profiles.Profile(paths, [{"samples": s} for s in probed], probed_at=0.0)
+    assert planner.max_inflight() == expected
+
+
 @pytest.mark.parametrize(
     ("report", "words"),
     [

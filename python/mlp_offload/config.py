@@ -100,7 +100,8 @@ class MLPOffloadConfig(BaseModel):
     """Bytes per I/O request (4M by default)."""
 
     max_inflight: int | None = Field(default=None, ge=1)
-    """Requests in flight per path, for this rank (8 by default)."""
+    """Requests in flight per path, for this rank. By default the count at which the probe moved the most
+    with the store's requests (reads and writes together; the largest over the paths), else 8."""
 
     device_inflight: int | Literal["auto", "off"] = "auto"
     """Requests in flight on each path's device for the whole node, all its ranks together (node-wide

@@ -47,7 +47,7 @@ def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_c
 # A rank's requests in flight per path, and their size, when the config does not say (the store's
 # defaults).
 DEFAULT_MAX_INFLIGHT = 8
-DEFAULT_CHUNK_SIZE = 4 << 20
+DEFAULT_CHUNK_SIZE = profiles.DEFAULT_CHUNK_SIZE
 
 
 def update_chunk(config: MLPOffloadConfig) -> int | None:
@@ -163,6 +163,19 @@ class UpdatePlanner:
         (`profiles.Profile.rank_share`); None before `plan` or without a profile."""
         return self._share
 
+    def max_inflight(self) -> tuple[int, str]:
+        """This rank's requests in flight per path, and why (see `MLPOffloadConfig.max_inflight`): the
+        configured count; else the count at which the probe moved the most with the store's requests,
+        reads and writes together (`profiles.Profile.store_inflight`); else `DEFAULT_MAX_INFLIGHT`."""
+        config = self.config
+        if config.max_inflight is not None:
+            return config.max_inflight, "configured"
+        request = config.chunk_size or DEFAULT_CHUNK_SIZE
+        found = self.profile.store_inflight(request) if self.profile is not None else None
+        if found is None:
+            return DEFAULT_MAX_INFLIGHT, f"default (no probe of {request:,}-byte requests)"
+        return found, f"auto, as the probe measured fastest with {request:,}-byte requests"
+
     def device_inflight(self) -> list[int | None]:
         """Per path, the node-wide limit of requests in flight on its device, or None (see
         `MLPOffloadConfig.device_inflight`). With `"auto"`: none where the probe measured the node's
@@ -177,7 +190,7 @@ class UpdatePlanner:
             return [None] * n
         if isinstance(limit, int):
             return [limit] * n
-        own = config.max_inflight or DEFAULT_MAX_INFLIGHT
+        own = self.max_inflight()[0]
         if self.profile is None:
             return [own] * n
         request = config.chunk_size or DEFAULT_CHUNK_SIZE
@@ -230,7 +243,7 @@ class UpdatePlanner:
         """The model's plan for the stream, with the pipeline's chunks and buffers."""
         assert self.profile is not None and self._pipeline is not None
         pipeline = self._pipeline
-        return self.profile.plan_stream(
+        plan = self.profile.plan_stream(
             pipeline.sizes,
             pipeline.buffer_count,
             pipeline.cache_slots,
@@ -239,7 +252,11 @@ class UpdatePlanner:
             measured_bytes_per_s=measured_bytes_per_s,
             weights=weights,
             share=self._share,
+            request=self.config.chunk_size or DEFAULT_CHUNK_SIZE,
         )
+        # What the store runs with (a configured count included).
+        plan["max_inflight"] = [self.max_inflight()[0]] * len(plan["max_inflight"])
+        return plan
 
     def after_step(
         self,

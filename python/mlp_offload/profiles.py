@@ -30,6 +30,8 @@ from mlp_offload import _core
 # 2: each path's probe has `pages` (host buffers of either page size) and the device's own view.
 FORMAT = 2
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600
+# The store's request size when the config does not say (`chunk_size`).
+DEFAULT_CHUNK_SIZE = 4 << 20
 
 
 def profile_dir() -> Path:
@@ -74,8 +76,27 @@ class Profile:
             devices.setdefault(p["device_id"], []).append(i)
         return devices
 
-    def model_inputs(self) -> list[dict[str, Any]]:
-        """What the performance model reads from each path's probe."""
+    def store_inflight(self, request: int) -> int | None:
+        """The requests in flight per path at which the probe moved the most with requests of `request`
+        bytes (the store's), reads and writes of equal bytes together; the largest over the paths, which
+        share one per-path limit. None when the probe took no samples at that size."""
+        best: list[int] = []
+        for p in self.probes:
+            rates: dict[int, dict[str, float]] = {}
+            for s in p.get("samples", []):
+                if s["chunk_size"] == request:
+                    rates.setdefault(s["max_inflight"], {})[s["op"]] = s["bytes_per_s"]
+            # Time per byte moved one way and back: the slower way counts as much as it takes.
+            both = {d: 2 / (1 / r["read"] + 1 / r["write"]) for d, r in rates.items() if len(r) == 2}
+            if both:
+                best.append(max(both, key=lambda d: (both[d], -d)))
+        return max(best) if best else None
+
+    def model_inputs(self, request: int = DEFAULT_CHUNK_SIZE) -> list[dict[str, Any]]:
+        """What the performance model reads from each path's probe. The plan's in-flight count is what
+        the store runs with requests of `request` bytes (`store_inflight`), else the probe's best for
+        reads."""
+        inflight = self.store_inflight(request)
         return [
             {
                 "device_id": p["device_id"],
@@ -83,7 +104,7 @@ class Profile:
                 "write_bytes_per_s": p["write_bytes_per_s"],
                 "mixed_bytes_per_s": p["mixed_bytes_per_s"],
                 "concurrent_bytes_per_s": p["concurrent_bytes_per_s"],
-                "best_inflight": p["best_read"]["max_inflight"],
+                "best_inflight": inflight or p["best_read"]["max_inflight"],
             }
             for p in self.probes
         ]
@@ -120,14 +141,15 @@ class Profile:
         host_memory: int,
         measured_bytes_per_s: Sequence[float] | None = None,
         share: Sequence[float] | None = None,
+        request: int = DEFAULT_CHUNK_SIZE,
         **model_options: Any,
     ) -> dict[str, Any]:
         """The performance model's plan for `subgroups` objects of `bytes_per_subgroup`, each read and
         written whole per update (see `_core.plan_update` for `model_options`). `share`, one per path,
         scales the probe's figures to one rank's part of a device the node's ranks share (`rank_share`).
         `measured_bytes_per_s`, one per path, replaces the concurrent figures with what this rank's
-        paths gave while running (already its part)."""
-        inputs = self.model_inputs()
+        paths gave while running (already its part). `request`: the store's request size."""
+        inputs = self.model_inputs(request)
         if share is not None:
             for path, part in zip(inputs, share, strict=True):
                 for key in (

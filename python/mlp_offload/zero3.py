@@ -120,12 +120,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_planner = UpdatePlanner(config, self._mlp_rank)
         # Before the store opens: its node-wide admission takes the device limits the profile gives.
         self._mlp_planner.load_profile()
+        self._mlp_inflight_count = self._mlp_planner.max_inflight()
         self._mlp_store = ObjectStore(
             config.paths,
             rank=self._mlp_rank,
             engine=config.engine,
             chunk_size=config.chunk_size,
-            max_inflight=config.max_inflight,
+            max_inflight=self._mlp_inflight_count[0],
             weights=config.weights if isinstance(config.weights, list) else None,
             checksum=config.checksum,
             shadow_slots=config.shadow_slots,
@@ -264,6 +265,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # Whether the update runs behind the next forward, and why.
                 "overlap": {"on": self._mlp_overlap, "why": overlap_why},
                 "weights": self._mlp_store.weights,
+                # This rank's requests in flight per path, and why.
+                "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
                 # Per path, the node-wide limit of requests in flight on its device (None: no admission).
                 "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
                 "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
