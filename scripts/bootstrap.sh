@@ -2,7 +2,8 @@
 # Everything a fresh machine needs, idempotent and quick when already done:
 #   1. Debian packages, when missing: fio (the benchmark's ceiling), e2fsprogs and util-linux (the
 #      two-path test bed and the tests' tmpfs mounts), libaio-dev (DeepSpeed's own NVMe offload, the
-#      baseline of the end-to-end benchmark), fuse3 (the fault tests' failing path);
+#      baseline of the end-to-end benchmark), fuse3 (the fault tests' failing path), iproute2 and
+#      glusterfs-server with its client (two nodes on one machine sharing a network file system);
 #   2. the Rust toolchain's clippy and rustfmt (checked, they ship with the toolchain);
 #   3. a virtual environment at .venv with requirements-dev.txt;
 #   4. the native module, built in release mode into .venv (maturin develop).
@@ -18,6 +19,10 @@ command -v losetup >/dev/null 2>&1 || missing+=(util-linux)
 [[ -e /usr/include/libaio.h ]] || missing+=(libaio-dev)
 # libfuse 3 and fusermount3: the fault tests' failing storage path (tests/faultfs.py).
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
+# Network namespaces, a GlusterFS server and its FUSE client: the two-node tests (tests/cluster.py).
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v glusterd >/dev/null 2>&1 || missing+=(glusterfs-server)
+command -v mount.glusterfs >/dev/null 2>&1 || [[ -x /sbin/mount.glusterfs ]] || missing+=(glusterfs-client)
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
         say "installing Debian packages: ${missing[*]}"

@@ -175,6 +175,7 @@ UNCACHED_KEYS = {
     "fill_at",
     "immutable_at_step",
     "sigkill_in_update_at",
+    "stall_in_update_at",
     "sample_resources",
 }
 

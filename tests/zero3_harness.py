@@ -9,9 +9,13 @@ process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +171,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
         if step == case.get("sigkill_in_update_at"):
-            kill_in_update(optimizer, after_chunks=3)
+            in_update(optimizer, after_chunks=3, then=lambda: os.kill(os.getpid(), signal.SIGKILL))
+        if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
+            # This node's ranks stop mid-update, and say so, until the test kills the node.
+            marker = Path(case["stall_marker"].replace("{rank}", os.environ["RANK"]))
+            in_update(optimizer, after_chunks=3, then=functools.partial(stall, marker))
         if step == case.get("checkpoint_at"):
             # Save, drop the engine, build another from other initial weights (stock or ours, as the
             # case says), load, and go on with the same data.
@@ -332,11 +340,14 @@ def resources() -> dict[str, int]:
     }
 
 
-def kill_in_update(optimizer: Any, after_chunks: int) -> None:
-    """Makes the next update SIGKILL this process once `after_chunks` chunks are updated (their writes
-    in flight or done, the rest not begun)."""
-    import signal
+def stall(marker: Path) -> None:
+    marker.touch()
+    time.sleep(3600)
 
+
+def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> None:
+    """Makes the next update call `then()` (SIGKILL this process, or stall it) once `after_chunks` chunks
+    are updated (their writes in flight or done, the rest not begun)."""
     pipeline = optimizer._mlp_state.pipeline
     run_step = pipeline.run_step
 
@@ -349,7 +360,7 @@ def kill_in_update(optimizer: Any, after_chunks: int) -> None:
             result = update(chunk, view, *cuts)
             done += 1
             if done == after_chunks:
-                os.kill(os.getpid(), signal.SIGKILL)
+                then()
             return result
 
         return run_step(update_then_maybe_die, **kwargs)
@@ -437,10 +448,12 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
 
 
 def main(spec: str, out: str) -> None:
-    """Runs the case in file `spec` and saves its result to `out`."""
+    """Runs the case in file `spec` and saves its result to `out` (`{rank}` in it: this rank's number,
+    for a launcher that starts every rank of a node with one command line)."""
     case = json.loads(Path(spec).read_text())
-    os.environ["MASTER_PORT"] = str(case.get("port", 29500))
-    torch.save(train(case), out)
+    if "MASTER_PORT" not in os.environ or "port" in case:
+        os.environ["MASTER_PORT"] = str(case.get("port", 29500))
+    torch.save(train(case), out.replace("{rank}", os.environ["RANK"]))
 
 
 if __name__ == "__main__":

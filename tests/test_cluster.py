@@ -1,0 +1,176 @@
+"""Across nodes: two nodes on this machine (`cluster.TwoNodeCluster`), 2 ranks each launched by torchrun,
+the state on a node-local directory and on a GlusterFS volume both nodes mount. Each run's ranks equal
+stock DeepSpeed's same run bit for bit, and a checkpoint saved on the shared volume resumes on another
+layout of the same 4 data-parallel ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable
+from conftest import is_root
+from deepspeed_runs import HARNESS, assert_bit_equal, free_port, harness_env
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+if not is_root():
+    pytest.skip("two nodes on one machine need root (network namespaces, mounts)", allow_module_level=True)
+if why := cluster_unavailable():
+    pytest.skip(why, allow_module_level=True)
+
+# One cluster at a time: GlusterFS's daemon keeps its state in /var/lib/glusterd, one per machine.
+pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("two nodes")]
+
+RANKS = 4
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[TwoNodeCluster]:
+    tag = tmp_path.name[-8:].replace("_", "").lower()
+    with TwoNodeCluster(tmp_path, tag) as two, GlusterVolume(two, tmp_path / "brick"):
+        yield two
+
+
+def start_on(
+    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str
+) -> list[tuple[Path, subprocess.Popen[bytes]]]:
+    """Starts `case` on 4 ranks: 2 on each node (`nodes` 2) or all 4 on node 0 (`nodes` 1); each node's
+    log and torchrun."""
+    spec = cluster.root / f"{name}.json"
+    spec.write_text(json.dumps(case))
+    port = free_port()
+    per_node = RANKS // nodes
+    procs = []
+    for k in range(nodes):
+        log = cluster.root / f"{name}.node{k}.log"
+        env = harness_env(OMP_NUM_THREADS="1", **cluster.env(k))
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        script = [str(HARNESS), str(spec), str(result_file(cluster, name))]
+        argv = cluster.torchrun(k, script, port, per_node, nodes)
+        with log.open("w") as sink:
+            procs.append((log, subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)))
+    return procs
+
+
+def result_file(cluster: TwoNodeCluster, name: str, rank: int | None = None) -> Path:
+    return cluster.root / f"{name}.rank{'{rank}' if rank is None else rank}.pt"
+
+
+def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """`case` on 4 ranks (see `start_on`): every rank's result, rank by rank. A failed node's log ends
+    the failure's message."""
+    procs = start_on(cluster, nodes, case, name)
+    failed = []
+    try:
+        for log, proc in procs:
+            if proc.wait(timeout=600) != 0:
+                failed.append(log)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if failed:
+        raise AssertionError(
+            f"{name}: " + "\n".join(f"{log.name}:\n{log.read_text()[-6000:]}" for log in failed)
+        )
+    return [torch.load(result_file(cluster, name, r), weights_only=False) for r in range(RANKS)]
+
+
+def section(cluster: TwoNodeCluster, name: str) -> dict[str, Any]:
+    """Ours on [the node's local directory, the shared volume], streaming (a few chunks cached); makes
+    the directories on each node, as a job script would."""
+    for node in cluster.nodes:
+        (node.local_dir / name).mkdir(exist_ok=True)
+    cluster.run(0, ["mkdir", "-p", str(cluster.shared / name)])
+    return {
+        "paths": [str(cluster.node_local / name), str(cluster.shared / name)],
+        "weights": "equal",
+        "host_memory": "200K",
+        "update_chunk": "24K",
+    }
+
+
+def test_four_ranks_on_two_nodes_equal_stock_and_resume_on_one_node(cluster: TwoNodeCluster) -> None:
+    """4 ranks on 2 nodes, with accumulation and clipping, on [node-local, shared]: every rank's state
+    equals stock DeepSpeed's same 4-rank run on the same two nodes bit for bit. Both save a checkpoint on
+    the shared volume after 3 steps; a job of the same 4 ranks on one node resumes each (ours resumes
+    ours, stock resumes stock's) and ends bit-equal to the other."""
+    case = {"grad_accum": 2, "clip": 0.05, "steps": 4, "save_at": 3}
+    runs = {}
+    for name, ours in (("stock", False), ("ours", True)):
+        full = {**case, "checkpoint_dir": str(cluster.shared / f"ckpt-{name}")}
+        if ours:
+            full["mlp_offload"] = section(cluster, "state")
+        runs[name] = run_on(cluster, 2, full, name)
+    assert len({json.dumps(r["losses"]) for r in runs["stock"]}) == RANKS, "each rank has its own data"
+    for rank, (a, b) in enumerate(zip(runs["ours"], runs["stock"], strict=True)):
+        assert a["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3", rank
+        assert_bit_equal(a, b)
+        start = next(r for r in a["telemetry"] if r["event"] == "start")
+        assert start["cached_chunks"] < start["chunks"], "the state streams through both paths"
+    # Each node's ranks kept their part in the node's own directory, and all four on the shared volume.
+    for k in range(2):
+        local = cluster.nodes[k].local_dir / "state"
+        assert sorted(d.name for d in local.iterdir()) == [f"rank{2 * k}", f"rank{2 * k + 1}"], local
+    assert cluster.shared_brick is not None
+    shared = cluster.shared_brick / "state"
+    assert sorted(d.name for d in shared.iterdir()) == [f"rank{r}" for r in range(RANKS)], shared
+
+    resumed = {}
+    for name, ours in (("stock", False), ("ours", True)):
+        full = {**case, "steps": 6, "resume_at": 3, "checkpoint_dir": str(cluster.shared / f"ckpt-{name}")}
+        full.pop("save_at")
+        if ours:
+            full["mlp_offload"] = section(cluster, "resumed")
+        resumed[name] = run_on(cluster, 1, full, f"{name}-resumed")
+    for a, b in zip(resumed["ours"], resumed["stock"], strict=True):
+        assert_bit_equal(a, b)
+
+
+def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: TwoNodeCluster) -> None:
+    """Ours saves a checkpoint on the shared volume after 2 steps; in the next update node 1's ranks stop
+    after 3 chunks and the whole node is SIGKILLed, then node 0 (the job is over, as a scheduler ends
+    it). The same job, on the same store paths the killed one left, resumes from that checkpoint: bit-
+    equal to stock DeepSpeed's own resume from its checkpoint after the same 2 steps."""
+    case = {"grad_accum": 2, "clip": 0.05, "steps": 3, "save_at": 2}
+    resume = {"grad_accum": 2, "clip": 0.05, "steps": 5, "resume_at": 2}
+    stock_ckpt, ours_ckpt = str(cluster.shared / "ckpt-stock"), str(cluster.shared / "ckpt-ours")
+    run_on(cluster, 2, {**case, "checkpoint_dir": stock_ckpt}, "stock")
+    stock = run_on(cluster, 2, {**resume, "checkpoint_dir": stock_ckpt}, "stock-resumed")
+
+    ours = section(cluster, "state")
+    marker = cluster.root / "stalled.rank{rank}"
+    killed = {
+        **case,
+        "checkpoint_dir": ours_ckpt,
+        "mlp_offload": ours,
+        "stall_in_update_at": 2,
+        "stall_node": 1,
+        "stall_marker": str(marker),
+    }
+    procs = start_on(cluster, 2, killed, "ours")
+    stalled = [Path(str(marker).replace("{rank}", str(r))) for r in (2, 3)]
+    deadline = time.monotonic() + 300
+    while not all(m.exists() for m in stalled):
+        ended = [log for log, proc in procs if proc.poll() is not None]
+        assert not ended and time.monotonic() < deadline, "\n".join(log.read_text()[-4000:] for log in ended)
+        time.sleep(0.2)
+    cluster.kill_node(1)
+    cluster.kill_node(0)
+    for _, proc in procs:
+        proc.wait(timeout=60)
+    assert not any(result_file(cluster, "ours", r).exists() for r in range(RANKS)), "no rank got to the end"
+
+    resumed = run_on(cluster, 2, {**resume, "checkpoint_dir": ours_ckpt, "mlp_offload": ours}, "ours-resumed")
+    for a, b in zip(resumed, stock, strict=True):
+        assert_bit_equal(a, b)
