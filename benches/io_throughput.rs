@@ -16,6 +16,7 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
@@ -142,7 +143,7 @@ impl Workload {
             .with_engine(s.engine)
             .with_limits(s.limits)
             .with_checksum(s.checksum)
-            .with_rank(std::process::id());
+            .with_rank(workload_rank());
         if let Some((weights, limits)) = placement {
             config = config.with_weights(weights).with_path_limits(limits);
         }
@@ -220,6 +221,13 @@ impl Workload {
             .collect();
         bytes as f64 / last.as_secs_f64()
     }
+}
+
+/// A rank of its own for each workload's store: a store locks its rank directory while open, and the
+/// comparison holds one workload per in-flight limit at once, so the process id alone is not enough.
+fn workload_rank() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    std::process::id() * 100 + NEXT.fetch_add(1, Ordering::Relaxed) % 100
 }
 
 impl Drop for Workload {
