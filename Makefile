@@ -129,6 +129,11 @@ bench-node: setup ## many ranks on one node (RANKS=4, SIZE=270M, sub_group_size 
 	    --contenders $(NODE_CONTENDERS) \
 	    --out docs/data/bench-node.json
 
+.PHONY: bench-cluster
+bench-cluster: setup ## a shared tier's share per node: the probe across two nodes against the update on both at once, on a GlusterFS volume (root; docs/data/bench-cluster.json)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(VENV)/bin/python benches/cluster_share.py --out docs/data/bench-cluster.json
+
 .PHONY: testbed-up
 testbed-up: ## build the bandwidth-capped second storage path (root)
 	$(TESTBED) up

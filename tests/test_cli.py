@@ -58,6 +58,9 @@ def test_probe_json_has_the_documented_fields(work_dirs: list[Path]) -> None:
         assert r["read_bytes_per_s"] > 0 and r["write_bytes_per_s"] > 0
         assert r["mixed_bytes_per_s"] > 0 and r["concurrent_bytes_per_s"] > 0
         assert r["engine"] in ("io_uring", "threads") and r["direct_io"] is True
+        # The work disk is the node's own; the mount's type and source say what it is across mounts.
+        assert (r["locality"], r["fs_type"]) == ("node-local", _core.probe_directory(r["path"])["fs_type"])
+        assert r["mount_source"] and "across_nodes" not in r
         assert {s["op"] for s in r["samples"]} == {"read", "write"} and len(r["samples"]) == 8
         # Host buffers of either page size at the best settings, and the pages the sustained figures used.
         pages = r["pages"]
@@ -212,6 +215,128 @@ def test_each_rank_is_planned_with_its_part_of_a_shared_device(
         assert plan["predicted_update_secs"] > 0
 
 
+# name, nodes, configured localities, per path (locality, mixed MiB/s, {nodes: each node's MiB/s
+# together}), expected share of each path's figures
+NODE_SHARES = [
+    ("node-local: all its own", 4, None, [("node-local", 1000, None)], [1.0]),
+    ("one node: all of a shared path", 1, None, [("shared", 1000, {"2": [300, 300]})], [1.0]),
+    ("measured with 2, planned for 2", 2, None, [("shared", 1000, {"2": [300, 340]})], [0.32]),
+    ("measured with 2, planned for 4", 4, None, [("shared", 1000, {"2": [300, 340]})], [0.16]),
+    ("not saturated: no more than alone", 2, None, [("shared", 500, {"2": [600, 600]})], [1.0]),
+    ("not measured: a lower bound", 4, None, [("shared", 1000, None)], [0.25]),
+    ("the most nodes measured below", 4, None, [("shared", 1000, {"2": [300, 300], "8": [50] * 8})], [0.15]),
+    (
+        "only more nodes measured: the fewest",
+        2,
+        None,
+        [("shared", 1000, {"8": [50] * 8, "4": [200] * 4})],
+        [0.4],
+    ),
+    ("configured node-local", 2, ["node-local"], [("shared", 1000, {"2": [300, 300]})], [1.0]),
+    ("configured shared", 2, ["shared"], [("node-local", 1000, None)], [0.5]),
+    (
+        "node-local and shared",
+        2,
+        None,
+        [("node-local", 3000, None), ("shared", 800, {"2": [400, 400]})],
+        [1.0, 0.5],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "configured", "paths", "expected"),
+    [c[1:] for c in NODE_SHARES],
+    ids=[c[0] for c in NODE_SHARES],
+)
+def test_each_node_is_planned_with_its_part_of_a_shared_path(
+    nodes: int,
+    configured: list[str] | None,
+    paths: list[tuple[str, int, dict[str, list[int]] | None]],
+    expected: list[float],
+) -> None:
+    """The nodes share equally what the shared path moved with all of them at once, each at most what
+    its own probe measured; node-local paths are each node's own."""
+    from mlp_offload import profiles
+
+    probes = [
+        {
+            "device_id": f"0:{i}",
+            "locality": locality,
+            "read_bytes_per_s": mixed * MiB,
+            "write_bytes_per_s": mixed * MiB,
+            "mixed_bytes_per_s": mixed * MiB,
+            "concurrent_bytes_per_s": None,
+            "best_read": {"max_inflight": 8, "chunk_size": 4 << 20},
+            **(
+                {}
+                if measured is None
+                else {
+                    "across_nodes": {
+                        n: {
+                            "hosts": [f"node{k}" for k in range(len(rates))],
+                            "alone_bytes_per_s": [mixed * MiB] * len(rates),
+                            "together_bytes_per_s": [r * MiB for r in rates],
+                            "secs": 3.0,
+                            "probed_at": 0.0,
+                        }
+                        for n, rates in measured.items()
+                    }
+                }
+            ),
+        }
+        for i, (locality, mixed, measured) in enumerate(paths)
+    ]
+    profile = profiles.Profile(paths=[f"/p{i}" for i in range(len(paths))], probes=probes, probed_at=0.0)
+    assert profile.node_share(nodes, configured) == pytest.approx(expected)
+    for i in range(len(paths)):
+        note = profile.across_nodes_note(i, nodes)
+        assert ("not measured" in note) == ("across_nodes" not in probes[i]), note
+
+
+# name, what a path was probed on, what it is on now, whether the saved profile still holds
+MOUNTS = [
+    ("node-local, same device", ("node-local", "ext4", "/dev/vda1", "254:0"), ("ext4", "254:0"), True),
+    ("node-local, another device", ("node-local", "ext4", "/dev/vda1", "254:0"), ("ext4", "259:1"), False),
+    # A network mount's device number is new at every mount: its source names it.
+    ("shared, mounted again", ("shared", "lustre", "mgs@tcp:/fs", "0:61"), ("lustre", "0:62"), True),
+    ("shared, another source", ("shared", "lustre", "mgs@tcp:/fs", "0:61"), ("lustre", "0:61"), False),
+]
+
+
+@pytest.mark.parametrize(("before", "now", "holds"), [c[1:] for c in MOUNTS], ids=[c[0] for c in MOUNTS])
+def test_a_saved_profile_holds_while_its_paths_sit_on_the_same_mounts(
+    before: tuple[str, str, str, str], now: tuple[str, str], holds: bool
+) -> None:
+    from mlp_offload import profiles
+
+    locality, fs_type, source, device = before
+    probed = {"locality": locality, "fs_type": fs_type, "mount_source": source, "device_id": device}
+    other_source = source if holds or locality == "node-local" else "other@tcp:/fs"
+    current = {**probed, "fs_type": now[0], "device_id": now[1], "mount_source": other_source}
+    assert (profiles._identity(current) == profiles._identity(probed)) == holds
+
+
+def test_plan_for_several_nodes_gives_each_its_part_of_the_shared_paths(work_dirs: list[Path]) -> None:
+    """`plan --nodes 4` on [node-local, shared] (named so, as the work disk is local): without a
+    measurement across nodes, each node gets a quarter of the shared path's figures, a lower bound the
+    plan says it is, and the update it predicts is no faster than for one node."""
+    dirs = [str(work_dirs[0]), str(work_dirs[2])]
+    plan = ("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "64M")
+    one = json.loads(run_cli(*plan, "--json", "-q", "--locality", "node-local,shared", *dirs).stdout)
+    four = json.loads(
+        run_cli(*plan, "--json", "-q", "--locality", "node-local,shared", "--nodes", "4", *dirs).stdout
+    )
+    assert (one["node_share"], four["node_share"]) == ([1.0, 1.0], [1.0, 0.25])
+    assert four["locality"] == ["node-local", "shared"] and four["workload"]["nodes"] == 4
+    assert four["plan"]["predicted_update_secs"] >= one["plan"]["predicted_update_secs"]
+    table = run_cli(*plan, "-q", "--locality", "node-local,shared", "--nodes", "4", *dirs).stdout
+    assert "shared by 4 nodes, each planned with 0.25" in table and "not measured across nodes" in table
+    for bad in (["--locality", "node-local"], ["--locality", "node-local,remote"], ["--nodes", "0"]):
+        out = run_cli(*plan, *bad, *dirs, check=False)
+        assert out.returncode == 2 and bad[0] in out.stderr, out.stderr
+
+
 def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:
     out = subprocess.run(
         [*PROBE, str(work_dirs[0]), str(work_dirs[1])],
@@ -220,7 +345,8 @@ def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:
         check=True,
         timeout=120,
     )
-    assert "read MiB/s" in out.stdout and "(shared)" in out.stdout
+    assert "read MiB/s" in out.stdout and "(same device)" in out.stdout
+    assert "node-local (ext4)" in out.stdout, "the work disk is the node's own"
     assert "MiB/s" in out.stderr, "progress lines go to stderr"
 
 

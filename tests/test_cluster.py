@@ -1,7 +1,8 @@
 """Across nodes: two nodes on this machine (`cluster.TwoNodeCluster`), 2 ranks each launched by torchrun,
 the state on a node-local directory and on a GlusterFS volume both nodes mount. Each run's ranks equal
 stock DeepSpeed's same run bit for bit, and a checkpoint saved on the shared volume resumes on another
-layout of the same 4 data-parallel ranks."""
+layout of the same 4 data-parallel ranks: from one node on two, and, after a node is killed, from two
+nodes on the one left."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable
 from conftest import is_root
 from deepspeed_runs import HARNESS, assert_bit_equal, free_port, harness_env
+from mlp_offload.profiles import ProbeOptions
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -86,7 +89,7 @@ def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str)
     return [torch.load(result_file(cluster, name, r), weights_only=False) for r in range(RANKS)]
 
 
-def section(cluster: TwoNodeCluster, name: str) -> dict[str, Any]:
+def section(cluster: TwoNodeCluster, name: str, weights: str = "equal") -> dict[str, Any]:
     """Ours on [the node's local directory, the shared volume], streaming (a few chunks cached); makes
     the directories on each node, as a job script would."""
     for node in cluster.nodes:
@@ -94,59 +97,118 @@ def section(cluster: TwoNodeCluster, name: str) -> dict[str, Any]:
     cluster.run(0, ["mkdir", "-p", str(cluster.shared / name)])
     return {
         "paths": [str(cluster.node_local / name), str(cluster.shared / name)],
-        "weights": "equal",
+        "weights": weights,
         "host_memory": "200K",
         "update_chunk": "24K",
     }
 
 
-def test_four_ranks_on_two_nodes_equal_stock_and_resume_on_one_node(cluster: TwoNodeCluster) -> None:
-    """4 ranks on 2 nodes, with accumulation and clipping, on [node-local, shared]: every rank's state
-    equals stock DeepSpeed's same 4-rank run on the same two nodes bit for bit. Both save a checkpoint on
-    the shared volume after 3 steps; a job of the same 4 ranks on one node resumes each (ours resumes
-    ours, stock resumes stock's) and ends bit-equal to the other."""
+# A small probe, as `mlp-offload probe` takes it.
+SMALL_PROBE = ["--bytes", "8M", "--sustained-bytes", "32M", "--chunk-sizes", "1M", "--depths", "4"]
+SMALL_PROBE += ["--together-secs", "0.5"]
+
+
+def probe_across_nodes(cluster: TwoNodeCluster, paths: list[str], profiles: Path) -> list[dict[str, Any]]:
+    """`mlp-offload probe` of `paths` under torchrun, one process on each node; each node's saved
+    profile entry, saved as the engine's (2 ranks per node) so that a job of ours reuses it."""
+    port = free_port()
+    procs = []
+    for k in range(2):
+        env = harness_env(OMP_NUM_THREADS="1", **cluster.env(k))
+        argv = cluster.torchrun(k, ["-m", "mlp_offload.cli", "probe", *SMALL_PROBE, "-q", *paths], port, 1)
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    entries = []
+    for node in cluster.nodes:
+        file = profiles / f"{node.hostname}.json"
+        saved = json.loads(file.read_text())
+        (entry,) = saved["entries"]
+        entry["options"] = asdict(ProbeOptions(ranks=RANKS // 2))
+        file.write_text(json.dumps(saved))
+        entries.append(entry)
+    return entries
+
+
+def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volume(
+    cluster: TwoNodeCluster, profile_dir: Path
+) -> None:
+    """4 ranks on one node, with accumulation and clipping, on [node-local, shared volume]: bit-equal to
+    stock DeepSpeed's same run; both save a checkpoint on the volume after 3 steps. `mlp-offload probe`
+    under torchrun on both nodes finds the local directory node-local and the volume shared, and
+    measures the volume from each node alone and from both at once. Then 4 ranks on 2 nodes resume
+    each checkpoint (ours resumes ours, stock resumes stock's), ours split as the model plans from
+    those figures, and end bit-equal to each other. A node whose profile lacks the measurement makes the
+    job measure again at start-up, and each node plans with its part of the volume."""
     case = {"grad_accum": 2, "clip": 0.05, "steps": 4, "save_at": 3}
     runs = {}
     for name, ours in (("stock", False), ("ours", True)):
         full = {**case, "checkpoint_dir": str(cluster.shared / f"ckpt-{name}")}
         if ours:
             full["mlp_offload"] = section(cluster, "state")
-        runs[name] = run_on(cluster, 2, full, name)
+        runs[name] = run_on(cluster, 1, full, name)
     assert len({json.dumps(r["losses"]) for r in runs["stock"]}) == RANKS, "each rank has its own data"
     for rank, (a, b) in enumerate(zip(runs["ours"], runs["stock"], strict=True)):
         assert a["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3", rank
         assert_bit_equal(a, b)
         start = next(r for r in a["telemetry"] if r["event"] == "start")
         assert start["cached_chunks"] < start["chunks"], "the state streams through both paths"
-    # Each node's ranks kept their part in the node's own directory, and all four on the shared volume.
-    for k in range(2):
-        local = cluster.nodes[k].local_dir / "state"
-        assert sorted(d.name for d in local.iterdir()) == [f"rank{2 * k}", f"rank{2 * k + 1}"], local
-    assert cluster.shared_brick is not None
-    shared = cluster.shared_brick / "state"
-    assert sorted(d.name for d in shared.iterdir()) == [f"rank{r}" for r in range(RANKS)], shared
+
+    ours_section = section(cluster, "resumed", weights="auto")
+    entries = probe_across_nodes(cluster, ours_section["paths"], profile_dir)
+    for entry in entries:
+        assert [p["locality"] for p in entry["probes"]] == ["node-local", "shared"]
+        assert entry["probes"][1]["fs_type"] == "fuse.glusterfs"
+        measured = entry["probes"][1]["across_nodes"]["2"]
+        assert measured["hosts"] == [n.hostname for n in cluster.nodes]
+        assert all(r > 0 for r in measured["alone_bytes_per_s"] + measured["together_bytes_per_s"])
+        assert "across_nodes" not in entry["probes"][0], "a node-local path is not measured across nodes"
+    # Node 1 lost its measurement: the job measures again, on every node at once.
+    node1 = profile_dir / f"{cluster.nodes[1].hostname}.json"
+    saved = json.loads(node1.read_text())
+    del saved["entries"][0]["probes"][1]["across_nodes"]
+    node1.write_text(json.dumps(saved))
 
     resumed = {}
     for name, ours in (("stock", False), ("ours", True)):
         full = {**case, "steps": 6, "resume_at": 3, "checkpoint_dir": str(cluster.shared / f"ckpt-{name}")}
         full.pop("save_at")
         if ours:
-            full["mlp_offload"] = section(cluster, "resumed")
-        resumed[name] = run_on(cluster, 1, full, f"{name}-resumed")
-    for a, b in zip(resumed["ours"], resumed["stock"], strict=True):
+            full["mlp_offload"] = ours_section
+        resumed[name] = run_on(cluster, 2, full, f"{name}-resumed")
+    saved_now = [json.loads((profile_dir / f"{n.hostname}.json").read_text()) for n in cluster.nodes]
+    remeasured = [s["entries"][0]["probes"][1]["across_nodes"] for s in saved_now]
+    before = entries[0]["probes"][1]["across_nodes"]["2"]["probed_at"]
+    assert all(m["2"]["probed_at"] > before for m in remeasured), "both nodes saved the job's measurement"
+    for rank, (a, b) in enumerate(zip(resumed["ours"], resumed["stock"], strict=True)):
         assert_bit_equal(a, b)
+        start = next(r for r in a["telemetry"] if r["event"] == "start")
+        # Each node plans with its part of the shared volume, as measured from both nodes at once.
+        measured = remeasured[rank // 2]["2"]
+        mixed = entries[rank // 2]["probes"][1]["mixed_bytes_per_s"]
+        share = min(1.0, sum(measured["together_bytes_per_s"]) / 2 / mixed)
+        assert (start["nodes"], start["locality"]) == (2, ["node-local", "shared"]), rank
+        assert start["node_share"] == pytest.approx([1.0, share]), rank
+    # Each node's ranks kept their part in the node's own directory, and all four on the shared volume.
+    for k in range(2):
+        local = cluster.nodes[k].local_dir / "resumed"
+        assert sorted(d.name for d in local.iterdir()) == [f"rank{2 * k}", f"rank{2 * k + 1}"], local
+    assert cluster.shared_brick is not None
+    shared = cluster.shared_brick / "resumed"
+    assert sorted(d.name for d in shared.iterdir()) == [f"rank{r}" for r in range(RANKS)], shared
 
 
 def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: TwoNodeCluster) -> None:
-    """Ours saves a checkpoint on the shared volume after 2 steps; in the next update node 1's ranks stop
-    after 3 chunks and the whole node is SIGKILLed, then node 0 (the job is over, as a scheduler ends
-    it). The same job, on the same store paths the killed one left, resumes from that checkpoint: bit-
-    equal to stock DeepSpeed's own resume from its checkpoint after the same 2 steps."""
+    """Ours, 4 ranks on 2 nodes, saves a checkpoint on the shared volume after 2 steps; in the next
+    update node 1's ranks stop after 3 chunks and the whole node is SIGKILLed, then node 0 (the job is
+    over, as a scheduler ends it). The same 4 ranks resume from that checkpoint on the node that is left,
+    on the store paths the killed job left there: bit-equal to stock DeepSpeed's own resume, the same
+    way, from its checkpoint after the same 2 steps on both nodes."""
     case = {"grad_accum": 2, "clip": 0.05, "steps": 3, "save_at": 2}
     resume = {"grad_accum": 2, "clip": 0.05, "steps": 5, "resume_at": 2}
     stock_ckpt, ours_ckpt = str(cluster.shared / "ckpt-stock"), str(cluster.shared / "ckpt-ours")
     run_on(cluster, 2, {**case, "checkpoint_dir": stock_ckpt}, "stock")
-    stock = run_on(cluster, 2, {**resume, "checkpoint_dir": stock_ckpt}, "stock-resumed")
+    stock = run_on(cluster, 1, {**resume, "checkpoint_dir": stock_ckpt}, "stock-resumed")
 
     ours = section(cluster, "state")
     marker = cluster.root / "stalled.rank{rank}"
@@ -171,6 +233,6 @@ def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: TwoNodeClust
         proc.wait(timeout=60)
     assert not any(result_file(cluster, "ours", r).exists() for r in range(RANKS)), "no rank got to the end"
 
-    resumed = run_on(cluster, 2, {**resume, "checkpoint_dir": ours_ckpt, "mlp_offload": ours}, "ours-resumed")
+    resumed = run_on(cluster, 1, {**resume, "checkpoint_dir": ours_ckpt, "mlp_offload": ours}, "ours-resumed")
     for a, b in zip(resumed, stock, strict=True):
         assert_bit_equal(a, b)

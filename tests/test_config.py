@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mlp_offload.config import migrate_nvme_offload
+from mlp_offload.config import from_ds_config, migrate_nvme_offload
 
 NVME = {
     "device": "nvme",
@@ -67,3 +67,23 @@ def test_nvme_offload_without_any_path_is_named() -> None:
     ds = config({"device": "nvme"}, {})
     with pytest.raises(ValueError, match=r"mlp_offload\.paths.*offload_optimizer\.nvme_path"):
         migrate_nvme_offload(ds)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"path_locality": ["shared"]}, r"mlp_offload\.path_locality: 1 values for 2 paths"),
+        ({"path_locality": ["node-local", "remote"]}, r"mlp_offload\.path_locality\.1"),
+        ({"path_locality": "yes"}, r"mlp_offload\.path_locality"),
+        ({"weights": [1.0]}, r"mlp_offload\.weights: 1 values for 2 paths"),
+    ],
+)
+def test_per_path_keys_name_themselves(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_ds_config({"mlp_offload": {"paths": ["/a", "/b"], **section}})
+
+
+def test_path_locality_is_per_path() -> None:
+    section = {"paths": ["/a", "/b"], "path_locality": ["node-local", "shared"]}
+    parsed = from_ds_config({"mlp_offload": section})
+    assert parsed is not None and parsed.path_locality == ["node-local", "shared"]

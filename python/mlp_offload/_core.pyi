@@ -21,6 +21,7 @@ __all__ = [
     "plan_update",
     "probe_bandwidth",
     "probe_directory",
+    "probe_shared_path",
 ]
 
 __version__: str
@@ -219,7 +220,24 @@ class WeightTuner:
         judging starts afresh. The weights to use from here."""
 
 def probe_directory(path: str) -> dict[str, Any]:
-    """Alignment, tested O_DIRECT support and device identity of a directory."""
+    """Alignment, tested O_DIRECT support, device identity, the mount's type and its locality
+    (`"node-local"` or `"shared"`) of a directory."""
+
+def probe_shared_path(
+    path: str,
+    *,
+    chunk_size: int,
+    max_inflight: int,
+    pages: str,
+    expected_bytes_per_s: float,
+    working_bytes: int,
+    steps: int,
+    step: Callable[[int], float | None],
+    engine: str = "auto",
+) -> list[float | None]:
+    """One node's part of measuring a directory other nodes share: a probe file of `working_bytes`,
+    then per window `step(i)` (the caller's barrier across the nodes, returning the seconds this node
+    measures in it, or None) and mixed reads and writes that long. One rate or None per window."""
 
 def probe_bandwidth(
     paths: list[str],

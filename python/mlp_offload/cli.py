@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mlp_offload import memory, profiles, units
@@ -46,11 +48,12 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
         "mixed MiB/s",
         "together MiB/s",
         "pages",
+        "locality",
     ]
     rows = []
     devices = [r["device_id"] for r in results]
     for r in results:
-        shared = " (shared)" if devices.count(r["device_id"]) > 1 else ""
+        shared = " (same device)" if devices.count(r["device_id"]) > 1 else ""
         rows.append(
             [
                 str(r["path"]),
@@ -64,16 +67,18 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
                 _mib(r["mixed_bytes_per_s"]),
                 "-" if r["concurrent_bytes_per_s"] is None else _mib(r["concurrent_bytes_per_s"]),
                 _pages(r["pages"]),
+                f"{r['locality']} ({r['fs_type']})",
             ]
         )
     lines = render_table(header, rows)
     lines.append(
         "mixed: reads and writes at once on that path alone; together: the same on every path at once; "
         "pages: the host buffers' pages the path's figures were measured with, and huge pages' read and "
-        "write rates over 4 KiB pages' at the best settings"
+        "write rates over 4 KiB pages' at the best settings; locality: whether other nodes mount the same "
+        "files (a shared path's figures are this node's alone)"
     )
     if any(devices.count(d) > 1 for d in devices):
-        lines.append("(shared): these paths are on one device and share its bandwidth")
+        lines.append("(same device): these paths are on one device and share its bandwidth")
     seen: set[str] = set()
     for r in results:
         if (sharing := r.get("sharing")) and r["device_id"] not in seen:
@@ -89,6 +94,10 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
                     else "leaves each rank its own limit"
                 )
             )
+    for r in results:
+        for nodes in sorted(int(n) for n in r.get("across_nodes") or {}):
+            profile = profiles.Profile([str(r["path"])], [r], 0.0)
+            lines.append(f"{r['path']}: {profile.across_nodes_note(0, nodes)}")
     return "\n".join(lines)
 
 
@@ -111,16 +120,42 @@ def _probe_options(args: argparse.Namespace) -> profiles.ProbeOptions:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    profile = profiles.probe(args.dirs, _probe_options(args), _progress(args))
-    if not args.no_save:
-        file = profiles.save_profile(profile)
-        if not args.quiet:
-            print(f"profile saved in {file}", file=sys.stderr)
+    with _across_nodes() as nodes:
+        options = _probe_options(args)
+        profile = profiles.probe(args.dirs, options, _progress(args))
+        if not args.no_save:
+            file = profiles.save_profile(profile)
+            if not args.quiet:
+                print(f"profile saved in {file}", file=sys.stderr)
+        if nodes > 1:
+            profiles.measure_across_nodes(profile, options, progress=_progress(args), save=not args.no_save)
     if args.json:
         print(json.dumps(profile.probes, indent=2))
     else:
         print(render_probe_table(profile.probes))
     return 0
+
+
+@contextlib.contextmanager
+def _across_nodes() -> Iterator[int]:
+    """Under torchrun (`WORLD_SIZE` above 1): the job's process group (gloo), one process per node, and
+    the number of nodes; else 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        yield 1
+        return
+    if (local := int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) != 1:
+        raise ValueError(
+            "mlp-offload probe across nodes runs one process per node (torchrun --nproc-per-node 1), "
+            f"not {local}"
+        )
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
 
 
 def parse_count(text: str) -> int:
@@ -133,6 +168,17 @@ def parse_count(text: str) -> int:
 
 # Budgets of the `plan` table, as fractions of what caching the whole state takes.
 PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
+
+
+def node_part(profile: profiles.Profile, args: argparse.Namespace) -> list[float]:
+    """Per path, one rank's part of what the probe measured: of each device the node's `--ranks` share,
+    the way "auto" would share it, and of a shared path, its node's part among `--nodes`."""
+    return [
+        rank * node
+        for rank, node in zip(
+            profile.rank_share(args.ranks), profile.node_share(args.nodes, args.locality), strict=True
+        )
+    ]
 
 
 def plan_at(
@@ -149,13 +195,21 @@ def plan_at(
         cache,
         adam_secs_per_chunk=layout.buffer_bytes / rate if rate > 0 else 0.0,
         fwd_bwd_secs=args.fwd_bwd_secs,
-        # One rank's part of each device the node's `--ranks` share, the way "auto" would share it.
-        share=profile.rank_share(args.ranks),
+        share=node_part(profile, args),
     )
     return layout, plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        raise ValueError(f"--nodes: {args.nodes} is not a number of nodes")
+    if args.locality is not None and (
+        len(args.locality) != len(args.dirs) or not set(args.locality) <= {"node-local", "shared"}
+    ):
+        raise ValueError(
+            f"--locality: {','.join(args.locality)}: one of node-local or shared per path, for "
+            f"{len(args.dirs)} paths"
+        )
     profile, source = profiles.load_or_probe(
         args.dirs,
         _probe_options(args),
@@ -193,6 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "host_memory": args.host_memory,
         "adam_bytes_per_s": args.adam_bytes_per_s,
         "fwd_bwd_secs": args.fwd_bwd_secs,
+        "nodes": args.nodes,
     }
     if args.json:
         print(
@@ -201,6 +256,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "workload": workload,
                     "profile_source": profile.source,
                     "paths": probes,
+                    "locality": profile.localities(args.locality),
+                    "node_share": profile.node_share(args.nodes, args.locality),
                     "plan": plan,
                     "by_host_memory": by_budget,
                 },
@@ -232,6 +289,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for p, w, n in zip(probes, plan["weights"], plan["max_inflight"], strict=True)
     ]
     print("\n".join(render_table(header, rows)))
+    for i, locality in enumerate(profile.localities(args.locality)):
+        if locality == "shared" and args.nodes > 1:
+            share = profile.node_share(args.nodes, args.locality)[i]
+            print(
+                f"{probes[i]['path']}: shared by {args.nodes} nodes, each planned with {share:.2f} of its "
+                f"figures alone; {profile.across_nodes_note(i, args.nodes)}"
+            )
     print(
         f"\n{len(numels)} subgroups of up to {group:,} parameters in {len(layout.chunks)} chunks of "
         f"{layout.buffer_bytes / 2**20:,.1f} MiB of fp32 state; {plan['cached_subgroups']} chunks stay in "
@@ -267,7 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
         "until the rate settles after a first whole pass (so a cache in front of the device does not "
         "count); then, for several paths, all of them at once. Writes and removes a temporary file in "
         "each directory. The profile is saved per host "
-        f"({profiles.profile_file()}; MLP_OFFLOAD_PROFILE_DIR moves it) for `plan` and training to reuse.",
+        f"({profiles.profile_file()}; MLP_OFFLOAD_PROFILE_DIR moves it) for `plan` and training to reuse. "
+        "Under torchrun with one process per node (--nnodes N --nproc-per-node 1), each node probes its "
+        "paths, then each shared path (a network or parallel file system) is measured from every node "
+        "alone and from all at once, for `plan --nodes` and training to divide it among the nodes.",
     )
     probe.add_argument("dirs", nargs="+", metavar="DIR", help="existing, writable directories")
     probe.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -301,6 +368,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--fwd-bwd-secs", type=float, default=0.0, help="forward+backward time per step, when known"
+    )
+    plan.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes of the job: each plans with its part of the shared paths, from what the probe measured "
+        "across nodes (1)",
+    )
+    plan.add_argument(
+        "--locality",
+        type=lambda s: s.split(","),
+        default=None,
+        help="comma-separated, per path: node-local or shared (default: from each file system's type)",
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument(

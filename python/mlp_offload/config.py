@@ -52,6 +52,13 @@ class MLPOffloadConfig(BaseModel):
     the saved probe profile of these paths (probed at start-up when there is none or it is stale);
     `"equal"`: the same share everywhere; or one weight per path."""
 
+    path_locality: list[Literal["node-local", "shared"]] | Literal["auto"] = "auto"
+    """Per path, whether only this node reaches it (`"node-local"`) or every node of the job mounts the
+    same directory (`"shared"`). With `weights: "auto"`, a job of several nodes measures each shared
+    path's bandwidth from all its nodes at once at start-up (once; the profile keeps it), and plans each
+    node with its part. `"auto"`: from the file system's type: network and parallel file systems
+    (Lustre, GPFS, BeeGFS, NFS, CephFS, GlusterFS, ...) are shared, the rest node-local."""
+
     adapt: bool = True
     """After every step, move share from the busiest path to the idler ones; a move is kept only if the
     two updates after it were no slower than the two before (`WeightTuner`, docs/model.md)."""
@@ -167,12 +174,18 @@ def from_ds_config(ds_config: dict[str, Any] | None) -> MLPOffloadConfig | None:
     try:
         config = MLPOffloadConfig.model_validate(section)
     except ValidationError as e:
+        # A union's members tag their errors' locations (`literal['auto']`): only keys and indices name
+        # what the user wrote.
         problems = "; ".join(
-            f"{SECTION}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+            f"{SECTION}.{'.'.join(str(p) for p in err['loc'] if not (isinstance(p, str) and '[' in p))}: "
+            f"{err['msg']}"
+            for err in e.errors()
         )
         raise ValueError(problems) from None
-    if isinstance(config.weights, list) and len(config.weights) != len(config.paths):
-        raise ValueError(f"{SECTION}.weights: {len(config.weights)} weights for {len(config.paths)} paths")
+    for key in ("weights", "path_locality"):
+        value = getattr(config, key)
+        if isinstance(value, list) and len(value) != len(config.paths):
+            raise ValueError(f"{SECTION}.{key}: {len(value)} values for {len(config.paths)} paths")
     return config
 
 

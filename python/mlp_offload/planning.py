@@ -90,6 +90,14 @@ class RankAgreement:
         return samples, float(slowest.item())
 
 
+def job_nodes() -> int:
+    """The job's nodes: its ranks over the node's (as torchrun and Slurm place them, alike on every
+    node); 1 without torch.distributed."""
+    if not torch_dist.is_available() or not torch_dist.is_initialized():
+        return 1
+    return max(1, torch_dist.get_world_size() // memory.local_ranks())
+
+
 class UpdatePlanner:
     """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
     records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
@@ -111,6 +119,9 @@ class UpdatePlanner:
         # rank's part of its bandwidth.
         self._ways = ["free"] * len(config.paths)
         self._share: list[float] | None = None
+        # Nodes of the job, and per path this node's part of a shared path's bandwidth among them.
+        self.nodes = 1
+        self.node_share: list[float] | None = None
         self._agreement = RankAgreement() if config.adapt else None
         self._file = self._open(config.telemetry_file)
 
@@ -134,18 +145,34 @@ class UpdatePlanner:
 
     def load_profile(self) -> None:
         """The paths' profile: with `weights: "auto"` the saved one or a new probe (one per node: the
-        node's other ranks wait for it and reuse it); with fixed weights only a saved one."""
+        node's other ranks wait for it and reuse it), and in a job of several nodes, their shares of the
+        shared paths (`profiles.measure_across_nodes`, collective); with fixed weights only a saved
+        one."""
         config = self.config
         # With several ranks on the node, the probe also measures how they best share each device.
         options = profiles.ProbeOptions(ranks=memory.local_ranks())
         if config.weights != "auto":
             # Fixed weights: plan with the profile only when one is saved, never probe for it.
             self.profile, _ = profiles.saved_profile(config.paths, options, config.probe_max_age_hours * 3600)
+            self.nodes = job_nodes()
         else:
             self.profile, source = profiles.load_or_probe(
                 config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=None
             )
             log.info("mlp-offload: %s", source)
+            # A job of several nodes measures its shared paths from all of them at once (a collective).
+            self.nodes = profiles.measure_across_nodes(
+                self.profile, options, self.locality, progress=lambda line: log.info("mlp-offload: %s", line)
+            )
+
+    @property
+    def locality(self) -> list[str] | None:
+        """Per path, `"node-local"` or `"shared"`: as configured (`path_locality`), else as probed; None
+        with neither."""
+        configured: list[str] | None = (
+            None if self.config.path_locality == "auto" else [*self.config.path_locality]
+        )
+        return configured if self.profile is None else self.profile.localities(configured)
 
     def host_pages(self) -> tuple[str, str]:
         """The host buffers' pages (`"huge"` or `"small"`) and why (see `MLPOffloadConfig.host_pages`):
@@ -160,7 +187,8 @@ class UpdatePlanner:
     @property
     def rank_share(self) -> list[float] | None:
         """Per path, this rank's part of the probed bandwidth of its device, shared by the node's ranks
-        (`profiles.Profile.rank_share`); None before `plan` or without a profile."""
+        (`profiles.Profile.rank_share`) and, for a shared path, by the job's nodes
+        (`profiles.Profile.node_share`); None before `plan` or without a profile."""
         return self._share
 
     def max_inflight(self) -> tuple[int, str]:
@@ -224,7 +252,11 @@ class UpdatePlanner:
             "free" if inflight is None else sharing
             for inflight, sharing in zip(self.device_inflight(), self.device_sharing(), strict=True)
         ]
-        self._share = self.profile.rank_share(ranks, self._ways)
+        self.node_share = self.profile.node_share(self.nodes, self.locality)
+        self._share = [
+            rank * node
+            for rank, node in zip(self.profile.rank_share(ranks, self._ways), self.node_share, strict=True)
+        ]
         plan = self._replan()
         self.prediction = plan["predicted_update_secs"]
         if config.adapt:

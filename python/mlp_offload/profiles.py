@@ -10,6 +10,12 @@ Location: `$MLP_OFFLOAD_PROFILE_DIR/<hostname>.json`, by default `$XDG_CACHE_HOM
 what paths give each other when used at once belongs to the set. An entry is stale when it is older
 than `max_age_s`, when any path now sits on another device or file system, or when it was measured
 with other probe options.
+
+A shared path (a network or parallel file system every node mounts, `locality` `"shared"`) gives each
+node only its part of what the file system serves all of them. One node's probe cannot see that:
+`measure_across_nodes`, run by every rank of a job of several nodes, measures each shared path from
+every node alone and then from all of them at once, and keeps the figures in each node's profile
+(`across_nodes`) for `node_share` to plan with.
 """
 
 from __future__ import annotations
@@ -28,10 +34,17 @@ from typing import Any
 from mlp_offload import _core
 
 # 2: each path's probe has `pages` (host buffers of either page size) and the device's own view.
-FORMAT = 2
+# 3: and its `locality` (node-local or shared) and the mount's type, FUSE clients told apart.
+FORMAT = 3
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600
 # The store's request size when the config does not say (`chunk_size`).
 DEFAULT_CHUNK_SIZE = 4 << 20
+# The measurement of a shared path across nodes: seconds per window of each node alone (the probe
+# options' `together_secs` when set), and its file per node when they do not set `sustained_bytes`.
+ACROSS_NODES_SECS = 3.0
+ACROSS_NODES_WORKING_BYTES = 1 << 30
+# The window of all nodes at once, in windows alone.
+TOGETHER_WINDOWS = 3
 
 
 def profile_dir() -> Path:
@@ -132,6 +145,51 @@ class Profile:
                 for i in indices:
                     share[i] = min(1.0, total / ranks / alone)
         return share
+
+    def localities(self, configured: Sequence[str] | None = None) -> list[str]:
+        """Per path, `"node-local"` or `"shared"`: `configured` (the config's `path_locality`) where
+        given, else what the probe found from the file system's type."""
+        if configured is not None:
+            return list(configured)
+        return [p["locality"] for p in self.probes]
+
+    def node_share(self, nodes: int, localities: Sequence[str] | None = None) -> list[float]:
+        """Per path, the fraction of this node's probed figures that it gets when `nodes` nodes update at
+        once: 1 for a node-local path. A shared path's nodes share equally the aggregate measured with
+        all nodes at once (`measure_across_nodes`; the measurement `across_nodes` picks), each getting
+        at most its own mixed figure; without a measurement, the aggregate is taken as one node's
+        figure, a lower bound (`across_nodes_note` says so)."""
+        share = [1.0] * len(self.probes)
+        if nodes <= 1:
+            return share
+        for i, locality in enumerate(localities or self.localities()):
+            if locality != "shared":
+                continue
+            measured = across_nodes(self.probes[i], nodes)
+            if measured is None:
+                share[i] = 1 / nodes
+                continue
+            # Over this node's own mixed figure, which the plan scales: the nodes' probes at start-up
+            # run at once, so on a shared path it may be below what the node measured alone.
+            alone = self.probes[i]["mixed_bytes_per_s"]
+            share[i] = min(1.0, sum(measured["together_bytes_per_s"]) / nodes / alone)
+        return share
+
+    def across_nodes_note(self, index: int, nodes: int) -> str:
+        """Where path `index`'s share of `nodes` nodes comes from, in words."""
+        measured = across_nodes(self.probes[index], nodes)
+        if measured is None:
+            return (
+                "not measured across nodes: each node is planned with 1/N of one node's figure, a lower "
+                "bound (run `mlp-offload probe` on every node at once, under torchrun, to measure it)"
+            )
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured["probed_at"]))
+        rates = ", ".join(_mib_s(r) for r in measured["together_bytes_per_s"])
+        alone = ", ".join(_mib_s(r) for r in measured["alone_bytes_per_s"])
+        return (
+            f"measured {when} on {len(measured['hosts'])} nodes at once: {rates} (alone {alone}); "
+            f"{_mib_s(sum(measured['together_bytes_per_s']))} together"
+        )
 
     def plan_subgroups(
         self,
@@ -237,9 +295,12 @@ def _key(paths: Sequence[str | os.PathLike[str]]) -> list[str]:
     return [os.path.realpath(p) for p in paths]
 
 
-def _identity(path: str) -> tuple[str, str]:
-    info = _core.probe_directory(path)
-    return info["device_id"], info["fs_type"]
+def _identity(info: dict[str, Any]) -> tuple[str | None, str]:
+    """What a path sits on, from `_core.probe_directory` or a probe: its file system's type, and its
+    device, or for a shared file system its mount's source (its device number is new at every mount)."""
+    if info.get("locality") == "shared" and info.get("mount_source"):
+        return info["fs_type"], info["mount_source"]
+    return info.get("fs_type"), info["device_id"]
 
 
 def _read_entries(file: Path) -> list[dict[str, Any]]:
@@ -269,7 +330,7 @@ def saved_profile(
         if entry.get("options") != asdict(options):
             return None, "the saved profile was measured with other probe options"
         for path, probe in zip(key, entry["probes"], strict=True):
-            if _identity(path) != (probe["device_id"], probe.get("fs_type")):
+            if _identity(_core.probe_directory(path)) != _identity(probe):
                 return None, f"{path} is now on another device or file system"
         return Profile(key, entry["probes"], float(entry["probed_at"]), entry["options"], "saved"), ""
     return None, "no saved profile for these paths"
@@ -303,9 +364,8 @@ def probe(
     """Measures the paths now (see `_core.probe_bandwidth`)."""
     key = _key(paths)
     probes = _core.probe_bandwidth(key, progress=progress, **asdict(options))
-    for path, p in zip(key, probes, strict=True):
+    for p in probes:
         p["path"] = str(p["path"])
-        p["fs_type"] = _identity(path)[1]
     return Profile(key, probes, time.time(), asdict(options))
 
 
@@ -357,3 +417,102 @@ def _load_or_probe(
     profile = probe(paths, options, progress)
     file = save_profile(profile)
     return profile, f"probed now ({why_not}); saved in {file}"
+
+
+def _mib_s(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 2**20:,.0f} MiB/s"
+
+
+def across_nodes(probe: dict[str, Any], nodes: int) -> dict[str, Any] | None:
+    """The path's measurement across nodes that `nodes` nodes plan with: of exactly that many, else of
+    the most nodes below, else of the fewest above; None without one."""
+    measured = probe.get("across_nodes") or {}
+    if not measured:
+        return None
+    counts = sorted(int(n) for n in measured)
+    fewer = [n for n in counts if n <= nodes]
+    return dict(measured[str(fewer[-1] if fewer else counts[0])])
+
+
+def measure_across_nodes(
+    profile: Profile,
+    options: ProbeOptions,
+    localities: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    save: bool = True,
+) -> int:
+    """Measures each shared path of the profile from every node of the job at once; collective: every
+    rank of the job calls it, with torch.distributed initialized. The first rank of each node measures:
+    each node alone in turn for the options' `together_secs` (3 s), then all nodes at once for
+    `TOGETHER_WINDOWS` times as long, at the node's best read settings, over a file of the options'
+    `sustained_bytes` (1 GiB).
+    Every rank keeps the figures in its profile (`across_nodes`, by node count), and with `save` the
+    first rank of each node saves them in the node's profile file. Paths measured before for this many
+    nodes are skipped, unless another rank's profile lacks them. Returns the number of nodes (1 without
+    torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    world, rank, host = dist.get_world_size(), dist.get_rank(), socket.gethostname()
+    shared = [i for i, loc in enumerate(profile.localities(localities)) if loc == "shared"]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (host, shared))
+    hosts = list(dict.fromkeys(h for h, _ in everyone))
+    nodes = len(hosts)
+    if nodes < 2:
+        return nodes
+    # Paths any rank takes as shared and lacks a measurement of this many nodes for.
+    wanted = sorted({i for _, indices in everyone for i in indices})
+    missing = [i for i in wanted if str(nodes) not in (profile.probes[i].get("across_nodes") or {})]
+    votes: list[Any] = [None] * world
+    dist.all_gather_object(votes, missing)
+    todo = sorted({i for v in votes for i in v})
+    leader = rank == next(r for r, (h, _) in enumerate(everyone) if h == host)
+    working = options.sustained_bytes or ACROSS_NODES_WORKING_BYTES
+    secs = options.together_secs or ACROSS_NODES_SECS
+    for i in todo:
+        p = profile.probes[i]
+
+        def step(k: int) -> float | None:
+            # Windows 0..nodes-1: node k alone; window `nodes`, longer: all of them, whose aggregate
+            # the plan divides (on a network file system a short window is noisy).
+            dist.barrier()
+            if k == nodes:
+                return TOGETHER_WINDOWS * secs
+            return secs if hosts[k] == host else None
+
+        if leader:
+            rates = _core.probe_shared_path(
+                profile.paths[i],
+                chunk_size=p["best_read"]["chunk_size"],
+                max_inflight=p["best_read"]["max_inflight"],
+                pages=p["pages"]["chosen"],
+                expected_bytes_per_s=p["mixed_bytes_per_s"],
+                working_bytes=working,
+                steps=nodes + 1,
+                step=step,
+                engine=options.engine,
+            )
+        else:
+            for k in range(nodes + 1):
+                step(k)
+            rates = None
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (host, rates))
+        by_host = {h: r for h, r in gathered if r is not None}
+        measured = {
+            "hosts": hosts,
+            "alone_bytes_per_s": [by_host[h][k] for k, h in enumerate(hosts)],
+            "together_bytes_per_s": [by_host[h][nodes] for h in hosts],
+            "secs": secs,
+            "together_secs": TOGETHER_WINDOWS * secs,
+            "probed_at": time.time(),
+        }
+        p.setdefault("across_nodes", {})[str(nodes)] = measured
+        if progress is not None:
+            progress(f"{profile.paths[i]}: shared by {nodes} nodes: {profile.across_nodes_note(i, nodes)}")
+    if todo and leader and save:
+        with node_probe_lock():
+            save_profile(profile)
+    return nodes

@@ -272,6 +272,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
                 # Per path, this rank's part of its device's probed bandwidth, which the plan takes.
                 "rank_share": self._mlp_planner.rank_share,
+                # The job's nodes, each path's locality, and this node's part of a shared path among them.
+                "nodes": self._mlp_planner.nodes,
+                "locality": self._mlp_planner.locality,
+                "node_share": self._mlp_planner.node_share,
                 "plan": plan,
             }
         )

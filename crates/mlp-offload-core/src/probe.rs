@@ -26,7 +26,7 @@ use crate::engine::{
 };
 use crate::error::{Error, Result};
 use crate::model::{pages_choice, PageRates};
-use crate::tier::{probe_dir, TierInfo};
+use crate::tier::{probe_dir, process_tag, Locality, TierInfo};
 
 /// Largest host buffer the probe allocates; larger measurements reuse it for successive file ranges.
 const PROBE_BUFFER: usize = 64 << 20;
@@ -114,6 +114,10 @@ pub struct PathProbe {
     pub direct_io: bool,
     pub device_id: String,
     pub device_name: String,
+    pub fs_type: String,
+    pub mount_source: Option<String>,
+    /// A shared path's figures are one node's alone; [`probe_across_nodes`] measures its share.
+    pub locality: Locality,
     pub samples: Vec<ProbeSample>,
     /// How the device serves the node's ranks at once (`ranks` above 1), the same for every path on it.
     pub sharing: Option<SharingProbe>,
@@ -151,7 +155,7 @@ impl ProbeFile {
         let align = tier.alignment();
         let bytes = opts.bytes.div_ceil(align) * align;
         let sustained_bytes = opts.sustained_bytes.div_ceil(align).max(1) * align;
-        let path = dir.join(format!(".mlp-offload-probe-{}.tmp", std::process::id()));
+        let path = dir.join(format!(".mlp-offload-probe-{}.tmp", process_tag()));
         let file = Arc::new(IoFile::open(&path, tier.direct_io, true)?);
         let probe = ProbeFile {
             tier,
@@ -445,6 +449,9 @@ fn sweep(
         direct_io: tier.direct_io,
         device_id: tier.device_id.clone(),
         device_name: tier.device_name.clone(),
+        fs_type: tier.fs_type.clone(),
+        mount_source: tier.mount_source.clone(),
+        locality: tier.locality,
         samples,
         sharing: None,
     })
@@ -592,38 +599,15 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
             .iter()
             .zip(probes)
             .map(|(f, p)| {
-                scope.spawn(move || -> Result<f64> {
-                    let engine =
-                        open_engine(opts.engine, &p.path.to_string_lossy(), p.best_read, None)?;
-                    let chunk = p.best_read.chunk_size;
-                    let mut read_buf = AlignedBuf::with_pages(chunk, false, p.pages.chosen)?;
-                    let mut write_buf = AlignedBuf::with_pages(chunk, false, p.pages.chosen)?;
-                    write_buf.as_mut_slice().fill(0xa5);
-                    // Passes short enough that the last one ends soon after the deadline.
-                    let pass = (p.mixed_bytes_per_s * 0.25) as u64;
-                    // Whole chunks, so every pass starts aligned for O_DIRECT.
-                    let chunk_bytes = chunk as u64;
-                    let pass = (pass.max(4 * chunk_bytes).min(f.sustained_bytes) / chunk_bytes)
-                        .max(1)
-                        * chunk_bytes;
-                    let start = Instant::now();
-                    let (mut moved, mut base) = (0, 0);
-                    while Instant::now() < deadline {
-                        if base + pass > f.sustained_bytes {
-                            base = 0;
-                        }
-                        moved += mixed_pass(
-                            &*engine,
-                            f,
-                            base,
-                            pass,
-                            &mut read_buf,
-                            &mut write_buf,
-                            chunk,
-                        )?;
-                        base += pass;
-                    }
-                    Ok(moved as f64 / start.elapsed().as_secs_f64())
+                scope.spawn(move || {
+                    mixed_until(
+                        f,
+                        opts.engine,
+                        p.best_read,
+                        p.pages.chosen,
+                        p.mixed_bytes_per_s,
+                        deadline,
+                    )
                 })
             })
             .collect();
@@ -633,6 +617,95 @@ fn together(files: &[ProbeFile], probes: &[PathProbe], opts: &ProbeOptions) -> R
             .collect()
     })
 }
+
+/// Mixed passes over the probe file's sustained working set at `limits`, on host buffers of `pages`,
+/// until `deadline`; bytes per second. `expected`, the path's bytes per second as measured before, sizes
+/// the passes so that the last ends soon after the deadline.
+fn mixed_until(
+    f: &ProbeFile,
+    engine: EngineChoice,
+    limits: PathLimits,
+    pages: Pages,
+    expected: f64,
+    deadline: Instant,
+) -> Result<f64> {
+    let engine = open_engine(engine, &f.tier.path.to_string_lossy(), limits, None)?;
+    let chunk = limits.chunk_size;
+    let mut read_buf = AlignedBuf::with_pages(chunk, false, pages)?;
+    let mut write_buf = AlignedBuf::with_pages(chunk, false, pages)?;
+    write_buf.as_mut_slice().fill(0xa5);
+    let pass = (expected * 0.25) as u64;
+    // Whole chunks, so every pass starts aligned for O_DIRECT.
+    let chunk_bytes = chunk as u64;
+    let pass =
+        (pass.max(4 * chunk_bytes).min(f.sustained_bytes) / chunk_bytes).max(1) * chunk_bytes;
+    let start = Instant::now();
+    let (mut moved, mut base) = (0, 0);
+    while Instant::now() < deadline {
+        if base + pass > f.sustained_bytes {
+            base = 0;
+        }
+        moved += mixed_pass(
+            &*engine,
+            f,
+            base,
+            pass,
+            &mut read_buf,
+            &mut write_buf,
+            chunk,
+        )?;
+        base += pass;
+    }
+    Ok(moved as f64 / start.elapsed().as_secs_f64())
+}
+
+/// One node's part of measuring a path that other nodes share: mixed reads and writes at `limits` on
+/// buffers of `pages`, over a file of `working_bytes` in `dir`. `expected` is the path's mixed rate from
+/// this node's probe. Each step is a window the nodes take together: the file is written first, then,
+/// per step, `step(i)` is called (the caller's barrier across the nodes) and returns how long this node
+/// measures in window `i`, or `None` to wait for the others. Returns the rate of each window this node
+/// measured in (`None` for the others), for the caller to compare: alone, one node at a time, against
+/// all nodes at once.
+#[allow(clippy::too_many_arguments)]
+pub fn probe_across_nodes(
+    dir: &Path,
+    engine: EngineChoice,
+    limits: PathLimits,
+    pages: Pages,
+    expected: f64,
+    working_bytes: u64,
+    steps: usize,
+    step: &mut dyn FnMut(usize) -> Result<Option<Duration>>,
+) -> Result<Vec<Option<f64>>> {
+    if working_bytes < 2 * limits.chunk_size as u64 {
+        return Err(Error::config(
+            "probe across nodes",
+            format!(
+                "needs a working set of at least two {}-byte requests, not {working_bytes} bytes",
+                limits.chunk_size
+            ),
+        ));
+    }
+    let opts = ProbeOptions {
+        bytes: working_bytes,
+        sustained_bytes: working_bytes,
+        engine,
+        ..ProbeOptions::default()
+    };
+    let mut buf = probe_buffer(&opts, pages)?;
+    let file = ProbeFile::create(dir, &opts, &mut buf)?;
+    limits.validate(file.tier.alignment())?;
+    (0..steps)
+        .map(|i| match step(i)? {
+            Some(secs) => {
+                let deadline = Instant::now() + secs;
+                mixed_until(&file, engine, limits, pages, expected, deadline).map(Some)
+            }
+            None => Ok(None),
+        })
+        .collect()
+}
+
 /// Most streams the sharing measurement runs: enough to show interleaving, few enough for small files.
 const SHARING_STREAMS: usize = 4;
 

@@ -1,5 +1,6 @@
-//! What a storage directory can do: its direct-I/O alignment, whether O_DIRECT really works there, and
-//! which device it lives on (two directories on one device share its bandwidth).
+//! What a storage directory can do: its direct-I/O alignment, whether O_DIRECT really works there,
+//! which device it lives on (two directories on one device share its bandwidth), and whether it is the
+//! node's own or a file system other nodes mount too (whose bandwidth all of them share).
 
 use std::ffi::CString;
 use std::fs::{self, OpenOptions};
@@ -34,7 +35,65 @@ pub struct TierInfo {
     /// The block device's kernel name (`vda`, `nvme0n1`, `loop3`), or the file system type for devices
     /// without one (`tmpfs`, `lustre`, `nfs`).
     pub device_name: String,
+    /// The mount's type as `/proc/self/mountinfo` names it (`ext4`, `lustre`, `fuse.glusterfs`), else the
+    /// `statfs` magic's name.
     pub fs_type: String,
+    /// What is mounted (`/dev/vda1`, `server:/volume`), from `/proc/self/mountinfo`: a network file
+    /// system's device number is new at every mount, and its source names it across mounts.
+    pub mount_source: Option<String>,
+    /// Node-local or shared with other nodes, from `fs_type` ([`locality_of`]).
+    pub locality: Locality,
+}
+
+/// Whether other nodes reach the same files through a path: then they share its bandwidth, and one
+/// node's probe alone overstates what each node gets.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Locality {
+    NodeLocal,
+    Shared,
+}
+
+/// File systems that serve the same files to many nodes: network and parallel file systems, by the
+/// type `/proc/self/mountinfo` gives them (a FUSE client as `fuse.<name>`).
+const SHARED_FS_TYPES: &[&str] = &[
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "cifs",
+    "smb3",
+    "ceph",
+    "glusterfs",
+    "fuse.glusterfs",
+    "fuse.ceph-fuse",
+    "fuse.ceph",
+    "fuse.mfs",
+    "fuse.lizardfs",
+    "fuse.juicefs",
+    "fuse.sshfs",
+    "fuse.s3fs",
+    "fuse.gcsfuse",
+    "fuse.quobyte",
+    "quobyte",
+    "panfs",
+    "wekafs",
+    "orangefs",
+    "pvfs2",
+    "afs",
+    "virtiofs",
+];
+
+/// The locality of a file system of type `fs_type`: shared for the network and parallel file systems
+/// of [`SHARED_FS_TYPES`], node-local otherwise. A configuration key overrides it for what this list
+/// cannot know (an NFS export only one node mounts, an unlisted FUSE client).
+pub fn locality_of(fs_type: &str) -> Locality {
+    if SHARED_FS_TYPES.contains(&fs_type) {
+        Locality::Shared
+    } else {
+        Locality::NodeLocal
+    }
 }
 
 impl TierInfo {
@@ -69,7 +128,10 @@ pub fn probe_dir(dir: &Path) -> Result<TierInfo> {
     let direct_refusal = try_direct_io(dir, dio_offset_align.max(dio_mem_align) as usize)?;
     let dev = meta.dev();
     let (major, minor) = (libc::major(dev), libc::minor(dev));
-    let fs_type = fs_type_name(dir);
+    let (fs_type, mount_source) = match mount_of(dir) {
+        Some((fs_type, source)) => (fs_type, Some(source)),
+        None => (fs_type_name(dir), None),
+    };
     let device_name = block_device_name(major, minor).unwrap_or_else(|| fs_type.clone());
     Ok(TierInfo {
         path: dir.to_path_buf(),
@@ -79,8 +141,83 @@ pub fn probe_dir(dir: &Path) -> Result<TierInfo> {
         direct_io_refusal: direct_refusal,
         device_id: format!("{major}:{minor}"),
         device_name,
+        locality: locality_of(&fs_type),
         fs_type,
+        mount_source,
     })
+}
+
+/// `<hostname>-<pid>`: names a temporary file no other process writes, on this node or on another node
+/// that mounts the same shared directory (process ids repeat across hosts).
+pub(crate) fn process_tag() -> String {
+    let mut name = [0u8; 256];
+    // SAFETY: `name` is writable for its whole length, which is what the call is told; the kernel
+    // NUL-terminates a name that fits (a host name is at most 64 bytes).
+    let rc = unsafe { libc::gethostname(name.as_mut_ptr().cast(), name.len()) };
+    let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+    let host = if rc == 0 {
+        String::from_utf8_lossy(&name[..end]).replace('/', "_")
+    } else {
+        "unknown-host".into()
+    };
+    format!("{host}-{}", std::process::id())
+}
+
+/// The type and source of the mount holding `dir` in this process's mount namespace, from
+/// `/proc/self/mountinfo`: unlike `statfs`, it tells FUSE clients apart (`fuse.glusterfs`).
+fn mount_of(dir: &Path) -> Option<(String, String)> {
+    let dir = fs::canonicalize(dir).ok()?;
+    let table = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mount_in(&table, &dir)
+}
+
+/// The file system type and source of the last-mounted, longest mount point above `dir` in a mountinfo
+/// table (`proc(5)`: the mount point in field 5, the type and source after the `-` separator).
+fn mount_in(table: &str, dir: &Path) -> Option<(String, String)> {
+    let mut best: Option<(usize, (String, String))> = None;
+    for line in table.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        let (Some(point), Some(fs_type), Some(source)) =
+            (fields.get(4), fields.get(sep + 1), fields.get(sep + 2))
+        else {
+            continue;
+        };
+        let point = unescape_mount_field(point);
+        // Later lines mount over earlier ones at the same point: `>=` keeps the last.
+        if dir.starts_with(&point) && best.as_ref().is_none_or(|(len, _)| point.len() >= *len) {
+            let mount = ((*fs_type).to_string(), unescape_mount_field(source));
+            best = Some((point.len(), mount));
+        }
+    }
+    best.map(|(_, mount)| mount)
+}
+
+/// A mountinfo field with the kernel's octal escapes (`\040` for a space) undone.
+fn unescape_mount_field(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).and_then(|d| {
+            std::str::from_utf8(d)
+                .ok()
+                .and_then(|d| u8::from_str_radix(d, 8).ok())
+        });
+        match (bytes[i], octal) {
+            (b'\\', Some(b)) => {
+                out.push(b);
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `(offset_align, mem_align)` from `statx(STATX_DIOALIGN)`; zeros when the kernel or file system does
@@ -109,7 +246,7 @@ fn dio_alignment(dir: &Path) -> Option<(u32, u32)> {
 /// Writes and reads back one aligned block with O_DIRECT in `dir`. `Ok(None)` when it works,
 /// `Ok(Some(reason))` when the file system refuses it, `Err` when the directory is not usable at all.
 fn try_direct_io(dir: &Path, align: usize) -> Result<Option<String>> {
-    let probe_path = dir.join(format!(".mlp-offload-dio-probe-{}", std::process::id()));
+    let probe_path = dir.join(format!(".mlp-offload-dio-probe-{}", process_tag()));
     let result = (|| -> Result<Option<String>> {
         let direct = OpenOptions::new()
             .read(true)
@@ -234,6 +371,48 @@ mod tests {
         assert!(info.device_id.contains(':'));
         // The probe file is gone.
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn the_mount_table_names_the_file_system_and_its_locality() {
+        let table = "\
+22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw
+30 22 0:40 / /scratch rw,relatime shared:9 - lustre 10.0.0.1@tcp:/fs rw
+31 22 0:41 / /mnt/my\\040data rw - fuse.glusterfs server:/vol rw,user_id=0
+32 31 0:42 / /mnt/my\\040data/local rw - xfs /dev/nvme0n1 rw
+33 22 0:43 / /scratch rw - tmpfs tmpfs rw
+";
+        // (directory, its mount's type and source, the locality of that type)
+        let cases = [
+            ("/home/me", "ext4", "/dev/vda1", Locality::NodeLocal),
+            // Mounted over /scratch later: the last mount at a point is the one seen.
+            ("/scratch/run", "tmpfs", "tmpfs", Locality::NodeLocal),
+            (
+                "/mnt/my data/ckpt",
+                "fuse.glusterfs",
+                "server:/vol",
+                Locality::Shared,
+            ),
+            (
+                "/mnt/my data/local/x",
+                "xfs",
+                "/dev/nvme0n1",
+                Locality::NodeLocal,
+            ),
+            // A prefix of a component is not the mount point.
+            ("/mnt/my datax", "ext4", "/dev/vda1", Locality::NodeLocal),
+        ];
+        for (dir, fs_type, source, locality) in cases {
+            let (found, from) = mount_in(table, Path::new(dir)).unwrap();
+            assert_eq!(
+                (found.as_str(), from.as_str(), locality_of(&found)),
+                (fs_type, source, locality),
+                "{dir}"
+            );
+        }
+        assert_eq!(locality_of("lustre"), Locality::Shared);
+        assert_eq!(locality_of("nfs4"), Locality::Shared);
+        assert_eq!(locality_of("fuse"), Locality::NodeLocal);
     }
 
     #[test]

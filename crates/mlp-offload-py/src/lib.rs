@@ -14,7 +14,7 @@ use mlp_offload_core::model::{
     pages_choice as choose_pages, plan_split, PageRates, PathProfile, PathSample, UpdateWorkload,
     WeightTuner,
 };
-use mlp_offload_core::probe::{probe_paths, ProbeOptions};
+use mlp_offload_core::probe::{probe_across_nodes, probe_paths, ProbeOptions};
 use mlp_offload_core::store::{ReadCheck, StripeSums};
 use mlp_offload_core::{
     AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, Pages,
@@ -811,6 +811,75 @@ fn probe_bandwidth(
     to_py_json(py, &result.map_err(to_py)?)
 }
 
+/// One node's part of measuring a shared directory with the other nodes (see the core's
+/// `probe_across_nodes`): writes a probe file of `working_bytes`, then for each of `steps` calls
+/// `step(i)`, the caller's barrier across the nodes, which returns the seconds this node measures in
+/// that window, or None to wait; measures mixed reads and writes that long when it does. Returns one
+/// rate (bytes per second) or None per window. An exception `step` raises ends the probe and is raised
+/// again.
+#[pyfunction]
+#[pyo3(signature = (path, *, chunk_size, max_inflight, pages, expected_bytes_per_s, working_bytes,
+                    steps, step, engine="auto"))]
+#[allow(clippy::too_many_arguments)]
+fn probe_shared_path(
+    py: Python<'_>,
+    path: PathBuf,
+    chunk_size: usize,
+    max_inflight: usize,
+    pages: &str,
+    expected_bytes_per_s: f64,
+    working_bytes: u64,
+    steps: usize,
+    step: Py<PyAny>,
+    engine: &str,
+) -> PyResult<Vec<Option<f64>>> {
+    let limits = PathLimits {
+        chunk_size,
+        max_inflight,
+    };
+    let pages = Pages::parse("pages", pages).map_err(to_py)?;
+    let engine = engine.parse().map_err(to_py)?;
+    // The callback's own exception, raised again in place of the core error that stops the probe.
+    let mut raised: Option<PyErr> = None;
+    let result = py.detach(|| {
+        probe_across_nodes(
+            &path,
+            engine,
+            limits,
+            pages,
+            expected_bytes_per_s,
+            working_bytes,
+            steps,
+            &mut |i| {
+                Python::attach(|py| {
+                    let window = step
+                        .call1(py, (i,))
+                        .and_then(|r| r.extract::<Option<f64>>(py))
+                        .and_then(|secs| {
+                            secs.map(|secs| {
+                                Duration::try_from_secs_f64(secs).map_err(|_| {
+                                    to_py(Error::config(
+                                        "step",
+                                        format!("window {i}: {secs} is not a number of seconds"),
+                                    ))
+                                })
+                            })
+                            .transpose()
+                        });
+                    window.map_err(|e| {
+                        raised = Some(e);
+                        Error::config("step", format!("the callback of window {i} raised"))
+                    })
+                })
+            },
+        )
+    });
+    match (result, raised) {
+        (_, Some(e)) => Err(e),
+        (result, None) => result.map_err(to_py),
+    }
+}
+
 /// The performance model's plan for one update phase. `paths` holds one dict per path with
 /// `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight` and optionally
 /// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures). `weights`, one per path:
@@ -937,6 +1006,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWeightTuner>()?;
     m.add_class::<AdamKernel>()?;
     m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_shared_path, m)?)?;
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(plan_update, m)?)?;
