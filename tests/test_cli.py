@@ -294,6 +294,68 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
         assert ("not measured" in note) == ("across_nodes" not in probes[i]), note
 
 
+# Two ranks of a gloo group, each standing in for a node (its host name replaced: one machine has one),
+# measure one directory each as a shared path: argv is the rank, the port, the directory, the output.
+ACROSS_NODES = """
+import json, sys, types
+import torch.distributed as dist
+from mlp_offload import profiles
+rank, port, directory, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+profiles.socket = types.SimpleNamespace(gethostname=lambda: f"node{rank}")
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+probe = {"locality": "shared", "best_read": {"chunk_size": 1 << 20, "max_inflight": 4},
+         "pages": {"chosen": "small"}, "mixed_bytes_per_s": 1e9}
+profile = profiles.Profile([directory], [probe], 0.0)
+options = profiles.ProbeOptions(sustained_bytes=8 << 20, together_secs=0.2)
+try:
+    nodes = profiles.measure_across_nodes(profile, options, save=False)
+    result = {"nodes": nodes, "across_nodes": probe.get("across_nodes")}
+except Exception as e:
+    result = {"error": type(e).__name__, "message": str(e)}
+open(out, "w").write(json.dumps(result))
+"""
+
+
+def across_nodes(dirs: list[Path], tmp_path: Path) -> list[dict[str, Any]]:
+    from deepspeed_runs import free_port
+
+    port = str(free_port())
+    outs = [tmp_path / f"node{r}.json" for r in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", ACROSS_NODES, str(r), port, str(dirs[r]), str(outs[r])])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_a_shared_path_is_measured_from_each_node_alone_and_from_all_at_once(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    results = across_nodes(work_dirs[:2], tmp_path)
+    for result in results:
+        assert result["nodes"] == 2, result
+        measured = result["across_nodes"]["2"]
+        assert measured["hosts"] == ["node0", "node1"]
+        assert all(r > 0 for r in measured["alone_bytes_per_s"] + measured["together_bytes_per_s"])
+        assert (measured["secs"], measured["together_secs"]) == (0.2, pytest.approx(0.6))
+    figures = [{k: v for k, v in r["across_nodes"]["2"].items() if k != "probed_at"} for r in results]
+    assert figures[0] == figures[1], "every rank keeps the same figures"
+    assert not any(p.name.startswith(".mlp-offload") for d in work_dirs[:2] for p in d.iterdir())
+
+
+def test_a_node_whose_measurement_fails_stops_every_rank_naming_it(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Node 1's directory is missing: it raises its own error, and node 0, waiting for the next window,
+    raises at once, naming node 1, the path and the error (not after the process group's timeout)."""
+    missing = work_dirs[1] / "not-there"
+    node0, node1 = across_nodes([work_dirs[0], missing], tmp_path)
+    assert node1["error"] == "FileNotFoundError" and str(missing) in node1["message"], node1
+    assert node0["error"] == "AcrossNodesError", node0
+    assert "node1" in node0["message"] and str(missing) in node0["message"], node0
+
+
 # name, what a path was probed on, what it is on now, whether the saved profile still holds
 MOUNTS = [
     ("node-local, same device", ("node-local", "ext4", "/dev/vda1", "254:0"), ("ext4", "254:0"), True),

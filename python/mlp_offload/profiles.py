@@ -434,6 +434,11 @@ def across_nodes(probe: dict[str, Any], nodes: int) -> dict[str, Any] | None:
     return dict(measured[str(fewer[-1] if fewer else counts[0])])
 
 
+class AcrossNodesError(RuntimeError):
+    """A node's measurement of a shared path across nodes failed; every rank raises it, naming the node
+    and its error."""
+
+
 def measure_across_nodes(
     profile: Profile,
     options: ProbeOptions,
@@ -445,11 +450,11 @@ def measure_across_nodes(
     rank of the job calls it, with torch.distributed initialized. The first rank of each node measures:
     each node alone in turn for the options' `together_secs` (3 s), then all nodes at once for
     `TOGETHER_WINDOWS` times as long, at the node's best read settings, over a file of the options'
-    `sustained_bytes` (1 GiB).
-    Every rank keeps the figures in its profile (`across_nodes`, by node count), and with `save` the
-    first rank of each node saves them in the node's profile file. Paths measured before for this many
-    nodes are skipped, unless another rank's profile lacks them. Returns the number of nodes (1 without
-    torch.distributed)."""
+    `sustained_bytes` (1 GiB). Every rank keeps the figures in its profile (`across_nodes`, by node
+    count), and with `save` the first rank of each node saves them in the node's profile file. Paths
+    measured before for this many nodes are skipped, unless another rank's profile lacks them. Returns
+    the number of nodes (1 without torch.distributed). A node whose measurement fails makes every rank
+    raise `AcrossNodesError` naming it, at the next collective."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -471,36 +476,57 @@ def measure_across_nodes(
     leader = rank == next(r for r, (h, _) in enumerate(everyone) if h == host)
     working = options.sustained_bytes or ACROSS_NODES_WORKING_BYTES
     secs = options.together_secs or ACROSS_NODES_SECS
-    for i in todo:
-        p = profile.probes[i]
 
+    # Every collective below is an all-gather of (host, what this rank has to say), so that a node
+    # whose measurement fails tells the others at the next one and every rank raises there, instead
+    # of the others waiting in a barrier until the process group times out.
+    def gather(path: str, said: Any) -> list[Any]:
+        heard: list[Any] = [None] * world
+        dist.all_gather_object(heard, (host, said))
+        failed = [f"{h}: {s['error']}" for h, s in heard if isinstance(s, dict) and "error" in s]
+        if failed:
+            raise AcrossNodesError(f"measuring {path} across nodes failed on {'; '.join(failed)}")
+        return heard
+
+    def windows(path: str) -> Callable[[int], float | None]:
         def step(k: int) -> float | None:
             # Windows 0..nodes-1: node k alone; window `nodes`, longer: all of them, whose aggregate
             # the plan divides (on a network file system a short window is noisy).
-            dist.barrier()
+            gather(path, None)
             if k == nodes:
                 return TOGETHER_WINDOWS * secs
             return secs if hosts[k] == host else None
 
-        if leader:
-            rates = _core.probe_shared_path(
-                profile.paths[i],
-                chunk_size=p["best_read"]["chunk_size"],
-                max_inflight=p["best_read"]["max_inflight"],
-                pages=p["pages"]["chosen"],
-                expected_bytes_per_s=p["mixed_bytes_per_s"],
-                working_bytes=working,
-                steps=nodes + 1,
-                step=step,
-                engine=options.engine,
-            )
-        else:
-            for k in range(nodes + 1):
-                step(k)
-            rates = None
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (host, rates))
-        by_host = {h: r for h, r in gathered if r is not None}
+        return step
+
+    for i in todo:
+        p, path = profile.probes[i], profile.paths[i]
+        step = windows(path)
+        rates = None
+        try:
+            if leader:
+                rates = _core.probe_shared_path(
+                    path,
+                    chunk_size=p["best_read"]["chunk_size"],
+                    max_inflight=p["best_read"]["max_inflight"],
+                    pages=p["pages"]["chosen"],
+                    expected_bytes_per_s=p["mixed_bytes_per_s"],
+                    working_bytes=working,
+                    steps=nodes + 1,
+                    step=step,
+                    engine=options.engine,
+                )
+            else:
+                for k in range(nodes + 1):
+                    step(k)
+        except AcrossNodesError:
+            raise
+        except Exception as e:
+            # This node failed between two collectives: the others wait in the next one; say why there.
+            with contextlib.suppress(AcrossNodesError):
+                gather(path, {"error": f"{type(e).__name__}: {e}"})
+            raise
+        by_host = {h: r for h, r in gather(path, rates) if r is not None}
         measured = {
             "hosts": hosts,
             "alone_bytes_per_s": [by_host[h][k] for k, h in enumerate(hosts)],
@@ -511,7 +537,7 @@ def measure_across_nodes(
         }
         p.setdefault("across_nodes", {})[str(nodes)] = measured
         if progress is not None:
-            progress(f"{profile.paths[i]}: shared by {nodes} nodes: {profile.across_nodes_note(i, nodes)}")
+            progress(f"{path}: shared by {nodes} nodes: {profile.across_nodes_note(i, nodes)}")
     if todo and leader and save:
         with node_probe_lock():
             save_profile(profile)
