@@ -312,6 +312,8 @@ try:
     result = {"nodes": nodes, "across_nodes": probe.get("across_nodes")}
 except Exception as e:
     result = {"error": type(e).__name__, "message": str(e)}
+# As a job ends: without it gloo's threads may still be joinable when the interpreter exits (SIGABRT).
+dist.destroy_process_group()
 open(out, "w").write(json.dumps(result))
 """
 
