@@ -290,7 +290,7 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
     profile = profiles.Profile(paths=[f"/p{i}" for i in range(len(paths))], probes=probes, probed_at=0.0)
     assert profile.node_share(nodes, configured) == pytest.approx(expected)
     for i in range(len(paths)):
-        note = profile.across_nodes_note(i, nodes)
+        note = profiles.across_nodes_note(probes[i], nodes)
         assert ("not measured" in note) == ("across_nodes" not in probes[i]), note
 
 

@@ -96,8 +96,7 @@ def render_probe_table(results: Sequence[dict[str, Any]]) -> str:
             )
     for r in results:
         for nodes in sorted(int(n) for n in r.get("across_nodes") or {}):
-            profile = profiles.Profile([str(r["path"])], [r], 0.0)
-            lines.append(f"{r['path']}: {profile.across_nodes_note(0, nodes)}")
+            lines.append(f"{r['path']}: {profiles.across_nodes_note(r, nodes)}")
     return "\n".join(lines)
 
 
@@ -249,6 +248,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "fwd_bwd_secs": args.fwd_bwd_secs,
         "nodes": args.nodes,
     }
+    localities = profile.localities(args.locality)
+    node_shares = profile.node_share(args.nodes, args.locality)
     if args.json:
         print(
             json.dumps(
@@ -256,8 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "workload": workload,
                     "profile_source": profile.source,
                     "paths": probes,
-                    "locality": profile.localities(args.locality),
-                    "node_share": profile.node_share(args.nodes, args.locality),
+                    "locality": localities,
+                    "node_share": node_shares,
                     "plan": plan,
                     "by_host_memory": by_budget,
                 },
@@ -289,12 +290,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for p, w, n in zip(probes, plan["weights"], plan["max_inflight"], strict=True)
     ]
     print("\n".join(render_table(header, rows)))
-    for i, locality in enumerate(profile.localities(args.locality)):
+    for p, locality, share in zip(probes, localities, node_shares, strict=True):
         if locality == "shared" and args.nodes > 1:
-            share = profile.node_share(args.nodes, args.locality)[i]
             print(
-                f"{probes[i]['path']}: shared by {args.nodes} nodes, each planned with {share:.2f} of its "
-                f"figures alone; {profile.across_nodes_note(i, args.nodes)}"
+                f"{p['path']}: shared by {args.nodes} nodes, each planned with {share:.2f} of its "
+                f"figures alone; {profiles.across_nodes_note(p, args.nodes)}"
             )
     print(
         f"\n{len(numels)} subgroups of up to {group:,} parameters in {len(layout.chunks)} chunks of "

@@ -175,22 +175,6 @@ class Profile:
             share[i] = min(1.0, sum(measured["together_bytes_per_s"]) / nodes / alone)
         return share
 
-    def across_nodes_note(self, index: int, nodes: int) -> str:
-        """Where path `index`'s share of `nodes` nodes comes from, in words."""
-        measured = across_nodes(self.probes[index], nodes)
-        if measured is None:
-            return (
-                "not measured across nodes: each node is planned with 1/N of one node's figure, a lower "
-                "bound (run `mlp-offload probe` on every node at once, under torchrun, to measure it)"
-            )
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured["probed_at"]))
-        rates = ", ".join(_mib_s(r) for r in measured["together_bytes_per_s"])
-        alone = ", ".join(_mib_s(r) for r in measured["alone_bytes_per_s"])
-        return (
-            f"measured {when} on {len(measured['hosts'])} nodes at once: {rates} (alone {alone}); "
-            f"{_mib_s(sum(measured['together_bytes_per_s']))} together"
-        )
-
     def plan_subgroups(
         self,
         *,
@@ -423,6 +407,23 @@ def _mib_s(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 2**20:,.0f} MiB/s"
 
 
+def across_nodes_note(probe: dict[str, Any], nodes: int) -> str:
+    """Where a path's share among `nodes` nodes comes from (its probe's `across_nodes`), in words."""
+    measured = across_nodes(probe, nodes)
+    if measured is None:
+        return (
+            "not measured across nodes: each node is planned with 1/N of one node's figure, a lower "
+            "bound (run `mlp-offload probe` on every node at once, under torchrun, to measure it)"
+        )
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(measured["probed_at"]))
+    rates = ", ".join(_mib_s(r) for r in measured["together_bytes_per_s"])
+    alone = ", ".join(_mib_s(r) for r in measured["alone_bytes_per_s"])
+    return (
+        f"measured {when} on {len(measured['hosts'])} nodes at once: {rates} (alone {alone}); "
+        f"{_mib_s(sum(measured['together_bytes_per_s']))} together"
+    )
+
+
 def across_nodes(probe: dict[str, Any], nodes: int) -> dict[str, Any] | None:
     """The path's measurement across nodes that `nodes` nodes plan with: of exactly that many, else of
     the most nodes below, else of the fewest above; None without one."""
@@ -537,7 +538,7 @@ def measure_across_nodes(
         }
         p.setdefault("across_nodes", {})[str(nodes)] = measured
         if progress is not None:
-            progress(f"{path}: shared by {nodes} nodes: {profile.across_nodes_note(i, nodes)}")
+            progress(f"{path}: shared by {nodes} nodes: {across_nodes_note(p, nodes)}")
     if todo and leader and save:
         with node_probe_lock():
             save_profile(profile)
