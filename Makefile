@@ -30,10 +30,19 @@ build-dev: ## rebuild the native module into .venv (release mode)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
 
 .PHONY: dist
-dist: setup ## the portable wheel (abi3, manylinux2014 x86_64: glibc 2.17 on, linked with zig; maturin checks the tag) and the sdist, into dist/
+dist: setup dist-aarch64 ## the portable wheels (abi3, manylinux2014 x86_64 and aarch64: glibc 2.17 on, linked with zig; maturin checks the tags) and the sdist, into dist/
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
 	  -i $(abspath $(PY)) -o dist
 	$(VENV)/bin/maturin sdist -o dist
+
+.PHONY: dist-aarch64
+dist-aarch64: setup ## the aarch64 wheel alone, cross-built in a Debian sid root of .cross/ (root; set-up a few minutes the first time)
+	bash scripts/aarch64.sh wheel dist
+
+.PHONY: test-aarch64
+test-aarch64: dist-aarch64 ## the aarch64 wheel installed and checked under qemu (import, store on both engines, probe, kernel bit-equal to x86-64's), and the core's tests built for aarch64 run under qemu
+	bash scripts/aarch64.sh test
+	bash scripts/aarch64.sh core-tests
 
 .PHONY: format
 format: ## format Rust and Python sources

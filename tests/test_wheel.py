@@ -75,6 +75,28 @@ def test_the_installed_package_comes_from_the_wheel(installed: Path) -> None:
     assert not any(str(ROOT) in f for f in files), files
 
 
+# The newest glibc the manylinux2014 tag allows the module to need.
+MANYLINUX2014_GLIBC = (2, 17)
+
+
+def test_the_module_needs_nothing_newer_than_glibc_2_17(installed: Path) -> None:
+    """Every C library function the module calls resolves on glibc 2.17: versioned at most 2.17, or weak
+    (looked up at run time). An unversioned strong reference (statx, called through glibc 2.28's wrapper,
+    was one) links against zig's 2.17 stubs but fails at import on an older system."""
+    python = installed / "venv" / "bin" / "python"
+    module = run([python, "-c", "import mlp_offload._core as c; print(c.__file__)"], cwd=installed).stdout
+    symbols = run(["nm", "-D", "--undefined-only", module.strip()], cwd=installed).stdout.splitlines()
+    too_new = []
+    for line in symbols:
+        kind, name = line.split()[-2:]
+        if kind.lower() == "w" or name.startswith(("Py", "_Py")):
+            continue
+        version = name.partition("@GLIBC_")[2]
+        if not version or tuple(int(x) for x in version.split(".")[:2]) > MANYLINUX2014_GLIBC:
+            too_new.append(name)
+    assert not too_new, f"needs more than glibc 2.17: {too_new}"
+
+
 def test_the_installed_cli_probes_plans_and_trains(installed: Path) -> None:
     bin_dir = installed / "venv" / "bin"
     tier = installed / "tier0"

@@ -66,7 +66,15 @@ fn io_uring_denied_by_seccomp_falls_back_to_threads() {
             Ok(())
         });
     }
-    let out = cmd.output().unwrap();
+    let out = match cmd.output() {
+        Ok(out) => out,
+        // qemu-user (the aarch64 wheel's emulated tests) implements no seccomp: nothing to test there.
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            eprintln!("skipped: this kernel or emulator has no seccomp ({e})");
+            return;
+        }
+        Err(e) => panic!("starting the child under the filter: {e}"),
+    };
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
