@@ -44,6 +44,14 @@ test-aarch64: dist-aarch64 ## the aarch64 wheel installed and checked under qemu
 	bash scripts/aarch64.sh test
 	bash scripts/aarch64.sh core-tests
 
+.PHONY: gpu-pack
+gpu-pack: setup ## pack into .gpu/ what the lent GPU machine lacks (wheels, libaio, DeepSpeed's tests), to carry there
+	bash scripts/gpu_pack.sh
+
+.PHONY: gpu-report
+gpu-report: ## every GPU check and measurement, part by part (PARTS="bitexact e2e-1B" for some; on the GPU machine after `source .gpu/setup.sh`; without CUDA each part says it skipped)
+	$(if $(wildcard $(PY)),$(PY),python3) benches/gpu_report.py $(PARTS)
+
 .PHONY: format
 format: ## format Rust and Python sources
 	cargo fmt --all

@@ -1,9 +1,11 @@
 """Trains a tiny LLaMA-style model through a framework that drives DeepSpeed ZeRO-3 itself, on the CPU,
 after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments and bf16 partitions (what
-`deepspeed_runs.assert_bit_equal` compares). Frameworks: the Hugging Face `Trainer`, and Accelerate's
-`Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own.
+`deepspeed_runs.assert_bit_equal` compares). Frameworks: the Hugging Face `Trainer`, Accelerate's
+`Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own, and PyTorch Lightning's
+`DeepSpeedStrategy` (on CUDA where `DS_ACCELERATOR` is `cuda`).
 
-`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer` or `accelerate`;
+`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer`, `accelerate` or
+`lightning`;
 PATHS_JSON is a JSON list of storage paths for an `"mlp_offload"` section, or `null` for stock
 DeepSpeed. One process per run (DeepSpeed keeps process-wide state). The framework calls
 `deepspeed.initialize` itself: nothing here names our engine.
@@ -149,5 +151,79 @@ def trainer(paths: list[str] | None, out: str) -> None:
     save(hf_trainer.model_wrapped, losses, out)
 
 
+def lightning(paths: list[str] | None, out: str) -> None:
+    """PyTorch Lightning's `DeepSpeedStrategy(config=...)`, the optimizer from the DeepSpeed config,
+    gradient accumulation 2 and clipping, as Lightning's docs show it. Lightning runs DeepSpeed only on
+    CUDA; on DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`, the default here) the strategy's two
+    CUDA checks are lifted (the accelerator's type, the devices' indices), the CPU device is given the
+    index 0 that DeepSpeed takes as its rank, and everything else is
+    Lightning's own code."""
+    mlp_offload.install()
+    import lightning as L
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    on_cuda = os.environ["DS_ACCELERATOR"] == "cuda"
+    if not on_cuda:
+        # The other CUDA-only check: CPU devices have no index to match the local ranks with.
+        import lightning.pytorch.strategies.deepspeed as strategy_module
+
+        strategy_module._validate_device_index_selection = lambda devices: None
+
+    class Strategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:
+            if on_cuda:
+                super().setup_environment()
+            else:
+                super(DeepSpeedStrategy, self).setup_environment()
+
+        @property
+        def root_device(self) -> torch.device:
+            # Lightning hands DeepSpeed the device's index as its rank; a CPU device has none.
+            device: torch.device = super().root_device
+            return device if on_cuda else torch.device("cpu", 0)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.model = llama("tiny", vocab=VOCAB, max_seq=SEQ)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.model(**batch).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self) -> None:
+            return None  # DeepSpeed's, from the config
+
+    # Batch size and accumulation are the Trainer's to set (Lightning refuses them in the config).
+    config: dict[str, Any] = {
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
+    }
+    if paths is not None:
+        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    module = Module()
+    trainer = L.Trainer(
+        accelerator="cuda" if on_cuda else "cpu",
+        devices=1,
+        strategy=Strategy(config=config),
+        precision="bf16-mixed",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.dirname(out),
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(RandomTokens(), batch_size=2))
+    save(trainer.strategy.model, module.losses, out)
+
+
 if __name__ == "__main__":
-    {"trainer": trainer, "accelerate": accelerate}[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
+    frameworks = {"trainer": trainer, "accelerate": accelerate, "lightning": lightning}
+    frameworks[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])

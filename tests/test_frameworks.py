@@ -2,7 +2,10 @@
 when their DeepSpeed config has our section, and end bit for bit where the same run with stock DeepSpeed
 ZeRO-3 CPU offload ends: the Hugging Face Trainer (bf16, gradient accumulation 2, clipping, a warm-up
 scheduler, "auto" values filled in by the Trainer) and Accelerate's `Accelerator` with a `DeepSpeedPlugin`
-(bf16, clipping, optimizer and scheduler from the DeepSpeed config)."""
+(bf16, clipping, optimizer and scheduler from the DeepSpeed config), and PyTorch Lightning's
+`DeepSpeedStrategy(config=...)` (bf16-mixed, accumulation 2, clipping, the optimizer from the config; on
+DeepSpeed's CPU accelerator with the strategy's CUDA-only checks lifted, on CUDA as it is in the GPU
+report, `make gpu-report`)."""
 
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ def train(framework: str, paths: list[Path] | None, tmp_path: Path, name: str) -
     return result
 
 
-@pytest.mark.parametrize("framework", ["trainer", "accelerate"])
+@pytest.mark.parametrize("framework", ["trainer", "accelerate", "lightning"])
 def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
     framework: str, work_dirs: list[Path], tmp_path: Path
 ) -> None:
+    if framework == "lightning":
+        pytest.importorskip("lightning")
     stock = train(framework, None, tmp_path, "stock")
     ours = train(framework, work_dirs[:2], tmp_path, "ours")
     assert stock["optimizer_class"].startswith("deepspeed.runtime.zero.stage3.")

@@ -163,12 +163,15 @@ def find_tests(given: str | None) -> Path | None:
 
 def suite_env(tests: Path, mode: str, run_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
+    # DeepSpeed's CPU accelerator, or the one the GPU report names (`cuda`).
+    accelerator = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR", "cpu")
+    if accelerator == "cpu":
+        # The CPU accelerator counts LOCAL_SIZE as its devices: the 2- and 4-rank cases run instead of
+        # skipping.
+        env["LOCAL_SIZE"] = "4"
     env.update(
         {
-            "DS_ACCELERATOR": "cpu",
-            # The CPU accelerator counts LOCAL_SIZE as its devices: the 2- and 4-rank cases run instead of
-            # skipping.
-            "LOCAL_SIZE": "4",
+            "DS_ACCELERATOR": accelerator,
             # Fresh rank processes per case (they inherit the case's name and load sitecustomize).
             "DS_DISABLE_REUSE_DIST_ENV": "1",
             "DS_UNITTEST_TIMEOUT": "300",

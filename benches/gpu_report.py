@@ -1,0 +1,261 @@
+"""The GPU report: every check and measurement that needs CUDA, in parts of under 10 minutes each, so
+that a GPU's minutes go to measuring. `make gpu-pack` here packs what the GPU machine lacks into `.gpu/`;
+there, `source .gpu/setup.sh` installs it and `make gpu-report` (or this script) runs the parts.
+
+    python benches/gpu_report.py [PART ...] [--out DIR] [--data DIR] [--list]
+
+Parts, in this order (all by default; name some to run only those, one call each if need be):
+
+- `bitexact`: the bit-exact table on CUDA (`tests/test_zero3.py`: bf16 and fp16, accumulation, clipping,
+  one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
+  `device: cpu` on the same GPU;
+- `ds-suite`: DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine, among them the
+  cases that skip on the CPU (`tests/deepspeed_suite/run.py`; `MLP_OFFLOAD_DS_TESTS` names the tests if
+  `../shared/deepspeed-tests` is not there);
+- `lightning`: PyTorch Lightning's `DeepSpeedStrategy(config=...)` with our section, bit-equal to stock
+  Lightning with DeepSpeed (`tests/test_frameworks.py`);
+- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-largest`, `e2e-largest-ours`: `benches/e2e.py` with the
+  LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's pipelined NVMe offload and
+  its `device: cpu`, and the largest LLaMA size whose state the data directory's free space holds for
+  DeepSpeed's NVMe offload (16 bytes a parameter).
+
+Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
+runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
+`--out` defaults to `$OUT/gpu-report` (the device tool's folder that comes back) or `bench-out/gpu-report`;
+`--data` (the disk the state goes to) to `$DATA` (`.gpu/setup.sh` sets it) or `target/gpu-report-data`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each part must end within the device tool's 10 minutes a call, set-up included.
+PART_TIMEOUT_SECS = 540
+# Bytes on disk per parameter of DeepSpeed's NVMe offload (fp32 weights, two moments, fp32 gradients),
+# the most of any contender.
+DISK_BYTES_PER_PARAM = 16
+# LLaMA sizes (mlp_offload.models.LLAMA_SIZES) by parameters with LLaMA's 32,000-token vocabulary.
+LLAMA_PARAMS = {"130M": 134e6, "350M": 400e6, "1B": 1.2e9, "3B": 3.4e9, "7B": 6.7e9}
+
+
+@dataclass
+class Part:
+    what: str
+    # The command and its environment, from the output and data directories.
+    command: Callable[[Path, Path], list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def pytest_part(*args: str) -> Callable[[Path, Path], list[str]]:
+    def command(out: Path, data: Path) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rA", *args]
+
+    return command
+
+
+def e2e_part(size: str | None, contenders: str, name: str) -> Callable[[Path, Path], list[str]]:
+    def command(out: Path, data: Path) -> list[str]:
+        chosen = size or largest_size(data)
+        return [
+            sys.executable,
+            str(ROOT / "benches" / "e2e.py"),
+            "--model",
+            "llama",
+            "--size",
+            chosen,
+            "--rounds",
+            "1",
+            "--warmup",
+            "2",
+            "--steps",
+            "3",
+            "--contenders",
+            contenders,
+            "--path",
+            str(data / "e2e"),
+            "--out",
+            str(out / f"{name}.results.json"),
+        ]
+
+    return command
+
+
+def largest_size(data: Path) -> str:
+    """The largest LLaMA size whose DeepSpeed NVMe offload state fits in `data`'s free space (with a tenth
+    to spare)."""
+    data.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(data).free * 0.9
+    fitting = [s for s, n in LLAMA_PARAMS.items() if n * DISK_BYTES_PER_PARAM <= free]
+    return fitting[-1] if fitting else "130M"
+
+
+CUDA = {"MLP_OFFLOAD_TEST_ACCELERATOR": "cuda", "MLP_OFFLOAD_TEST_FORK": "0"}
+ON_CPU = {"MLP_OFFLOAD_TEST_ACCELERATOR": "cpu", "MLP_OFFLOAD_TEST_FORK": "1", "DS_ACCELERATOR": "cpu"}
+PARTS = {
+    "bitexact": Part(
+        "the bit-exact table on CUDA against stock DeepSpeed's device: cpu",
+        pytest_part("tests/test_zero3.py", "-k", "test_state_is_bit_equal_to_deepspeed_cpu_offload"),
+        CUDA,
+    ),
+    "ds-suite": Part(
+        "DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine",
+        lambda out, data: [
+            sys.executable,
+            str(ROOT / "tests" / "deepspeed_suite" / "run.py"),
+            "--out",
+            str(out / "ds-suite.results.json"),
+            *(
+                ["--tests", os.environ["MLP_OFFLOAD_DS_TESTS"]]
+                if "MLP_OFFLOAD_DS_TESTS" in os.environ
+                else []
+            ),
+        ],
+        {"MLP_OFFLOAD_TEST_ACCELERATOR": "cuda"},
+    ),
+    "lightning": Part(
+        "Lightning's DeepSpeedStrategy with our section, bit-equal to stock",
+        pytest_part("tests/test_frameworks.py", "-k", "lightning"),
+        CUDA,
+    ),
+    "e2e-130M": Part(
+        "LLaMA 130M: DeepSpeed NVMe (pipelined), DeepSpeed device: cpu, ours at its memory, ours (README)",
+        e2e_part("130M", "ds-nvme-pipelined,ds-cpu,mlp-offload,mlp-offload-default", "e2e-130M"),
+    ),
+    "e2e-1B": Part(
+        "LLaMA 1B: DeepSpeed NVMe (pipelined) against ours at its memory",
+        e2e_part("1B", "ds-nvme-pipelined,mlp-offload", "e2e-1B"),
+    ),
+    "e2e-1B-dram": Part(
+        "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it",
+        e2e_part("1B", "ds-cpu,mlp-offload-default", "e2e-1B-dram"),
+    ),
+    "e2e-largest": Part(
+        "the largest LLaMA the disk holds: DeepSpeed NVMe (pipelined)",
+        e2e_part(None, "ds-nvme-pipelined", "e2e-largest"),
+    ),
+    "e2e-largest-ours": Part(
+        "the largest LLaMA the disk holds: ours at DeepSpeed's memory",
+        e2e_part(None, "mlp-offload", "e2e-largest-ours"),
+    ),
+}
+
+
+def cuda_missing() -> str | None:
+    """Why there is no CUDA device to run on, or None."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch does not import ({e})"
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "none"
+        return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA {build})"
+    return None
+
+
+def outcome_of(name: str, rc: int, log: str) -> str:
+    """A part's outcome in a few words, from its exit status and the tail of its output."""
+    if rc in (-9, 124):
+        return f"timed out after {PART_TIMEOUT_SECS} s"
+    summary = re.findall(r"^=* ?(\d+ (?:passed|failed|skipped|error)[^=\n]*?) ?=*$", log, re.MULTILINE)
+    if summary:
+        return summary[-1]
+    return "ok" if rc == 0 else f"exit status {rc}"
+
+
+def write_report(out: Path, records: list[dict[str, object]]) -> None:
+    lines = ["# GPU report", "", "| part | outcome | seconds | what |", "|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['part']} | {r['outcome']} | {r['secs']:.0f} | {r['what']} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def run_part(name: str, part: Part, out: Path, data: Path, missing: str | None) -> dict[str, object]:
+    record: dict[str, object] = {"part": name, "what": part.what, "secs": 0.0}
+    if missing is not None:
+        record.update(outcome=f"skipped: {missing}", skipped=True)
+        print(f"gpu-report: {name}: skipped: {missing}", flush=True)
+    else:
+        command = part.command(out, data)
+        env = {**os.environ, **part.env, "MLP_OFFLOAD_TEST_DIR": str(data / "tests")}
+        log_path = out / f"{name}.log"
+        print(f"gpu-report: {name}: {' '.join(command)}", flush=True)
+        start = time.perf_counter()
+        with log_path.open("w") as log:
+            try:
+                rc = subprocess.run(
+                    command,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=PART_TIMEOUT_SECS,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        text = log_path.read_text(errors="replace")
+        record.update(
+            secs=time.perf_counter() - start,
+            rc=rc,
+            command=command,
+            outcome=outcome_of(name, rc, text[-20000:]),
+            log=str(log_path),
+            skipped=False,
+        )
+        print(f"gpu-report: {name}: {record['outcome']} ({record['secs']:.0f} s)", flush=True)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="*", metavar="PART", help=f"among {', '.join(PARTS)} (all)")
+    default_out = (
+        Path(os.environ["OUT"]) / "gpu-report" if os.environ.get("OUT") else ROOT / "bench-out" / "gpu-report"
+    )
+    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument(
+        "--data", type=Path, default=Path(os.environ.get("DATA", ROOT / "target" / "gpu-report-data"))
+    )
+    parser.add_argument("--list", action="store_true", help="list the parts and exit")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run the parts on DeepSpeed's CPU accelerator instead of skipping them: a check of the report "
+        "itself, not figures of a GPU",
+    )
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, part in PARTS.items():
+            print(f"{name:18} {part.what}")
+        return 0
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown:
+        parser.error(f"{', '.join(unknown)}: not among {', '.join(PARTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.data.mkdir(parents=True, exist_ok=True)
+    missing = None if args.cpu else cuda_missing()
+    records = []
+    for name in args.parts or list(PARTS):
+        part = PARTS[name]
+        if args.cpu:
+            part = Part(f"{part.what} (on the CPU)", part.command, {**part.env, **ON_CPU})
+        records.append(run_part(name, part, args.out, args.data, missing))
+        write_report(args.out, records)
+    failed = [r["part"] for r in records if not r.get("skipped") and r.get("rc") != 0]
+    print(f"gpu-report: {len(records)} parts, report in {args.out / 'report.md'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
