@@ -180,6 +180,39 @@ def test_overlap_runs_where_the_fused_pass_does_and_by_default_where_nothing_str
     assert why in overlap.choose(setting, fused, every_chunk_cached)[1]
 
 
+# Two subgroups: 0 in chunks of 10, 10 and 5 elements, 1 in one chunk of 8. Parameters: (id, subgroup,
+# offset, count): "a" spans chunks 0 and 1, "b" chunk 1, "c" chunks 1 and 2, "d" chunk 3.
+FINAL_CHUNKS = [(0, 0, 10), (0, 10, 10), (0, 20, 5), (1, 0, 8)]
+FINAL_PARAMS = [("a", 0, 0, 12), ("b", 0, 12, 4), ("c", 0, 16, 9), ("d", 1, 0, 8)]
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "leads"),
+    [
+        # In backward's order, one at a time: a chunk is final with the last of its parameters.
+        ([("d", 1.0), ("c", 2.0), ("b", 3.0), ("a", 4.0)], [6.0, 6.0, 8.0, 9.0]),
+        # A parameter seen twice in one boundary counts once (its first time).
+        ([("d", 1.0), ("d", 5.0), ("c", 2.0), ("c", 6.0), ("b", 3.0), ("a", 4.0)], [6.0, 6.0, 8.0, 9.0]),
+        # A parameter that got no gradient leaves its chunks final only at the end (lead 0).
+        ([("d", 1.0), ("c", 2.0), ("a", 4.0)], [6.0, 0.0, 8.0, 9.0]),
+        # Final after backward's end (DeepSpeed's finalize at step(), without the engine): no lead.
+        ([("d", 11.0), ("a", 12.0), ("b", 12.0), ("c", 12.0)], [0.0, 0.0, 0.0, 0.0]),
+        ([], [0.0, 0.0, 0.0, 0.0]),
+    ],
+)
+def test_a_chunk_gradient_is_final_with_the_last_of_its_parameters(
+    arrivals: list[tuple[str, float]], leads: list[float]
+) -> None:
+    grads = overlap.GradsFinal(FINAL_CHUNKS, FINAL_PARAMS)
+    for pid, at in arrivals:
+        grads.final(pid, at)
+    assert grads.leads(10.0) == leads
+    # The next boundary starts afresh.
+    grads.reset()
+    grads.final("d", 7.0)
+    assert grads.leads(10.0) == [0.0, 0.0, 0.0, 3.0]
+
+
 def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_error() -> None:
     """`UpdateInFlight`: a wait for subgroups already done returns while the update goes on; one for a
     subgroup the update failed before raises the update's own error (an `OSError` keeps its errno and

@@ -53,6 +53,29 @@ def test_round_trip_through_tensors_and_host_buffers(
         assert np.array_equal(arr, floats.numpy())
 
 
+def test_a_staged_version_waits_for_commit_or_discard(engine: str, work_dirs: list[Path]) -> None:
+    """Through the bindings: reads see the current version until `commit`; `discard` keeps it; each
+    refusal names the key (the Rust tests cover the rest)."""
+    versions = [random_tensor(65_543, seed) for seed in range(3)]
+    with ObjectStore(work_dirs[:2], engine=engine, chunk_size=1 << 16) as store:
+        store.write("obj", versions[0]).wait()
+        store.write("obj", versions[1], staged=True).wait()
+        back = torch.empty_like(versions[0])
+        store.read("obj", back).wait()
+        assert torch.equal(back, versions[0])
+        store.commit("obj")
+        store.read("obj", back).wait()
+        assert torch.equal(back, versions[1])
+        with pytest.raises(ValueError, match='commit: object "obj" has no staged version'):
+            store.commit("obj")
+        store.write("obj", versions[2], staged=True)
+        assert store.discard("obj") and not store.discard("obj")
+        store.read("obj", back).wait()
+        assert torch.equal(back, versions[1])
+        with pytest.raises(FileNotFoundError, match="new"):
+            store.write("new", versions[0], staged=True)
+
+
 def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_dirs: list[Path]) -> None:
     missing = work_dirs[0] / "missing"
     with pytest.raises(FileNotFoundError) as e:

@@ -100,8 +100,14 @@ CASES = [
         {"host_memory": "200K", "update_chunk": "24K", "update_kernel": "deepspeed"},
         2,
     ),
-    # Chunks of 2048 elements: six or so per subgroup, the last of each shorter.
-    ("chunks of a few thousand elements", {}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
+    # Chunks of 2048 elements: six or so per subgroup, the last of each shorter; DeepSpeed reduces the
+    # gradients in small buckets, so most chunks' gradients are final before backward ends.
+    (
+        "chunks of a few thousand elements",
+        {"reduce_bucket_size": 20_000},
+        {"host_memory": "200K", "update_chunk": "24K"},
+        2,
+    ),
     (
         "a subgroup larger than the whole budget",
         {"sub_group_size": 100_000},
@@ -178,6 +184,14 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     # kept, every step.
     for r in steps[1:]:
         assert r["forward_secs"] > 0 and r["backward_secs"] > 0 and r["update_secs"] > 0, r
+    # When each chunk's gradient was final: before backward ended, where DeepSpeed flushed its buckets
+    # during backward (with one flush at the end, every lead is about 0).
+    for r in steps:
+        leads = r["grads_final"]["lead_secs"]
+        assert len(leads) == start["chunks"] and min(leads) >= 0.0, r["grads_final"]
+        assert max(leads) <= r["grads_final"]["backward_secs"], r["grads_final"]
+    if "reduce_bucket_size" in ds_case:
+        assert all(sum(t > 0 for t in r["grads_final"]["lead_secs"]) > start["chunks"] // 2 for r in steps)
     for r in steps:
         assert r["reads"] + r["cached"] + r["retained"] == start["chunks"]
         assert r["writes"] + start["cached_chunks"] == start["chunks"]

@@ -49,6 +49,8 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             "stage": 3,
             "sub_group_size": case.get("sub_group_size", 12000),
             "offload_optimizer": {"device": "cpu"},
+            # DeepSpeed's default: the whole tiny model's gradients in one flush at backward's end.
+            "reduce_bucket_size": case.get("reduce_bucket_size", 500_000_000),
         },
         "steps_per_print": 10**9,
     }

@@ -158,9 +158,15 @@ class ObjectStore:
         owner: object,
         weights: list[float] | None = None,
         sums: tuple[list[int], list[int]] | None = None,
+        staged: bool = False,
     ) -> IoHandle:
         """Writes the bytes as `key`; `sums` (stripe starts as `write_cuts` gave them, and each stripe's
-        CRC32C) spares the store hashing them, if the split is still that one."""
+        CRC32C) spares the store hashing them, if the split is still that one; `staged` keeps the new
+        version beside the current one until `commit` or `discard`."""
+    def commit(self, key: str) -> None:
+        """Makes the staged version of `key` current."""
+    def discard(self, key: str) -> bool:
+        """Forgets the staged version of `key`; whether there was one."""
     def read(self, key: str, address: int, nbytes: int, owner: object, verify: bool = True) -> IoHandle:
         """Reads `key` into the bytes; `verify=False` leaves its checksums to the caller (`verify`)."""
     def write_cuts(self, nbytes: int) -> list[int]:

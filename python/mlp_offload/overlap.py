@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-__all__ = ["UpdateInFlight", "choose", "update_thread"]
+__all__ = ["GradsFinal", "UpdateInFlight", "choose", "update_thread"]
 
 
 def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
@@ -105,3 +105,56 @@ class UpdateInFlight(Generic[Result]):
             raise self._failed("it ended")
         assert self._result is not None
         return self._result
+
+
+class GradsFinal:
+    """When each chunk's gradient became final in the backward that ends an accumulation boundary: once
+    DeepSpeed has reduced the gradient of every parameter with elements in the chunk on this rank into
+    its host buffer (`final`, from its per-parameter boundary hook), the chunk could be updated, while
+    the rest of backward runs. What the update could hide in backward follows from these times.
+
+    `chunks`: `(subgroup, first element, count)` per chunk; `params`: `(parameter id, subgroup, offset in
+    the subgroup's partition, count)` of every parameter with elements on this rank."""
+
+    def __init__(
+        self, chunks: Sequence[tuple[int, int, int]], params: Iterable[tuple[Hashable, int, int, int]]
+    ) -> None:
+        of_subgroup: dict[int, list[int]] = {}
+        for c, (i, _, _) in enumerate(chunks):
+            of_subgroup.setdefault(i, []).append(c)
+        self._chunks_of: dict[Hashable, list[int]] = {}
+        self._expected = [0] * len(chunks)
+        for pid, i, offset, count in params:
+            # Chunks of a subgroup cover its partition in order, so the overlap is a range of them.
+            overlapping = [
+                c
+                for c in of_subgroup.get(i, [])
+                if chunks[c][1] < offset + count and offset < chunks[c][1] + chunks[c][2]
+            ]
+            self._chunks_of[pid] = overlapping
+            for c in overlapping:
+                self._expected[c] += 1
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the last boundary's gradients (after the step used them)."""
+        self._left = list(self._expected)
+        self._seen: set[Hashable] = set()
+        self._final_at: list[float | None] = [None] * len(self._expected)
+
+    def final(self, pid: Hashable, at: float | None = None) -> None:
+        """Parameter `pid`'s gradient is final (reduced into the host buffer) at `at` (now by default);
+        once per boundary counts."""
+        if pid in self._seen:
+            return
+        self._seen.add(pid)
+        at = time.perf_counter() if at is None else at
+        for c in self._chunks_of.get(pid, ()):
+            self._left[c] -= 1
+            if self._left[c] == 0:
+                self._final_at[c] = at
+
+    def leads(self, backward_end: float) -> list[float]:
+        """Per chunk, how long before `backward_end` its gradient was final: 0 for a chunk final only at
+        the end (or after it, or never: a parameter that got no gradient)."""
+        return [0.0 if t is None else max(0.0, backward_end - t) for t in self._final_at]

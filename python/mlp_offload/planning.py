@@ -299,10 +299,12 @@ class UpdatePlanner:
         backward_secs: float,
         compute_secs: float,
         overlap: dict[str, float] | None = None,
+        grads_final: dict[str, Any] | None = None,
     ) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
         step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
-        the next forward waited for subgroups."""
+        the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
+        chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`)."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.
@@ -384,6 +386,7 @@ class UpdatePlanner:
                 # Made before this step, from the steps before it (the start-up plan's for the first two).
                 "predicted_update_secs": predicted,
                 "overlap": overlap,
+                "grads_final": grads_final,
             }
         )
 

@@ -93,12 +93,25 @@ class ObjectStore:
         *,
         weights: Sequence[float] | None = None,
         sums: tuple[list[int], list[int]] | None = None,
+        staged: bool = False,
     ) -> _core.IoHandle:
         """Writes `src` as object `key` (created on first write, placed by `weights`). `sums`: each
         stripe's CRC32C of `src`, cut where `write_cuts` said, computed by the caller (the fused update
-        computes them as it writes the bytes); the store then does not hash them again."""
+        computes them as it writes the bytes); the store then does not hash them again. `staged`: the new
+        version lands beside the current one, which reads go on seeing, until `commit(key)` makes it
+        current or `discard(key)` forgets it (needs shadow slots and a current version)."""
         address, nbytes, owner = memory_of(src, writable=False)
-        return self._store.write(key, address, nbytes, owner, list(weights) if weights else None, sums)
+        weights = list(weights) if weights else None
+        return self._store.write(key, address, nbytes, owner, weights, sums, staged)
+
+    def commit(self, key: str) -> None:
+        """Makes the staged version of `key` current once its write has completed (no I/O); ValueError
+        naming the key when there is none."""
+        self._store.commit(key)
+
+    def discard(self, key: str) -> bool:
+        """Forgets the staged version of `key` once its write has completed; whether there was one."""
+        return self._store.discard(key)
 
     def read(self, key: str, dst: Any, *, verify: bool = True) -> _core.IoHandle:
         """Reads object `key` into `dst`, which must have exactly the object's size in bytes. With

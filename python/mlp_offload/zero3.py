@@ -135,9 +135,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         # When the last step ended (forward and backward run until the next one starts).
         self._mlp_last_step_end: float | None = None
-        # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks.
+        # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks; when the
+        # last backward started and ended (the one before a step ends its accumulation boundary).
         self._mlp_backward_secs = 0.0
         self._mlp_backward_start = 0.0
+        self._mlp_backward_end = 0.0
         # The update running behind `step()`, until something waits for it (`_mlp_settle`), and what
         # records it then (the step's telemetry).
         self._mlp_inflight: UpdateInFlight[StepStats] | None = None
@@ -187,6 +189,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Only the norm: the half-precision gradient stays in DeepSpeed's host buffer until its subgroup
         # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
+        self._mlp_grads_final.final(self.get_param_id(param))
 
     # ----------------------------------------------------------------------------------------------
     # Start-up: budget, chunks, plan, initial state
@@ -230,6 +233,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"of {buffer_bytes:,} bytes)"
             ) from None
         self._mlp_grad = torch.empty(c, dtype=FP32)
+        self._mlp_grads_final = overlap.GradsFinal(
+            self._mlp_state.chunks,
+            (
+                (self.get_param_id(p), i, *self.grad_position[self.get_param_id(p)][1:])
+                for i, group in enumerate(self.fp16_groups)
+                for p in group
+                # DeepSpeed's own test in partition_grads: a partition of padding gets no gradient.
+                if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
+            ),
+        )
         if self._mlp_overlap:
             self._mlp_update_thread = update_thread()
             self._mlp_wait_in_gathers()
@@ -488,7 +501,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def backward_epilogue(self) -> None:
         super().backward_epilogue()
-        self._mlp_backward_secs += time.perf_counter() - self._mlp_backward_start
+        self._mlp_backward_end = time.perf_counter()
+        self._mlp_backward_secs += self._mlp_backward_end - self._mlp_backward_start
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup),
@@ -497,6 +511,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         step_start = time.perf_counter()
         fwd_bwd = None if self._mlp_last_step_end is None else step_start - self._mlp_last_step_end
         backward_secs, self._mlp_backward_secs = self._mlp_backward_secs, 0.0
+        # How long before the boundary's backward ended each chunk's gradient was final.
+        grads_final = {
+            "backward_secs": max(0.0, self._mlp_backward_end - self._mlp_backward_start),
+            "lead_secs": [round(t, 3) for t in self._mlp_grads_final.leads(self._mlp_backward_end)],
+        }
+        self._mlp_grads_final.reset()
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -605,6 +625,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 backward_secs,
                 compute_secs,
                 overlap=overlap,
+                grads_final=grads_final,
             )
             self._mlp_fp32_grads.clear()
 

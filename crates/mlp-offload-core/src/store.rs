@@ -175,6 +175,11 @@ struct ObjectRecord {
     generation: u64,
     /// CRC32C of each stripe's contents, per slot; `None` when written with checksums off.
     checksums: Vec<Vec<Option<u32>>>,
+    /// The slot holding a complete version written by a staged write and not yet made current
+    /// ([`ObjectStore::commit`]). Never in the manifest: a store reopened after a crash has the current
+    /// version, as if the staged write had not happened.
+    #[serde(skip)]
+    staged: Option<u8>,
 }
 
 struct ObjectEntry {
@@ -519,6 +524,97 @@ impl ObjectStore {
         weights: Option<&[f64]>,
         sums: Option<StripeSums>,
     ) -> Result<Completion> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.submit_write(key, buf, len, keepalive, weights, sums, false) }
+    }
+
+    /// [`ObjectStore::write_raw_with_sums`] that does not make the new version current: it lands in the
+    /// object's free shadow slot and waits there, while reads go on seeing the current version, until
+    /// [`ObjectStore::commit`] makes it current or [`ObjectStore::discard`] forgets it (any other write
+    /// of the object also replaces it). So an update whose outcome is not yet known can send its
+    /// writes and still be undone without a byte moved. Needs shadow slots and a current version.
+    ///
+    /// # Safety
+    /// As [`ObjectStore::write_raw_with_sums`].
+    pub unsafe fn stage_raw_with_sums(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+        weights: Option<&[f64]>,
+        sums: Option<StripeSums>,
+    ) -> Result<Completion> {
+        {
+            let entry = self.entry(key)?;
+            let record = entry.record.lock().expect("record lock");
+            if record.slots != 2 {
+                return Err(Error::config(
+                    "shadow_slots",
+                    format!(
+                        "object {key:?}: a staged write keeps the current version in the other slot, \
+                         and the store has shadow slots off"
+                    ),
+                ));
+            }
+            if record.active.is_none() {
+                return Err(Error::config(
+                    "stage",
+                    format!("object {key:?} has no current version to keep beside a staged one"),
+                ));
+            }
+        }
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.submit_write(key, buf, len, keepalive, weights, sums, true) }
+    }
+
+    /// Makes the staged version of `key` current, once its write has completed (a metadata change: no
+    /// I/O). An error, naming the key, when there is none: none was written since the object's last
+    /// write or commit, it was discarded, or its write failed (that write's own wait raised why).
+    pub fn commit(&self, key: &str) -> Result<()> {
+        let entry = self.entry(key)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        wait_for(&entry, |op| op == Op::Write);
+        let mut record = entry.record.lock().expect("record lock");
+        let Some(slot) = record.staged.take() else {
+            return Err(Error::config(
+                "commit",
+                format!(
+                    "object {key:?} has no staged version (none written since its last write or \
+                     commit, discarded, or its write failed)"
+                ),
+            ));
+        };
+        record.active = Some(slot);
+        record.generation += 1;
+        Ok(())
+    }
+
+    /// Forgets the staged version of `key`, once its write has completed; the current version stays
+    /// as it was. Returns whether there was one.
+    pub fn discard(&self, key: &str) -> Result<bool> {
+        let entry = self.entry(key)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        wait_for(&entry, |op| op == Op::Write);
+        let staged = entry.record.lock().expect("record lock").staged.take();
+        Ok(staged.is_some())
+    }
+
+    /// A write, made current when it completes or (`stage`) kept beside the current version.
+    ///
+    /// # Safety
+    /// As [`ObjectStore::write_raw_with_sums`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn submit_write(
+        &self,
+        key: &str,
+        buf: HostPtr,
+        len: usize,
+        keepalive: Box<dyn Any + Send>,
+        weights: Option<&[f64]>,
+        sums: Option<StripeSums>,
+        stage: bool,
+    ) -> Result<Completion> {
         let weights = match weights {
             Some(w) => w.to_vec(),
             None => self.weights(),
@@ -529,11 +625,13 @@ impl ObjectStore {
         let _submitting = entry.submit_lock.lock().expect("submit lock");
         wait_for(&entry, |_| true);
         let (slot, slots) = {
-            let record = entry.record.lock().expect("record lock");
+            let mut record = entry.record.lock().expect("record lock");
             let slot = match (record.slots, record.active) {
                 (2, Some(active)) => 1 - active,
                 _ => 0,
             };
+            // The free slot is the staged version's: this write replaces it.
+            record.staged = None;
             (slot, record.slots)
         };
         // The slot being written is not current, so changing its split disturbs no reader.
@@ -557,8 +655,12 @@ impl ObjectStore {
                 let mut record = entry.record.lock().expect("record lock");
                 match &result {
                     Ok(()) => {
-                        record.active = Some(slot);
-                        record.generation += 1;
+                        if stage {
+                            record.staged = Some(slot);
+                        } else {
+                            record.active = Some(slot);
+                            record.generation += 1;
+                        }
                         record.checksums[slot as usize] = match (&given, &sums) {
                             (Some(given), _) => given.iter().copied().map(Some).collect(),
                             (None, Some(sums)) => sums.range_sums().into_iter().map(Some).collect(),
@@ -891,6 +993,7 @@ impl ObjectStore {
                 checksums: vec![Vec::new(); slots as usize],
                 active: None,
                 generation: 0,
+                staged: None,
             }),
             inflight: Mutex::new(Vec::new()),
             submit_lock: Mutex::new(()),

@@ -161,6 +161,7 @@ for_each_engine!(
     new_weights_move_an_object_on_its_next_write,
     a_delete_is_in_the_manifest_before_it_returns,
     files_no_manifest_knows_are_removed_at_open,
+    a_staged_version_is_read_only_once_committed,
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
@@ -577,6 +578,104 @@ fn sums_computed_by_the_caller_are_kept_and_verified(engine: EngineChoice) {
         .unwrap_err()
         .to_string();
     assert!(err.contains("1 sums for the 2 stripes"), "{err}");
+}
+
+/// Stages `data` as the next version of `key` (with the caller's sums where given); the completion.
+fn stage(store: &ObjectStore, key: &str, data: &[u8], sums: Option<StripeSums>) -> Completion {
+    let mut buf = aligned_copy(data);
+    let ptr = HostPtr(buf.as_mut_ptr());
+    // SAFETY: the buffer is the completion's to keep alive until the write is done, and nothing changes
+    // it meanwhile.
+    unsafe { store.stage_raw_with_sums(key, ptr, data.len(), Box::new(buf), None, sums) }.unwrap()
+}
+
+fn a_staged_version_is_read_only_once_committed(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let len = 300_000;
+    let versions: Vec<Vec<u8>> = (0..6).map(|v| random_bytes(len, 100 + v)).collect();
+    let store = open(&paths, engine);
+    store
+        .write("obj", aligned_copy(&versions[0]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    // Staged, hashed by the store or by the caller: reads go on seeing the current version, and a read
+    // check taken before stays valid (the current version did not change).
+    let check = store.read_check("obj").unwrap();
+    let starts = store.write_cuts(len as u64).unwrap();
+    let sums = StripeSums {
+        starts: starts.clone(),
+        sums: sums_at(&versions[1], &starts),
+    };
+    for given in [None, Some(sums)] {
+        let staged = stage(&store, "obj", &versions[1], given);
+        assert_eq!(read_back(&store, "obj", len), versions[0]);
+        staged.wait().unwrap();
+        assert_eq!(read_back(&store, "obj", len), versions[0]);
+    }
+    store
+        .verify(&check, &sums_at(&versions[0], check.starts()))
+        .unwrap();
+    // Committed: current, with its own sums (a verifying read checks them), and gone from the staging.
+    store.commit("obj").unwrap();
+    assert_eq!(read_back(&store, "obj", len), versions[1]);
+    let err = store.verify(&check, &[0, 0]).unwrap_err().to_string();
+    assert!(err.contains("written again"), "{err}");
+    let err = store.commit("obj").unwrap_err();
+    assert!(
+        matches!(err, Error::Config { .. })
+            && err.to_string().contains("\"obj\" has no staged version"),
+        "{err}"
+    );
+    // Discarded: the current version stays.
+    stage(&store, "obj", &versions[2], None);
+    assert!(store.discard("obj").unwrap());
+    assert!(!store.discard("obj").unwrap());
+    assert_eq!(read_back(&store, "obj", len), versions[1]);
+    // Another write replaces a staged version: nothing is left to commit.
+    stage(&store, "obj", &versions[3], None);
+    store
+        .write("obj", aligned_copy(&versions[4]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(store.commit("obj").is_err());
+    assert_eq!(read_back(&store, "obj", len), versions[4]);
+    // A store closed with a version staged (as a crash would leave it) reopens at the current one.
+    stage(&store, "obj", &versions[5], None).wait().unwrap();
+    drop(store);
+    let store = open(&paths, engine);
+    assert_eq!(read_back(&store, "obj", len), versions[4]);
+    assert!(!store.discard("obj").unwrap());
+    // Named refusals: an object never written, and a store without a second slot to stage into.
+    let mut buf = aligned_copy(&versions[0]);
+    let ptr = HostPtr(buf.as_mut_ptr());
+    // SAFETY: refused before any I/O; `buf` outlives the call.
+    let err = unsafe { store.stage_raw_with_sums("new", ptr, len, Box::new(()), None, None) }
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::NotFound { .. }) && err.to_string().contains("\"new\""),
+        "{err}"
+    );
+    drop(store);
+    let (_root1, paths1) = dirs(1);
+    let store = ObjectStore::open(
+        StoreConfig::new(paths1)
+            .with_engine(engine)
+            .with_shadow_slots(false),
+    )
+    .unwrap();
+    store
+        .write("obj", aligned_copy(&versions[0]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    // SAFETY: as above.
+    let err = unsafe { store.stage_raw_with_sums("obj", ptr, len, Box::new(()), None, None) }
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("shadow_slots"), "{err}");
 }
 
 fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: EngineChoice) {

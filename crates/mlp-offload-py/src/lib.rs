@@ -532,8 +532,9 @@ impl PyObjectStore {
     }
 
     /// Writes `nbytes` at `address` as object `key`; `owner` (the tensor or buffer that owns the memory)
-    /// is kept alive until the write is done.
-    #[pyo3(signature = (key, address, nbytes, owner, weights=None, sums=None))]
+    /// is kept alive until the write is done. `staged`: the new version waits beside the current one
+    /// until `commit` (or `discard`).
+    #[pyo3(signature = (key, address, nbytes, owner, weights=None, sums=None, staged=false))]
     #[allow(clippy::too_many_arguments)]
     fn write(
         &self,
@@ -544,28 +545,40 @@ impl PyObjectStore {
         owner: Py<PyAny>,
         weights: Option<Vec<f64>>,
         sums: Option<(Vec<u64>, Vec<u32>)>,
+        staged: bool,
     ) -> PyResult<IoHandle> {
         let store = self.get()?;
         let ptr = HostPtr(address as *mut u8);
         let sums = sums.map(|(starts, sums)| StripeSums { starts, sums });
         let completion = py
             .detach(|| {
+                let (weights, owner) = (weights.as_deref(), Box::new(owner));
                 // SAFETY: the caller (the Python layer) passes the address and size of a live, contiguous
                 // CPU buffer owned by `owner`, and sums it computed over those bytes; `owner` is held by
                 // the completion until the I/O is done.
                 unsafe {
-                    store.write_raw_with_sums(
-                        key,
-                        ptr,
-                        nbytes,
-                        Box::new(owner),
-                        weights.as_deref(),
-                        sums,
-                    )
+                    if staged {
+                        store.stage_raw_with_sums(key, ptr, nbytes, owner, weights, sums)
+                    } else {
+                        store.write_raw_with_sums(key, ptr, nbytes, owner, weights, sums)
+                    }
                 }
             })
             .map_err(to_py)?;
         Ok(IoHandle { completion })
+    }
+
+    /// Makes the staged version of `key` current (after its write completes); ValueError naming the
+    /// key when there is none.
+    fn commit(&self, py: Python<'_>, key: &str) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.commit(key)).map_err(to_py)
+    }
+
+    /// Forgets the staged version of `key` (after its write completes); whether there was one.
+    fn discard(&self, py: Python<'_>, key: &str) -> PyResult<bool> {
+        let store = self.get()?;
+        py.detach(|| store.discard(key)).map_err(to_py)
     }
 
     /// Where each stripe of an `nbytes` object written now would start (the current weights' split).
