@@ -131,6 +131,76 @@ def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
         bump.assert_stored(store, steps)
 
 
+@pytest.mark.parametrize(
+    ("chunks", "buffers", "first_part", "outcome"),
+    [
+        # The stream's chunks, last first, as their gradients come; all of them staged, then kept.
+        (9, 6, None, "commit"),
+        # The first part ends after two chunks (the step's outcome came first): those are kept, the
+        # rest run in the second part.
+        (9, 6, 2, "commit"),
+        # The outcome says otherwise: the staged versions are forgotten and every chunk runs again.
+        (9, 6, None, "discard"),
+        (9, 6, 3, "discard"),
+        (6, 2, None, "commit"),  # one buffer streams
+        (6, 2, 4, "discard"),
+    ],
+)
+def test_a_step_in_two_parts_stages_the_first_and_keeps_or_forgets_it(
+    engine: str, work_dirs: list[Path], chunks: int, buffers: int, first_part: int | None, outcome: str
+) -> None:
+    """The update during backward (issue 30): the streamed chunks go first, staged, each once `ready`
+    lets it; reads see the old versions until `commit`; after `discard` the store has the old versions
+    and the second part updates those chunks again. Every chunk is updated once per step in the end."""
+    bump = Bumps(chunks)
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        pipeline = ChunkPipeline(store, bump.keys, bump.sizes, buffers, ascending=True)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        cached = pipeline.cache_slots
+        streamed = list(range(chunks - 1, cached - 1, -1))
+        for step in range(3):
+            allowed: list[int] = []
+
+            def ready(chunk: int, timeout: float, allowed: list[int] = allowed) -> bool | None:
+                if first_part is not None and len(allowed) == first_part:
+                    return False
+                allowed.append(chunk)
+                return True
+
+            bump.seen.append([])
+            first = pipeline.run_step(
+                bump, only=streamed, staged=True, ready=ready, drain=False, ends_step=False
+            )
+            done = streamed[: len(allowed)]
+            assert bump.seen[-1] == done and first.staged == done
+            # Reads ahead of where a first part ends were made and dropped: bytes moved all the same.
+            assert first.reads == len(done) if first_part is None else first.reads >= len(done)
+            # Until the outcome is known, the store has every chunk's old version.
+            for i in done:
+                back = torch.empty(bump.sizes[i], dtype=torch.uint8)
+                store.read(bump.keys[i], back).wait()
+                assert int(back[0]) == i + step, (step, i)
+            if outcome == "commit":
+                pipeline.commit(done)
+                rest = [c for c in range(chunks) if c not in done]
+            else:
+                pipeline.discard(done)
+                rest = list(range(chunks))
+            bump.seen[-1] = []
+            second = pipeline.run_step(bump, only=rest, drain=step % 2 == 0)
+            assert bump.seen[-1] == rest
+            joined = first.add(second)
+            assert joined.step == step and joined.staged == done
+            assert joined.writes == len(done) + len(rest) - cached
+            assert pipeline.resident == list(range(cached))
+        # A cached chunk's current state is in memory only: staging it is refused.
+        if cached:
+            with pytest.raises(ValueError, match="staged: chunks \\[0"):
+                pipeline.run_step(bump, only=[0], staged=True)
+        pipeline.flush()
+        bump.assert_stored(store, 3)
+
+
 def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_dirs: list[Path]) -> None:
     """The update behind `step()` runs the step on its own thread: whatever else would touch the
     buffers in the meantime is refused by name, not raced."""
@@ -207,10 +277,37 @@ def test_a_chunk_gradient_is_final_with_the_last_of_its_parameters(
     for pid, at in arrivals:
         grads.final(pid, at)
     assert grads.leads(10.0) == leads
+    # A parameter reduced again changed the gradients of its chunks after they were final.
+    again = {pid for pid, _ in arrivals if [p for p, _ in arrivals].count(pid) > 1}
+    assert grads.changed == {c for pid in again for c in grads.chunks_of(pid)}
+    # Waiting: a final chunk at once, another not before backward's end makes every chunk final.
+    arrived = {pid for pid, _ in arrivals}
+    final = [all(pid in arrived for pid, *_ in FINAL_PARAMS if c in grads.chunks_of(pid)) for c in range(4)]
+    assert [grads.wait(c, 0.01) for c in range(4)] == final
+    grads.end(10.0)
+    assert all(grads.wait(c, 0.0) for c in range(len(leads)))
     # The next boundary starts afresh.
     grads.reset()
     grads.final("d", 7.0)
-    assert grads.leads(10.0) == [0.0, 0.0, 0.0, 3.0]
+    assert grads.leads(10.0) == [0.0, 0.0, 0.0, 3.0] and not grads.changed
+
+
+@pytest.mark.parametrize(
+    ("setting", "fused", "on_host", "streams", "shadow", "why"),
+    [
+        (False, True, True, True, True, "overlap_backward: true turns it on"),
+        (True, False, True, True, True, "DeepSpeed's passes hold the GIL"),
+        (True, True, False, True, True, "on the accelerator"),
+        (True, True, True, False, True, "every chunk stays in host memory"),
+        (True, True, True, True, False, "shadow_slots: true"),
+        (True, True, True, True, True, "on: the streamed chunks"),
+    ],
+)
+def test_the_update_during_backward_runs_where_it_can_be_undone(
+    setting: bool, fused: bool, on_host: bool, streams: bool, shadow: bool, why: str
+) -> None:
+    on, said = overlap.choose_backward(setting, fused, on_host, streams, shadow)
+    assert on == said.startswith("on") and why in said
 
 
 def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_error() -> None:

@@ -201,6 +201,65 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert ours["store_after_destroy_matches"]
 
 
+# The streamed chunks updated during backward (`overlap_backward`): DeepSpeed reduces in small buckets,
+# so most gradients are final before backward ends; the budget streams; shadow slots keep the old
+# versions. name, the DeepSpeed side, extra section keys, what each step's record says of it
+BACKWARD_CASES = [
+    ("kept every step", {}, {}, "kept"),
+    ("and the rest behind the next forward", {}, {"overlap": True}, "kept"),
+    ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept"),
+    ("clipping: undone, then updated as without it", {"clip": 0.05}, {}, "clipping"),
+    ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3"),
+    ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3"),
+    ("DeepSpeed's helpers between backward and step", {"helpers_at": 4}, {}, "read at 4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "ds_case", "extra", "outcome"), BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES]
+)
+def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
+    name: str,
+    ds_case: dict[str, Any],
+    extra: dict[str, Any],
+    outcome: str,
+    work_dirs: list[Path],
+    tmp_path: Path,
+) -> None:
+    """Each chunk updated as its gradient is final and staged; `step()` keeps it where the outcome is the
+    one assumed (no overflow, no clipping, the same hyperparameters), else undoes it, as does anything
+    that reads the state or parameters before `step()`: every row bit-equal to stock DeepSpeed."""
+    # No clipping (DeepSpeed's default clips at 1.0, which these gradients pass) unless the row asks.
+    case = {"reduce_bucket_size": 20_000, "steps": 6, "clip": 0.0, **ds_case}
+    stock = run_case(case, tmp_path, "stock")
+    keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
+    ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys, **extra)}, tmp_path, "ours")
+    assert_bit_equal(ours, stock)
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["overlap_backward"]["on"], start["overlap_backward"]
+    records = [r for r in ours["telemetry"] if r["event"] in ("step", "skipped")]
+    assert len(records) == 6
+    what, _, at = outcome.partition(" at ")
+    undone = []
+    for step, r in enumerate(records):
+        spec = r["speculation"]
+        assert spec is not None and spec["chunks"] > 0, (step, spec)
+        if spec["kept"]:
+            assert r["event"] == "step" and (what in ("kept", "clipping") or step != int(at)), (step, spec)
+            continue
+        undone.append(step)
+        if what == "read" and step == int(at):
+            assert "read before step()" in spec["why"], (step, spec)
+        elif what == "skipped" and step == int(at):
+            assert r["event"] == "skipped" and "skipped" in spec["why"], (step, spec)
+        else:
+            # Clipped gradients, or (fp16) a loss scale that grew in the step: another scale.
+            assert what in ("clipping", "skipped") and "scale was" in spec["why"], (step, spec)
+    assert what == "kept" or (int(at) in undone if at else undone), undone
+    # Chunks' updates ran before backward ended.
+    assert sum(r["speculation"]["in_backward"] for r in records) > 0
+
+
 @ONE_NODE
 def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path], tmp_path: Path) -> None:
     """Two ranks (torch.distributed over gloo, as across nodes), each with its own batches, sharing the

@@ -100,6 +100,17 @@ class MLPOffloadConfig(BaseModel):
     chunk order moves more bytes (fewer chunks cached) than a short forward hides, so it is off (`true`
     turns it on). The start-up line says which, and why."""
 
+    overlap_backward: bool = False
+    """Update the streamed chunks during backward (at an accumulation boundary): each once its
+    gradients are final, at the step's outcome expected (no overflow, the gradients unclipped, the
+    hyperparameters as backward began), its new version written beside the old one on disk. `step()`
+    keeps those versions when the outcome is that one, and otherwise forgets them and restores the
+    parameters, then updates as without it; so is anything that reads parameters or state in between
+    (an eval forward, a checkpoint). Bit for bit the same as without it. It needs the fused pass,
+    `shadow_slots: true`, and the half-precision parameters in host memory (not yet on an
+    accelerator); the start-up line says whether it runs, and why. The cached chunks are the first ones
+    (as with `overlap`), updated in `step()`."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

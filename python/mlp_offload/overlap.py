@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-__all__ = ["GradsFinal", "UpdateInFlight", "choose", "update_thread"]
+__all__ = ["GradsFinal", "UpdateInFlight", "choose", "choose_backward", "update_thread"]
 
 
 def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
@@ -37,6 +37,24 @@ def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[
     # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
     # forward is long (docs/results.md, issue 30).
     return False, "off: the state streams (overlap: true runs it behind step() all the same)"
+
+
+def choose_backward(
+    setting: bool, fused: bool, params_on_host: bool, streams: bool, shadow: bool
+) -> tuple[bool, str]:
+    """Whether the streamed chunks are updated during backward (`MLPOffloadConfig.overlap_backward`),
+    and why, in words for the start-up line."""
+    if not setting:
+        return False, "off (overlap_backward: true turns it on)"
+    if not fused:
+        return False, "off: DeepSpeed's passes hold the GIL, which backward needs"
+    if not params_on_host:
+        return False, "off: the half-precision parameters are on the accelerator (not yet supported)"
+    if not streams:
+        return False, "off: every chunk stays in host memory, nothing streams"
+    if not shadow:
+        return False, "off: it needs shadow_slots: true (the old versions stay on disk until the step)"
+    return True, "on: the streamed chunks as their gradients are final, kept if the step agrees"
 
 
 def update_thread() -> ThreadPoolExecutor:
@@ -124,6 +142,8 @@ class GradsFinal:
             of_subgroup.setdefault(i, []).append(c)
         self._chunks_of: dict[Hashable, list[int]] = {}
         self._expected = [0] * len(chunks)
+        # Held while the counts change; waited on by `wait`.
+        self._cond = threading.Condition()
         for pid, i, offset, count in params:
             # Chunks of a subgroup cover its partition in order, so the overlap is a range of them.
             overlapping = [
@@ -138,23 +158,48 @@ class GradsFinal:
 
     def reset(self) -> None:
         """Forgets the last boundary's gradients (after the step used them)."""
-        self._left = list(self._expected)
-        self._seen: set[Hashable] = set()
-        self._final_at: list[float | None] = [None] * len(self._expected)
+        with self._cond:
+            self._left = list(self._expected)
+            self._seen: set[Hashable] = set()
+            self._final_at: list[float | None] = [None] * len(self._expected)
+            # Chunks a gradient changed in after they were final (a parameter reduced twice).
+            self.changed: set[int] = set()
+
+    def chunks_of(self, pid: Hashable) -> list[int]:
+        """The chunks parameter `pid` has elements in."""
+        return self._chunks_of.get(pid, [])
 
     def final(self, pid: Hashable, at: float | None = None) -> None:
-        """Parameter `pid`'s gradient is final (reduced into the host buffer) at `at` (now by default);
-        once per boundary counts."""
-        if pid in self._seen:
-            return
-        self._seen.add(pid)
+        """Parameter `pid`'s gradient is final (reduced into the host buffer) at `at` (now by default).
+        Its first time counts; a second one means its gradient changed after that, and its chunks are
+        `changed`."""
         at = time.perf_counter() if at is None else at
-        for c in self._chunks_of.get(pid, ()):
-            self._left[c] -= 1
-            if self._left[c] == 0:
-                self._final_at[c] = at
+        with self._cond:
+            if pid in self._seen:
+                self.changed.update(self._chunks_of.get(pid, ()))
+                return
+            self._seen.add(pid)
+            for c in self._chunks_of.get(pid, ()):
+                self._left[c] -= 1
+                if self._left[c] == 0:
+                    self._final_at[c] = at
+            self._cond.notify_all()
+
+    def end(self, at: float | None = None) -> None:
+        """Backward is over: every chunk's gradient is what the step will use, final now if not before
+        (a parameter that got no gradient)."""
+        at = time.perf_counter() if at is None else at
+        with self._cond:
+            self._final_at = [at if t is None else t for t in self._final_at]
+            self._cond.notify_all()
+
+    def wait(self, chunk: int, timeout: float) -> bool:
+        """Whether chunk `chunk`'s gradient is final, waiting up to `timeout` seconds for it."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._final_at[chunk] is not None, timeout)
 
     def leads(self, backward_end: float) -> list[float]:
         """Per chunk, how long before `backward_end` its gradient was final: 0 for a chunk final only at
         the end (or after it, or never: a parameter that got no gradient)."""
-        return [0.0 if t is None else max(0.0, backward_end - t) for t in self._final_at]
+        with self._cond:
+            return [0.0 if t is None else max(0.0, backward_end - t) for t in self._final_at]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,21 @@ class StepStats:
     write_wait_seconds: float = 0.0
     # Per path: bytes and busy seconds, in all and per direction (what `WeightTuner.observe` takes).
     per_path: list[dict[str, float]] = field(default_factory=list)
+    # Chunks written as staged versions (`run_step(staged=True)`), in order.
+    staged: list[int] = field(default_factory=list)
+
+    def add(self, other: StepStats) -> StepStats:
+        """This part of a step and `other`, the next part, as one step (this one's number)."""
+        out = StepStats(self.step, self.seconds + other.seconds, 0, 0, 0, 0, 0)
+        for name in ("reads", "writes", "cached", "bytes_read", "bytes_written", "retained"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.read_wait_seconds = self.read_wait_seconds + other.read_wait_seconds
+        out.write_wait_seconds = self.write_wait_seconds + other.write_wait_seconds
+        out.per_path = [
+            {k: a[k] + b[k] for k in a} for a, b in zip(self.per_path, other.per_path, strict=True)
+        ] or other.per_path
+        out.staged = self.staged + other.staged
+        return out
 
 
 def next_order(
@@ -125,6 +140,9 @@ class ChunkPipeline:
         self._resident: dict[int, _core.HostBuffer] = {}
         # Chunk -> (buffer, its write-back, maybe still in flight) from the end of the last step.
         self._retained: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
+        # Chunk -> (buffer, its staged write, maybe still in flight): what the buffer holds is not the
+        # chunk's current state, so it is never used as such; the buffer is free once the write is done.
+        self._staged_held: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
         self._order = list(range(n))
         self._ascending = ascending
         # Set while a step runs (on whichever thread).
@@ -213,9 +231,26 @@ class ChunkPipeline:
         return self._pool.acquire()
 
     def run_step(
-        self, update: Callable[..., Any], *, drain: bool = True, checksums_in_update: bool = False
+        self,
+        update: Callable[..., Any],
+        *,
+        drain: bool = True,
+        checksums_in_update: bool = False,
+        only: Sequence[int] | None = None,
+        staged: bool = False,
+        ready: Callable[[int, float], bool | None] | None = None,
+        ends_step: bool = True,
     ) -> StepStats:
         """One update phase: `update(chunk, view)` changes each chunk's state in place.
+
+        A step may also run in parts (with `ascending`, whose cache does not depend on the order):
+        `only` runs these chunks, in this order; `ends_step=False` says more parts of the same step
+        follow (`StepStats.add` joins their figures). `staged`: every write is staged
+        (`ObjectStore.write(staged=True)`), so the chunks' new versions stay invisible until
+        `commit(chunks)`, or are forgotten by `discard(chunks)`; `stats.staged` lists them. `ready(chunk,
+        timeout)`, called before each chunk's update while the reads ahead go on, says whether it may
+        be updated now (True), not yet (None, after up to `timeout` seconds), or never in this part
+        (False: the part ends there, and what was read ahead of it is dropped).
 
         With `drain=False` the step returns while its last writes are still in flight: they go on while
         forward and backward run, and their buffers keep the state, so the next step uses them without
@@ -229,23 +264,73 @@ class ChunkPipeline:
         so corrupt state never reaches the store or the cache.
         """
         self._idle("run_step")
+        n = len(self.sizes)
+        if only is not None:
+            if not self._ascending:
+                raise ValueError("only: a step runs in parts only in chunk order (ascending)")
+            if len(set(only)) != len(only) or not all(0 <= c < n for c in only):
+                raise ValueError(f"only: chunks {list(only)} are not distinct chunks of {n}")
+        if staged and (cached := sorted(set(self._order if only is None else only) & set(self._resident))):
+            # A cached chunk's current state is its buffer alone: a staged update of it could not be undone.
+            raise ValueError(f"staged: chunks {cached} are cached, their current state in host memory only")
         self._running = True
         try:
-            return self._run_step(update, drain, checksums_in_update)
+            return self._run_step(update, drain, checksums_in_update, only, staged, ready, ends_step)
         finally:
             self._running = False
 
-    def _run_step(self, update: Callable[..., Any], drain: bool, checksums_in_update: bool) -> StepStats:
+    def _free_staged(self, chunks: Iterable[int]) -> float:
+        """Takes back the buffers of these chunks' staged writes, once done; the seconds waited."""
+        waited = 0.0
+        for c in chunks:
+            if (entry := self._staged_held.pop(c, None)) is not None:
+                t = time.perf_counter()
+                try:
+                    entry[1].wait()
+                except Exception:
+                    # The write's own outcome is the store's (commit refuses a version that failed).
+                    pass
+                waited += time.perf_counter() - t
+                self._free.append(entry[0])
+        return waited
+
+    def commit(self, chunks: Iterable[int]) -> None:
+        """Makes the staged versions of these chunks current (see `run_step(staged=True)`)."""
+        self._idle("commit")
+        chunks = list(chunks)
+        self._free_staged(chunks)
+        for c in chunks:
+            self.store.commit(self.keys[c])
+
+    def discard(self, chunks: Iterable[int]) -> None:
+        """Forgets the staged versions of these chunks: the store's current ones stay."""
+        self._idle("discard")
+        chunks = list(chunks)
+        self._free_staged(chunks)
+        for c in chunks:
+            self.store.discard(self.keys[c])
+
+    def _run_step(
+        self,
+        update: Callable[..., Any],
+        drain: bool,
+        checksums_in_update: bool,
+        only: Sequence[int] | None,
+        staged: bool,
+        ready: Callable[[int, float], bool | None] | None,
+        ends_step: bool,
+    ) -> StepStats:
         sums_here = checksums_in_update and self.store.checksum
         n = len(self.sizes)
-        order = self._order
+        order = self._order if only is None else list(only)
         if self._ascending:
-            keep = set(order[: self.cache_slots])
+            keep = set(self._order[: self.cache_slots])
         else:
             keep = set(order[n - self.cache_slots :]) if self.cache_slots else set()
         retained, self._retained = self._retained, {}
         stats = StepStats(self._step, 0.0, 0, 0, 0, 0, 0)
         start = time.perf_counter()
+        stats.write_wait_seconds += self._free_staged(list(self._staged_held))
         if self._ascending:
             # The last step's final writes come last in chunk order: their buffers serve the stream now.
             for i in [i for i in retained if i not in keep]:
@@ -284,6 +369,19 @@ class ChunkPipeline:
 
         for i in order:
             read_ahead()
+            if ready is not None:
+                while (go := ready(i, 0.02)) is None:
+                    read_ahead()
+                if not go:
+                    # Reads ahead of a part that ends here are dropped, their buffers free.
+                    for buffer, handle in reading.values():
+                        try:
+                            handle.wait()
+                        except Exception:
+                            pass
+                        self._free.append(buffer)
+                    reading.clear()
+                    break
             was_read = False
             if i in self._resident:
                 buffer = self._resident.pop(i)
@@ -322,17 +420,27 @@ class ChunkPipeline:
                     self.store.verify(check, read_sums)
                 if write_cuts is not None:
                     sums = (write_cuts, write_sums)
-            if i in keep:
+            if i in keep and not staged:
                 self._resident[i] = buffer
             else:
-                writing.append((i, buffer, self.store.write(self.keys[i], view, sums=sums)))
+                writing.append((i, buffer, self.store.write(self.keys[i], view, sums=sums, staged=staged)))
                 stats.writes += 1
                 stats.bytes_written += self.sizes[i]
+                if staged:
+                    stats.staged.append(i)
         if drain:
             while reclaim(block=True):
                 pass
-        self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
-        self._order = next_order(order, set(self._resident), set(self._retained), ascending=self._ascending)
+        if staged:
+            self._staged_held.update((i, (buffer, handle)) for i, buffer, handle in writing)
+        else:
+            self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
+        self._order = next_order(
+            self._order if only is not None else order,
+            set(self._resident),
+            set(self._retained),
+            ascending=self._ascending,
+        )
         stats.seconds = time.perf_counter() - start
         # Since the end of the last step: writes that ran on during forward and backward count here.
         before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
@@ -347,13 +455,15 @@ class ChunkPipeline:
                     "busy_secs": (a["busy_ns"] - b["busy_ns"]) / 1e9,
                 }
             )
-        self._step += 1
+        if ends_step:
+            self._step += 1
         return stats
 
     def flush(self) -> None:
         """Writes the cached chunks back and waits for every write, so the store alone holds the current
         state."""
         self._idle("flush")
+        self._free_staged(list(self._staged_held))
         for buffer, handle in self._retained.values():
             handle.wait()
             self._free.append(buffer)
@@ -367,6 +477,7 @@ class ChunkPipeline:
     def close(self) -> None:
         """Gives the buffers back (and their CUDA registration); cached state not flushed is lost."""
         self._idle("close")
+        self._free_staged(list(self._staged_held))
         for _, handle in self._retained.values():
             handle.wait()
         self._retained.clear()

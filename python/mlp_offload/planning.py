@@ -300,11 +300,13 @@ class UpdatePlanner:
         compute_secs: float,
         overlap: dict[str, float] | None = None,
         grads_final: dict[str, Any] | None = None,
+        speculation: dict[str, Any] | None = None,
     ) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
         step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
         the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
-        chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`)."""
+        chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
+        `speculation`: the streamed chunks' update during backward, and whether it was kept."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.
@@ -387,6 +389,7 @@ class UpdatePlanner:
                 "predicted_update_secs": predicted,
                 "overlap": overlap,
                 "grads_final": grads_final,
+                "speculation": speculation,
             }
         )
 

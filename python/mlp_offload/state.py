@@ -94,6 +94,10 @@ class ChunkedState:
     def _scratch(self) -> torch.Tensor:
         return torch.empty(STATE_TENSORS * self.layout.elements, dtype=FP32)
 
+    def current_params(self, chunk: int) -> torch.Tensor:
+        """The chunk's current fp32 weights: its host copy's, else read from the store."""
+        return self._current(chunk, self._scratch())[: self.chunks[chunk][2]]
+
     def _current(self, chunk: int, scratch: torch.Tensor) -> torch.Tensor:
         """The chunk's newest `[params | exp_avg | exp_avg_sq]` (fp32): the pipeline's host copy where
         it has one (edits to it are edits to that copy), else read from the store into `scratch`."""

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,12 +83,54 @@ def _check_optimizer(optimizer: Any) -> None:
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
 
 
+def _same_groups(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two snapshots of the param groups hold the same hyperparameters (their parameter lists
+    aside)."""
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return bool(x == y)
+
+    return len(a) == len(b) and all(
+        ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga if k != "params")
+        for ga, gb in zip(a, b, strict=True)
+    )
+
+
+@dataclass
+class Speculation:
+    """The streamed chunks' update during backward (`overlap_backward`), at the outcome expected when it
+    began: each subgroup's Adam step before it, the param groups, and the gradient's scale with no
+    overflow and no clipping. Its versions are staged in the store until `step()` keeps or forgets them."""
+
+    steps: list[int]
+    groups: list[dict[str, Any]]
+    grad_scale: float
+    # The streamed chunks, in the order their gradients were final in the last boundary's backward.
+    order: list[int]
+    stop: threading.Event = field(default_factory=threading.Event)
+    # Held while a chunk is taken, and while a gather looks at what was taken.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Chunks whose pass began, in order, and when each ended.
+    taken: list[int] = field(default_factory=list)
+    ended_at: list[float] = field(default_factory=list)
+    # Chunk -> its half-precision parameters before the pass, where they were not its fp32 weights
+    # narrowed (so the store's old version alone could not give them back).
+    kept_params: dict[int, torch.Tensor] = field(default_factory=dict)
+    backward_end: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+    future: Future[StepStats] | None = None
+
+
 class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with the optimizer state in the object store (see module docs)."""
 
     overflow: bool  # set by DeepSpeed's overflow check
     persistent_parameters: list[Any]  # set by DeepSpeed's __init__: parameters every rank keeps whole
     _mlp_state: ChunkedState  # set once DeepSpeed's __init__ has partitioned the model
+    _mlp_grads_final: overlap.GradsFinal  # set with it
+    _mlp_spec_begun: bool  # whether this boundary's update during backward began (reset by step())
 
     def __init__(
         self, module: Any, init_optimizer: Any, param_names: Any, timers: Any, ds_config: Any, **kwargs: Any
@@ -143,6 +188,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The update running behind `step()`, until something waits for it (`_mlp_settle`), and what
         # records it then (the step's telemetry).
         self._mlp_inflight: UpdateInFlight[StepStats] | None = None
+        # The streamed chunks' update during the boundary's backward, until step() (or a reader in
+        # between) settles it.
+        self._mlp_spec: Speculation | None = None
+        self._mlp_spec_on = False
+        # What a reader that undid the update during backward before step() left for step()'s record.
+        self._mlp_abandoned: dict[str, Any] | None = None
+        # Per chunk, how long before the last boundary's backward ended its gradient was final.
+        self._mlp_last_leads: list[float] | None = None
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
@@ -190,6 +243,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
         self._mlp_grads_final.final(self.get_param_id(param))
+        if self._mlp_spec_on and self._mlp_spec is None and not self._mlp_spec_begun:
+            # The first gradient of the boundary is final: the streamed chunks' update starts.
+            self._mlp_spec_begun = True
+            self._mlp_speculate()
 
     # ----------------------------------------------------------------------------------------------
     # Start-up: budget, chunks, plan, initial state
@@ -215,6 +272,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_overlap, overlap_why = overlap.choose(
                 config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
             )
+            self._mlp_spec_on, spec_why = overlap.choose_backward(
+                config.overlap_backward,
+                self._mlp_fused is not None,
+                params_dtype is not None,
+                cache_slots < len(layout.chunks),
+                config.shadow_slots,
+            )
+            self._mlp_spec_begun = False
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
             # leaves) and checks it.
             self._mlp_state = ChunkedState(
@@ -224,7 +289,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 cache_chunks=cache_chunks,
                 lock=self._mlp_pin,
                 pages=pages,
-                ascending=self._mlp_overlap,
+                # The update during backward keeps the first chunks cached too.
+                ascending=self._mlp_overlap or self._mlp_spec_on,
             )
         except ValueError as e:
             # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
@@ -243,7 +309,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
             ),
         )
-        if self._mlp_overlap:
+        if self._mlp_overlap or self._mlp_spec_on:
             self._mlp_update_thread = update_thread()
             self._mlp_wait_in_gathers()
         kernel_record: dict[str, Any] = {
@@ -277,6 +343,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "update_kernel": kernel_record,
                 # Whether the update runs behind the next forward, and why.
                 "overlap": {"on": self._mlp_overlap, "why": overlap_why},
+                # Whether the streamed chunks are updated during backward, and why.
+                "overlap_backward": {"on": self._mlp_spec_on, "why": spec_why},
                 "weights": self._mlp_store.weights,
                 # This rank's requests in flight per path, and why.
                 "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
@@ -295,7 +363,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         log.info(
             "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
             "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; update kernel: %s (%s); "
-            "overlap with the next forward: %s; weights %s; predicted update %.2f s",
+            "overlap with the next forward: %s; with backward: %s; weights %s; predicted update %.2f s",
             self._mlp_rank,
             len(numels),
             len(layout.chunks),
@@ -310,6 +378,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             kernel_record["kernel"],
             kernel_why,
             overlap_why,
+            spec_why,
             [round(w, 3) for w in self._mlp_store.weights],
             plan["predicted_update_secs"] if plan else float("nan"),
         )
@@ -449,6 +518,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         def after_update(gather: Callable[..., Any], owner: Any) -> Callable[..., Any]:
             @functools.wraps(gather)
             def gather_after_update(param_list: Any = None, *args: Any, **kwargs: Any) -> Any:
+                if (spec := self._mlp_spec) is not None and self._mlp_spec_touches(
+                    spec, [owner] if param_list is None else param_list
+                ):
+                    self._mlp_abandon(spec, "parameters were gathered before step()")
                 if (inflight := self._mlp_inflight) is not None:
                     try:
                         inflight.wait_for(subgroups([owner] if param_list is None else param_list))
@@ -468,7 +541,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def _mlp_settle(self) -> None:
         """Waits for the update running behind `step()`, if one is, and records it; raises what it
-        raised, once."""
+        raised, once. An update during backward that `step()` has not settled is undone first:
+        whatever calls this reads parameters, state or gradients as they were before it."""
+        if (spec := self._mlp_spec) is not None:
+            self._mlp_abandon(spec, "state or parameters were read before step()")
         inflight, self._mlp_inflight = self._mlp_inflight, None
         if inflight is not None:
             self._mlp_finish_update(inflight.result(), inflight.waited_secs)
@@ -503,20 +579,147 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         super().backward_epilogue()
         self._mlp_backward_end = time.perf_counter()
         self._mlp_backward_secs += self._mlp_backward_end - self._mlp_backward_start
+        if (spec := self._mlp_spec) is not None:
+            # The boundary's backward is over: every chunk's gradient is the one the step uses.
+            spec.backward_end = self._mlp_backward_end
+            self._mlp_grads_final.end(self._mlp_backward_end)
+
+    # ----------------------------------------------------------------------------------------------
+    # The streamed chunks' update during backward
+
+    def _mlp_speculate(self) -> None:
+        """Starts the streamed chunks' update on the update thread, at the outcome expected now: no
+        overflow, no clipping (`1 / loss_scale`), the param groups as they are. Each chunk waits for its
+        gradient, is updated, and is written as a staged version."""
+        pipeline = self._mlp_state.pipeline
+        streamed = [c for c in pipeline.order if c not in set(pipeline.resident)]
+        # The order the gradients came in at the last boundary (last chunk first before any).
+        leads = self._mlp_last_leads
+        streamed.sort(key=lambda c: (-leads[c], -c) if leads else -c)
+        spec = Speculation(
+            steps=[int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat],
+            groups=[dict(group) for group in self.optimizer.param_groups],
+            grad_scale=float(1.0 / self.loss_scale),
+            order=streamed,
+        )
+
+        def ready(chunk: int, timeout: float) -> bool | None:
+            if spec.stop.is_set():
+                return False
+            return True if self._mlp_grads_final.wait(chunk, timeout) else None
+
+        def update(
+            chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
+        ) -> tuple[list[int] | None, list[int] | None]:
+            i, first, count = self._mlp_state.chunks[chunk]
+            half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
+            with spec.lock:
+                spec.taken.append(chunk)
+            # The parameters before the pass come back from the old version's weights, narrowed as
+            # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights).
+            if not torch.equal(half, state_bytes.view(FP32)[:count].to(half.dtype)):
+                spec.kept_params[chunk] = half.clone()
+            sums = self._mlp_fused_update(
+                chunk, state_bytes, spec.steps[i] + 1, spec.grad_scale, spec.groups, read_cuts, write_cuts
+            )
+            spec.ended_at.append(time.perf_counter())
+            return sums
+
+        spec.future = self._mlp_update_thread.submit(
+            pipeline.run_step,
+            update,
+            only=streamed,
+            staged=True,
+            ready=ready,
+            drain=False,
+            ends_step=False,
+            checksums_in_update=True,
+        )
+        self._mlp_spec = spec
+
+    def _mlp_spec_touches(self, spec: Speculation, params: Iterable[Any]) -> bool:
+        """Whether gathering `params` now would read what the update during backward changed: after
+        backward, any of them; during it, one in a chunk already taken."""
+        if spec.backward_end is not None:
+            return True
+        with spec.lock:
+            taken = set(spec.taken)
+            return any(
+                c in taken for p in params for c in self._mlp_grads_final.chunks_of(self.get_param_id(p))
+            )
+
+    def _mlp_spec_finish(self, spec: Speculation, keep: bool, why: str) -> tuple[StepStats, dict[str, Any]]:
+        """Ends the update during backward: waits for it (stopped first unless `keep`), and keeps its
+        versions (`keep`) or forgets them and restores the parameters and Adam steps it changed. Returns
+        its figures and its telemetry record; raises what it raised, having undone it."""
+        self._mlp_spec = None
+        if not keep:
+            spec.stop.set()
+        assert spec.future is not None
+        end = spec.backward_end if spec.backward_end is not None else time.perf_counter()
+        try:
+            stats = spec.future.result()
+        except BaseException as error:
+            self._mlp_undo(spec)
+            error.add_note("mlp_offload: raised by the update during backward; it was undone")
+            raise
+        if keep:
+            self._mlp_state.pipeline.commit(stats.staged)
+        else:
+            self._mlp_undo(spec)
+        record = {
+            "chunks": len(spec.taken),
+            "in_backward": sum(t <= end for t in spec.ended_at),
+            "kept": keep,
+            "why": why,
+            "secs": time.perf_counter() - spec.started,
+        }
+        return stats, record
+
+    def _mlp_undo(self, spec: Speculation) -> None:
+        """Forgets the staged versions of every chunk the update during backward took, and gives back
+        their half-precision parameters (from the store's old version, or the copy set apart) and their
+        subgroups' Adam steps."""
+        self._mlp_state.pipeline.discard(spec.taken)
+        for chunk in spec.taken:
+            i, first, count = self._mlp_state.chunks[chunk]
+            half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
+            kept = spec.kept_params.get(chunk)
+            half.copy_(kept if kept is not None else self._mlp_state.current_params(chunk))
+            self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] = self._mlp_step_value(
+                spec.steps[i]
+            )
+
+    def _mlp_abandon(self, spec: Speculation, why: str) -> None:
+        """Undoes the update during backward before something reads what it changed."""
+        _, record = self._mlp_spec_finish(spec, keep=False, why=why)
+        self._mlp_abandoned = record
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup),
-        which runs on behind this call with `overlap`."""
+        which runs on behind this call with `overlap`. An update of the streamed chunks during backward
+        (`overlap_backward`) is kept where the step's outcome is the one it assumed, else undone."""
+        # This step settles the update during backward itself (the settling below would undo it).
+        spec, self._mlp_spec = self._mlp_spec, None
+        self._mlp_spec_begun = False
         self._mlp_settle()
         step_start = time.perf_counter()
         fwd_bwd = None if self._mlp_last_step_end is None else step_start - self._mlp_last_step_end
         backward_secs, self._mlp_backward_secs = self._mlp_backward_secs, 0.0
+        grads = self._mlp_grads_final
+        if spec is not None:
+            # Every gradient is the step's now (also where DeepSpeed reduced the last ones in step()).
+            grads.end()
         # How long before the boundary's backward ended each chunk's gradient was final.
+        leads = grads.leads(self._mlp_backward_end)
+        self._mlp_last_leads = leads
         grads_final = {
             "backward_secs": max(0.0, self._mlp_backward_end - self._mlp_backward_start),
-            "lead_secs": [round(t, 3) for t in self._mlp_grads_final.leads(self._mlp_backward_end)],
+            "lead_secs": [round(t, 3) for t in leads],
         }
-        self._mlp_grads_final.reset()
+        changed = bool(grads.changed)
+        if spec is None:
+            grads.reset()
         self._pre_step()
         self._partition_all_parameters()
         self._overflow_check_and_loss_scale_update(update_scale=False)
@@ -528,9 +731,22 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if is_invalid_grad_norm(scaled_global_grad_norm):
                 self.overflow = True
         if self._loss_scale_update_and_overflow_cleanup():
-            # An fp16 overflow skips the update: no state is read, changed or written.
+            # An fp16 overflow skips the update: no state is read, changed or written (what the update
+            # during backward changed is undone).
+            speculation = self._mlp_abandoned
+            if spec is not None:
+                _, speculation = self._mlp_spec_finish(
+                    spec, keep=False, why="the step was skipped (overflow, or a gradient norm not finite)"
+                )
+                grads.reset()
+            self._mlp_abandoned = None
             self._mlp_planner.emit(
-                {"event": "skipped", "rank": self._mlp_rank, "loss_scale": float(self.loss_scale)}
+                {
+                    "event": "skipped",
+                    "rank": self._mlp_rank,
+                    "loss_scale": float(self.loss_scale),
+                    "speculation": speculation,
+                }
             )
             self._mlp_last_step_end = time.perf_counter()
             self._mlp_fp32_grads.clear()
@@ -542,12 +758,37 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
         compute_secs = 0.0
         update_end = step_start
-        # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
-        steps = [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
-        remaining = [len(chunks) for chunks in self._mlp_state.of_subgroup]
         grad_scale = self._mlp_grad_scale(scaled_global_grad_norm) if self._mlp_fused is not None else 1.0
         # The param groups as this step sees them: an lr scheduler changes them once step() returns.
         groups = [dict(group) for group in self.optimizer.param_groups]
+        # The update during backward: kept where the outcome is the one it assumed, else undone.
+        spec_stats: StepStats | None = None
+        speculation, committed = self._mlp_abandoned, set()
+        self._mlp_abandoned = None
+        if spec is not None:
+            why = "kept: the step's outcome was the one expected"
+            if grad_scale != spec.grad_scale:
+                why = (
+                    f"undone: the gradients' scale was {grad_scale!r}, not {spec.grad_scale!r} (they were "
+                    "clipped, or the loss scale changed)"
+                )
+            elif not _same_groups(groups, spec.groups):
+                why = "undone: the param groups changed between backward and step()"
+            elif changed:
+                why = "undone: a gradient changed after it was final"
+            spec_stats, speculation = self._mlp_spec_finish(spec, keep=why.startswith("kept"), why=why)
+            grads.reset()
+            if speculation["kept"]:
+                committed = set(spec_stats.staged)
+        # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
+        steps = (
+            spec.steps
+            if spec is not None
+            else [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
+        )
+        remaining = [len(chunks) for chunks in self._mlp_state.of_subgroup]
+        for c in committed:
+            remaining[self._mlp_state.chunks[c][0]] -= 1
 
         def fused_update(
             chunk: int,
@@ -602,16 +843,23 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             """The chunk loop. The last writes go on while the next forward and backward run. The fused
             pass checksums the state as it reads and writes it, so the store does not hash it again."""
             nonlocal update_end
+            pipeline = self._mlp_state.pipeline
+            # Subgroups whose every chunk was updated during backward are done.
+            for i in sorted({self._mlp_state.chunks[c][0] for c in committed}):
+                if remaining[i] == 0:
+                    self._unflatten_partitioned_parameters(i)
+                    subgroup_done(i)
             if self._mlp_fused is not None:
-                stats = self._mlp_state.pipeline.run_step(
+                stats = pipeline.run_step(
                     functools.partial(fused_update, subgroup_done=subgroup_done),
                     drain=False,
                     checksums_in_update=True,
+                    only=[c for c in pipeline.order if c not in committed] if spec is not None else None,
                 )
             else:
-                stats = self._mlp_state.pipeline.run_step(update, drain=False)
+                stats = pipeline.run_step(update, drain=False)
             update_end = time.perf_counter()
-            return stats
+            return stats if spec_stats is None else spec_stats.add(stats)
 
         def finish(stats: StepStats, waited_secs: float | None) -> None:
             overlap = None
@@ -626,6 +874,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 compute_secs,
                 overlap=overlap,
                 grads_final=grads_final,
+                speculation=speculation,
             )
             self._mlp_fp32_grads.clear()
 
@@ -700,7 +949,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_settle()
                 self._mlp_state.pipeline.flush()
             finally:
-                if self._mlp_overlap:
+                if self._mlp_overlap or self._mlp_spec_on:
                     self._mlp_update_thread.shutdown()
                 self._mlp_state.pipeline.close()
         self._mlp_store.close()
