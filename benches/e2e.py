@@ -92,7 +92,11 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         },
         "steps_per_print": 10**9,
     }
-    if many_ranks():
+    if spec.get("clip") is not None:
+        config["gradient_clipping"] = spec["clip"]
+    if spec.get("reduce_bucket_size"):
+        config["zero_optimization"]["reduce_bucket_size"] = spec["reduce_bucket_size"]
+    elif many_ranks():
         # Every contender's backward with smaller buckets than DeepSpeed's defaults (5e8 elements reduced
         # at once, 1e9 kept gathered), so that four ranks fit this machine's memory beside one another.
         config["zero_optimization"].update(reduce_bucket_size=5e7, stage3_max_live_parameters=1e8)
@@ -348,6 +352,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="DeepSpeed's gradient_clipping for every contender (its default: 1.0; 0 turns it off)",
+    )
+    parser.add_argument(
+        "--reduce-bucket-size",
+        type=int,
+        default=None,
+        help="DeepSpeed's zero_optimization.reduce_bucket_size for every contender (its default: 5e8)",
+    )
     parser.add_argument("--path", default="target/bench-e2e", help="the local storage directory")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
@@ -468,6 +484,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "seq": args.seq,
                 "micro_batch": args.micro_batch,
                 "sub_group_size": args.sub_group_size,
+                "reduce_bucket_size": args.reduce_bucket_size,
+                "clip": args.clip,
                 "paths": run_paths,
                 "warmup": args.warmup,
                 "steps": args.steps,
@@ -607,6 +625,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             row["startup_predicted_update_secs"] = startup[0] if startup else None
             steps_of = [t["update_secs"] for t in measured]
             row["measured_update_secs_of_predicted_steps"] = statistics.median(steps_of) if steps_of else None
+            if finals := [in_backward(t) for t in measured if t.get("grads_final")]:
+                row["grads_final"] = {k: statistics.median(f[k] for f in finals) for k in finals[0]}
         rows[contender] = row
     present = [b for b in BASELINES if b in rows]
     baseline = min(present, key=lambda b: rows[b]["iteration"]) if present else None
@@ -617,6 +637,28 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             ratios[contender] = {k: base[k] / m[k] for k in ("update", "iteration")}
     params = next(iter(runs.values()))[0]["params"]
     return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
+
+
+def in_backward(record: dict[str, Any]) -> dict[str, float]:
+    """What one step's record says of the update during backward (issue 30, part 2), an estimate: the
+    boundary's backward time, the share of chunks whose gradient was final before half of it had run,
+    and how much of the update's time could have run before backward ended if each chunk were updated
+    as soon as its gradient was final, one after another, each taking an equal part of the update's
+    measured time (`update_secs` / chunks)."""
+    backward = record["grads_final"]["backward_secs"]
+    leads = sorted(record["grads_final"]["lead_secs"], reverse=True)
+    piece = record["update_secs"] / len(leads)
+    end = hidden = 0.0
+    for lead in leads:
+        start = max(backward - lead, end)
+        end = start + piece
+        hidden += max(0.0, min(end, backward) - start)
+    return {
+        "backward_secs": backward,
+        "final_by_half": sum(lead >= backward / 2 for lead in leads) / len(leads),
+        "could_hide_secs": hidden,
+        "update_secs": record["update_secs"],
+    }
 
 
 def disk_medians(disks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -709,6 +751,13 @@ def print_report(report: dict[str, Any]) -> None:
             print(
                 f"  {p['path']}: {p['bytes_per_step'] / gib:.2f} GiB/step, "
                 f"{p['bytes_per_busy_s'] / 2**20:.0f} MiB per busy second"
+            )
+        if g := m.get("grads_final"):
+            print(
+                f"  gradients final in the boundary's backward ({g['backward_secs']:.2f} s): "
+                f"{100 * g['final_by_half']:.0f}% of chunks by its half; of the update's "
+                f"{g['update_secs']:.2f} s, {g['could_hide_secs']:.2f} s could run before it ends "
+                "(estimate: each chunk as soon as its gradient is final, one at a time)"
             )
         if m.get("predicted_update_secs"):
             print(

@@ -107,8 +107,6 @@ class Speculation:
     steps: list[int]
     groups: list[dict[str, Any]]
     grad_scale: float
-    # The streamed chunks, in the order their gradients were final in the last boundary's backward.
-    order: list[int]
     stop: threading.Event = field(default_factory=threading.Event)
     # Held while a chunk is taken, and while a gather looks at what was taken.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -196,6 +194,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_abandoned: dict[str, Any] | None = None
         # Per chunk, how long before the last boundary's backward ended its gradient was final.
         self._mlp_last_leads: list[float] | None = None
+        # Whether the last step's gradients were scaled by 1/loss_scale alone (not clipped): the update
+        # during backward assumes so, and is not tried after a step that was clipped (it would be undone
+        # as long as clipping goes on); an unclipped step turns it back on.
+        self._mlp_spec_likely = True
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
@@ -243,7 +245,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
         self._mlp_grads_final.final(self.get_param_id(param))
-        if self._mlp_spec_on and self._mlp_spec is None and not self._mlp_spec_begun:
+        if (
+            self._mlp_spec_on
+            and self._mlp_spec is None
+            and not self._mlp_spec_begun
+            and self._mlp_spec_likely
+        ):
             # The first gradient of the boundary is final: the streamed chunks' update starts.
             self._mlp_spec_begun = True
             self._mlp_speculate()
@@ -592,7 +599,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         overflow, no clipping (`1 / loss_scale`), the param groups as they are. Each chunk waits for its
         gradient, is updated, and is written as a staged version."""
         pipeline = self._mlp_state.pipeline
-        streamed = [c for c in pipeline.order if c not in set(pipeline.resident)]
+        # In chunk order the first `cache_slots` chunks stay in host memory: the rest stream.
+        streamed = pipeline.order[pipeline.cache_slots :]
         # The order the gradients came in at the last boundary (last chunk first before any).
         leads = self._mlp_last_leads
         streamed.sort(key=lambda c: (-leads[c], -c) if leads else -c)
@@ -600,7 +608,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             steps=[int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat],
             groups=[dict(group) for group in self.optimizer.param_groups],
             grad_scale=float(1.0 / self.loss_scale),
-            order=streamed,
         )
 
         def ready(chunk: int, timeout: float) -> bool | None:
@@ -648,10 +655,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 c in taken for p in params for c in self._mlp_grads_final.chunks_of(self.get_param_id(p))
             )
 
-    def _mlp_spec_finish(self, spec: Speculation, keep: bool, why: str) -> tuple[StepStats, dict[str, Any]]:
+    def _mlp_spec_finish(
+        self, spec: Speculation, keep: bool, why: str, redo: bool = False
+    ) -> tuple[StepStats, dict[str, Any]]:
         """Ends the update during backward: waits for it (stopped first unless `keep`), and keeps its
-        versions (`keep`) or forgets them and restores the parameters and Adam steps it changed. Returns
-        its figures and its telemetry record; raises what it raised, having undone it."""
+        versions (`keep`) or forgets them and restores the parameters and Adam steps it changed (`redo`:
+        all but the parameters, which the update that follows at once writes again). Returns its figures
+        and its telemetry record; raises what it raised, having undone it."""
         self._mlp_spec = None
         if not keep:
             spec.stop.set()
@@ -666,7 +676,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if keep:
             self._mlp_state.pipeline.commit(stats.staged)
         else:
-            self._mlp_undo(spec)
+            self._mlp_undo(spec, params=not redo)
         record = {
             "chunks": len(spec.taken),
             "in_backward": sum(t <= end for t in spec.ended_at),
@@ -676,16 +686,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         }
         return stats, record
 
-    def _mlp_undo(self, spec: Speculation) -> None:
+    def _mlp_undo(self, spec: Speculation, params: bool = True) -> None:
         """Forgets the staged versions of every chunk the update during backward took, and gives back
-        their half-precision parameters (from the store's old version, or the copy set apart) and their
-        subgroups' Adam steps."""
+        their subgroups' Adam steps and (`params`) their half-precision parameters, from the store's old
+        version or the copy set apart."""
         self._mlp_state.pipeline.discard(spec.taken)
         for chunk in spec.taken:
             i, first, count = self._mlp_state.chunks[chunk]
-            half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
-            kept = spec.kept_params.get(chunk)
-            half.copy_(kept if kept is not None else self._mlp_state.current_params(chunk))
+            if params:
+                half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
+                kept = spec.kept_params.get(chunk)
+                half.copy_(kept if kept is not None else self._mlp_state.current_params(chunk))
             self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] = self._mlp_step_value(
                 spec.steps[i]
             )
@@ -759,12 +770,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         compute_secs = 0.0
         update_end = step_start
         grad_scale = self._mlp_grad_scale(scaled_global_grad_norm) if self._mlp_fused is not None else 1.0
+        likely, self._mlp_spec_likely = self._mlp_spec_likely, grad_scale == float(1.0 / self.loss_scale)
         # The param groups as this step sees them: an lr scheduler changes them once step() returns.
         groups = [dict(group) for group in self.optimizer.param_groups]
         # The update during backward: kept where the outcome is the one it assumed, else undone.
         spec_stats: StepStats | None = None
         speculation, committed = self._mlp_abandoned, set()
         self._mlp_abandoned = None
+        if spec is None and speculation is None and self._mlp_spec_on and not likely:
+            speculation = {
+                "chunks": 0,
+                "in_backward": 0,
+                "kept": False,
+                "why": "not tried: the last step's gradients were clipped",
+                "secs": 0.0,
+            }
         if spec is not None:
             why = "kept: the step's outcome was the one expected"
             if grad_scale != spec.grad_scale:
@@ -776,7 +796,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 why = "undone: the param groups changed between backward and step()"
             elif changed:
                 why = "undone: a gradient changed after it was final"
-            spec_stats, speculation = self._mlp_spec_finish(spec, keep=why.startswith("kept"), why=why)
+            # Undone here, every chunk is updated next, its parameters written again.
+            keep = why.startswith("kept")
+            spec_stats, speculation = self._mlp_spec_finish(spec, keep=keep, why=why, redo=not keep)
             grads.reset()
             if speculation["kept"]:
                 committed = set(spec_stats.staged)
