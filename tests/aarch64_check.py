@@ -17,6 +17,10 @@ collect it).
    DeepSpeed's own kernel does on each. So rows with inf and NaN among the gradients compare every
    number with each NaN's bits made one, and their checksums (over those NaNs) are left out.
 
+5. Where DeepSpeed is installed: three ZeRO-3 steps with our engine against stock DeepSpeed's
+   `device: cpu` on this machine, bit for bit (bf16, clipping, AdamW; the fused pass where its start-up
+   check against DeepSpeed's CPU Adam here agrees, else DeepSpeed's passes, as the record says).
+
 Prints one line per check and exits 1 if any failed.
 """
 
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -234,6 +240,84 @@ def check_probe(base: Path) -> str:
     return f"mlp-offload probe: {json.dumps(report)[:300]}"
 
 
+def zero3_run(ours: bool, out: Path, paths: list[str]) -> None:
+    """Three ZeRO-3 steps of a tiny GPT (bf16, clipping, AdamW from the config), stock DeepSpeed's
+    `device: cpu` or ours; saves what `check_zero3` compares. One process per run (DeepSpeed keeps
+    process-wide state)."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import mlp_offload
+    from mlp_offload.models import GPT, SIZES
+
+    torch.manual_seed(1234)
+    model = GPT.from_size("tiny", max_seq=16)
+    config: dict[str, object] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "sub_group_size": 12000, "offload_optimizer": {"device": "cpu"}},
+        "steps_per_print": 10**9,
+    }
+    if ours:
+        config["mlp_offload"] = {"paths": paths, "host_memory": "1M"}
+    init = mlp_offload.initialize if ours else deepspeed.initialize
+    engine, optimizer, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
+    data = torch.Generator().manual_seed(99)
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.randint(0, SIZES["tiny"][0], (2, 16), generator=data))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    state = {
+        name: [
+            safe_get_full_fp32_param(p).clone(),
+            safe_get_full_optimizer_state(p, "exp_avg").clone(),
+            safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
+            p.ds_tensor.clone(),
+        ]
+        for name, p in engine.module.named_parameters()
+    }
+    kernel = optimizer.mlp_offload_telemetry[0]["update_kernel"] if ours else None
+    torch.save({"losses": losses, "state": state, "kernel": kernel, "class": type(optimizer).__name__}, out)
+
+
+def check_zero3(base: Path) -> str:
+    """Our engine against stock DeepSpeed on this machine, bit for bit (each in a process of its own)."""
+    import torch
+
+    paths = [str(base / "zero3-a"), str(base / "zero3-b")]
+    for p in paths:
+        os.makedirs(p)
+    results = {}
+    for name in ("stock", "ours"):
+        out = base / f"zero3-{name}.pt"
+        command = [sys.executable, __file__, "--zero3-run", name, str(out), *paths]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "MASTER_PORT": str(port)}
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
+        results[name] = torch.load(out, weights_only=False)
+    ours, stock = results["ours"], results["stock"]
+    assert ours["class"] == "MLPOffloadStage3", ours["class"]
+    assert ours["losses"] == stock["losses"], (ours["losses"], stock["losses"])
+    for name, tensors in stock["state"].items():
+        for what, a, b in zip(
+            ("fp32", "exp_avg", "exp_avg_sq", "half"), ours["state"][name], tensors, strict=True
+        ):
+            assert torch.equal(a, b), f"{name} {what} differs from stock DeepSpeed's"
+    kernel = ours["kernel"]
+    return f"3 steps bit-equal to stock DeepSpeed's device: cpu; kernel {kernel['kernel']}: {kernel['why']}"
+
+
 def check_kernel(expect: Path) -> str:
     from mlp_offload import _core
 
@@ -250,7 +334,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel-digests", action="store_true", help="print the kernel table's digests")
     parser.add_argument("--expect-digests", type=Path, help="the kernel digests of another machine")
+    parser.add_argument("--zero3-run", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.zero3_run:
+        which, out, *paths = args.zero3_run
+        zero3_run(which == "ours", Path(out), paths)
+        return 0
     if args.kernel_digests:
         json.dump(kernel_digests(), sys.stdout, indent=1)
         return 0
@@ -262,6 +351,10 @@ def main() -> int:
         checks.append(("probe", lambda: check_probe(base)))
         if args.expect_digests is not None:
             checks.append(("update kernel", lambda: check_kernel(args.expect_digests)))
+        if importlib.util.find_spec("deepspeed") is not None:
+            checks.append(("ZeRO-3", lambda: check_zero3(base)))
+        else:
+            print("skipped ZeRO-3: DeepSpeed is not installed here (scripts/aarch64.sh installs it)")
         for name, check in checks:
             try:
                 print(f"ok      {name}: {check()}", flush=True)

@@ -1232,6 +1232,7 @@ mod tests {
 
     /// f32 bit patterns that reach every rounding case of a conversion to half: per exponent, mantissas
     /// at and around each halfway point, plus random ones.
+    #[cfg(target_arch = "x86_64")]
     fn f32_patterns() -> Vec<u32> {
         let mut rng = StdRng::seed_from_u64(5);
         let mut out = Vec::new();
