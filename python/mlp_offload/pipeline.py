@@ -378,6 +378,7 @@ class ChunkPipeline:
                         try:
                             handle.wait()
                         except Exception:
+                            # Read again, and its error raised, by the part that updates the chunk.
                             pass
                         self._free.append(buffer)
                     reading.clear()
@@ -435,11 +436,9 @@ class ChunkPipeline:
             self._staged_held.update((i, (buffer, handle)) for i, buffer, handle in writing)
         else:
             self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
+        # The whole step's order, also after a part of it (`only`).
         self._order = next_order(
-            self._order if only is not None else order,
-            set(self._resident),
-            set(self._retained),
-            ascending=self._ascending,
+            self._order, set(self._resident), set(self._retained), ascending=self._ascending
         )
         stats.seconds = time.perf_counter() - start
         # Since the end of the last step: writes that ran on during forward and backward count here.
