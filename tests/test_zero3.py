@@ -205,36 +205,50 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
 # so most gradients are final before backward ends; the budget streams; shadow slots keep the old
 # versions. name, the DeepSpeed side, extra section keys, what each step's record says of it
 BACKWARD_CASES = [
-    ("kept every step", {}, {}, "kept"),
-    ("and the rest behind the next forward", {}, {"overlap": True}, "kept"),
-    ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept"),
-    ("clipping: undone, then updated as without it", {"clip": 0.05}, {}, "clipping"),
-    ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3"),
-    ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3"),
-    ("DeepSpeed's helpers between backward and step", {"helpers_at": 4}, {}, "read at 4"),
+    ("kept every step", {}, {}, "kept", 1),
+    ("and the rest behind the next forward", {}, {"overlap": True}, "kept", 1),
+    ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept", 1),
+    ("two ranks, a scheduler changing the lr every step", {"scheduler": WARMUP}, {}, "kept", 2),
+    ("clipping: undone, then updated as without it", {"clip": 0.05}, {}, "clipping", 1),
+    ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3", 1),
+    ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3", 1),
+    ("DeepSpeed's helpers between backward and step", {"helpers_at": 4}, {}, "read at 4", 1),
 ]
 
 
 @pytest.mark.parametrize(
-    ("name", "ds_case", "extra", "outcome"), BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES]
+    ("name", "ds_case", "extra", "outcome", "ranks"),
+    # Several ranks share the node's devices: one at a time with the other tests that do.
+    [pytest.param(*c, marks=[ONE_NODE] if c[4] > 1 else []) for c in BACKWARD_CASES],
+    ids=[c[0] for c in BACKWARD_CASES],
 )
 def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     name: str,
     ds_case: dict[str, Any],
     extra: dict[str, Any],
     outcome: str,
+    ranks: int,
     work_dirs: list[Path],
     tmp_path: Path,
 ) -> None:
     """Each chunk updated as its gradient is final and staged; `step()` keeps it where the outcome is the
     one assumed (no overflow, no clipping, the same hyperparameters), else undoes it, as does anything
-    that reads the state or parameters before `step()`: every row bit-equal to stock DeepSpeed."""
+    that reads the state or parameters before `step()`: every row bit-equal to stock DeepSpeed, on every
+    rank."""
     # No clipping (DeepSpeed's default clips at 1.0, which these gradients pass) unless the row asks.
     case = {"reduce_bucket_size": 20_000, "steps": 6, "clip": 0.0, **ds_case}
-    stock = run_case(case, tmp_path, "stock")
+    stock = run_case(case, tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
-    ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys, **extra)}, tmp_path, "ours")
-    assert_bit_equal(ours, stock)
+    ours = run_case(
+        {**case, "mlp_offload": section(work_dirs[:2], **keys, **extra)}, tmp_path, "ours", ranks=ranks
+    )
+    for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
+        assert_bit_equal(a, b)
+        check_backward_records(a, outcome)
+
+
+def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
+    """What each step's record says of the update during backward, against the row's `outcome`."""
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
     assert start["overlap_backward"]["on"], start["overlap_backward"]
     records = [r for r in ours["telemetry"] if r["event"] in ("step", "skipped")]
@@ -245,9 +259,8 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
         spec = r["speculation"]
         if spec is not None and spec["why"].startswith("not tried"):
             # After a step whose gradients were clipped, until one that is not.
-            assert "scale was" in records[step - 1]["speculation"]["why"] or records[step - 1]["speculation"][
-                "why"
-            ].startswith("not tried"), (step, spec)
+            previous = records[step - 1]["speculation"]["why"]
+            assert "scale was" in previous or previous.startswith("not tried"), (step, spec)
             assert what == "clipping" and spec["chunks"] == 0, (step, spec)
             continue
         assert spec is not None and spec["chunks"] > 0, (step, spec)

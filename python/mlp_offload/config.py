@@ -109,7 +109,8 @@ class MLPOffloadConfig(BaseModel):
     (an eval forward, a checkpoint). Bit for bit the same as without it. It needs the fused pass,
     `shadow_slots: true`, and the half-precision parameters in host memory (not yet on an
     accelerator); the start-up line says whether it runs, and why. The cached chunks are the first ones
-    (as with `overlap`), updated in `step()`."""
+    (as with `overlap`), updated in `step()`. After a step whose gradients were clipped it is not tried
+    (it would be undone) until a step whose gradients were not; each step's record says what it did."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
