@@ -170,13 +170,21 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _first_difference(
     calls: list[CheckCall], fused: FusedAdam, group: dict[str, Any], grad_scale: float
 ) -> str | None:
-    """Runs the check's calls through `fused` in order; where its outputs first differ from DeepSpeed's,
-    in words, or None when every bit agrees."""
+    """Runs the check's calls through `fused` in order, with the checksums of the state as the engine runs
+    it (they change the SIMD loop on CPUs with VPCLMULQDQ); where its outputs first differ from
+    DeepSpeed's, or its checksums from the bytes', in words, or None when every bit agrees."""
     for call in calls:
         n = call.grad.numel()
         state = call.state.clone()
         params = None if call.expected_params is None else torch.empty_like(call.expected_params)
-        fused.update(state, call.grad, params, grad_scale=grad_scale, step=call.step, group=group)
+        sums = fused.update(
+            state, call.grad, params, grad_scale=grad_scale, step=call.step, group=group,
+            read_cuts=[0], write_cuts=[0],
+        )  # fmt: skip
+        for direction, crc, of in (("read", sums[0], call.state), ("written", sums[1], state)):
+            expected = _core.crc32c(of.view(torch.uint8).numpy())
+            if crc != [expected]:
+                return f"the checksum of a {n}-element chunk as {direction} is {crc}, not [{expected}]"
         for name, ours, theirs in (
             ("params", state[:n], call.expected_state[:n]),
             ("exp_avg", state[n : 2 * n], call.expected_state[n : 2 * n]),

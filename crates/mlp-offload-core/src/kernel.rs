@@ -16,7 +16,10 @@
 //! The same pass can checksum the chunk's state as read and as written, for the store ([`Cuts`]): each
 //! thread takes its range in blocks small enough to stay in the CPU's cache, hashes a block's state
 //! before and after updating it, and the pieces are combined into one CRC32C per stripe, so the store
-//! neither hashes the bytes again nor verifies the read on its own threads.
+//! neither hashes the bytes again nor verifies the read on its own threads. Where the CPU has AVX-512
+//! and VPCLMULQDQ ([`Simd::Avx512Clmul`]) not even the cache is read again: each 64-byte vector of the
+//! state is folded into its stream's running CRC in the register it was loaded into or stored from, two
+//! carry-less multiplications that run beside the update's divisions and square roots.
 
 use crc_fast::CrcAlgorithm::Crc32Iscsi;
 
@@ -433,7 +436,10 @@ pub fn adam_element(
 /// The SIMD instructions a pass uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Simd {
-    /// 16 lanes (AVX-512F).
+    /// 16 lanes (AVX-512F), and the checksums folded into the same loop with VPCLMULQDQ: each
+    /// 64-byte vector of the state hashed in the register it was loaded into or stored from.
+    Avx512Clmul,
+    /// 16 lanes (AVX-512F); the checksums hashed block by block after and before it.
     Avx512,
     /// 8 lanes (AVX2, FMA, F16C).
     Avx2,
@@ -447,6 +453,9 @@ impl Simd {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") {
+                if is_x86_feature_detected!("vpclmulqdq") {
+                    return Simd::Avx512Clmul;
+                }
                 return Simd::Avx512;
             }
             if is_x86_feature_detected!("avx2")
@@ -459,25 +468,31 @@ impl Simd {
         Simd::Scalar
     }
 
-    /// `"auto"` (the widest here), `"avx512"`, `"avx2"` or `"scalar"`; one this CPU cannot run is an
-    /// error naming `key`.
+    /// `"auto"` (the widest here), `"avx512-clmul"`, `"avx512"`, `"avx2"` or `"scalar"`; one this CPU
+    /// cannot run is an error naming `key`.
     pub fn parse(key: &str, value: &str) -> Result<Simd> {
         let simd = match value {
             "auto" => return Ok(Simd::detect()),
+            "avx512-clmul" => Simd::Avx512Clmul,
             "avx512" => Simd::Avx512,
             "avx2" => Simd::Avx2,
             "scalar" => Simd::Scalar,
             other => {
                 return Err(Error::config(
                     key,
-                    format!("{other:?} is not \"auto\", \"avx512\", \"avx2\" or \"scalar\""),
+                    format!(
+                        "{other:?} is not \"auto\", \"avx512-clmul\", \"avx512\", \"avx2\" or \"scalar\""
+                    ),
                 ))
             }
         };
         // Every CPU with AVX-512F has AVX2, FMA and F16C.
         let supported = matches!(
             (simd, Simd::detect()),
-            (Simd::Scalar, _) | (_, Simd::Avx512) | (Simd::Avx2, Simd::Avx2)
+            (Simd::Scalar, _)
+                | (_, Simd::Avx512Clmul)
+                | (Simd::Avx512 | Simd::Avx2, Simd::Avx512)
+                | (Simd::Avx2, Simd::Avx2)
         );
         if !supported {
             return Err(Error::config(
@@ -490,6 +505,7 @@ impl Simd {
 
     pub fn name(self) -> &'static str {
         match self {
+            Simd::Avx512Clmul => "avx512-clmul",
             Simd::Avx512 => "avx512",
             Simd::Avx2 => "avx2",
             Simd::Scalar => "scalar",
@@ -498,7 +514,7 @@ impl Simd {
 
     fn lanes(self) -> usize {
         match self {
-            Simd::Avx512 => 16,
+            Simd::Avx512Clmul | Simd::Avx512 => 16,
             Simd::Avx2 => 8,
             Simd::Scalar => 1,
         }
@@ -544,6 +560,10 @@ pub struct ChunkSums {
 struct Piece {
     start: u64,
     end: u64,
+    /// The CRC32C of its first bytes where they were folded in the SIMD loop (`Simd::Avx512Clmul`).
+    folded: Option<u32>,
+    /// Of the bytes after those, how many `digest` hashed.
+    digested: u64,
     digest: crc_fast::Digest,
 }
 
@@ -563,6 +583,8 @@ fn pieces(cuts: &[u64], n: usize, first: usize, len: usize) -> [Vec<Piece>; 3] {
             .map(|w| Piece {
                 start: w[0],
                 end: w[1],
+                folded: None,
+                digested: 0,
                 digest: crc_fast::Digest::new(Crc32Iscsi),
             })
             .collect()
@@ -577,6 +599,7 @@ fn hash(pieces: &mut [Piece], at: u64, bytes: &[u8]) {
         piece
             .digest
             .update(&bytes[(from - at) as usize..(to - at) as usize]);
+        piece.digested += to - from;
     }
 }
 
@@ -898,6 +921,24 @@ struct Part<'a, G, P> {
     sums: [Option<[Vec<Piece>; 3]>; 2],
 }
 
+impl<G: Elem, P: Elem> Part<'_, G, P> {
+    /// Elements `b0..b1` of every array, for a SIMD pass.
+    #[cfg(target_arch = "x86_64")]
+    fn lanes(&mut self, b0: usize, b1: usize) -> x86::Lanes {
+        x86::Lanes {
+            p: self.p[b0..b1].as_mut_ptr(),
+            m: self.m[b0..b1].as_mut_ptr(),
+            v: self.v[b0..b1].as_mut_ptr(),
+            g: (G::KIND, self.g[b0..b1].as_ptr().cast()),
+            o: self
+                .o
+                .as_deref_mut()
+                .map(|o| (P::KIND, o[b0..b1].as_mut_ptr().cast())),
+            len: b1 - b0,
+        }
+    }
+}
+
 /// One thread's range, block by block: the block's state hashed as read, updated (its elements below
 /// `vector` with DeepSpeed's vector arithmetic, in SIMD where `simd` says, the rest with `tail`'s), and
 /// hashed as written. Returns the pieces' `(start, len, crc)`, as read and as written.
@@ -908,6 +949,12 @@ fn run_part<G: Elem, P: Elem>(
     tail: TailFma,
     simd: Simd,
 ) -> Hashed {
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Avx512Clmul {
+        if let Some(splits) = fold_splits(&part) {
+            return run_part_folding(part, splits, grad_scale, k, tail);
+        }
+    }
     let len = part.g.len();
     for b0 in (0..len).step_by(BLOCK) {
         let b1 = (b0 + BLOCK).min(len);
@@ -915,15 +962,158 @@ fn run_part<G: Elem, P: Elem>(
         run_block(&mut part, b0, b1, grad_scale, k, tail, simd);
         hash_block(&mut part, 1, b0, b1);
     }
-    part.sums.map(|pieces| {
+    finish_pieces(part.sums)
+}
+
+/// Each piece's `(start, len, crc)`: its folded first bytes and its hashed rest, combined.
+fn finish_pieces(sums: [Option<[Vec<Piece>; 3]>; 2]) -> Hashed {
+    sums.map(|pieces| {
         pieces.map(|arrays| {
             arrays
                 .into_iter()
                 .flatten()
-                .map(|p| (p.start, p.end - p.start, p.digest.finalize() as u32))
+                .map(|p| {
+                    let crc = match p.folded {
+                        Some(folded) if p.digested > 0 => crc_fast::checksum_combine(
+                            Crc32Iscsi,
+                            folded.into(),
+                            p.digest.finalize(),
+                            p.digested,
+                        ) as u32,
+                        Some(folded) => folded,
+                        None => p.digest.finalize() as u32,
+                    };
+                    (p.start, p.end - p.start, crc)
+                })
                 .collect()
         })
     })
+}
+
+/// The elements of a part where a piece of some array begins or ends, for [`run_part_folding`]: each a
+/// whole number of vectors from the part's first element where the vectors reach (below `vector`
+/// rounded down to 16), or `None` where one is not, or where nothing is summed.
+#[cfg(target_arch = "x86_64")]
+fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>) -> Option<Vec<usize>> {
+    let folded = part.vector / 16 * 16;
+    let mut splits = Vec::new();
+    for arrays in part.sums.iter().flatten() {
+        for (a, pieces) in arrays.iter().enumerate() {
+            for piece in pieces {
+                for edge in [piece.start, piece.end] {
+                    let from_first = edge - part.offsets[a] as u64;
+                    if from_first >= 4 * folded as u64 {
+                        continue;
+                    }
+                    if !from_first.is_multiple_of(64) {
+                        return None;
+                    }
+                    splits.push(from_first as usize / 4);
+                }
+            }
+        }
+    }
+    if part.sums.iter().all(Option::is_none) {
+        return None;
+    }
+    splits.retain(|&e| e > 0);
+    splits.sort_unstable();
+    splits.dedup();
+    Some(splits)
+}
+
+/// [`run_part`] with the checksums folded into the SIMD loop (`Simd::Avx512Clmul`): the vector elements
+/// in stretches cut at `splits`, each piece's fold finished where it ends; the scalar tail (the part's
+/// last elements) hashed block-wise as in `run_part`.
+#[cfg(target_arch = "x86_64")]
+fn run_part_folding<G: Elem, P: Elem>(
+    mut part: Part<'_, G, P>,
+    splits: Vec<usize>,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+) -> Hashed {
+    let len = part.g.len();
+    let folded_end = part.vector / 16 * 16;
+    let mut folds = x86::Folds::default();
+    // Per stream (direction * 3 + array): bytes folded since its piece began, and that piece's index.
+    let mut folded = [0u64; 6];
+    let mut current = [0usize; 6];
+    let mut splits = splits.into_iter().peekable();
+    for b0 in (0..len).step_by(BLOCK) {
+        let b1 = (b0 + BLOCK).min(len);
+        let simd_end = folded_end.clamp(b0, b1);
+        let mut s0 = b0;
+        while s0 < simd_end {
+            let s1 = match splits.peek() {
+                Some(&cut) if cut < simd_end => {
+                    splits.next();
+                    cut
+                }
+                _ => simd_end,
+            };
+            let at = part.lanes(s0, s1);
+            // SAFETY: `Simd::parse`/`detect` give `Avx512Clmul` only where the CPU has AVX-512F and
+            // VPCLMULQDQ; the slices are distinct, `s1 - s0` a multiple of 16 (`fold_splits`).
+            unsafe { x86::avx512_folding(&at, grad_scale, k, &mut folds) };
+            for bytes in &mut folded {
+                *bytes += 4 * (s1 - s0) as u64;
+            }
+            for d in 0..2 {
+                let Some(arrays) = &mut part.sums[d] else {
+                    continue;
+                };
+                for (a, pieces) in arrays.iter_mut().enumerate() {
+                    let stream = 3 * d + a;
+                    if pieces[current[stream]].end == (part.offsets[a] + 4 * s1) as u64 {
+                        pieces[current[stream]].folded =
+                            Some(finish_fold(&folds.0[stream], folded[stream]));
+                        folds.0[stream] = [0; 8];
+                        folded[stream] = 0;
+                        current[stream] += 1;
+                    }
+                }
+            }
+            s0 = s1;
+        }
+        if simd_end < b1 {
+            hash_block(&mut part, 0, simd_end, b1);
+            run_block(&mut part, simd_end, b1, grad_scale, k, tail, Simd::Scalar);
+            hash_block(&mut part, 1, simd_end, b1);
+        }
+    }
+    // Pieces whose last bytes were hashed, not folded: their folded start.
+    for d in 0..2 {
+        let Some(arrays) = &mut part.sums[d] else {
+            continue;
+        };
+        for (a, pieces) in arrays.iter_mut().enumerate() {
+            let stream = 3 * d + a;
+            if folded[stream] > 0 {
+                pieces[current[stream]].folded =
+                    Some(finish_fold(&folds.0[stream], folded[stream]));
+            }
+        }
+    }
+    finish_pieces(part.sums)
+}
+
+/// The CRC32C of `len` bytes from their fold begun at zero ([`x86::Folds`]). The fold keeps the bytes'
+/// remainder as if the CRC began at zero; CRC32C begins at all ones, whose remainder carried over
+/// `len` bytes is added back: `crc32c(fold ^ ones) ^ shift(ones, len)`, where the first term is the
+/// CRC of the fold's 64 bytes less the initial value it adds.
+#[cfg(target_arch = "x86_64")]
+fn finish_fold(fold: &[u64; 8], len: u64) -> u32 {
+    let mut bytes = [0u8; 64];
+    for (to, word) in bytes.chunks_exact_mut(8).zip(fold) {
+        to.copy_from_slice(&word.to_le_bytes());
+    }
+    for b in &mut bytes[..4] {
+        *b ^= 0xff;
+    }
+    let crc = crc_fast::checksum(Crc32Iscsi, &bytes) as u32;
+    // Combining with the CRC 0 of nothing-added is the shift alone.
+    crc ^ crc_fast::checksum_combine(Crc32Iscsi, 0xffff_ffff, 0, len) as u32
 }
 
 /// Hashes elements `b0..b1` of the part's state into its pieces of direction `d` (0 read, 1 written).
@@ -960,21 +1150,11 @@ fn run_block<G: Elem, P: Elem>(
     if simd_end > b0 {
         #[cfg(target_arch = "x86_64")]
         {
-            let at = x86::Lanes {
-                p: part.p[b0..].as_mut_ptr(),
-                m: part.m[b0..].as_mut_ptr(),
-                v: part.v[b0..].as_mut_ptr(),
-                g: (G::KIND, part.g[b0..].as_ptr().cast()),
-                o: part
-                    .o
-                    .as_deref_mut()
-                    .map(|o| (P::KIND, o[b0..].as_mut_ptr().cast())),
-                len: simd_end - b0,
-            };
+            let at = part.lanes(b0, simd_end);
             match simd {
                 // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; the
                 // slices are distinct, each at least `simd_end` long, the stretch a multiple of the lanes.
-                Simd::Avx512 => unsafe { x86::avx512(&at, grad_scale, k) },
+                Simd::Avx512 | Simd::Avx512Clmul => unsafe { x86::avx512(&at, grad_scale, k) },
                 // SAFETY: as above.
                 Simd::Avx2 => unsafe { x86::avx2(&at, grad_scale, k) },
                 Simd::Scalar => unreachable!("the scalar path has one lane"),
@@ -1125,10 +1305,16 @@ mod x86 {
             $name:ident, $features:literal, $lanes:literal,
             set1: $set1:ident, loadu: $loadu:ident, storeu: $storeu:ident, mul: $mul:ident,
             fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident
+            $(, fold: $folds:ident)?
         ) => {
             $(#[$doc])*
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(at: &Lanes, grad_scale: f32, k: &AdamConstants) {
+            pub unsafe fn $name(
+                at: &Lanes,
+                grad_scale: f32,
+                k: &AdamConstants,
+                $($folds: &mut Folds,)?
+            ) {
                 let (beta1, beta2) = ($set1(k.beta1), $set1(k.beta2));
                 let (c1, c2) = ($set1(k.one_minus_beta1), $set1(k.one_minus_beta2));
                 let bias2 = $set1(k.bias_correction2);
@@ -1136,17 +1322,24 @@ mod x86 {
                 let scale = $set1(grad_scale);
                 let (g_kind, g) = at.g;
                 let g_size = g_kind.size();
+                // SAFETY: `Folds` is 6 times 64 bytes; unaligned loads.
+                $(let mut acc = unsafe { $folds.load() };)?
                 for i in (0..at.len).step_by($lanes) {
                     // SAFETY: `i + lanes <= len` for every array, as the caller promised.
                     unsafe {
                         let mut grad = $mul($load(g_kind, g.add(i * g_size)), scale);
                         let mut param = $loadu(at.p.add(i));
+                        let (m_in, v_in) = ($loadu(at.m.add(i)), $loadu(at.v.add(i)));
+                        $(
+                            let _: &Folds = $folds;
+                            fold3(&mut acc, 0, [param, m_in, v_in]);
+                        )?
                         if let Decay::L2(decay) = k.decay {
                             grad = $fmadd(param, $set1(decay), grad);
                         }
-                        let old_m = $mul($loadu(at.m.add(i)), beta1);
+                        let old_m = $mul(m_in, beta1);
                         let mom = $fmadd(grad, c1, old_m);
-                        let old_v = $mul($loadu(at.v.add(i)), beta2);
+                        let old_v = $mul(v_in, beta2);
                         let var = $fmadd($mul(grad, grad), c2, old_v);
                         let denominator = $fmadd($sqrt(var), bias2, eps);
                         let update = $div(mom, denominator);
@@ -1157,13 +1350,69 @@ mod x86 {
                         $storeu(at.p.add(i), param);
                         $storeu(at.m.add(i), mom);
                         $storeu(at.v.add(i), var);
+                        $(
+                            let _: &Folds = $folds;
+                            fold3(&mut acc, 3, [param, mom, var]);
+                        )?
                         if let Some((kind, o)) = at.o {
                             $store(kind, o.add(i * kind.size()), param);
                         }
                     }
                 }
+                // SAFETY: as the load above.
+                $(unsafe { $folds.store(acc) };)?
             }
         };
+    }
+
+    /// Six running CRC32C folds, one per stream of 64-byte vectors: the state's three arrays as read
+    /// (0-2) and as written (3-5). Each is a 512-bit remainder-to-be: the stream so far, shortened by
+    /// carry-less multiplication so that it keeps the stream's CRC ([`super::finish_fold`]).
+    #[derive(Clone, Copy, Default)]
+    pub struct Folds(pub [[u64; 8]; 6]);
+
+    impl Folds {
+        /// # Safety
+        /// AVX-512F must be available.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load(&self) -> [__m512i; 6] {
+            // SAFETY: each row is 64 readable bytes; unaligned loads.
+            std::array::from_fn(|s| unsafe { _mm512_loadu_si512(self.0[s].as_ptr().cast()) })
+        }
+
+        /// # Safety
+        /// AVX-512F must be available.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn store(&mut self, acc: [__m512i; 6]) {
+            for (row, x) in self.0.iter_mut().zip(acc) {
+                // SAFETY: each row is 64 writable bytes; unaligned stores.
+                unsafe { _mm512_storeu_si512(row.as_mut_ptr().cast(), x) };
+            }
+        }
+    }
+
+    /// x^544 and x^480 modulo CRC32C's polynomial, bit-reflected: they move a 128-bit lane's low and high
+    /// halves 512 bits on, onto the same lane of the next 64 bytes (Intel's "Fast CRC Computation Using
+    /// PCLMULQDQ", folding by four 128-bit lanes; ISA-L's `rk3`, `rk4` for iSCSI).
+    const FOLD_512: (i64, i64) = (0x740e_ef02, 0x9e4a_ddf8);
+
+    /// Folds three vectors into the streams `first..first + 3`.
+    ///
+    /// # Safety
+    /// AVX-512F and VPCLMULQDQ must be available.
+    #[target_feature(enable = "avx512f,vpclmulqdq")]
+    #[inline]
+    unsafe fn fold3(acc: &mut [__m512i; 6], first: usize, data: [__m512; 3]) {
+        let key = _mm512_set_epi64(
+            FOLD_512.1, FOLD_512.0, FOLD_512.1, FOLD_512.0, FOLD_512.1, FOLD_512.0, FOLD_512.1,
+            FOLD_512.0,
+        );
+        for (a, x) in acc[first..first + 3].iter_mut().zip(data) {
+            let low = _mm512_clmulepi64_epi128::<0x00>(*a, key);
+            let high = _mm512_clmulepi64_epi128::<0x11>(*a, key);
+            // low ^ high ^ x
+            *a = _mm512_ternarylogic_epi64::<0x96>(low, high, _mm512_castps_si512(x));
+        }
     }
 
     adam_lanes!(
@@ -1173,6 +1422,17 @@ mod x86 {
         avx512, "avx512f", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
         fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16
+    );
+
+    adam_lanes!(
+        /// `avx512`, each vector of the state as read and as written also folded into `folds`.
+        ///
+        /// # Safety
+        /// As `avx512`; VPCLMULQDQ must be available too.
+        avx512_folding, "avx512f,vpclmulqdq", 16,
+        set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
+        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
+        fold: folds
     );
 
     adam_lanes!(
@@ -1368,7 +1628,7 @@ mod tests {
     }
 
     fn simds() -> Vec<Simd> {
-        [Simd::Avx512, Simd::Avx2, Simd::Scalar]
+        [Simd::Avx512Clmul, Simd::Avx512, Simd::Avx2, Simd::Scalar]
             .into_iter()
             .filter(|s| Simd::parse("simd", s.name()).is_ok())
             .collect()
@@ -1421,11 +1681,20 @@ mod tests {
                 let mut want_state = state.clone();
                 let mut want_params = vec![P::narrow(0.0); n];
                 reference(&mut want_state, &grad, &mut want_params, 0.75, &k, &arith);
-                for simd in simds() {
+                // With the checksums too: `Avx512Clmul` then runs its folding loop.
+                let one_stripe: &[u64] = &[0];
+                let summed = Cuts {
+                    read: Some(one_stripe),
+                    write: Some(one_stripe),
+                };
+                for (simd, cuts) in simds()
+                    .into_iter()
+                    .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
+                {
                     for threads in [1, 3] {
                         let mut got_state = state.clone();
                         let mut got_params = vec![P::narrow(0.0); n];
-                        update(
+                        let sums = update(
                             Chunk {
                                 state: &mut got_state,
                                 grad: &grad,
@@ -1436,9 +1705,20 @@ mod tests {
                             &arith,
                             simd,
                             threads,
-                            Cuts::default(),
+                            cuts,
                         )
                         .unwrap();
+                        if cuts.read.is_some() && n > 0 {
+                            let crc = |x: &[f32]| vec![crate::checksum::crc32c(as_bytes(x))];
+                            assert_eq!(
+                                sums,
+                                ChunkSums {
+                                    read: Some(crc(&state)),
+                                    write: Some(crc(&got_state)),
+                                },
+                                "{simd:?} n {n}: checksums"
+                            );
+                        }
                         for i in 0..3 * n {
                             assert!(
                                 same(got_state[i], want_state[i]),
@@ -1585,19 +1865,32 @@ mod tests {
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
         let bytes = |x: &[f32]| as_bytes(x).to_vec();
-        for n in [1, 100, 3 * BLOCK + 77] {
+        // Sizes: within one vector, a tail after whole vectors, whole vectors in one and several blocks
+        // (so every array's edge is a vector's, as folding in the SIMD loop needs), a tail after blocks.
+        for n in [1, 100, 4096, 2 * BLOCK + 1024, 3 * BLOCK + 77] {
             let total = 12 * n as u64;
+            let n4 = 4 * n as u64;
             // name, stripe starts
             let cases: Vec<(&str, Vec<u64>)> = vec![
                 ("one stripe", vec![0]),
                 ("two, cut inside params", vec![0, 4 * (n as u64 / 2).max(1)]),
-                ("on the arrays' edges", vec![0, 4 * n as u64, 8 * n as u64]),
+                ("on the arrays' edges", vec![0, n4, 2 * n4]),
                 (
                     "many small ones",
                     (0..total).step_by((total as usize / 7).max(4)).collect(),
                 ),
+                (
+                    "4 KiB apart, from the last array's edge",
+                    std::iter::once(0)
+                        .chain((2 * n4..total).step_by(4096).filter(|&c| c > 0))
+                        .collect(),
+                ),
+                ("one unaligned", vec![0, n4 + 6]),
             ];
-            for (name, cuts) in cases {
+            for ((name, cuts), simd) in cases
+                .iter()
+                .flat_map(|case| simds().into_iter().map(move |simd| (case, simd)))
+            {
                 for threads in [1, 3] {
                     let (state, grad) = inputs(n, &mut rng);
                     let before = bytes(&state);
@@ -1611,11 +1904,11 @@ mod tests {
                         1.0,
                         &k,
                         &arith,
-                        Simd::detect(),
+                        simd,
                         threads,
                         Cuts {
-                            read: Some(&cuts),
-                            write: Some(&cuts),
+                            read: Some(cuts),
+                            write: Some(cuts),
                         },
                     )
                     .unwrap();
@@ -1631,36 +1924,47 @@ mod tests {
                     assert_eq!(
                         sums.read,
                         Some(expected(&before)),
-                        "{name}, n {n}, {threads} threads: read"
+                        "{name}, n {n}, {simd:?}, {threads} threads: read"
                     );
                     assert_eq!(
                         sums.write,
                         Some(expected(&after)),
-                        "{name}, n {n}, {threads} threads: write"
+                        "{name}, n {n}, {simd:?}, {threads} threads: write"
                     );
                 }
             }
         }
-        // Only what was asked for.
+        // Only what was asked for, and that right.
+        for simd in simds() {
+            let (mut state, grad) = inputs(4096, &mut rng);
+            let sums = update::<f32, f32>(
+                Chunk {
+                    state: &mut state,
+                    grad: &grad,
+                    params: None,
+                },
+                1.0,
+                &k,
+                &arith,
+                simd,
+                1,
+                Cuts {
+                    read: None,
+                    write: Some(&[0]),
+                },
+            )
+            .unwrap();
+            let written = crate::checksum::crc32c(&bytes(&state));
+            assert_eq!(
+                sums,
+                ChunkSums {
+                    read: None,
+                    write: Some(vec![written])
+                },
+                "{simd:?}"
+            );
+        }
         let (mut state, grad) = inputs(10, &mut rng);
-        let sums = update::<f32, f32>(
-            Chunk {
-                state: &mut state,
-                grad: &grad,
-                params: None,
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::detect(),
-            1,
-            Cuts {
-                read: None,
-                write: Some(&[0]),
-            },
-        )
-        .unwrap();
-        assert!(sums.read.is_none() && sums.write.is_some());
         // Cuts that do not ascend from 0 inside the state are named.
         for cuts in [vec![4u64], vec![0, 8, 8], vec![0, 120]] {
             let err = update::<f32, f32>(
