@@ -233,11 +233,19 @@ def free_port() -> int:
         return port
 
 
+def from_step(run: dict[str, Any], step: int) -> dict[str, Any]:
+    """`run` as a resume at `step` records it: its per-step records from that step on."""
+    return {**run, "losses": run["losses"][step:], "grad_norms": run["grad_norms"][step:]}
+
+
 def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
-    """Same skipped steps and losses; per parameter, the same fp32 weights, Adam moments and (where the
-    run has them) half-precision partitions, bit for bit."""
+    """Same skipped steps, losses and global gradient norms (where the runs record them); per parameter,
+    the same fp32 weights, Adam moments and (where the run has them) half-precision partitions, bit for
+    bit."""
     assert ours["skipped"] == stock["skipped"]
     assert ours["losses"] == stock["losses"]
+    if "grad_norms" in stock:
+        assert ours["grad_norms"] == stock["grad_norms"], "the global gradient norms differ"
     for name, tensors in stock["state"].items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             a, b = ours["state"][name][key], tensors[key]

@@ -149,6 +149,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     # Each data-parallel rank gets its own batches, as a sampler would give it.
     data = torch.Generator().manual_seed(99 + int(os.environ["RANK"]))
     losses = []
+    # DeepSpeed's global gradient norm after each step (what a Trainer logs), or None where the step
+    # left none.
+    grad_norms: list[float | None] = []
     overflow_at = case.get("overflow_at_step")
     fail_at = case.get("immutable_at_step")
     samples: list[dict[str, int]] = []
@@ -200,6 +203,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 helper_reads.update(use_tensor_helpers(engine))
             engine.step()
         losses.append(float(loss.detach()))
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(None if norm is None else float(norm))
         if case.get("read_between_steps"):
             between.append(read_between_steps(engine, data_between))
         if case.get("sample_resources"):
@@ -220,6 +225,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "state": state,
         "losses": losses,
+        "grad_norms": grad_norms,
         "skipped": engine.skipped_steps,
         "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         # Type checks under the name imported before mlp_offload.install() and the module's name now.

@@ -58,6 +58,9 @@ CALLED = (
     f"{STAGE3}._partition_all_parameters",
     f"{STAGE3}._overflow_check_and_loss_scale_update",
     f"{STAGE3}._apply_muon_to_accumulated_grads",
+    # The boundary's gradient norms, mirrored with a scratch tensor (`_mlp_grad_norm`).
+    f"{STAGE3}._constant_buffered_norm2",
+    "deepspeed.runtime.zero.utils.get_norm_dtype",
     f"{STAGE3}._get_norm_groups",
     f"{STAGE3}._loss_scale_update_and_overflow_cleanup",
     f"{STAGE3}._muon_update_lacks_loss_scale",
@@ -99,6 +102,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "_apply_muon_to_accumulated_grads": "b267fa92278f2641",
         "_apply_muon_updates_cpu_offload": "8bf7b89176bda107",
         "_configure_tensor_swapping": "9e0f9f50413098ff",
+        "_constant_buffered_norm2": "6feb2ed6e42555fd",
         "_create_fp32_partitions": "867e41591b0a1c57",
         "_create_momentum_buffer": "8186c5a29fe28725",
         "_create_next_swappable_fp32_groups": "350d3278248814c8",
@@ -157,6 +161,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "step": "1dfecf4f2fb70970",
         "unscale_and_clip_grads": "f91e4807114004ae",
         "update_fp32_grad_for_param_vectorized": "6e3c184dd41765ec",
+    },
+    "deepspeed.runtime.zero.utils": {
+        "get_norm_dtype": "0689d2a104ef0dfe",
     },
 }
 
