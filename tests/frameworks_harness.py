@@ -4,10 +4,12 @@ after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments an
 `Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own, and PyTorch Lightning's
 `DeepSpeedStrategy` (on CUDA where `DS_ACCELERATOR` is `cuda`).
 
-`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt`: FRAMEWORK is `trainer`, `accelerate` or
-`lightning`;
+`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt [VARIANT_JSON]`: FRAMEWORK is
+`trainer`, `accelerate` or `lightning`;
 PATHS_JSON is a JSON list of storage paths for an `"mlp_offload"` section, or `null` for stock
-DeepSpeed. One process per run (DeepSpeed keeps process-wide state). The framework calls
+DeepSpeed. VARIANT_JSON, the same for both runs of a comparison: `clip`, the
+framework's gradient clipping instead of 1.0; `zero`, keys added to `zero_optimization`; `section`, keys
+added to our section. One process per run (DeepSpeed keeps process-wide state). The framework calls
 `deepspeed.initialize` itself: nothing here names our engine.
 """
 
@@ -62,12 +64,20 @@ def save(engine: Any, losses: list[float], out: str) -> None:
             "losses": losses,
             "skipped": engine.skipped_steps,
             "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "telemetry": getattr(optimizer, "mlp_offload_telemetry", None),
         },
         out,
     )
 
 
-def accelerate(paths: list[str] | None, out: str) -> None:
+def with_variant(config: dict[str, Any], paths: list[str] | None, variant: dict[str, Any]) -> None:
+    """Our section where `paths` are given, and the variant's keys (VARIANT_JSON) in `config`."""
+    config["zero_optimization"].update(variant.get("zero", {}))
+    if paths is not None:
+        config["mlp_offload"] = {"paths": paths, "host_memory": "16M", **variant.get("section", {})}
+
+
+def accelerate(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
     """Accelerate's DeepSpeed integration with the optimizer and scheduler from the DeepSpeed config
     (`DummyOptim`, `DummyScheduler`), as its docs show it."""
     mlp_offload.install()
@@ -77,14 +87,13 @@ def accelerate(paths: list[str] | None, out: str) -> None:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": variant.get("clip", 1.0),
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-3}},
         "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
     }
-    if paths is not None:
-        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    with_variant(config, paths, variant)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     torch.manual_seed(1)
     model = llama("tiny", vocab=VOCAB, max_seq=SEQ)
@@ -105,7 +114,7 @@ def accelerate(paths: list[str] | None, out: str) -> None:
     save(model, losses, out)
 
 
-def trainer(paths: list[str] | None, out: str) -> None:
+def trainer(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
     mlp_offload.install()
     from transformers import Trainer, TrainingArguments
 
@@ -122,8 +131,7 @@ def trainer(paths: list[str] | None, out: str) -> None:
         },
         "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
     }
-    if paths is not None:
-        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    with_variant(config, paths, variant)
     args = TrainingArguments(
         output_dir=os.path.join(os.path.dirname(out), "trainer-output"),
         deepspeed=config,
@@ -135,7 +143,7 @@ def trainer(paths: list[str] | None, out: str) -> None:
         gradient_accumulation_steps=2,
         learning_rate=1e-3,
         weight_decay=0.01,
-        max_grad_norm=1.0,
+        max_grad_norm=variant.get("clip", 1.0),
         seed=1,
         report_to=[],
         save_strategy="no",
@@ -151,7 +159,7 @@ def trainer(paths: list[str] | None, out: str) -> None:
     save(hf_trainer.model_wrapped, losses, out)
 
 
-def lightning(paths: list[str] | None, out: str) -> None:
+def lightning(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
     """PyTorch Lightning's `DeepSpeedStrategy(config=...)`, the optimizer from the DeepSpeed config,
     gradient accumulation 2 and clipping, as Lightning's docs show it. Lightning runs DeepSpeed only on
     CUDA; on DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`, the default here) the strategy's two
@@ -199,13 +207,12 @@ def lightning(paths: list[str] | None, out: str) -> None:
 
     # Batch size and accumulation are the Trainer's to set (Lightning refuses them in the config).
     config: dict[str, Any] = {
-        "gradient_clipping": 1.0,
+        "gradient_clipping": variant.get("clip", 1.0),
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
     }
-    if paths is not None:
-        config["mlp_offload"] = {"paths": paths, "host_memory": "16M"}
+    with_variant(config, paths, variant)
     module = Module()
     trainer = L.Trainer(
         accelerator="cuda" if on_cuda else "cpu",
@@ -226,4 +233,6 @@ def lightning(paths: list[str] | None, out: str) -> None:
 
 if __name__ == "__main__":
     frameworks = {"trainer": trainer, "accelerate": accelerate, "lightning": lightning}
-    frameworks[sys.argv[1]](json.loads(sys.argv[2]), sys.argv[3])
+    frameworks[sys.argv[1]](
+        json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    )

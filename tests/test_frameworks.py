@@ -28,12 +28,18 @@ pytestmark = pytest.mark.deepspeed
 HARNESS = Path(__file__).with_name("frameworks_harness.py")
 
 
-def train(framework: str, paths: list[Path] | None, tmp_path: Path, name: str) -> dict[str, Any]:
+def train(
+    framework: str,
+    paths: list[Path] | None,
+    tmp_path: Path,
+    name: str,
+    variant: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     out = tmp_path / f"{name}.pt"
     env = harness_env(MASTER_PORT=str(free_port()))
     arg = json.dumps(None if paths is None else [str(p) for p in paths])
     proc = subprocess.run(
-        [sys.executable, str(HARNESS), framework, arg, str(out)],
+        [sys.executable, str(HARNESS), framework, arg, str(out), json.dumps(variant or {})],
         capture_output=True,
         text=True,
         env=env,
@@ -58,3 +64,34 @@ def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
     assert len(ours["losses"]) == 6
     assert_bit_equal(ours, stock)
     assert all(any(p.rglob("*.mlpo")) for p in work_dirs[:2]), "the state is in the paths"
+
+
+# The streamed chunks updated during backward: a budget that streams most chunks, gradients reduced in
+# buckets so that chunks are final before backward ends, clipping off in both runs (a clipped step would
+# undo it).
+DURING_BACKWARD = {
+    "clip": 0.0,
+    "zero": {"reduce_bucket_size": 20_000},
+    "section": {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True},
+}
+
+
+@pytest.mark.parametrize("framework", ["trainer", "accelerate"])
+def test_the_update_during_backward_under_the_framework_matches_stock(
+    framework: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """The framework's own loop (the Trainer's with accumulation 2 and its scheduler, Accelerate's with
+    DeepSpeed's) with `overlap_backward`: bit for bit with stock DeepSpeed, and every step kept the
+    streamed chunks it updated during backward."""
+    stock = train(framework, None, tmp_path, "stock", DURING_BACKWARD)
+    ours = train(framework, work_dirs[:2], tmp_path, "ours", DURING_BACKWARD)
+    assert_bit_equal(ours, stock)
+    records = [r for r in ours["telemetry"] if r["event"] == "step"]
+    assert len(records) == 6, [r["event"] for r in ours["telemetry"]]
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    streamed = start["chunks"] - start["cached_chunks"]
+    assert streamed > 0, start
+    for step, r in enumerate(records):
+        spec = r["speculation"]
+        assert spec is not None and spec["kept"] and spec["chunks"] == streamed, (step, spec)
+        assert spec["in_backward"] > 0, (step, spec)

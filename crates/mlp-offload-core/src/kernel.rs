@@ -1865,6 +1865,22 @@ mod tests {
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
         let bytes = |x: &[f32]| as_bytes(x).to_vec();
+        let run = |state: &mut [f32], grad: &[f32], simd: Simd, threads: usize, cuts: Cuts<'_>| {
+            let params = None;
+            update::<f32, f32>(
+                Chunk {
+                    state,
+                    grad,
+                    params,
+                },
+                1.0,
+                &k,
+                &arith,
+                simd,
+                threads,
+                cuts,
+            )
+        };
         // Sizes: within one vector, a tail after whole vectors, whole vectors in one and several blocks
         // (so every array's edge is a vector's, as folding in the SIMD loop needs), a tail after blocks.
         for n in [1, 100, 4096, 2 * BLOCK + 1024, 3 * BLOCK + 77] {
@@ -1895,15 +1911,9 @@ mod tests {
                     let (state, grad) = inputs(n, &mut rng);
                     let before = bytes(&state);
                     let mut after = state.clone();
-                    let sums = update::<f32, f32>(
-                        Chunk {
-                            state: &mut after,
-                            grad: &grad,
-                            params: None,
-                        },
-                        1.0,
-                        &k,
-                        &arith,
+                    let sums = run(
+                        &mut after,
+                        &grad,
                         simd,
                         threads,
                         Cuts {
@@ -1937,15 +1947,9 @@ mod tests {
         // Only what was asked for, and that right.
         for simd in simds() {
             let (mut state, grad) = inputs(4096, &mut rng);
-            let sums = update::<f32, f32>(
-                Chunk {
-                    state: &mut state,
-                    grad: &grad,
-                    params: None,
-                },
-                1.0,
-                &k,
-                &arith,
+            let sums = run(
+                &mut state,
+                &grad,
                 simd,
                 1,
                 Cuts {
@@ -1967,15 +1971,9 @@ mod tests {
         let (mut state, grad) = inputs(10, &mut rng);
         // Cuts that do not ascend from 0 inside the state are named.
         for cuts in [vec![4u64], vec![0, 8, 8], vec![0, 120]] {
-            let err = update::<f32, f32>(
-                Chunk {
-                    state: &mut state,
-                    grad: &grad,
-                    params: None,
-                },
-                1.0,
-                &k,
-                &arith,
+            let err = run(
+                &mut state,
+                &grad,
                 Simd::detect(),
                 1,
                 Cuts {
