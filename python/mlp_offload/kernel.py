@@ -162,7 +162,8 @@ def _deepspeed_reference(
     return calls
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype and the same bits in every element (-0.0 is not 0.0; a NaN is its own payload)."""
     as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
     return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
 
@@ -191,7 +192,7 @@ def _first_difference(
             ("exp_avg_sq", state[2 * n :], call.expected_state[2 * n :]),
             ("half-precision params", params, call.expected_params),
         ):
-            if ours is not None and theirs is not None and not _same_bits(ours, theirs):
+            if ours is not None and theirs is not None and not same_bits(ours, theirs):
                 bits = {4: torch.int32, 2: torch.int16}[ours.element_size()]
                 index = int((ours.view(bits) != theirs.view(bits)).nonzero()[0])
                 return (

@@ -662,8 +662,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             with spec.lock:
                 spec.taken.append(chunk)
             # The parameters before the pass come back from the old version's weights, narrowed as
-            # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights).
-            if not torch.equal(half, state_bytes.view(FP32)[:count].to(half.dtype)):
+            # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights):
+            # bit for bit (a -0.0 where the weight narrows to 0.0 is kept aside too), and in integer form,
+            # which torch compares several times faster than half-precision floats.
+            if not kernel.same_bits(half, state_bytes.view(FP32)[:count].to(half.dtype)):
                 spec.kept_params[chunk] = half.clone()
             sums = self._mlp_fused_update(
                 chunk, state_bytes, spec.steps[i] + 1, spec.grad_scale, spec.groups, read_cuts, write_cuts
