@@ -50,6 +50,11 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=6, help="chunks in the working set (6)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument(
+        "--simd",
+        default="auto",
+        help="the fused pass's instructions: auto, avx512-clmul, avx2-clmul, ... (auto)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -61,14 +66,15 @@ def main() -> int:
     n, threads = args.elements, torch.get_num_threads()
     param = torch.nn.Parameter(torch.zeros(4))
     ds = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01, adamw_mode=True)
-    fused, why = kernel.self_check(ds, dtype, dtype)
+    fused, why = kernel.self_check(ds, dtype, dtype, simd=args.simd)
     if fused is None:
         raise SystemExit(f"the fused kernel cannot be used here: {why}")
     # Where the fused pass folds its checksums into the SIMD loop (VPCLMULQDQ), the same pass hashing
     # them block by block after and before it, as on CPUs without.
     blockwise = None
-    if fused.kernel.simd == "avx512-clmul":
-        blockwise, why = kernel.self_check(ds, dtype, dtype, simd="avx512")
+    unfolded = {"avx512-clmul": "avx512", "avx2-clmul": "avx2"}.get(fused.kernel.simd)
+    if unfolded is not None:
+        blockwise, why = kernel.self_check(ds, dtype, dtype, simd=unfolded)
         if blockwise is None:
             raise SystemExit(f"the fused kernel without VPCLMULQDQ cannot be used here: {why}")
     group = ds.param_groups[0]

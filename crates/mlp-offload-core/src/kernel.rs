@@ -17,9 +17,10 @@
 //! thread takes its range in blocks small enough to stay in the CPU's cache, hashes a block's state
 //! before and after updating it, and the pieces are combined into one CRC32C per stripe, so the store
 //! neither hashes the bytes again nor verifies the read on its own threads. Where the CPU has AVX-512
-//! and VPCLMULQDQ ([`Simd::Avx512Clmul`]) not even the cache is read again: each 64-byte vector of the
-//! state is folded into its stream's running CRC in the register it was loaded into or stored from, two
-//! carry-less multiplications that run beside the update's divisions and square roots.
+//! (or AVX2) and VPCLMULQDQ ([`Simd::Avx512Clmul`], [`Simd::Avx2Clmul`]) not even the cache is read
+//! again: each vector of the state is folded into its stream's running CRC in the register it was
+//! loaded into or stored from, two carry-less multiplications that run beside the update's divisions
+//! and square roots.
 
 use crc_fast::CrcAlgorithm::Crc32Iscsi;
 
@@ -441,6 +442,8 @@ pub enum Simd {
     Avx512Clmul,
     /// 16 lanes (AVX-512F); the checksums hashed block by block after and before it.
     Avx512,
+    /// 8 lanes (AVX2, FMA, F16C), the checksums folded in the loop with VPCLMULQDQ (as `Avx512Clmul`).
+    Avx2Clmul,
     /// 8 lanes (AVX2, FMA, F16C).
     Avx2,
     /// The specification itself, element by element (aarch64, older x86-64).
@@ -450,51 +453,56 @@ pub enum Simd {
 impl Simd {
     /// The widest this CPU runs.
     pub fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                if is_x86_feature_detected!("vpclmulqdq") {
-                    return Simd::Avx512Clmul;
-                }
-                return Simd::Avx512;
-            }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Scalar
+        [Simd::Avx512Clmul, Simd::Avx512, Simd::Avx2Clmul, Simd::Avx2]
+            .into_iter()
+            .find(|simd| simd.available())
+            .unwrap_or(Simd::Scalar)
     }
 
-    /// `"auto"` (the widest here), `"avx512-clmul"`, `"avx512"`, `"avx2"` or `"scalar"`; one this CPU
-    /// cannot run is an error naming `key`.
+    /// Whether this CPU has the instructions.
+    fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = || {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            };
+            let clmul = || is_x86_feature_detected!("vpclmulqdq");
+            match self {
+                Simd::Avx512Clmul => is_x86_feature_detected!("avx512f") && clmul(),
+                Simd::Avx512 => is_x86_feature_detected!("avx512f"),
+                Simd::Avx2Clmul => avx2() && clmul(),
+                Simd::Avx2 => avx2(),
+                Simd::Scalar => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Simd::Scalar
+        }
+    }
+
+    /// `"auto"` (the widest here), `"avx512-clmul"`, `"avx512"`, `"avx2-clmul"`, `"avx2"` or `"scalar"`;
+    /// one this CPU cannot run is an error naming `key`.
     pub fn parse(key: &str, value: &str) -> Result<Simd> {
         let simd = match value {
             "auto" => return Ok(Simd::detect()),
             "avx512-clmul" => Simd::Avx512Clmul,
             "avx512" => Simd::Avx512,
+            "avx2-clmul" => Simd::Avx2Clmul,
             "avx2" => Simd::Avx2,
             "scalar" => Simd::Scalar,
             other => {
                 return Err(Error::config(
                     key,
                     format!(
-                        "{other:?} is not \"auto\", \"avx512-clmul\", \"avx512\", \"avx2\" or \"scalar\""
+                        "{other:?} is not \"auto\", \"avx512-clmul\", \"avx512\", \"avx2-clmul\", \"avx2\" or \"scalar\""
                     ),
                 ))
             }
         };
-        // Every CPU with AVX-512F has AVX2, FMA and F16C.
-        let supported = matches!(
-            (simd, Simd::detect()),
-            (Simd::Scalar, _)
-                | (_, Simd::Avx512Clmul)
-                | (Simd::Avx512 | Simd::Avx2, Simd::Avx512)
-                | (Simd::Avx2, Simd::Avx2)
-        );
-        if !supported {
+        if !simd.available() {
             return Err(Error::config(
                 key,
                 format!("{value:?}: this CPU lacks the instructions"),
@@ -507,6 +515,7 @@ impl Simd {
         match self {
             Simd::Avx512Clmul => "avx512-clmul",
             Simd::Avx512 => "avx512",
+            Simd::Avx2Clmul => "avx2-clmul",
             Simd::Avx2 => "avx2",
             Simd::Scalar => "scalar",
         }
@@ -515,7 +524,7 @@ impl Simd {
     fn lanes(self) -> usize {
         match self {
             Simd::Avx512Clmul | Simd::Avx512 => 16,
-            Simd::Avx2 => 8,
+            Simd::Avx2Clmul | Simd::Avx2 => 8,
             Simd::Scalar => 1,
         }
     }
@@ -950,9 +959,9 @@ fn run_part<G: Elem, P: Elem>(
     simd: Simd,
 ) -> Hashed {
     #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Avx512Clmul {
-        if let Some(splits) = fold_splits(&part) {
-            return run_part_folding(part, splits, grad_scale, k, tail);
+    if matches!(simd, Simd::Avx512Clmul | Simd::Avx2Clmul) {
+        if let Some(splits) = fold_splits(&part, simd.lanes()) {
+            return run_part_folding(part, splits, grad_scale, k, tail, simd);
         }
     }
     let len = part.g.len();
@@ -991,11 +1000,11 @@ fn finish_pieces(sums: [Option<[Vec<Piece>; 3]>; 2]) -> Hashed {
 }
 
 /// The elements of a part where a piece of some array begins or ends, for [`run_part_folding`]: each a
-/// whole number of vectors from the part's first element where the vectors reach (below `vector`
-/// rounded down to 16), or `None` where one is not, or where nothing is summed.
+/// whole number of vectors of `lanes` from the part's first element where the vectors reach (below
+/// `vector` rounded down to `lanes`), or `None` where one is not, or where nothing is summed.
 #[cfg(target_arch = "x86_64")]
-fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>) -> Option<Vec<usize>> {
-    let folded = part.vector / 16 * 16;
+fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>, lanes: usize) -> Option<Vec<usize>> {
+    let folded = part.vector / lanes * lanes;
     let mut splits = Vec::new();
     for arrays in part.sums.iter().flatten() {
         for (a, pieces) in arrays.iter().enumerate() {
@@ -1005,7 +1014,7 @@ fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>) -> Option<Vec<usize>> {
                     if from_first >= 4 * folded as u64 {
                         continue;
                     }
-                    if !from_first.is_multiple_of(64) {
+                    if !from_first.is_multiple_of(4 * lanes as u64) {
                         return None;
                     }
                     splits.push(from_first as usize / 4);
@@ -1022,9 +1031,9 @@ fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>) -> Option<Vec<usize>> {
     Some(splits)
 }
 
-/// [`run_part`] with the checksums folded into the SIMD loop (`Simd::Avx512Clmul`): the vector elements
-/// in stretches cut at `splits`, each piece's fold finished where it ends; the scalar tail (the part's
-/// last elements) hashed block-wise as in `run_part`.
+/// [`run_part`] with the checksums folded into the SIMD loop (`Simd::Avx512Clmul`, `Simd::Avx2Clmul`):
+/// the vector elements in stretches cut at `splits`, each piece's fold finished where it ends; the
+/// scalar tail (the part's last elements) hashed block-wise as in `run_part`.
 #[cfg(target_arch = "x86_64")]
 fn run_part_folding<G: Elem, P: Elem>(
     mut part: Part<'_, G, P>,
@@ -1032,9 +1041,13 @@ fn run_part_folding<G: Elem, P: Elem>(
     grad_scale: f32,
     k: &AdamConstants,
     tail: TailFma,
+    simd: Simd,
 ) -> Hashed {
     let len = part.g.len();
-    let folded_end = part.vector / 16 * 16;
+    let lanes = simd.lanes();
+    // The bytes of one fold: one vector of fp32 lanes.
+    let width = 4 * lanes;
+    let folded_end = part.vector / lanes * lanes;
     let mut folds = x86::Folds::default();
     // Per stream (direction * 3 + array): bytes folded since its piece began, and that piece's index.
     let mut folded = [0u64; 6];
@@ -1053,9 +1066,16 @@ fn run_part_folding<G: Elem, P: Elem>(
                 _ => simd_end,
             };
             let at = part.lanes(s0, s1);
-            // SAFETY: `Simd::parse`/`detect` give `Avx512Clmul` only where the CPU has AVX-512F and
-            // VPCLMULQDQ; the slices are distinct, `s1 - s0` a multiple of 16 (`fold_splits`).
-            unsafe { x86::avx512_folding(&at, grad_scale, k, &mut folds) };
+            // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions (AVX-512F
+            // or AVX2, FMA and F16C; VPCLMULQDQ); the slices are distinct, `s1 - s0` a multiple of the
+            // lanes (`fold_splits`).
+            unsafe {
+                if simd == Simd::Avx512Clmul {
+                    x86::avx512_folding(&at, grad_scale, k, &mut folds)
+                } else {
+                    x86::avx2_folding(&at, grad_scale, k, &mut folds)
+                }
+            };
             for bytes in &mut folded {
                 *bytes += 4 * (s1 - s0) as u64;
             }
@@ -1067,7 +1087,7 @@ fn run_part_folding<G: Elem, P: Elem>(
                     let stream = 3 * d + a;
                     if pieces[current[stream]].end == (part.offsets[a] + 4 * s1) as u64 {
                         pieces[current[stream]].folded =
-                            Some(finish_fold(&folds.0[stream], folded[stream]));
+                            Some(finish_fold(&folds.0[stream], width, folded[stream]));
                         folds.0[stream] = [0; 8];
                         folded[stream] = 0;
                         current[stream] += 1;
@@ -1091,19 +1111,19 @@ fn run_part_folding<G: Elem, P: Elem>(
             let stream = 3 * d + a;
             if folded[stream] > 0 {
                 pieces[current[stream]].folded =
-                    Some(finish_fold(&folds.0[stream], folded[stream]));
+                    Some(finish_fold(&folds.0[stream], width, folded[stream]));
             }
         }
     }
     finish_pieces(part.sums)
 }
 
-/// The CRC32C of `len` bytes from their fold begun at zero ([`x86::Folds`]). The fold keeps the bytes'
-/// remainder as if the CRC began at zero; CRC32C begins at all ones, whose remainder carried over
-/// `len` bytes is added back: `crc32c(fold ^ ones) ^ shift(ones, len)`, where the first term is the
-/// CRC of the fold's 64 bytes less the initial value it adds.
+/// The CRC32C of `len` bytes from their fold begun at zero ([`x86::Folds`], its first `width` bytes).
+/// The fold keeps the bytes' remainder as if the CRC began at zero; CRC32C begins at all ones, whose
+/// remainder carried over `len` bytes is added back: `crc32c(fold ^ ones) ^ shift(ones, len)`, where the
+/// first term is the CRC of the fold's bytes less the initial value it adds.
 #[cfg(target_arch = "x86_64")]
-fn finish_fold(fold: &[u64; 8], len: u64) -> u32 {
+fn finish_fold(fold: &[u64; 8], width: usize, len: u64) -> u32 {
     let mut bytes = [0u8; 64];
     for (to, word) in bytes.chunks_exact_mut(8).zip(fold) {
         to.copy_from_slice(&word.to_le_bytes());
@@ -1111,7 +1131,7 @@ fn finish_fold(fold: &[u64; 8], len: u64) -> u32 {
     for b in &mut bytes[..4] {
         *b ^= 0xff;
     }
-    let crc = crc_fast::checksum(Crc32Iscsi, &bytes) as u32;
+    let crc = crc_fast::checksum(Crc32Iscsi, &bytes[..width]) as u32;
     // Combining with the CRC 0 of nothing-added is the shift alone.
     crc ^ crc_fast::checksum_combine(Crc32Iscsi, 0xffff_ffff, 0, len) as u32
 }
@@ -1156,7 +1176,7 @@ fn run_block<G: Elem, P: Elem>(
                 // slices are distinct, each at least `simd_end` long, the stretch a multiple of the lanes.
                 Simd::Avx512 | Simd::Avx512Clmul => unsafe { x86::avx512(&at, grad_scale, k) },
                 // SAFETY: as above.
-                Simd::Avx2 => unsafe { x86::avx2(&at, grad_scale, k) },
+                Simd::Avx2 | Simd::Avx2Clmul => unsafe { x86::avx2(&at, grad_scale, k) },
                 Simd::Scalar => unreachable!("the scalar path has one lane"),
             }
         }
@@ -1305,7 +1325,7 @@ mod x86 {
             $name:ident, $features:literal, $lanes:literal,
             set1: $set1:ident, loadu: $loadu:ident, storeu: $storeu:ident, mul: $mul:ident,
             fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident
-            $(, fold: $folds:ident)?
+            $(, fold: $folds:ident, $fload:ident, $fold3:ident, $fstore:ident)?
         ) => {
             $(#[$doc])*
             #[target_feature(enable = $features)]
@@ -1323,7 +1343,7 @@ mod x86 {
                 let (g_kind, g) = at.g;
                 let g_size = g_kind.size();
                 // SAFETY: `Folds` is 6 times 64 bytes; unaligned loads.
-                $(let mut acc = unsafe { $folds.load() };)?
+                $(let mut acc = unsafe { $folds.$fload() };)?
                 for i in (0..at.len).step_by($lanes) {
                     // SAFETY: `i + lanes <= len` for every array, as the caller promised.
                     unsafe {
@@ -1332,7 +1352,7 @@ mod x86 {
                         let (m_in, v_in) = ($loadu(at.m.add(i)), $loadu(at.v.add(i)));
                         $(
                             let _: &Folds = $folds;
-                            fold3(&mut acc, 0, [param, m_in, v_in]);
+                            $fold3(&mut acc, 0, [param, m_in, v_in]);
                         )?
                         if let Decay::L2(decay) = k.decay {
                             grad = $fmadd(param, $set1(decay), grad);
@@ -1352,7 +1372,7 @@ mod x86 {
                         $storeu(at.v.add(i), var);
                         $(
                             let _: &Folds = $folds;
-                            fold3(&mut acc, 3, [param, mom, var]);
+                            $fold3(&mut acc, 3, [param, mom, var]);
                         )?
                         if let Some((kind, o)) = at.o {
                             $store(kind, o.add(i * kind.size()), param);
@@ -1360,14 +1380,15 @@ mod x86 {
                     }
                 }
                 // SAFETY: as the load above.
-                $(unsafe { $folds.store(acc) };)?
+                $(unsafe { $folds.$fstore(acc) };)?
             }
         };
     }
 
-    /// Six running CRC32C folds, one per stream of 64-byte vectors: the state's three arrays as read
-    /// (0-2) and as written (3-5). Each is a 512-bit remainder-to-be: the stream so far, shortened by
-    /// carry-less multiplication so that it keeps the stream's CRC ([`super::finish_fold`]).
+    /// Six running CRC32C folds, one per stream of vectors: the state's three arrays as read (0-2) and
+    /// as written (3-5). Each is a 512-bit (AVX-512) or 256-bit (AVX2, the row's first half)
+    /// remainder-to-be: the stream so far, shortened by carry-less multiplication so that it keeps the
+    /// stream's CRC ([`super::finish_fold`]).
     #[derive(Clone, Copy, Default)]
     pub struct Folds(pub [[u64; 8]; 6]);
 
@@ -1375,7 +1396,7 @@ mod x86 {
         /// # Safety
         /// AVX-512F must be available.
         #[target_feature(enable = "avx512f")]
-        unsafe fn load(&self) -> [__m512i; 6] {
+        unsafe fn load512(&self) -> [__m512i; 6] {
             // SAFETY: each row is 64 readable bytes; unaligned loads.
             std::array::from_fn(|s| unsafe { _mm512_loadu_si512(self.0[s].as_ptr().cast()) })
         }
@@ -1383,10 +1404,28 @@ mod x86 {
         /// # Safety
         /// AVX-512F must be available.
         #[target_feature(enable = "avx512f")]
-        unsafe fn store(&mut self, acc: [__m512i; 6]) {
+        unsafe fn store512(&mut self, acc: [__m512i; 6]) {
             for (row, x) in self.0.iter_mut().zip(acc) {
                 // SAFETY: each row is 64 writable bytes; unaligned stores.
                 unsafe { _mm512_storeu_si512(row.as_mut_ptr().cast(), x) };
+            }
+        }
+
+        /// # Safety
+        /// AVX2 must be available.
+        #[target_feature(enable = "avx2")]
+        unsafe fn load256(&self) -> [__m256i; 6] {
+            // SAFETY: each row's first 32 bytes are readable; unaligned loads.
+            std::array::from_fn(|s| unsafe { _mm256_loadu_si256(self.0[s].as_ptr().cast()) })
+        }
+
+        /// # Safety
+        /// AVX2 must be available.
+        #[target_feature(enable = "avx2")]
+        unsafe fn store256(&mut self, acc: [__m256i; 6]) {
+            for (row, x) in self.0.iter_mut().zip(acc) {
+                // SAFETY: each row's first 32 bytes are writable; unaligned stores.
+                unsafe { _mm256_storeu_si256(row.as_mut_ptr().cast(), x) };
             }
         }
     }
@@ -1396,13 +1435,32 @@ mod x86 {
     /// PCLMULQDQ", folding by four 128-bit lanes; ISA-L's `rk3`, `rk4` for iSCSI).
     const FOLD_512: (i64, i64) = (0x740e_ef02, 0x9e4a_ddf8);
 
-    /// Folds three vectors into the streams `first..first + 3`.
+    /// x^288 and x^224 modulo CRC32C's polynomial, bit-reflected: as [`FOLD_512`], 256 bits on (two
+    /// 128-bit lanes).
+    const FOLD_256: (i64, i64) = (0x1_384a_a63a, 0xba4f_c28e);
+
+    /// Folds three 256-bit vectors into the streams `first..first + 3`.
+    ///
+    /// # Safety
+    /// AVX2 and VPCLMULQDQ must be available.
+    #[target_feature(enable = "avx2,vpclmulqdq")]
+    #[inline]
+    unsafe fn fold3_256(acc: &mut [__m256i; 6], first: usize, data: [__m256; 3]) {
+        let key = _mm256_set_epi64x(FOLD_256.1, FOLD_256.0, FOLD_256.1, FOLD_256.0);
+        for (a, x) in acc[first..first + 3].iter_mut().zip(data) {
+            let low = _mm256_clmulepi64_epi128::<0x00>(*a, key);
+            let high = _mm256_clmulepi64_epi128::<0x11>(*a, key);
+            *a = _mm256_xor_si256(_mm256_xor_si256(low, high), _mm256_castps_si256(x));
+        }
+    }
+
+    /// Folds three 512-bit vectors into the streams `first..first + 3`.
     ///
     /// # Safety
     /// AVX-512F and VPCLMULQDQ must be available.
     #[target_feature(enable = "avx512f,vpclmulqdq")]
     #[inline]
-    unsafe fn fold3(acc: &mut [__m512i; 6], first: usize, data: [__m512; 3]) {
+    unsafe fn fold3_512(acc: &mut [__m512i; 6], first: usize, data: [__m512; 3]) {
         let key = _mm512_set_epi64(
             FOLD_512.1, FOLD_512.0, FOLD_512.1, FOLD_512.0, FOLD_512.1, FOLD_512.0, FOLD_512.1,
             FOLD_512.0,
@@ -1432,7 +1490,7 @@ mod x86 {
         avx512_folding, "avx512f,vpclmulqdq", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
         fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
-        fold: folds
+        fold: folds, load512, fold3_512, store512
     );
 
     adam_lanes!(
@@ -1441,6 +1499,17 @@ mod x86 {
         avx2, "avx2,fma,f16c", 8,
         set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
         fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8
+    );
+
+    adam_lanes!(
+        /// `avx2`, each vector of the state as read and as written also folded into `folds`.
+        ///
+        /// # Safety
+        /// As `avx2`; VPCLMULQDQ must be available too.
+        avx2_folding, "avx2,fma,f16c,vpclmulqdq", 8,
+        set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
+        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
+        fold: folds, load256, fold3_256, store256
     );
 }
 
@@ -1628,10 +1697,16 @@ mod tests {
     }
 
     fn simds() -> Vec<Simd> {
-        [Simd::Avx512Clmul, Simd::Avx512, Simd::Avx2, Simd::Scalar]
-            .into_iter()
-            .filter(|s| Simd::parse("simd", s.name()).is_ok())
-            .collect()
+        [
+            Simd::Avx512Clmul,
+            Simd::Avx512,
+            Simd::Avx2Clmul,
+            Simd::Avx2,
+            Simd::Scalar,
+        ]
+        .into_iter()
+        .filter(|s| Simd::parse("simd", s.name()).is_ok())
+        .collect()
     }
 
     fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
