@@ -101,7 +101,8 @@ class AdamKernel:
         correction for a call that jumps there, or None."""
     @property
     def simd(self) -> str:
-        """The SIMD instructions the pass uses: `"avx512"`, `"avx2"` or `"scalar"`."""
+        """The SIMD instructions the pass uses: `"avx512-clmul"`, `"avx512"`, `"avx2-clmul"`, `"avx2"` or
+        `"scalar"`."""
     @property
     def arith(self) -> dict[str, Any]:
         """The DeepSpeed arithmetic it matches, as `candidates()` gives it."""

@@ -361,7 +361,8 @@ impl AdamKernel {
         AdamBias::sqrt_witness(beta2)
     }
 
-    /// The SIMD instructions the pass uses: `"avx512-clmul"`, `"avx512"`, `"avx2"` or `"scalar"`.
+    /// The SIMD instructions the pass uses: `"avx512-clmul"`, `"avx512"`, `"avx2-clmul"`, `"avx2"` or
+    /// `"scalar"`.
     #[getter]
     fn simd(&self) -> &'static str {
         self.simd.name()
