@@ -1004,6 +1004,9 @@ fn finish_pieces(sums: [Option<[Vec<Piece>; 3]>; 2]) -> Hashed {
 /// `vector` rounded down to `lanes`), or `None` where one is not, or where nothing is summed.
 #[cfg(target_arch = "x86_64")]
 fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>, lanes: usize) -> Option<Vec<usize>> {
+    if part.sums.iter().all(Option::is_none) {
+        return None;
+    }
     let folded = part.vector / lanes * lanes;
     let mut splits = Vec::new();
     for arrays in part.sums.iter().flatten() {
@@ -1021,9 +1024,6 @@ fn fold_splits<G: Elem, P: Elem>(part: &Part<'_, G, P>, lanes: usize) -> Option<
                 }
             }
         }
-    }
-    if part.sums.iter().all(Option::is_none) {
-        return None;
     }
     splits.retain(|&e| e > 0);
     splits.sort_unstable();
@@ -1079,21 +1079,16 @@ fn run_part_folding<G: Elem, P: Elem>(
             for bytes in &mut folded {
                 *bytes += 4 * (s1 - s0) as u64;
             }
-            for d in 0..2 {
-                let Some(arrays) = &mut part.sums[d] else {
-                    continue;
-                };
-                for (a, pieces) in arrays.iter_mut().enumerate() {
-                    let stream = 3 * d + a;
-                    if pieces[current[stream]].end == (part.offsets[a] + 4 * s1) as u64 {
-                        pieces[current[stream]].folded =
-                            Some(finish_fold(&folds.0[stream], width, folded[stream]));
-                        folds.0[stream] = [0; 8];
-                        folded[stream] = 0;
-                        current[stream] += 1;
-                    }
-                }
-            }
+            let offsets = part.offsets;
+            let at_s1 = |a: usize, piece: &Piece| piece.end == (offsets[a] + 4 * s1) as u64;
+            close_folds(
+                &mut part.sums,
+                &mut folds,
+                &mut folded,
+                &mut current,
+                width,
+                at_s1,
+            );
             s0 = s1;
         }
         if simd_end < b1 {
@@ -1103,19 +1098,46 @@ fn run_part_folding<G: Elem, P: Elem>(
         }
     }
     // Pieces whose last bytes were hashed, not folded: their folded start.
-    for d in 0..2 {
-        let Some(arrays) = &mut part.sums[d] else {
+    close_folds(
+        &mut part.sums,
+        &mut folds,
+        &mut folded,
+        &mut current,
+        width,
+        |_, _| true,
+    );
+    finish_pieces(part.sums)
+}
+
+/// For each stream (direction * 3 + array) with bytes folded into its current piece that `ends` says
+/// is done: the piece's folded CRC finished, the fold begun afresh for the next piece.
+#[cfg(target_arch = "x86_64")]
+fn close_folds(
+    sums: &mut [Option<[Vec<Piece>; 3]>; 2],
+    folds: &mut x86::Folds,
+    folded: &mut [u64; 6],
+    current: &mut [usize; 6],
+    width: usize,
+    ends: impl Fn(usize, &Piece) -> bool,
+) {
+    for (d, arrays) in sums.iter_mut().enumerate() {
+        let Some(arrays) = arrays else {
             continue;
         };
         for (a, pieces) in arrays.iter_mut().enumerate() {
             let stream = 3 * d + a;
-            if folded[stream] > 0 {
-                pieces[current[stream]].folded =
-                    Some(finish_fold(&folds.0[stream], width, folded[stream]));
+            if folded[stream] == 0 {
+                continue;
+            }
+            let piece = &mut pieces[current[stream]];
+            if ends(a, piece) {
+                piece.folded = Some(finish_fold(&folds.0[stream], width, folded[stream]));
+                folds.0[stream] = [0; 8];
+                folded[stream] = 0;
+                current[stream] += 1;
             }
         }
     }
-    finish_pieces(part.sums)
 }
 
 /// The CRC32C of `len` bytes from their fold begun at zero ([`x86::Folds`], its first `width` bytes).
