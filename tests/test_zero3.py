@@ -440,9 +440,22 @@ def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
         run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")
 
 
-@pytest.mark.parametrize("shadow_slots", [True, False], ids=["shadow slots", "one copy (default)"])
+@pytest.mark.parametrize(
+    ("shadow_slots", "ds_case", "extra"),
+    [
+        pytest.param(True, {}, {}, id="shadow slots"),
+        pytest.param(False, {}, {}, id="one copy (default)"),
+        # The streamed chunks' new versions staged during backward (see KILLED_CASES) fail to be written.
+        pytest.param(
+            True,
+            {"reduce_bucket_size": 20_000, "clip": 0.0},
+            {"update_chunk": "24K", "overlap_backward": True},
+            id="shadow slots, the update during backward",
+        ),
+    ],
+)
 def test_a_failed_write_raises_and_names_what_it_left(
-    shadow_slots: bool, work_dirs: list[Path], tmp_path: Path
+    shadow_slots: bool, ds_case: dict[str, Any], extra: dict[str, Any], work_dirs: list[Path], tmp_path: Path
 ) -> None:
     """A step whose writes fail raises with the errno and the file. With shadow slots every object still
     reads back its last state; with one copy (the default) the store still opens, every object whose
@@ -450,8 +463,12 @@ def test_a_failed_write_raises_and_names_what_it_left(
     if os.geteuid() != 0:
         pytest.skip("chattr +i needs root")
     # Three steps, then the object files turn immutable: the fourth step's writes fail with EPERM.
-    ours = section(work_dirs[:2], host_memory="deepspeed", shadow_slots=shadow_slots)
-    result = run_case({"steps": 5, "immutable_at_step": 3, "mlp_offload": ours}, tmp_path, "fail")
+    ours = section(work_dirs[:2], host_memory="deepspeed", shadow_slots=shadow_slots, **extra)
+    result = run_case({**ds_case, "steps": 5, "immutable_at_step": 3, "mlp_offload": ours}, tmp_path, "fail")
+    if extra.get("overlap_backward"):
+        # The steps before were updated during backward, and kept; the failing one began so.
+        records = [r for r in result["telemetry"] if r["event"] == "step"]
+        assert len(records) == 3 and all(r["speculation"]["kept"] for r in records), records
     error = result["error"]
     assert error, "the step must raise"
     assert error["errno"] == errno.EPERM and error["filename"].endswith(".mlpo"), error
@@ -678,20 +695,57 @@ def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Te
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
+# name, the DeepSpeed side, extra section keys, where the kill comes (what the harness says as it kills)
+KILLED_CASES = [
+    ("in step()", {}, {"overlap": False}, "in step()"),
+    ("behind step(), the next forward running", {}, {"overlap": True}, "behind step()"),
+    # DeepSpeed reduces in small buckets, so the streamed chunks are updated during backward, their new
+    # versions staged beside the old ones: the kill comes while backward still runs. No clipping
+    # (DeepSpeed's default, 1.0, clips these gradients, and a clipped step's update is not tried then).
+    (
+        "in the update during backward",
+        {"reduce_bucket_size": 20_000, "clip": 0.0},
+        {"shadow_slots": True, "overlap_backward": True},
+        "during backward",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "extra", "where"), [c[1:] for c in KILLED_CASES], ids=[c[0] for c in KILLED_CASES]
+)
 def test_killed_in_an_update_the_job_resumes_from_its_last_checkpoint(
-    stock_resumed: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+    ds_case: dict[str, Any],
+    extra: dict[str, Any],
+    where: str,
+    stock_resumed: dict[str, Any],
+    work_dirs: list[Path],
+    tmp_path: Path,
 ) -> None:
-    """SIGKILL in the middle of step 7's update (three chunks updated, writes in flight), after a
+    """SIGKILL in the middle of step 7's update (three chunks updated, writes in flight): inside
+    `step()`, behind it while the next forward runs, or while backward runs (the update during
+    backward, its versions staged); after a
     checkpoint at step 5; a new process on the same paths resumes from that checkpoint: the store opens
     (the dead process's locks are gone) and steps 5 to 9 give what DeepSpeed's own resume from the same
     checkpoint gives, bit for bit."""
-    ours = section(work_dirs[:2], host_memory="64M", update_chunk="24K", cache_chunks=2)
+    ours = section(work_dirs[:2], host_memory="64M", update_chunk="24K", cache_chunks=2, **extra)
     ckpt = str(tmp_path / "ckpt")
     killed = {"save_at": 5, "sigkill_in_update_at": 7, "checkpoint_dir": ckpt, "mlp_offload": ours}
-    with pytest.raises(AssertionError, match=r"killed rank 0 failed \(-9\)"):
-        run_case(killed, tmp_path, "killed")
-    resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed")
+    with pytest.raises(AssertionError, match=r"killed rank 0 failed \(-9\)") as failed:
+        run_case({**ds_case, **killed}, tmp_path, "killed")
+    assert f"killed {where}" in str(failed.value), str(failed.value)[-2000:]
+    resumed = run_case(
+        {**ds_case, "resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed"
+    )
+    if ds_case:
+        stock_ckpt = str(tmp_path / "stock-ckpt")
+        stock_case = {**ds_case, "checkpoint_at": 5, "checkpoint_dir": stock_ckpt}
+        stock_resumed = run_case(stock_case, tmp_path, "stock-resumed")
     assert_bit_equal(resumed, from_step(stock_resumed, 5))
+    if extra.get("overlap_backward"):
+        # The resumed job updates during backward again, and keeps what it did.
+        steps = [r for r in resumed["telemetry"] if r["event"] == "step"]
+        assert all(r["speculation"]["kept"] and r["speculation"]["in_backward"] > 0 for r in steps), steps
 
 
 FAULTFS = Path(__file__).with_name("faultfs.py")
@@ -729,10 +783,25 @@ FAULTS = [
 ]
 
 
+# When the update runs: inside step() (the DeepSpeed side, extra section keys), or the streamed chunks'
+# during backward (small reduce buckets, no clipping: see KILLED_CASES).
+WHEN = [
+    pytest.param({}, {}, id="in step()"),
+    pytest.param(
+        {"reduce_bucket_size": 20_000, "clip": 0.0},
+        {"shadow_slots": True, "overlap_backward": True},
+        id="during backward",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ds_case", "extra"), WHEN)
 @pytest.mark.parametrize(("switch", "errnos"), [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS])
 def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_other(
     switch: str | None,
     errnos: set[int],
+    ds_case: dict[str, Any],
+    extra: dict[str, Any],
     faulty_path: dict[str, Any],
     stock_resumed: dict[str, Any],
     work_dirs: list[Path],
@@ -740,16 +809,16 @@ def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_othe
 ) -> None:
     """Two paths, the second of which fails for real from step 7 (its reads or writes give EIO, or it
     disappears: ENOTCONN or ECONNABORTED), after a checkpoint at step 5, the state streaming through a
-    small budget.
+    small budget, updated in `step()` or during backward.
     Step 7 raises an `OSError` with that errno and an object's file on the failing path (or, for the
     writes still in flight when step 7 returned, step 8 does). A new process resumes from the checkpoint
     on the path that is left and trains steps 5 to 9 as DeepSpeed's own resume does, bit for bit."""
     failing = faulty_path["mount"]
     ckpt = str(tmp_path / "ckpt")
-    both = section([work_dirs[0], failing], host_memory="200K", update_chunk="24K")
+    both = section([work_dirs[0], failing], host_memory="200K", update_chunk="24K", **extra)
     fault = {"switch": str(faulty_path["backing"] / switch)} if switch else {"kill": faulty_path["pid"]}
     failed = run_case(
-        {"save_at": 5, "fault_at": 7, "fault": fault, "checkpoint_dir": ckpt, "mlp_offload": both},
+        {**ds_case, "save_at": 5, "fault_at": 7, "fault": fault, "checkpoint_dir": ckpt, "mlp_offload": both},
         tmp_path,
         "failed",
     )
@@ -757,8 +826,13 @@ def test_a_failing_path_stops_the_step_naming_it_and_the_job_resumes_on_the_othe
     assert error, f"no step raised in {failed['steps']} steps"
     assert error["errno"] in errnos, error
     assert error["filename"].startswith(str(failing)) and error["filename"].endswith(".mlpo"), error
-    left = section([work_dirs[0]], host_memory="200K", update_chunk="24K")
-    resumed = run_case({"resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": left}, tmp_path, "resumed")
+    left = section([work_dirs[0]], host_memory="200K", update_chunk="24K", **extra)
+    resumed = run_case(
+        {**ds_case, "resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": left}, tmp_path, "resumed"
+    )
+    if ds_case:
+        stock_case = {**ds_case, "checkpoint_at": 5, "checkpoint_dir": str(tmp_path / "stock-ckpt")}
+        stock_resumed = run_case(stock_case, tmp_path, "stock-resumed")
     assert_bit_equal(resumed, from_step(stock_resumed, 5))
 
 

@@ -176,7 +176,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
         if step == case.get("sigkill_in_update_at"):
-            in_update(optimizer, after_chunks=3, then=lambda: os.kill(os.getpid(), signal.SIGKILL))
+            in_update(optimizer, after_chunks=3, then=functools.partial(sigkill, optimizer))
         if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
             # This node's ranks stop mid-update, and say so, until the test kills the node.
             marker = Path(case["stall_marker"].replace("{rank}", os.environ["RANK"]))
@@ -348,6 +348,23 @@ def resources() -> dict[str, int]:
     }
 
 
+def sigkill(optimizer: Any) -> None:
+    """SIGKILL to this process, saying first where the update was: in `step()` (on the caller's thread),
+    during backward (the update during backward, backward still running) or behind `step()` (on the
+    update thread, the next forward running)."""
+    import threading
+
+    spec = getattr(optimizer, "_mlp_spec", None)
+    if threading.current_thread() is threading.main_thread():
+        where = "in step()"
+    elif spec is not None and spec.backward_end is None:
+        where = "during backward"
+    else:
+        where = "behind step()"
+    print("killed", where, file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def stall(marker: Path) -> None:
     marker.touch()
     time.sleep(3600)
@@ -452,7 +469,7 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
                 readable[key] = buf.numel()
             except mlp_offload.CorruptObjectError as e:
                 readable[key] = f"{type(e).__name__}: {e}"
-    return {"error": error, "readable": readable}
+    return {"error": error, "readable": readable, "telemetry": optimizer.mlp_offload_telemetry}
 
 
 def main(spec: str, out: str) -> None:
