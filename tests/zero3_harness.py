@@ -175,6 +175,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             fill(case["fill"])
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
+        if step == case.get("set_params_apart_at"):
+            set_params_apart(engine)
         if step == case.get("sigkill_in_update_at"):
             in_update(optimizer, after_chunks=3, then=functools.partial(sigkill, optimizer))
         if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
@@ -346,6 +348,19 @@ def resources() -> dict[str, int]:
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": int(status["Threads"]),
     }
+
+
+def set_params_apart(engine: Any) -> None:
+    """Changes the last parameters' half-precision values (in chunks that stream: the first ones stay
+    in memory) through DeepSpeed's `GatheredParameters(modifier_rank=0)`, as a user's code
+    re-initialising a layer would: the partitions change, DeepSpeed's fp32 weights do not (the next step
+    that is taken overwrites the change, a skipped one keeps it)."""
+    import deepspeed
+
+    params = [p for _, p in engine.module.named_parameters()][-3:]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for p in params:
+            p.mul_(1.5).add_(0.01)
 
 
 def sigkill(optimizer: Any) -> None:

@@ -127,11 +127,13 @@ class AdamKernel:
         threads: int,
         read_cuts: list[int] | None = None,
         write_cuts: list[int] | None = None,
-    ) -> tuple[list[int] | None, list[int] | None]:
+        keep_params: bool = False,
+    ) -> tuple[list[int] | None, list[int] | None, list[tuple[int, bytes]] | None]:
         """One chunk in place at these addresses (GIL released): `state` `3 count` fp32, `grad` and
         `params` `count` of their dtypes; the bias correction advances as DeepSpeed's would at `step`.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
-        (stripe starts), where given."""
+        (stripe starts), where given; and with `keep_params`, the parameters before the pass that were
+        not the old weights narrowed, a block at a time: (first element, their bytes)."""
 
 @final
 class ObjectStore:

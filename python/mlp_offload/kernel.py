@@ -70,17 +70,20 @@ class FusedAdam:
         group: dict[str, Any],
         read_cuts: list[int] | None = None,
         write_cuts: list[int] | None = None,
+        kept_params: list[tuple[int, torch.Tensor]] | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """One chunk: `state` its `[params | exp_avg | exp_avg_sq]` (fp32), `grad` its half-precision (or
         fp32) gradient before `grad_scale` (DeepSpeed's `1 / combined_scale`), `params` where the new
         half-precision parameters go; `step` the Adam step after this update and `group` the chunk's param
         group (lr, betas, eps, weight decay, bias correction), as DeepSpeed's CPU Adam takes them.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
-        (the store's stripe starts), where given."""
+        (the store's stripe starts), where given. Given `kept_params`, the pass appends to it the
+        parameters as they were before it wherever they were not the old weights narrowed, a block at a
+        time (its first element, its values), checked in the pass itself."""
         n = grad.numel()
         beta1, beta2 = group["betas"]
         # The kernel runs without the GIL: the tensors are the caller's and outlive the call.
-        return self.kernel.update(
+        read, write, kept = self.kernel.update(
             _address(state, 3 * n, "state"),
             _address(grad, n, "grad"),
             None if params is None else _address(params, n, "params"),
@@ -99,7 +102,13 @@ class FusedAdam:
             threads=self.threads,
             read_cuts=read_cuts,
             write_cuts=write_cuts,
+            keep_params=kept_params is not None,
         )
+        if kept_params is not None and kept and params is not None:
+            kept_params.extend(
+                (first, torch.frombuffer(bytearray(data), dtype=params.dtype)) for first, data in kept
+            )
+        return read, write
 
 
 @dataclass

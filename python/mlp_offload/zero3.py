@@ -122,9 +122,10 @@ class Speculation:
     # Chunks whose pass began, in order, and when each ended.
     taken: list[int] = field(default_factory=list)
     ended_at: list[float] = field(default_factory=list)
-    # Chunk -> its half-precision parameters before the pass, where they were not its fp32 weights
-    # narrowed (so the store's old version alone could not give them back).
-    kept_params: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Chunk -> its half-precision parameters before the pass where they were not its fp32 weights
+    # narrowed (so the store's old version alone could not give them back): (first element, values),
+    # a block at a time, as the pass found them.
+    kept_params: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     backward_end: float | None = None
     started: float = field(default_factory=time.perf_counter)
     future: Future[StepStats] | None = None
@@ -498,12 +499,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         groups: list[dict[str, Any]],
         read_cuts: list[int] | None,
         write_cuts: list[int] | None,
+        kept_params: list[tuple[int, torch.Tensor]] | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
-        optimizer's param groups as the step saw them."""
+        optimizer's param groups as the step saw them. `kept_params`: see `FusedAdam.update` (host
+        parameters only)."""
         assert self._mlp_fused is not None
         i, first, count = self._mlp_state.chunks[chunk]
         group = groups[self.sub_group_to_group_id[i]]
@@ -522,6 +525,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             group=group,
             read_cuts=read_cuts,
             write_cuts=write_cuts,
+            kept_params=kept_params if on_host else None,
         )
         if not on_host:
             half.copy_(state[:count])
@@ -657,19 +661,26 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         def update(
             chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
         ) -> tuple[list[int] | None, list[int] | None]:
-            i, first, count = self._mlp_state.chunks[chunk]
-            half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
+            i = self._mlp_state.chunks[chunk][0]
             with spec.lock:
                 spec.taken.append(chunk)
             # The parameters before the pass come back from the old version's weights, narrowed as
             # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights):
-            # bit for bit (a -0.0 where the weight narrows to 0.0 is kept aside too), and in integer form,
-            # which torch compares several times faster than half-precision floats.
-            if not kernel.same_bits(half, state_bytes.view(FP32)[:count].to(half.dtype)):
-                spec.kept_params[chunk] = half.clone()
+            # the pass keeps those, bit for bit (a -0.0 where the weight narrows to 0.0 too), checking
+            # each block before it updates it.
+            kept: list[tuple[int, torch.Tensor]] = []
             sums = self._mlp_fused_update(
-                chunk, state_bytes, spec.steps[i] + 1, spec.grad_scale, spec.groups, read_cuts, write_cuts
+                chunk,
+                state_bytes,
+                spec.steps[i] + 1,
+                spec.grad_scale,
+                spec.groups,
+                read_cuts,
+                write_cuts,
+                kept_params=kept,
             )
+            if kept:
+                spec.kept_params[chunk] = kept
             spec.ended_at.append(time.perf_counter())
             return sums
 
@@ -736,8 +747,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             i, first, count = self._mlp_state.chunks[chunk]
             if params:
                 half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
-                kept = spec.kept_params.get(chunk)
-                half.copy_(kept if kept is not None else self._mlp_state.current_params(chunk))
+                half.copy_(self._mlp_state.current_params(chunk))
+                for start, values in spec.kept_params.get(chunk, []):
+                    half[start : start + values.numel()].copy_(values)
             self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] = self._mlp_step_value(
                 spec.steps[i]
             )

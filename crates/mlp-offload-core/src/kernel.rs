@@ -73,6 +73,8 @@ pub trait Elem: Copy + Send + Sync + 'static {
     const KIND: Kind;
     fn widen(self) -> f32;
     fn narrow(x: f32) -> Self;
+    /// The element's bits (in the low `KIND.size()` bytes).
+    fn bits(self) -> u32;
 }
 
 impl Elem for f32 {
@@ -82,6 +84,9 @@ impl Elem for f32 {
     }
     fn narrow(x: f32) -> Self {
         x
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
     }
 }
 
@@ -99,6 +104,9 @@ impl Elem for Bf16 {
         let bits = x.to_bits();
         let rounding = ((bits >> 16) & 1) + 0x7fff;
         Bf16((bits.wrapping_add(rounding) >> 16) as u16)
+    }
+    fn bits(self) -> u32 {
+        u32::from(self.0)
     }
 }
 
@@ -166,6 +174,9 @@ impl Elem for F16 {
             rounded
         };
         F16(sign | value.min(0x7c00) as u16)
+    }
+    fn bits(self) -> u32 {
+        u32::from(self.0)
     }
 }
 
@@ -537,6 +548,10 @@ pub struct Chunk<'a, G: Elem, P: Elem> {
     pub state: &'a mut [f32],
     pub grad: &'a [G],
     pub params: Option<&'a mut [P]>,
+    /// Keep the parameters as they were before the pass wherever they are not the old weights
+    /// narrowed ([`ChunkSums::kept_params`]), so that an update that is undone can give them back
+    /// (the old weights alone give back the rest). Needs `params`.
+    pub keep_params: bool,
 }
 
 /// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
@@ -557,11 +572,68 @@ pub struct Cuts<'a> {
     pub write: Option<&'a [u64]>,
 }
 
-/// The CRC32C of each stripe of the state as read and as written, where [`Cuts`] asked for them.
+/// The CRC32C of each stripe of the state as read and as written, where [`Cuts`] asked for them; and,
+/// where [`Chunk::keep_params`] asked, the parameters before the pass that were not the old weights
+/// narrowed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChunkSums {
     pub read: Option<Vec<u32>>,
     pub write: Option<Vec<u32>>,
+    pub kept_params: Option<Vec<KeptParams>>,
+}
+
+/// Parameters as they were before a pass, from element `first` of the chunk on: their bytes, each
+/// element's `Kind::size()` bytes little-endian. Kept a block ([`BLOCK`] elements, or the block's share
+/// of a thread's range) at a time where any of its elements was not its old weight narrowed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptParams {
+    pub first: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Whether `params` are the fp32 `weights` narrowed ([`Elem::narrow`]), bit for bit: a -0.0 is not a
+/// 0.0, a NaN only the NaN the narrowing writes. In SIMD where `simd` says (the same narrowing as the
+/// pass's stores), the rest element by element.
+pub fn narrows_to<P: Elem>(weights: &[f32], params: &[P], simd: Simd) -> bool {
+    assert_eq!(
+        weights.len(),
+        params.len(),
+        "weights and params of one length"
+    );
+    let lanes = simd.lanes();
+    let vectors = if lanes > 1 {
+        weights.len() / lanes * lanes
+    } else {
+        0
+    };
+    #[cfg(target_arch = "x86_64")]
+    if vectors > 0 {
+        let (p, o) = (weights.as_ptr(), params.as_ptr().cast::<u8>());
+        // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; both
+        // slices hold `vectors` elements, a multiple of the lanes.
+        let same = unsafe {
+            match simd {
+                Simd::Avx512 | Simd::Avx512Clmul => x86::avx512_narrows_to(P::KIND, p, o, vectors),
+                Simd::Avx2 | Simd::Avx2Clmul => x86::avx2_narrows_to(P::KIND, p, o, vectors),
+                Simd::Scalar => unreachable!("the scalar path has one lane"),
+            }
+        };
+        if !same {
+            return false;
+        }
+    }
+    weights[vectors..]
+        .iter()
+        .zip(&params[vectors..])
+        .all(|(&w, &h)| P::narrow(w).bits() == h.bits())
+}
+
+/// Each element's `Kind::size()` bytes, little-endian.
+fn elem_bytes<P: Elem>(x: &[P]) -> Vec<u8> {
+    let size = P::KIND.size();
+    x.iter()
+        .flat_map(|e| e.bits().to_le_bytes().into_iter().take(size))
+        .collect()
 }
 
 /// One contiguous byte range of the state, within one stripe, one array and one thread's range: hashed
@@ -673,6 +745,12 @@ pub fn update<G: Elem, P: Elem>(
             ));
         }
     }
+    if chunk.keep_params && chunk.params.is_none() {
+        return Err(Error::config(
+            "keep_params",
+            "keeps the parameters before the pass, and no params were given",
+        ));
+    }
     if arith.vector_width == 0 {
         return Err(Error::config("vector_width", "must be at least 1"));
     }
@@ -722,6 +800,7 @@ pub fn update<G: Elem, P: Elem>(
             vector,
             offsets: [4 * first, 4 * (n + first), 4 * (2 * n + first)],
             sums,
+            kept: chunk.keep_params.then(Vec::new),
         });
         (p, m, v, g) = (p1, m1, v1, g1);
         first += len;
@@ -729,7 +808,7 @@ pub fn update<G: Elem, P: Elem>(
     let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
     let mut parts = parts.into_iter();
     let mine = parts.next();
-    let hashed: Vec<Hashed> = std::thread::scope(|scope| {
+    let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = std::thread::scope(|scope| {
         let others: Vec<_> = parts.map(|part| scope.spawn(move || run(part))).collect();
         let mut all: Vec<_> = mine.map(run).into_iter().collect();
         all.extend(
@@ -741,18 +820,29 @@ pub fn update<G: Elem, P: Elem>(
     });
     let [read, write] = [0, 1].map(|d| {
         [cuts.read, cuts.write][d].map(|c| {
-            let pieces = hashed
+            let pieces = done
                 .iter()
-                .flat_map(|h| h[d].iter().flatten().copied())
+                .flat_map(|(h, _)| h[d].iter().flatten().copied())
                 .collect();
             stripe_sums(c, pieces)
         })
     });
-    Ok(ChunkSums { read, write })
+    // The parts in order, each's blocks in order.
+    let kept_params = chunk.keep_params.then(|| {
+        done.into_iter()
+            .flat_map(|(_, k)| k.unwrap_or_default())
+            .collect()
+    });
+    Ok(ChunkSums {
+        read,
+        write,
+        kept_params,
+    })
 }
 
 /// [`update`] over raw memory: `state` holds `3 count` fp32 elements, `grad` `count` of its kind,
-/// `params` (if given) `count` of its kind. Misaligned addresses are an error naming the array.
+/// `params` (if given) `count` of its kind, kept where they are not the weights narrowed with
+/// `keep_params` ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
 ///
 /// # Safety
 /// Every address must point to live memory of that many elements, which nothing else reads or writes
@@ -762,6 +852,7 @@ pub unsafe fn update_at(
     state: usize,
     grad: (usize, Kind),
     params: Option<(usize, Kind)>,
+    keep_params: bool,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -790,6 +881,7 @@ pub unsafe fn update_at(
                 state,
                 slice::<f32>(grad.0, count),
                 params,
+                keep_params,
                 count,
                 grad_scale,
                 k,
@@ -802,6 +894,7 @@ pub unsafe fn update_at(
                 state,
                 slice::<Bf16>(grad.0, count),
                 params,
+                keep_params,
                 count,
                 grad_scale,
                 k,
@@ -814,6 +907,7 @@ pub unsafe fn update_at(
                 state,
                 slice::<F16>(grad.0, count),
                 params,
+                keep_params,
                 count,
                 grad_scale,
                 k,
@@ -847,6 +941,7 @@ unsafe fn update_with_params<G: Elem>(
     state: &mut [f32],
     grad: &[G],
     params: Option<(usize, Kind)>,
+    keep_params: bool,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -863,6 +958,7 @@ unsafe fn update_with_params<G: Elem>(
                     state,
                     grad,
                     params: None,
+                    keep_params,
                 },
                 grad_scale,
                 k,
@@ -876,6 +972,7 @@ unsafe fn update_with_params<G: Elem>(
                     state,
                     grad,
                     params: Some(slice_mut::<f32>(a, count)),
+                    keep_params,
                 },
                 grad_scale,
                 k,
@@ -889,6 +986,7 @@ unsafe fn update_with_params<G: Elem>(
                     state,
                     grad,
                     params: Some(slice_mut::<Bf16>(a, count)),
+                    keep_params,
                 },
                 grad_scale,
                 k,
@@ -902,6 +1000,7 @@ unsafe fn update_with_params<G: Elem>(
                     state,
                     grad,
                     params: Some(slice_mut::<F16>(a, count)),
+                    keep_params,
                 },
                 grad_scale,
                 k,
@@ -928,6 +1027,8 @@ struct Part<'a, G, P> {
     vector: usize,
     offsets: [usize; 3],
     sums: [Option<[Vec<Piece>; 3]>; 2],
+    /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
+    kept: Option<Vec<KeptParams>>,
 }
 
 impl<G: Elem, P: Elem> Part<'_, G, P> {
@@ -957,7 +1058,7 @@ fn run_part<G: Elem, P: Elem>(
     k: &AdamConstants,
     tail: TailFma,
     simd: Simd,
-) -> Hashed {
+) -> (Hashed, Option<Vec<KeptParams>>) {
     #[cfg(target_arch = "x86_64")]
     if matches!(simd, Simd::Avx512Clmul | Simd::Avx2Clmul) {
         if let Some(splits) = fold_splits(&part, simd.lanes()) {
@@ -967,11 +1068,26 @@ fn run_part<G: Elem, P: Elem>(
     let len = part.g.len();
     for b0 in (0..len).step_by(BLOCK) {
         let b1 = (b0 + BLOCK).min(len);
+        keep_block(&mut part, b0, b1, simd);
         hash_block(&mut part, 0, b0, b1);
         run_block(&mut part, b0, b1, grad_scale, k, tail, simd);
         hash_block(&mut part, 1, b0, b1);
     }
-    finish_pieces(part.sums)
+    (finish_pieces(part.sums), part.kept)
+}
+
+/// Keeps the parameters of elements `b0..b1` as they are, where [`Chunk::keep_params`] asked and any
+/// of them is not its weight narrowed (before the block is updated; in the core's cache for it).
+fn keep_block<G: Elem, P: Elem>(part: &mut Part<'_, G, P>, b0: usize, b1: usize, simd: Simd) {
+    let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
+        return;
+    };
+    if !narrows_to(&part.p[b0..b1], &o[b0..b1], simd) {
+        kept.push(KeptParams {
+            first: part.offsets[0] / 4 + b0,
+            bytes: elem_bytes(&o[b0..b1]),
+        });
+    }
 }
 
 /// Each piece's `(start, len, crc)`: its folded first bytes and its hashed rest, combined.
@@ -1042,7 +1158,7 @@ fn run_part_folding<G: Elem, P: Elem>(
     k: &AdamConstants,
     tail: TailFma,
     simd: Simd,
-) -> Hashed {
+) -> (Hashed, Option<Vec<KeptParams>>) {
     let len = part.g.len();
     let lanes = simd.lanes();
     // The bytes of one fold: one vector of fp32 lanes.
@@ -1055,6 +1171,7 @@ fn run_part_folding<G: Elem, P: Elem>(
     let mut splits = splits.into_iter().peekable();
     for b0 in (0..len).step_by(BLOCK) {
         let b1 = (b0 + BLOCK).min(len);
+        keep_block(&mut part, b0, b1, simd);
         let simd_end = folded_end.clamp(b0, b1);
         let mut s0 = b0;
         while s0 < simd_end {
@@ -1106,7 +1223,7 @@ fn run_part_folding<G: Elem, P: Elem>(
         width,
         |_, _| true,
     );
-    finish_pieces(part.sums)
+    (finish_pieces(part.sums), part.kept)
 }
 
 /// For each stream (direction * 3 + array) with bytes folded into its current piece that `ends` says
@@ -1259,23 +1376,27 @@ mod x86 {
         unsafe {
             match kind {
                 Kind::F32 => _mm512_storeu_ps(dst.cast(), x),
-                Kind::Bf16 => {
-                    let bits = _mm512_castps_si512(x);
-                    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-                    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
-                        bits,
-                        _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
-                    ));
-                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x);
-                    let out = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), rounded);
-                    _mm256_storeu_si256(dst.cast(), _mm512_cvtusepi32_epi16(out))
-                }
-                Kind::F16 => _mm256_storeu_si256(
-                    dst.cast(),
-                    _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x),
-                ),
+                Kind::Bf16 | Kind::F16 => _mm256_storeu_si256(dst.cast(), narrow16(kind, x)),
             }
         }
+    }
+
+    /// 16 lanes of `x` narrowed to `kind`, a two-byte kind, as `store16` stores them.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn narrow16(kind: Kind, x: __m512) -> __m256i {
+        if kind == Kind::F16 {
+            return _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        }
+        let bits = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            bits,
+            _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)),
+        ));
+        let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x);
+        let out = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), rounded);
+        _mm512_cvtusepi32_epi16(out)
     }
 
     /// 8 elements of `kind` at `src`, widened as `Elem::widen` does.
@@ -1308,24 +1429,82 @@ mod x86 {
         unsafe {
             match kind {
                 Kind::F32 => _mm256_storeu_ps(dst.cast(), x),
-                Kind::Bf16 => {
-                    let bits = _mm256_castps_si256(x);
-                    let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-                    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
-                        bits,
-                        _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)),
-                    ));
-                    let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-                    let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), unordered);
-                    // The eight 32-bit lanes (each at most 0xffff) packed to 16 bits, in order.
-                    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(out, out));
-                    _mm_storeu_si128(dst.cast(), _mm256_castsi256_si128(packed))
-                }
-                Kind::F16 => {
-                    _mm_storeu_si128(dst.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
-                }
+                Kind::Bf16 | Kind::F16 => _mm_storeu_si128(dst.cast(), narrow8(kind, x)),
             }
         }
+    }
+
+    /// 8 lanes of `x` narrowed to `kind`, a two-byte kind, as `store8` stores them.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn narrow8(kind: Kind, x: __m256) -> __m128i {
+        if kind == Kind::F16 {
+            return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
+        }
+        let bits = _mm256_castps_si256(x);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+            bits,
+            _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)),
+        ));
+        let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+        let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), unordered);
+        // The eight 32-bit lanes (each at most 0xffff) packed to 16 bits, in order.
+        let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(out, out));
+        _mm256_castsi256_si128(packed)
+    }
+
+    /// Whether the `len` fp32 values at `p`, narrowed to `kind` as `store16` narrows them, are the `len`
+    /// elements of `kind` at `o`, bit for bit. `len` is a multiple of 16.
+    ///
+    /// # Safety
+    /// `p` and `o` must hold `len` readable elements; AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512_narrows_to(kind: Kind, p: *const f32, o: *const u8, len: usize) -> bool {
+        // Every difference ORed together, tested once: no branch per vector.
+        let mut differs = _mm512_setzero_si512();
+        for i in (0..len).step_by(16) {
+            // SAFETY: `i + 16 <= len` for both arrays, as the caller promised; unaligned loads.
+            unsafe {
+                let x = _mm512_loadu_ps(p.add(i));
+                let theirs = o.add(i * kind.size());
+                let diff = if kind == Kind::F32 {
+                    _mm512_xor_si512(_mm512_castps_si512(x), _mm512_loadu_si512(theirs.cast()))
+                } else {
+                    let ours = narrow16(kind, x);
+                    _mm512_castsi256_si512(_mm256_xor_si256(
+                        ours,
+                        _mm256_loadu_si256(theirs.cast()),
+                    ))
+                };
+                differs = _mm512_or_si512(differs, diff);
+            }
+        }
+        _mm512_test_epi64_mask(differs, differs) == 0
+    }
+
+    /// As [`avx512_narrows_to`], 8 lanes at a time (`store8`); `len` a multiple of 8.
+    ///
+    /// # Safety
+    /// `p` and `o` must hold `len` readable elements; AVX2 and F16C must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn avx2_narrows_to(kind: Kind, p: *const f32, o: *const u8, len: usize) -> bool {
+        let mut differs = _mm256_setzero_si256();
+        for i in (0..len).step_by(8) {
+            // SAFETY: as in `avx512_narrows_to`, 8 lanes.
+            unsafe {
+                let x = _mm256_loadu_ps(p.add(i));
+                let theirs = o.add(i * kind.size());
+                let diff = if kind == Kind::F32 {
+                    _mm256_xor_si256(_mm256_castps_si256(x), _mm256_loadu_si256(theirs.cast()))
+                } else {
+                    let ours = narrow8(kind, x);
+                    _mm256_castsi128_si256(_mm_xor_si128(ours, _mm_loadu_si128(theirs.cast())))
+                };
+                differs = _mm256_or_si256(differs, diff);
+            }
+        }
+        _mm256_testz_si256(differs, differs) == 1
     }
 
     /// Where one SIMD pass reads and writes: `len` elements of each array.
@@ -1796,6 +1975,7 @@ mod tests {
                                 state: &mut got_state,
                                 grad: &grad,
                                 params: Some(&mut got_params),
+                                keep_params: false,
                             },
                             0.75,
                             &k,
@@ -1812,6 +1992,7 @@ mod tests {
                                 ChunkSums {
                                     read: Some(crc(&state)),
                                     write: Some(crc(&got_state)),
+                                    kept_params: None,
                                 },
                                 "{simd:?} n {n}: checksums"
                             );
@@ -1848,6 +2029,211 @@ mod tests {
         check_paths::<f32, Bf16>(|x| x, &mut rng);
     }
 
+    /// Weights of every kind the narrowing treats apart (zeros of both signs, subnormals, infinities,
+    /// NaN, halfway cases of bf16, fp16's overflow and subnormal range) among ordinary ones.
+    fn awkward_weights(n: usize, rng: &mut StdRng) -> Vec<f32> {
+        let specials = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            1e-40,
+            -1e-45,
+            3e-6,
+            65520.0,
+            3e38,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+        ];
+        (0..n)
+            .map(|i| match i % 5 {
+                3 => specials[rng.random_range(0..specials.len())],
+                _ => rng.random_range(-2.0f32..2.0),
+            })
+            .collect()
+    }
+
+    /// A value whose bits differ from `x`'s in `P` (another value, or the other zero or NaN).
+    fn other<P: Elem>(x: P) -> P {
+        let bits = x.bits();
+        P::narrow(match bits {
+            0 => -0.0,
+            _ => 1.5 + x.widen().abs().min(1.0),
+        })
+    }
+
+    fn check_narrows_to<P: Elem>(rng: &mut StdRng) {
+        for n in [0, 1, 7, 8, 9, 15, 16, 17, 33, 100, 8192 + 5] {
+            let weights = awkward_weights(n, rng);
+            let params: Vec<P> = weights.iter().map(|&w| P::narrow(w)).collect();
+            for simd in simds() {
+                assert!(
+                    narrows_to(&weights, &params, simd),
+                    "{simd:?} n {n} {:?}",
+                    P::KIND
+                );
+                // One element different, anywhere: in a vector, in the tail, first, last.
+                for at in [0, n / 2, n.saturating_sub(1), n.saturating_sub(9)] {
+                    if at >= n {
+                        continue;
+                    }
+                    let mut changed = params.clone();
+                    changed[at] = other(changed[at]);
+                    assert_ne!(changed[at].bits(), params[at].bits());
+                    assert!(
+                        !narrows_to(&weights, &changed, simd),
+                        "{simd:?} n {n} {:?}: element {at} ({:#x} for weight {:?}) not seen",
+                        P::KIND,
+                        changed[at].bits(),
+                        weights[at]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn narrows_to_is_bit_equality_with_the_weights_narrowed_on_every_simd() {
+        let mut rng = StdRng::seed_from_u64(17);
+        check_narrows_to::<Bf16>(&mut rng);
+        check_narrows_to::<F16>(&mut rng);
+        check_narrows_to::<f32>(&mut rng);
+        // -0.0 is not 0.0, and a NaN is the narrowing's NaN only (bf16: 0xffff).
+        let simd = Simd::detect();
+        assert!(!narrows_to(&[0.0; 16], &[Bf16(0x8000); 16], simd));
+        assert!(narrows_to(&[f32::NAN; 16], &[Bf16(0xffff); 16], simd));
+        assert!(!narrows_to(&[f32::NAN; 16], &[Bf16(0x7fc0); 16], simd));
+    }
+
+    fn check_kept_params<P: Elem>(rng: &mut StdRng) {
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        };
+        // One block, several blocks with a short last one, a thread split inside a block.
+        for n in [33, 3 * BLOCK + 100, BLOCK + 64 * 3 + 5] {
+            let (mut state, grad32) = inputs(n, rng);
+            state[..n].copy_from_slice(&awkward_weights(n, rng));
+            let grad: Vec<Bf16> = grad32.iter().map(|&g| Bf16::narrow(g)).collect();
+            let mut before: Vec<P> = state[..n].iter().map(|&w| P::narrow(w)).collect();
+            // Parameters set apart from their weights: a few, and a block of them.
+            let apart: Vec<usize> = [1, n / 2, n - 1]
+                .into_iter()
+                .chain(n.min(BLOCK + 40)..n.min(BLOCK + 60))
+                .collect();
+            for &i in &apart {
+                before[i] = other(before[i]);
+            }
+            let one_stripe: &[u64] = &[0];
+            let summed = Cuts {
+                read: Some(one_stripe),
+                write: Some(one_stripe),
+            };
+            for (simd, cuts) in simds()
+                .into_iter()
+                .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
+            {
+                for threads in [1, 3] {
+                    let run = |keep_params: bool| {
+                        let (mut s, mut params) = (state.clone(), before.clone());
+                        let out = update(
+                            Chunk {
+                                state: &mut s,
+                                grad: &grad,
+                                params: Some(&mut params),
+                                keep_params,
+                            },
+                            0.5,
+                            &k,
+                            &arith,
+                            simd,
+                            threads,
+                            cuts,
+                        )
+                        .unwrap();
+                        (s, params, out)
+                    };
+                    let (s0, p0, plain) = run(false);
+                    let (s1, p1, kept) = run(true);
+                    let what = format!("{simd:?} n {n} threads {threads} {:?}", P::KIND);
+                    // Keeping changes nothing else the pass does.
+                    assert!(s0.iter().zip(&s1).all(|(a, b)| same(*a, *b)), "{what}");
+                    assert!(
+                        p0.iter().zip(&p1).all(|(a, b)| a.bits() == b.bits()),
+                        "{what}"
+                    );
+                    assert_eq!((plain.read, plain.write), (kept.read, kept.write), "{what}");
+                    assert_eq!(plain.kept_params, None);
+                    // Each kept stretch is the parameters as they were, holds one set apart, and
+                    // every one set apart is in one; in order, apart from each other.
+                    let kept = kept.kept_params.expect("asked for");
+                    let size = P::KIND.size();
+                    let mut end = 0;
+                    for KeptParams { first, bytes } in &kept {
+                        let len = bytes.len() / size;
+                        assert!(*first >= end && len > 0, "{what}: {first} after {end}");
+                        end = first + len;
+                        assert_eq!(
+                            *bytes,
+                            elem_bytes(&before[*first..end]),
+                            "{what} at {first}"
+                        );
+                        assert!(
+                            apart.iter().any(|&i| (*first..end).contains(&i)),
+                            "{what} at {first}"
+                        );
+                    }
+                    for &i in &apart {
+                        assert!(
+                            kept.iter()
+                                .any(|k| (k.first..k.first + k.bytes.len() / size).contains(&i)),
+                            "{what}: element {i} set apart, not kept"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kept_params_are_the_blocks_set_apart_from_the_weights_and_nothing_else_changes() {
+        let mut rng = StdRng::seed_from_u64(19);
+        check_kept_params::<Bf16>(&mut rng);
+        check_kept_params::<F16>(&mut rng);
+        check_kept_params::<f32>(&mut rng);
+        // Asking to keep parameters without any is an error naming the key.
+        let (mut state, grad) = inputs(8, &mut rng);
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+        let arith = DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        };
+        let err = update::<f32, f32>(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: None,
+                keep_params: true,
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("keep_params"), "{err}");
+    }
+
     #[test]
     fn without_params_only_the_state_is_written() {
         let mut rng = StdRng::seed_from_u64(3);
@@ -1866,6 +2252,7 @@ mod tests {
                 state: &mut with,
                 grad: &grad,
                 params: Some(&mut params),
+                keep_params: false,
             },
             1.0,
             &k,
@@ -1880,6 +2267,7 @@ mod tests {
                 state: &mut without,
                 grad: &grad,
                 params: None,
+                keep_params: false,
             },
             1.0,
             &k,
@@ -1969,6 +2357,7 @@ mod tests {
                     state,
                     grad,
                     params,
+                    keep_params: false,
                 },
                 1.0,
                 &k,
@@ -2060,7 +2449,8 @@ mod tests {
                 sums,
                 ChunkSums {
                     read: None,
-                    write: Some(vec![written])
+                    write: Some(vec![written]),
+                    kept_params: None,
                 },
                 "{simd:?}"
             );
@@ -2100,6 +2490,7 @@ mod tests {
                 state: &mut state,
                 grad: &grad,
                 params: None,
+                keep_params: false,
             },
             1.0,
             &k,
@@ -2118,6 +2509,7 @@ mod tests {
                 state: &mut state,
                 grad: &grad,
                 params: Some(&mut params),
+                keep_params: false,
             },
             1.0,
             &k,
@@ -2136,6 +2528,7 @@ mod tests {
                 bytes.as_ptr() as usize + 1,
                 (bytes.as_ptr() as usize, Kind::Bf16),
                 None,
+                false,
                 1,
                 1.0,
                 &k,

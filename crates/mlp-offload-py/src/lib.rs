@@ -24,6 +24,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use pythonize::{depythonize, pythonize};
 use std::sync::Arc;
 
@@ -287,8 +288,13 @@ fn arith_dict(py: Python<'_>, arith: &DeepSpeedArith) -> PyResult<Py<PyAny>> {
     Ok(dict.into_any().unbind())
 }
 
-/// The state's stripe checksums as read and as written, where asked for.
-type ChunkSumsPy = (Option<Vec<u32>>, Option<Vec<u32>>);
+/// The state's stripe checksums as read and as written, where asked for; and the parameters kept as
+/// they were before the pass (first element, bytes), where asked for.
+type ChunkSumsPy = (
+    Option<Vec<u32>>,
+    Option<Vec<u32>>,
+    Option<Vec<(usize, Py<PyBytes>)>>,
+);
 
 /// DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
 /// the half-precision copy (see `mlp_offload.kernel`), keeping DeepSpeed's per-optimizer bias state.
@@ -376,10 +382,12 @@ impl AdamKernel {
 
     /// One chunk, in place: `state` (address of `3 count` fp32: params, exp_avg, exp_avg_sq), `grad`
     /// (`count` of `grad_dtype`), `params` (`count` of `params_dtype`, or None). The bias correction
-    /// advances as DeepSpeed's would for a call at Adam step `step`. Runs without the GIL.
+    /// advances as DeepSpeed's would for a call at Adam step `step`. With `keep_params`, the parameters
+    /// before the pass that were not the old weights narrowed come back, a block at a time, as (first
+    /// element, bytes). Runs without the GIL.
     #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
                         beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
-                        read_cuts=None, write_cuts=None))]
+                        read_cuts=None, write_cuts=None, keep_params=false))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
@@ -402,6 +410,7 @@ impl AdamKernel {
         threads: usize,
         read_cuts: Option<Vec<u64>>,
         write_cuts: Option<Vec<u64>>,
+        keep_params: bool,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
         let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
@@ -430,6 +439,7 @@ impl AdamKernel {
                         state,
                         (grad, grad_kind),
                         params.map(|a| (a, params_kind)),
+                        keep_params,
                         count,
                         grad_scale,
                         &k,
@@ -441,7 +451,12 @@ impl AdamKernel {
                 }
             })
             .map_err(to_py)?;
-        Ok((sums.read, sums.write))
+        let kept = sums.kept_params.map(|kept| {
+            kept.into_iter()
+                .map(|k| (k.first, PyBytes::new(py, &k.bytes).unbind()))
+                .collect()
+        });
+        Ok((sums.read, sums.write, kept))
     }
 }
 
