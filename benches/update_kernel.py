@@ -40,6 +40,10 @@ CHECKSUM_BYTES = 2 * 12
 # One pass: gradient 2, state 12 + 12, parameters 2 + the line's read 2; its checksums hash the state
 # while it is in the core's cache.
 FUSED_BYTES = 2 + 24 + 4
+# The update during backward first checks that the parameters are the old weights narrowed: in torch,
+# the weights (4) narrowed into a new tensor (2 + 2) and compared with the parameters (2 + 2); in the pass,
+# nothing more than it reads anyway (the parameters' line, in the core's cache).
+TORCH_CHECK_BYTES = 4 + 4 + 4
 
 
 def main() -> int:
@@ -126,6 +130,18 @@ def main() -> int:
             state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0]
         )
 
+    def torch_check_then_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        # What the update during backward ran before the pass checked the parameters itself.
+        kernel.same_bits(half, state[:n].to(half.dtype))
+        fused_pass_summing(state, grad, half)
+
+    def pass_keeping(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        kept: list[tuple[int, torch.Tensor]] = []
+        fused.update(
+            state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0],
+            kept_params=kept,
+        )  # fmt: skip
+
     def blockwise_summing(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         assert blockwise is not None
         blockwise.update(
@@ -146,6 +162,8 @@ def main() -> int:
         "fused, checksums in the pass": (fused_pass_summing, FUSED_BYTES),
         "fused + checksum passes": (with_checksums(fused_pass), FUSED_BYTES + CHECKSUM_BYTES),
         "fused": (fused_pass, FUSED_BYTES),
+        "in backward: torch's check + fused": (torch_check_then_pass, FUSED_BYTES + TORCH_CHECK_BYTES),
+        "in backward: checked in the pass": (pass_keeping, FUSED_BYTES),
     }
     if blockwise is not None:
         variants["fused, checksums by blocks"] = (blockwise_summing, FUSED_BYTES)
@@ -164,11 +182,11 @@ def main() -> int:
         f"chunks of {n} elements ({12 * n / 2**20:.0f} MiB of state), {args.dtype}, {threads} threads, "
         f"fused: {fused.kernel.simd}; medians of {len(times['fused'])} chunks"
     )
-    print(f"{'variant':30} {'ms/chunk':>9} {'GB/s of state':>14} {'x today':>8} {'bytes/element':>14}")
+    print(f"{'variant':36} {'ms/chunk':>9} {'GB/s of state':>14} {'x today':>8} {'bytes/element':>14}")
     for name, (_, touched) in variants.items():
         secs = statistics.median(times[name])
         rows[name] = {"secs_per_chunk": secs, "of_today": secs / base, "bytes_touched_per_element": touched}
-        print(f"{name:30} {secs * 1e3:9.2f} {12 * n / secs / 1e9:14.1f} {secs / base:8.2f} {touched:14d}")
+        print(f"{name:36} {secs * 1e3:9.2f} {12 * n / secs / 1e9:14.1f} {secs / base:8.2f} {touched:14d}")
     print("x today: the variant's time over DeepSpeed's passes with checksums (what the engine ran before)")
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
