@@ -17,7 +17,9 @@ Parts, in this order (all by default; name some to run only those, one call each
 - `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-largest`, `e2e-largest-ours`: `benches/e2e.py` with the
   LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's pipelined NVMe offload and
   its `device: cpu`, and the largest LLaMA size whose state the data directory's free space holds for
-  DeepSpeed's NVMe offload (16 bytes a parameter).
+  DeepSpeed's NVMe offload (16 bytes a parameter). At 1B, ours at DeepSpeed's memory and with half the
+  state in memory (issue 29's (b) and (c)), and as the README configures it with the update behind the
+  next forward and inside `step()` (issue 30's (d), and its 2x against `device: cpu`).
 
 Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
 runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
@@ -64,7 +66,12 @@ def pytest_part(*args: str) -> Callable[[Path, Path], list[str]]:
     return command
 
 
-def e2e_part(size: str | None, contenders: str, name: str) -> Callable[[Path, Path], list[str]]:
+def e2e_part(
+    size: str | None, contenders: str, name: str, variants: tuple[str, ...] = ()
+) -> Callable[[Path, Path], list[str]]:
+    """`benches/e2e.py` on LLaMA of `size` (None: the largest the disk holds) with these contenders and
+    `--variant`s (NAME=JSON or BASE/NAME=JSON)."""
+
     def command(out: Path, data: Path) -> list[str]:
         chosen = size or largest_size(data)
         return [
@@ -86,6 +93,7 @@ def e2e_part(size: str | None, contenders: str, name: str) -> Callable[[Path, Pa
             str(data / "e2e"),
             "--out",
             str(out / f"{name}.results.json"),
+            *(arg for variant in variants for arg in ("--variant", variant)),
         ]
 
     return command
@@ -133,12 +141,13 @@ PARTS = {
         e2e_part("130M", "ds-nvme-pipelined,ds-cpu,mlp-offload,mlp-offload-default", "e2e-130M"),
     ),
     "e2e-1B": Part(
-        "LLaMA 1B: DeepSpeed NVMe (pipelined) against ours at its memory",
-        e2e_part("1B", "ds-nvme-pipelined,mlp-offload", "e2e-1B"),
+        "LLaMA 1B: DeepSpeed NVMe (pipelined) against ours at its memory and with half the state in memory",
+        e2e_part("1B", "ds-nvme-pipelined,mlp-offload,mlp-offload-half", "e2e-1B"),
     ),
     "e2e-1B-dram": Part(
-        "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it",
-        e2e_part("1B", "ds-cpu,mlp-offload-default", "e2e-1B-dram"),
+        "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it, the update behind the "
+        "next forward (the default there) and inside step()",
+        e2e_part("1B", "ds-cpu,mlp-offload-default", "e2e-1B-dram", ('default/serial={"overlap": false}',)),
     ),
     "e2e-largest": Part(
         "the largest LLaMA the disk holds: DeepSpeed NVMe (pipelined)",
