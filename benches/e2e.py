@@ -625,6 +625,17 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             row["startup_predicted_update_secs"] = startup[0] if startup else None
             steps_of = [t["update_secs"] for t in measured]
             row["measured_update_secs_of_predicted_steps"] = statistics.median(steps_of) if steps_of else None
+            # With the update during backward: the prediction of what it leaves after backward, against
+            # the update measured after backward on the steps that kept it.
+            after = [
+                (t["predicted_after_backward_secs"], t["update_secs"])
+                for t in measured
+                if t.get("predicted_after_backward_secs") is not None
+                and (t.get("speculation") or {}).get("kept")
+            ]
+            if after:
+                row["predicted_after_backward_secs"] = statistics.median(a for a, _ in after)
+                row["measured_after_backward_secs"] = statistics.median(m for _, m in after)
             if finals := [in_backward(t) for t in measured if t.get("grads_final")]:
                 row["grads_final"] = {k: statistics.median(f[k] for f in finals) for k in finals[0]}
         rows[contender] = row
@@ -645,14 +656,11 @@ def in_backward(record: dict[str, Any]) -> dict[str, float]:
     and how much of the update's time could have run before backward ended if each chunk were updated
     as soon as its gradient was final, one after another, each taking an equal part of the update's
     measured time (`update_secs` / chunks)."""
+    from mlp_offload.overlap import could_run_in_backward
+
     backward = record["grads_final"]["backward_secs"]
-    leads = sorted(record["grads_final"]["lead_secs"], reverse=True)
-    piece = record["update_secs"] / len(leads)
-    end = hidden = 0.0
-    for lead in leads:
-        start = max(backward - lead, end)
-        end = start + piece
-        hidden += max(0.0, min(end, backward) - start)
+    leads = record["grads_final"]["lead_secs"]
+    hidden = could_run_in_backward(leads, backward, record["update_secs"] / len(leads))
     return {
         "backward_secs": backward,
         "final_by_half": sum(lead >= backward / 2 for lead in leads) / len(leads),
@@ -759,7 +767,14 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{g['update_secs']:.2f} s, {g['could_hide_secs']:.2f} s could run before it ends "
                 "(estimate: each chunk as soon as its gradient is final, one at a time)"
             )
-        if m.get("predicted_update_secs"):
+        if m.get("predicted_after_backward_secs") is not None:
+            print(
+                f"  predicted update after backward {m['predicted_after_backward_secs']:.2f} s (from the "
+                f"steps before: the update inside step() predicted {m['predicted_update_secs']:.2f} s, "
+                "less what could run during backward at the last boundary's gradient times), measured "
+                f"{m['measured_after_backward_secs']:.2f} s on the steps that kept it"
+            )
+        elif m.get("predicted_update_secs"):
             print(
                 f"  predicted update {m['predicted_update_secs']:.2f} s (from the steps before; at start-up "
                 f"{m['startup_predicted_update_secs'] or math.nan:.2f} s), measured "

@@ -7,6 +7,7 @@ import errno
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -290,6 +291,43 @@ def test_a_chunk_gradient_is_final_with_the_last_of_its_parameters(
     grads.reset()
     grads.final("d", 7.0)
     assert grads.leads(10.0) == [0.0, 0.0, 0.0, 3.0] and not grads.changed
+
+
+# When each chunk's gradient was final (seconds before backward's end), backward's length, each chunk's
+# time, and how much of the update could run before backward ended.
+COULD_RUN = [
+    ("every gradient final at backward's end", [0.0, 0.0, 0.0], 2.0, 0.5, 0.0),
+    ("one chunk final a second before, taking half of it", [1.0], 2.0, 0.5, 0.5),
+    ("one chunk final a second before, taking longer", [1.0], 2.0, 3.0, 1.0),
+    ("two chunks final at once: one after the other", [2.0, 2.0], 2.0, 1.5, 2.0),
+    ("in the order their gradients came, gaps left idle", [0.5, 2.0, 1.5], 2.0, 0.25, 0.75),
+    ("no chunks", [], 2.0, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("leads", "backward", "per_chunk", "hidden"), [c[1:] for c in COULD_RUN], ids=[c[0] for c in COULD_RUN]
+)
+def test_what_could_run_during_backward_follows_the_gradients_final_times(
+    leads: list[float], backward: float, per_chunk: float, hidden: float
+) -> None:
+    assert overlap.could_run_in_backward(leads, backward, per_chunk) == pytest.approx(hidden)
+
+
+def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_path: Path) -> None:
+    """The streamed chunks (those after the cache in chunk order) share the update's predicted time and
+    run as their gradients were final at the last boundary; the rest is left after backward."""
+    planner = UpdatePlanner(MLPOffloadConfig(paths=[str(tmp_path)], weights="equal"), rank=0)
+    stream = SimpleNamespace(order=[0, 1, 2, 3], cache_slots=1)
+    planner._pipeline = stream  # type: ignore[assignment]
+    # Chunks 1, 2, 3 stream, final 2, 1 and 0 s before a 2 s backward's end; 1 s each of a 3 s update:
+    # chunks 1 and 2 run during backward, chunk 3 after it.
+    grads = {"backward_secs": 2.0, "lead_secs": [0.0, 2.0, 1.0, 0.0]}
+    assert planner._left_after_backward(3.0, grads) == pytest.approx(1.0)
+    # Gradients final only at backward's end: the whole update is left.
+    assert planner._left_after_backward(3.0, {"backward_secs": 2.0, "lead_secs": [0.0] * 4}) == 3.0
+    stream.cache_slots = 4
+    assert planner._left_after_backward(3.0, grads) == 3.0, "nothing streams"
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-__all__ = ["GradsFinal", "UpdateInFlight", "choose", "choose_backward", "update_thread"]
+__all__ = [
+    "GradsFinal",
+    "UpdateInFlight",
+    "choose",
+    "choose_backward",
+    "could_run_in_backward",
+    "update_thread",
+]
 
 
 def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
@@ -55,6 +62,18 @@ def choose_backward(
     if not shadow:
         return False, "off: it needs shadow_slots: true (the old versions stay on disk until the step)"
     return True, "on: the streamed chunks as their gradients are final, kept if the step agrees"
+
+
+def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per_chunk: float) -> float:
+    """How many seconds of an update of `len(leads)` chunks could run before backward ends, each chunk
+    updated as soon as its gradient is final (`leads`: how long before backward's end it was), one after
+    another, each taking `secs_per_chunk`."""
+    end = hidden = 0.0
+    for lead in sorted(leads, reverse=True):
+        start = max(backward_secs - lead, end)
+        end = start + secs_per_chunk
+        hidden += max(0.0, min(end, backward_secs) - start)
+    return hidden
 
 
 def update_thread() -> ThreadPoolExecutor:

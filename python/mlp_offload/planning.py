@@ -17,6 +17,7 @@ import torch.distributed as torch_dist
 
 from mlp_offload import _core, memory, profiles
 from mlp_offload.config import MLPOffloadConfig
+from mlp_offload.overlap import could_run_in_backward
 from mlp_offload.pipeline import ChunkPipeline, StepStats
 from mlp_offload.store import ObjectStore
 
@@ -111,6 +112,10 @@ class UpdatePlanner:
         self.profile: profiles.Profile | None = None
         self.tuner: _core.WeightTuner | None = None
         self.prediction: float | None = None
+        # Whether the streamed chunks are updated during backward (`overlap_backward`, set by the
+        # engine), and then the next step's prediction of the update left after backward.
+        self.overlap_backward = False
+        self.prediction_after_backward: float | None = None
         self._pipeline: ChunkPipeline | None = None
         # Per recent step, each path's bytes per busy second (the first step left out: it also holds
         # the initial writes of the whole state).
@@ -314,7 +319,7 @@ class UpdatePlanner:
             moved = self.tuner.observe(*self._agreement.reduce(stats.per_path, stats.seconds))
             if moved is not None:
                 store.weights = moved
-        predicted = self.prediction
+        predicted, predicted_after_backward = self.prediction, self.prediction_after_backward
         rates = [
             (p["read_bytes"] + p["write_bytes"]) / p["busy_secs"] if p["busy_secs"] > 0 else 0.0
             for p in stats.per_path
@@ -346,6 +351,8 @@ class UpdatePlanner:
                 # At the tuner's split, which the next step's writes use; without a tuner the plan's.
                 weights=self.tuner.weights if self.tuner is not None else None,
             )["predicted_update_secs"]
+            if self.overlap_backward and grads_final is not None:
+                self.prediction_after_backward = self._left_after_backward(self.prediction, grads_final)
         per_path = []
         reports = store.path_reports()
         for path, p, report in zip(self.config.paths, stats.per_path, reports, strict=True):
@@ -387,11 +394,26 @@ class UpdatePlanner:
                 "fwd_bwd_secs": fwd_bwd,
                 # Made before this step, from the steps before it (the start-up plan's for the first two).
                 "predicted_update_secs": predicted,
+                # With the update during backward (and where it is tried): what is left after backward.
+                "predicted_after_backward_secs": predicted_after_backward,
                 "overlap": overlap,
                 "grads_final": grads_final,
                 "speculation": speculation,
             }
         )
+
+    def _left_after_backward(self, update_secs: float, grads_final: dict[str, Any]) -> float:
+        """Of an update predicted to take `update_secs` inside `step()`, what the update during backward
+        leaves after backward: the streamed chunks (those after the cache in chunk order) each taking an
+        equal part of it, updated as soon as their gradients are final at the times the last boundary's
+        gradients were (`grads_final`), one after another; the cached ones in `step()`."""
+        assert self._pipeline is not None
+        streamed = self._pipeline.order[self._pipeline.cache_slots :]
+        if not streamed:
+            return update_secs
+        leads = [grads_final["lead_secs"][c] for c in streamed]
+        hidden = could_run_in_backward(leads, grads_final["backward_secs"], update_secs / len(streamed))
+        return max(0.0, update_secs - hidden)
 
     def close(self) -> None:
         if self._file is not None:

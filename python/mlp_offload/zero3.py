@@ -327,6 +327,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 config.shadow_slots,
             )
             self._mlp_spec_begun = False
+            self._mlp_planner.overlap_backward = self._mlp_spec_on
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
             # leaves) and checks it.
             self._mlp_state = ChunkedState(
