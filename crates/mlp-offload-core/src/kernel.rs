@@ -1454,58 +1454,61 @@ mod x86 {
         _mm256_castsi256_si128(packed)
     }
 
-    /// Whether the `len` fp32 values at `p`, narrowed to `kind` as `store16` narrows them, are the `len`
-    /// elements of `kind` at `o`, bit for bit. `len` is a multiple of 16.
-    ///
-    /// # Safety
-    /// `p` and `o` must hold `len` readable elements; AVX-512F must be available.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn avx512_narrows_to(kind: Kind, p: *const f32, o: *const u8, len: usize) -> bool {
-        // Every difference ORed together, tested once: no branch per vector.
-        let mut differs = _mm512_setzero_si512();
-        for i in (0..len).step_by(16) {
-            // SAFETY: `i + 16 <= len` for both arrays, as the caller promised; unaligned loads.
-            unsafe {
-                let x = _mm512_loadu_ps(p.add(i));
-                let theirs = o.add(i * kind.size());
-                let diff = if kind == Kind::F32 {
-                    _mm512_xor_si512(_mm512_castps_si512(x), _mm512_loadu_si512(theirs.cast()))
-                } else {
-                    let ours = narrow16(kind, x);
-                    _mm512_castsi256_si512(_mm256_xor_si256(
-                        ours,
-                        _mm256_loadu_si256(theirs.cast()),
-                    ))
-                };
-                differs = _mm512_or_si512(differs, diff);
+    /// Whether the `len` fp32 values at `p`, narrowed to `kind` as the stores narrow them, are the `len`
+    /// elements of `kind` at `o`, bit for bit, for one vector width: written once for every width.
+    macro_rules! narrows_to_lanes {
+        (
+            $(#[$doc:meta])*
+            $name:ident, $features:literal, $lanes:literal, loadu: $loadu:ident, narrow: $narrow:ident,
+            zero: $zero:ident, or: $or:ident, test: $test:ident == $clear:literal,
+            fp32: ($cast:ident, $xor:ident, $load:ident),
+            half: ($widen:ident, $hxor:ident, $hload:ident)
+        ) => {
+            $(#[$doc])*
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(kind: Kind, p: *const f32, o: *const u8, len: usize) -> bool {
+                // Every difference ORed together, tested once: no branch per vector.
+                let mut differs = $zero();
+                for i in (0..len).step_by($lanes) {
+                    // SAFETY: `i + lanes <= len` for both arrays, as the caller promised; unaligned
+                    // loads.
+                    unsafe {
+                        let x = $loadu(p.add(i));
+                        let theirs = o.add(i * kind.size());
+                        let diff = if kind == Kind::F32 {
+                            $xor($cast(x), $load(theirs.cast()))
+                        } else {
+                            $widen($hxor($narrow(kind, x), $hload(theirs.cast())))
+                        };
+                        differs = $or(differs, diff);
+                    }
+                }
+                $test(differs, differs) == $clear
             }
-        }
-        _mm512_test_epi64_mask(differs, differs) == 0
+        };
     }
 
-    /// As [`avx512_narrows_to`], 8 lanes at a time (`store8`); `len` a multiple of 8.
-    ///
-    /// # Safety
-    /// `p` and `o` must hold `len` readable elements; AVX2 and F16C must be available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn avx2_narrows_to(kind: Kind, p: *const f32, o: *const u8, len: usize) -> bool {
-        let mut differs = _mm256_setzero_si256();
-        for i in (0..len).step_by(8) {
-            // SAFETY: as in `avx512_narrows_to`, 8 lanes.
-            unsafe {
-                let x = _mm256_loadu_ps(p.add(i));
-                let theirs = o.add(i * kind.size());
-                let diff = if kind == Kind::F32 {
-                    _mm256_xor_si256(_mm256_castps_si256(x), _mm256_loadu_si256(theirs.cast()))
-                } else {
-                    let ours = narrow8(kind, x);
-                    _mm256_castsi128_si256(_mm_xor_si128(ours, _mm_loadu_si128(theirs.cast())))
-                };
-                differs = _mm256_or_si256(differs, diff);
-            }
-        }
-        _mm256_testz_si256(differs, differs) == 1
-    }
+    narrows_to_lanes!(
+        /// 16 lanes at a time (`store16`'s narrowing); `len` a multiple of 16.
+        ///
+        /// # Safety
+        /// `p` and `o` must hold `len` readable elements; AVX-512F must be available.
+        avx512_narrows_to, "avx512f", 16, loadu: _mm512_loadu_ps, narrow: narrow16,
+        zero: _mm512_setzero_si512, or: _mm512_or_si512, test: _mm512_test_epi64_mask == 0,
+        fp32: (_mm512_castps_si512, _mm512_xor_si512, _mm512_loadu_si512),
+        half: (_mm512_castsi256_si512, _mm256_xor_si256, _mm256_loadu_si256)
+    );
+
+    narrows_to_lanes!(
+        /// 8 lanes at a time (`store8`'s narrowing); `len` a multiple of 8.
+        ///
+        /// # Safety
+        /// `p` and `o` must hold `len` readable elements; AVX2 and F16C must be available.
+        avx2_narrows_to, "avx2,fma,f16c", 8, loadu: _mm256_loadu_ps, narrow: narrow8,
+        zero: _mm256_setzero_si256, or: _mm256_or_si256, test: _mm256_testz_si256 == 1,
+        fp32: (_mm256_castps_si256, _mm256_xor_si256, _mm256_loadu_si256),
+        half: (_mm256_castsi128_si256, _mm_xor_si128, _mm_loadu_si128)
+    );
 
     /// Where one SIMD pass reads and writes: `len` elements of each array.
     pub struct Lanes {
