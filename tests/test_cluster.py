@@ -117,7 +117,19 @@ def probe_across_nodes(cluster: TwoNodeCluster, paths: list[str], profiles: Path
         env = harness_env(OMP_NUM_THREADS="1", **cluster.env(k))
         argv = cluster.torchrun(k, ["-m", "mlp_offload.cli", "probe", *SMALL_PROBE, "-q", *paths], port, 1)
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
-    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    try:
+        # Well within the test's own timeout, so that a probe that hangs is named with its output.
+        outs = [p.communicate(timeout=150)[0].decode() for p in procs]
+    except subprocess.TimeoutExpired:
+        outs = []
+        for p in procs:
+            p.kill()
+            try:
+                outs.append(p.communicate(timeout=10)[0].decode())
+            except subprocess.TimeoutExpired:
+                # Its children still hold the pipe; the cluster's teardown ends them.
+                outs.append(f"(pid {p.pid}: no output, its children still hold the pipe)")
+        raise AssertionError("the probe across nodes did not end in 150 s:\n" + "\n".join(outs)) from None
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     entries = []
     for node in cluster.nodes:

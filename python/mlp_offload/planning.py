@@ -394,7 +394,8 @@ class UpdatePlanner:
                 "fwd_bwd_secs": fwd_bwd,
                 # Made before this step, from the steps before it (the start-up plan's for the first two).
                 "predicted_update_secs": predicted,
-                # With the update during backward (and where it is tried): what is left after backward.
+                # With the update during backward on: what it leaves after backward, made before this step
+                # (a step that does not try it, or undoes it, runs the whole update in step()).
                 "predicted_after_backward_secs": predicted_after_backward,
                 "overlap": overlap,
                 "grads_final": grads_final,
