@@ -1913,6 +1913,20 @@ mod tests {
         .collect()
     }
 
+    /// Every SIMD path this CPU runs, each without checksums and with one stripe's as read and as written
+    /// (`Avx512Clmul` and `Avx2Clmul` then run their folding loops).
+    fn simds_with_and_without_sums() -> Vec<(Simd, Cuts<'static>)> {
+        const ONE_STRIPE: &[u64] = &[0];
+        let summed = Cuts {
+            read: Some(ONE_STRIPE),
+            write: Some(ONE_STRIPE),
+        };
+        simds()
+            .into_iter()
+            .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
+            .collect()
+    }
+
     fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
         let arith = DeepSpeedArith {
             vector_width: 16,
@@ -1960,16 +1974,7 @@ mod tests {
                 let mut want_state = state.clone();
                 let mut want_params = vec![P::narrow(0.0); n];
                 reference(&mut want_state, &grad, &mut want_params, 0.75, &k, &arith);
-                // With the checksums too: `Avx512Clmul` then runs its folding loop.
-                let one_stripe: &[u64] = &[0];
-                let summed = Cuts {
-                    read: Some(one_stripe),
-                    write: Some(one_stripe),
-                };
-                for (simd, cuts) in simds()
-                    .into_iter()
-                    .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
-                {
+                for (simd, cuts) in simds_with_and_without_sums() {
                     for threads in [1, 3] {
                         let mut got_state = state.clone();
                         let mut got_params = vec![P::narrow(0.0); n];
@@ -2132,15 +2137,7 @@ mod tests {
             for &i in &apart {
                 before[i] = other(before[i]);
             }
-            let one_stripe: &[u64] = &[0];
-            let summed = Cuts {
-                read: Some(one_stripe),
-                write: Some(one_stripe),
-            };
-            for (simd, cuts) in simds()
-                .into_iter()
-                .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
-            {
+            for (simd, cuts) in simds_with_and_without_sums() {
                 for threads in [1, 3] {
                     let run = |keep_params: bool| {
                         let (mut s, mut params) = (state.clone(), before.clone());
@@ -2209,32 +2206,6 @@ mod tests {
         check_kept_params::<Bf16>(&mut rng);
         check_kept_params::<F16>(&mut rng);
         check_kept_params::<f32>(&mut rng);
-        // Asking to keep parameters without any is an error naming the key.
-        let (mut state, grad) = inputs(8, &mut rng);
-        let k =
-            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
-        let arith = DeepSpeedArith {
-            vector_width: 16,
-            tail: TailFma::VECTOR,
-            bias_sqrt: BiasSqrt::Float,
-        };
-        let err = update::<f32, f32>(
-            Chunk {
-                state: &mut state,
-                grad: &grad,
-                params: None,
-                keep_params: true,
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::Scalar,
-            1,
-            Cuts::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("keep_params"), "{err}");
     }
 
     #[test]
@@ -2505,6 +2476,25 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("state") && err.contains("29"), "{err}");
+        // Asking to keep parameters without any is an error naming the key.
+        let mut state = vec![0.0f32; 30];
+        let err = update::<f32, f32>(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: None,
+                keep_params: true,
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("keep_params"), "{err}");
         let mut state = vec![0.0f32; 30];
         let mut params = vec![0.0f32; 9];
         let err = update(
