@@ -4,8 +4,11 @@ exact."""
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, overlap, profiles
+from conftest import mounted_tmpfs
+from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, memory, overlap, profiles
 from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.overlap import UpdateInFlight, update_thread
 from mlp_offload.pipeline import ChunkPipeline, next_order
 from mlp_offload.planning import UpdatePlanner
+from mlp_offload.state import ChunkedState
 
 
 class Bumps:
@@ -294,24 +299,29 @@ def test_a_chunk_gradient_is_final_with_the_last_of_its_parameters(
 
 
 # When each chunk's gradient was final (seconds before backward's end), backward's length, each chunk's
-# time, and how much of the update could run before backward ended.
+# time; how much of the update could run before backward ended, and the chunks worth updating in it (in
+# the order they would run).
 COULD_RUN = [
-    ("every gradient final at backward's end", [0.0, 0.0, 0.0], 2.0, 0.5, 0.0),
-    ("one chunk final a second before, taking half of it", [1.0], 2.0, 0.5, 0.5),
-    ("one chunk final a second before, taking longer", [1.0], 2.0, 3.0, 1.0),
-    ("two chunks final at once: one after the other", [2.0, 2.0], 2.0, 1.5, 2.0),
-    ("in the order their gradients came, gaps left idle", [0.5, 2.0, 1.5], 2.0, 0.25, 0.75),
-    ("no chunks", [], 2.0, 1.0, 0.0),
+    ("every gradient final at backward's end", [0.0, 0.0, 0.0], 2.0, 0.5, 0.0, []),
+    ("one chunk final a second before, taking half of it", [1.0], 2.0, 0.5, 0.5, [0]),
+    ("one chunk final a second before, taking longer", [1.0], 2.0, 3.0, 1.0, [0]),
+    ("two chunks final at once: one after the other", [2.0, 2.0], 2.0, 1.5, 2.0, [1, 0]),
+    ("in the order their gradients came, gaps left idle", [0.5, 2.0, 1.5], 2.0, 0.25, 0.75, [1, 2, 0]),
+    ("a chunk that would begin after backward's end is left out", [2.0, 2.0, 1.0], 2.0, 1.5, 2.0, [1, 0]),
+    ("no chunks", [], 2.0, 1.0, 0.0, []),
 ]
 
 
 @pytest.mark.parametrize(
-    ("leads", "backward", "per_chunk", "hidden"), [c[1:] for c in COULD_RUN], ids=[c[0] for c in COULD_RUN]
+    ("leads", "backward", "per_chunk", "hidden", "chosen"),
+    [c[1:] for c in COULD_RUN],
+    ids=[c[0] for c in COULD_RUN],
 )
 def test_what_could_run_during_backward_follows_the_gradients_final_times(
-    leads: list[float], backward: float, per_chunk: float, hidden: float
+    leads: list[float], backward: float, per_chunk: float, hidden: float, chosen: list[int]
 ) -> None:
     assert overlap.could_run_in_backward(leads, backward, per_chunk) == pytest.approx(hidden)
+    assert overlap.chunks_for_backward(dict(enumerate(leads)), backward, per_chunk) == chosen
 
 
 def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_path: Path) -> None:
@@ -331,21 +341,79 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
 
 
 @pytest.mark.parametrize(
-    ("setting", "fused", "on_host", "streams", "shadow", "why"),
+    ("setting", "fused", "on_host", "streams", "why"),
     [
-        (False, True, True, True, True, "overlap_backward: true turns it on"),
-        (True, False, True, True, True, "DeepSpeed's passes hold the GIL"),
-        (True, True, False, True, True, "on the accelerator"),
-        (True, True, True, False, True, "every chunk stays in host memory"),
-        (True, True, True, True, False, "shadow_slots: true"),
-        (True, True, True, True, True, "on: the streamed chunks"),
+        (False, True, True, True, "off in the config"),
+        (True, False, True, True, "DeepSpeed's passes hold the GIL"),
+        ("auto", False, True, True, "DeepSpeed's passes hold the GIL"),
+        (True, True, False, True, "on the accelerator"),
+        (True, True, True, False, "every chunk stays in host memory"),
+        ("auto", True, True, False, "every chunk stays in host memory"),
+        (True, True, True, True, "on (the config): every streamed chunk"),
+        ("auto", True, True, True, "auto: the streamed chunks the plan expects"),
     ],
 )
 def test_the_update_during_backward_runs_where_it_can_be_undone(
-    setting: bool, fused: bool, on_host: bool, streams: bool, shadow: bool, why: str
+    setting: bool | str, fused: bool, on_host: bool, streams: bool, why: str
 ) -> None:
-    on, said = overlap.choose_backward(setting, fused, on_host, streams, shadow)
-    assert on == said.startswith("on") and why in said
+    on, said = overlap.choose_backward(setting, fused, on_host, streams)
+    assert on == (not said.startswith("off")) and why in said
+
+
+@pytest.fixture
+def eight_mib(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path / "small", "8m")
+
+
+def test_second_slots_keep_a_tenth_of_the_disk_free_or_raise_naming_the_file(eight_mib: Path) -> None:
+    """`ChunkedState.with_second_slots` on a real file system running out of space: with `keep_free`,
+    each chunk in turn gets its second slot while the path keeps a tenth of its file system free, then
+    it stops, saying why; chunks that have one are taken without more room. Without `keep_free`, a full
+    path raises ENOSPC naming the chunk's file, and the chunk stays as it was."""
+    small = eight_mib
+    chunk_bytes = 512 << 10
+    # Four chunks of about 512 KiB of state each.
+    numel = 4 * memory.chunk_layout([1 << 20], 1 << 30, chunk_bytes).elements
+    layout = memory.chunk_layout([numel], 16 * chunk_bytes, chunk_bytes)
+    with ObjectStore([small], shadow_slots=False) as store:
+        state = ChunkedState(store, [numel], layout, cache_chunks=0, lock=False)
+        state.initialize(lambda i: torch.zeros(numel, dtype=torch.bfloat16))
+        chunks = list(range(len(layout.chunks)))
+        assert len(chunks) == 4 and state.slotted == set()
+        # Free: a tenth of the file system and two and a half chunks.
+        fs = os.statvfs(small)
+        keep = fs.f_blocks * fs.f_frsize // 10
+        filler = small / "filler"
+        filler.write_bytes(b"\0" * (fs.f_bavail * fs.f_frsize - keep - 5 * chunk_bytes // 2))
+        assert state.with_second_slots([3, 2, 1, 0], keep_free=True) == [3, 2]
+        assert state.slotted == {2, 3} and state.slot_bytes >= 2 * layout.sizes[0]
+        assert (
+            state.slots_short is not None
+            and str(small) in state.slots_short
+            and "chunk 1" in state.slots_short
+        )
+        # Those with a slot are taken without more room; the adding stops at the first without.
+        assert state.with_second_slots([2, 1, 3], keep_free=True) == [2, 3]
+        # Without keep_free the tenth is used, and a full path is an error naming the file.
+        assert state.with_second_slots([1], keep_free=False) == [1]
+        filler.unlink()
+        subprocess.run(
+            ["fallocate", "-l", str(os.statvfs(small).f_bavail * fs.f_frsize), str(filler)], check=True
+        )
+        with pytest.raises(OSError) as e:
+            state.with_second_slots([0], keep_free=False)
+        assert e.value.errno == errno.ENOSPC and e.value.filename.endswith(f"{state.keys[0]}.mlpo")
+        assert state.slotted == {1, 2, 3}
+        # Each staged write lands in its chunk's second slot; chunk 0 refuses one by name.
+        view = torch.ones(layout.sizes[1], dtype=torch.uint8)
+        store.write(state.keys[1], view, staged=True).wait()
+        store.commit(state.keys[1])
+        with pytest.raises(ValueError, match=f'shadow_slots: object "{state.keys[0]}"'):
+            store.write(state.keys[0], torch.ones(layout.sizes[0], dtype=torch.uint8), staged=True)
+        # Room for the manifest the store writes as it closes.
+        filler.unlink()
+        state.pipeline.close()
 
 
 def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_error() -> None:

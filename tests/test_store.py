@@ -54,8 +54,9 @@ def test_round_trip_through_tensors_and_host_buffers(
 
 
 def test_a_staged_version_waits_for_commit_or_discard(engine: str, work_dirs: list[Path]) -> None:
-    """Through the bindings: reads see the current version until `commit`; `discard` keeps it; each
-    refusal names the key (the Rust tests cover the rest)."""
+    """Through the bindings: reads see the current version until `commit`; `discard` keeps it; a store
+    without shadow slots stages an object given a second slot; each refusal names the key (the Rust
+    tests cover the rest)."""
     versions = [random_tensor(65_543, seed) for seed in range(3)]
     with ObjectStore(work_dirs[:2], engine=engine, chunk_size=1 << 16) as store:
         store.write("obj", versions[0]).wait()
@@ -74,6 +75,19 @@ def test_a_staged_version_waits_for_commit_or_discard(engine: str, work_dirs: li
         assert torch.equal(back, versions[1])
         with pytest.raises(FileNotFoundError, match="new"):
             store.write("new", versions[0], staged=True)
+    # Without shadow slots, an object stages once it has a second slot of its own.
+    with ObjectStore(work_dirs[2:3], engine=engine, shadow_slots=False) as store:
+        store.write("one", versions[0]).wait()
+        with pytest.raises(ValueError, match='shadow_slots: object "one"'):
+            store.write("one", versions[1], staged=True)
+        assert store.add_shadow_slot("one") >= versions[0].numel() * versions[0].element_size()
+        assert store.add_shadow_slot("one") == 0
+        store.write("one", versions[1], staged=True).wait()
+        store.commit("one")
+        store.read("one", back).wait()
+        assert torch.equal(back, versions[1])
+        with pytest.raises(FileNotFoundError, match="absent"):
+            store.add_shadow_slot("absent")
 
 
 def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_dirs: list[Path]) -> None:

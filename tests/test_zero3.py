@@ -207,10 +207,20 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
 # versions. name, the DeepSpeed side, extra section keys, what each step's record says of it
 BACKWARD_CASES = [
     ("kept every step", {}, {}, "kept", 1),
+    # Without shadow slots: every streamed chunk gets its own second slot at start-up.
+    ("kept every step, one slot per chunk but the streamed ones", {}, {"shadow_slots": False}, "kept", 1),
+    # The default: from the second boundary, the chunks the plan chose, each given its second slot.
+    (
+        "as the plan chooses (the default)",
+        {},
+        {"shadow_slots": False, "overlap_backward": "auto"},
+        "planned",
+        1,
+    ),
     ("and the rest behind the next forward", {}, {"overlap": True}, "kept", 1),
     ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept", 1),
     ("two ranks, a scheduler changing the lr every step", {"scheduler": WARMUP}, {}, "kept", 2),
-    ("clipping: undone, then updated as without it", {"clip": 0.05}, {}, "clipping", 1),
+    ("clipping: stopped by the norms so far, undone, then not tried", {"clip": 0.05}, {}, "clipping", 1),
     ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3", 1),
     ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3", 1),
     ("DeepSpeed's helpers between backward and step", {"helpers_at": 4}, {}, "read at 4", 1),
@@ -250,7 +260,7 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     stock = run_case(case, tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
     ours = run_case(
-        {**case, "mlp_offload": section(work_dirs[:2], **keys, **extra)}, tmp_path, "ours", ranks=ranks
+        {**case, "mlp_offload": section(work_dirs[:2], **{**keys, **extra})}, tmp_path, "ours", ranks=ranks
     )
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
@@ -264,6 +274,12 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     records = [r for r in ours["telemetry"] if r["event"] in ("step", "skipped")]
     assert len(records) == 6
     what, _, at = outcome.partition(" at ")
+    streamed = start["chunks"] - start["cached_chunks"]
+    if what == "planned":
+        check_planned_records(start, records, streamed)
+        return
+    # Every streamed chunk has its second slot from the start.
+    assert start["overlap_backward"]["slotted_chunks"] >= streamed, start["overlap_backward"]
     undone = []
     for step, r in enumerate(records):
         spec = r["speculation"]
@@ -273,11 +289,23 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
             assert "scale was" in previous or previous.startswith("not tried"), (step, spec)
             assert what == "clipping" and spec["chunks"] == 0, (step, spec)
             continue
-        assert spec is not None and spec["chunks"] > 0, (step, spec)
+        assert spec is not None, step
+        if spec["stopped"] is not None:
+            # Stopped by the gradients' norms so far: they already clip at the row's 0.05, or (the
+            # overflow step) are not finite. Then undone.
+            assert not spec["kept"], (step, spec)
+            assert spec["chunks"] < start["chunks"] - start["cached_chunks"], (step, spec)
+            if what == "clipping":
+                assert "already clips at 0.05" in spec["stopped"], (step, spec)
+            else:
+                assert what == "skipped" and step == int(at) and "not finite" in spec["stopped"], (step, spec)
+                assert r["event"] == "skipped" and "skipped" in spec["why"], (step, spec)
+            undone.append(step)
+            continue
+        assert what != "clipping" and spec["chunks"] > 0, (step, spec)
         if spec["kept"]:
-            assert r["event"] == "step" and (what in ("kept", "clipping") or step != int(at)), (step, spec)
+            assert r["event"] == "step" and (what == "kept" or step != int(at)), (step, spec)
             # Only the chunks that stream were taken; the cached ones stay in memory, never written.
-            streamed = start["chunks"] - start["cached_chunks"]
             assert spec["chunks"] == r["writes"] == streamed, (step, spec, r["writes"])
             assert step == 0 or r["cached"] == start["cached_chunks"], (step, r["cached"])
             continue
@@ -287,10 +315,28 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
         elif what == "skipped" and step == int(at):
             assert r["event"] == "skipped" and "skipped" in spec["why"], (step, spec)
         else:
-            # Clipped gradients, or (fp16) a loss scale that grew in the step: another scale.
-            assert what in ("clipping", "skipped") and "scale was" in spec["why"], (step, spec)
+            # (fp16) A loss scale that grew in the step: another scale.
+            assert what == "skipped" and "scale was" in spec["why"], (step, spec)
     assert what == "kept" or (int(at) in undone if at else undone), undone
     # Chunks' updates ran before backward ended.
+    assert what == "clipping" or sum(r["speculation"]["in_backward"] for r in records) > 0
+
+
+def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]], streamed: int) -> None:
+    """`overlap_backward: "auto"`: nothing at the first boundary (the plan waits for its gradients'
+    times); then the chunks the plan chose, each with the second slot it was given then (and no other
+    chunk), kept; the rest updated in `step()`."""
+    assert start["overlap_backward"]["slotted_chunks"] == 0, start["overlap_backward"]
+    assert records[0]["speculation"]["why"] == "not tried: the plan waits for one boundary's gradient times"
+    chunk_bytes = start["buffer_bytes"]
+    for step, r in enumerate(records[1:], 1):
+        spec = r["speculation"]
+        assert spec["kept"] and spec["stopped"] is None and spec["slots_short"] is None, (step, spec)
+        assert 0 < spec["planned"] == spec["slotted"] == spec["chunks"] <= streamed, (step, spec)
+        # Second slots for the chosen chunks alone, each the chunk's state again.
+        assert spec["planned"] <= spec["slotted_chunks"] < start["chunks"], (step, spec)
+        assert 0 < spec["slot_bytes"] <= spec["slotted_chunks"] * chunk_bytes, (step, spec)
+        assert r["writes"] == streamed, (step, r["writes"])
     assert sum(r["speculation"]["in_backward"] for r in records) > 0
 
 
@@ -532,7 +578,17 @@ def test_reads_wait_for_slow_writes(overlap: bool, work_dirs: list[Path], tmp_pa
             f"{os.major(dev)}:{os.minor(dev)} {2 << 20}\n"
         )
         ours = run_case(
-            {"mlp_offload": section(work_dirs[:1], host_memory="deepspeed", cache_chunks=0, overlap=overlap)},
+            # The write-behind of step() alone: without the update during backward, whose staged writes
+            # of the streamed chunks would leave step() none to retain.
+            {
+                "mlp_offload": section(
+                    work_dirs[:1],
+                    host_memory="deepspeed",
+                    cache_chunks=0,
+                    overlap=overlap,
+                    overlap_backward=False,
+                )
+            },
             tmp_path,
             "slow",
             cgroup=cgroup,

@@ -170,6 +170,8 @@ class ObjectStore:
         """Makes the staged version of `key` current."""
     def discard(self, key: str) -> bool:
         """Forgets the staged version of `key`; whether there was one."""
+    def add_shadow_slot(self, key: str) -> int:
+        """Gives `key` a second slot of its own; the bytes reserved (0 when it had two)."""
     def read(self, key: str, address: int, nbytes: int, owner: object, verify: bool = True) -> IoHandle:
         """Reads `key` into the bytes; `verify=False` leaves its checksums to the caller (`verify`)."""
     def write_cuts(self, nbytes: int) -> list[int]:

@@ -100,17 +100,24 @@ class MLPOffloadConfig(BaseModel):
     chunk order moves more bytes (fewer chunks cached) than a short forward hides, so it is off (`true`
     turns it on). The start-up line says which, and why."""
 
-    overlap_backward: bool = False
-    """Update the streamed chunks during backward (at an accumulation boundary): each once its
-    gradients are final, at the step's outcome expected (no overflow, the gradients unclipped, the
-    hyperparameters as backward began), its new version written beside the old one on disk. `step()`
-    keeps those versions when the outcome is that one, and otherwise forgets them and restores the
-    parameters, then updates as without it; so is anything that reads parameters or state in between
-    (an eval forward, a checkpoint). Bit for bit the same as without it. It needs the fused pass,
-    `shadow_slots: true`, and the half-precision parameters in host memory (not yet on an
-    accelerator); the start-up line says whether it runs, and why. The cached chunks are the first ones
-    (as with `overlap`), updated in `step()`. After a step whose gradients were clipped it is not tried
-    (it would be undone) until a step whose gradients were not; each step's record says what it did."""
+    overlap_backward: bool | Literal["auto"] = "auto"
+    """Update streamed chunks during backward (at an accumulation boundary): each once its gradients are
+    final, at the step's outcome expected (no overflow, the gradients unclipped, the hyperparameters as
+    backward began), its new version written beside the old one on disk. `step()` keeps those versions
+    when the outcome is that one, and otherwise forgets them and restores the parameters, then updates
+    as without it; so is anything that reads parameters or state in between (an eval forward, a
+    checkpoint). Bit for bit the same as without it. It needs the fused pass and the half-precision
+    parameters in host memory (not yet on an accelerator); the cached chunks are the first ones (as
+    with `overlap`), updated in `step()`. A chunk updated during backward needs a second slot on disk
+    for its new version: every chunk has one with `shadow_slots: true`; otherwise the chunk gets its
+    own the first time, and keeps it (its state's bytes again). `"auto"`: after each boundary the plan
+    takes the streamed chunks whose update could begin before backward ends, from when each chunk's
+    gradient was final in the last boundary's backward and the update's predicted (else measured) time
+    per chunk, and gives them second slots while every path keeps a tenth of its file system free; none
+    at the first boundary, whose gradients' times it waits for. `true`: every streamed chunk, their
+    second slots made at start-up. After a step whose gradients were clipped it is not tried (it would
+    be undone) until a step whose gradients were not; with clipping on, it stops as soon as the
+    gradients' norm so far proves the step clipped. Each step's record says what it did, and why."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
@@ -144,8 +151,9 @@ class MLPOffloadConfig(BaseModel):
 
     shadow_slots: bool = False
     """Two slots per chunk on disk, so a failed write leaves the previous state readable, at twice the
-    disk space. Off by default: one copy, as DeepSpeed keeps; checkpoints protect the state, and checksums
-    make a torn write an error, never wrong numbers."""
+    disk space. Off by default: one copy, as DeepSpeed keeps, but for the chunks `overlap_backward`
+    updates during backward, which get a second one for their staged versions; checkpoints protect the
+    state, and checksums make a torn write an error, never wrong numbers."""
 
     telemetry_file: str | None = None
     """JSON lines, one per step (and one at start-up with the plan); `{rank}` becomes the rank."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -23,6 +23,7 @@ __all__ = [
     "UpdateInFlight",
     "choose",
     "choose_backward",
+    "chunks_for_backward",
     "could_run_in_backward",
     "update_thread",
 ]
@@ -47,39 +48,61 @@ def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[
 
 
 def choose_backward(
-    setting: bool, fused: bool, params_on_host: bool, streams: bool, shadow: bool
+    setting: bool | str, fused: bool, params_on_host: bool, streams: bool
 ) -> tuple[bool, str]:
     """Whether the streamed chunks are updated during backward (`MLPOffloadConfig.overlap_backward`),
     and why, in words for the start-up line."""
-    if not setting:
-        return False, "off (overlap_backward: true turns it on)"
+    if setting is False:
+        return False, "off in the config"
     if not fused:
         return False, "off: DeepSpeed's passes hold the GIL, which backward needs"
     if not params_on_host:
         return False, "off: the half-precision parameters are on the accelerator (not yet supported)"
     if not streams:
         return False, "off: every chunk stays in host memory, nothing streams"
-    if not shadow:
-        return False, "off: it needs shadow_slots: true (the old versions stay on disk until the step)"
-    return True, "on: the streamed chunks as their gradients are final, kept if the step agrees"
+    if setting is True:
+        return True, "on (the config): every streamed chunk as its gradient is final, kept if the step agrees"
+    return True, (
+        "auto: the streamed chunks the plan expects to begin before backward ends, as their gradients are "
+        "final, kept if the step agrees"
+    )
+
+
+def _in_backward(
+    leads: dict[int, float], backward_secs: float, secs_per_chunk: float
+) -> Iterator[tuple[int, float, float]]:
+    """Each chunk of `leads` (chunk -> how long before backward's end its gradient was final) updated
+    as soon as its gradient is final, latest-final last, one after another, each taking
+    `secs_per_chunk`: `(chunk, start, end)`, in seconds from backward's start."""
+    end = 0.0
+    for chunk in sorted(leads, key=lambda c: (-leads[c], -c)):
+        start = max(backward_secs - leads[chunk], end)
+        end = start + secs_per_chunk
+        yield chunk, start, end
+
+
+def chunks_for_backward(leads: dict[int, float], backward_secs: float, secs_per_chunk: float) -> list[int]:
+    """The chunks worth updating during backward, in the order they would run (see `_in_backward`):
+    those whose update could begin before backward ends. One that would begin only after it gains
+    nothing there, and would hold a second copy on disk for nothing."""
+    return [c for c, start, _ in _in_backward(leads, backward_secs, secs_per_chunk) if start < backward_secs]
 
 
 def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per_chunk: float) -> float:
-    """How many seconds of an update of `len(leads)` chunks could run before backward ends, each chunk
-    updated as soon as its gradient is final (`leads`: how long before backward's end it was), one after
-    another, each taking `secs_per_chunk`."""
-    end = hidden = 0.0
-    for lead in sorted(leads, reverse=True):
-        start = max(backward_secs - lead, end)
-        end = start + secs_per_chunk
-        hidden += max(0.0, min(end, backward_secs) - start)
-    return hidden
+    """How many seconds of an update of `len(leads)` chunks could run before backward ends (see
+    `_in_backward`; `leads`: per chunk, how long before backward's end its gradient was final)."""
+    return sum(
+        max(0.0, min(end, backward_secs) - start)
+        for _, start, end in _in_backward(dict(enumerate(leads)), backward_secs, secs_per_chunk)
+    )
 
 
 def update_thread() -> ThreadPoolExecutor:
     """The one thread an engine's updates run on, one after another, for the engine's life (a thread per
-    step would come and go under the process's feet)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlp-offload-update")
+    step would come and go under the process's feet), started now rather than at the first update."""
+    thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlp-offload-update")
+    thread.submit(lambda: None).result()
+    return thread
 
 
 Result = TypeVar("Result")

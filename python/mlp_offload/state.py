@@ -5,7 +5,9 @@ whole subgroup's `[params | exp_avg | exp_avg_sq]` and its chunks, for what need
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,13 +22,16 @@ FP32 = torch.float32
 STATE_TENSORS = memory.STATE_TENSORS
 # Objects of this engine's state start with this; others in the same directories are left alone.
 KEY_PREFIX = "subgroup"
+# `with_second_slots(keep_free=True)` adds slots while each path keeps 1 / this of its file system free.
+KEEP_FREE_PART = 10
 
 
 class ChunkedState:
     """The state of subgroups of `numels` elements, chunked by `layout`, in `store`.
 
     `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
-    buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order.
+    buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order;
+    `shadow_slots`: the store gives every object two slots.
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -40,6 +45,7 @@ class ChunkedState:
         lock: bool,
         pages: str = "small",
         ascending: bool = False,
+        shadow_slots: bool = False,
     ) -> None:
         self.store = store
         self.numels = list(numels)
@@ -51,6 +57,12 @@ class ChunkedState:
             self.of_subgroup[i].append(c)
         self.keys = [f"{KEY_PREFIX}{i}.{first}" for i, first, _ in self.chunks]
         self._remove_stale()
+        # Chunks known to have a second slot on disk to stage into (every one with shadow slots; see
+        # `with_second_slots`), the bytes the slots added here took, and why the last adding stopped
+        # short.
+        self.slotted: set[int] = set(range(len(self.chunks))) if shadow_slots else set()
+        self.slot_bytes = 0
+        self.slots_short: str | None = None
         self.pipeline = ChunkPipeline(
             store,
             self.keys,
@@ -84,6 +96,46 @@ class ChunkedState:
             state[count:].zero_()
 
         self.pipeline.initialize(fill)
+
+    def with_second_slots(self, chunks: list[int], keep_free: bool) -> list[int]:
+        """Of `chunks`, in order, those with a second slot on disk to stage into: each one without gets
+        its own now (`ObjectStore.add_shadow_slot`, the chunk's state's bytes again, split as its current
+        version). With `keep_free`, only while every path it is on keeps a tenth of its file system
+        free, and a path that is full stops the adding (`slots_short` says why); without, a full path
+        raises, naming the file."""
+        paths = [tier["path"] for tier in self.store.tiers]
+        # Per path: bytes free to this process, and what must stay free.
+        room: dict[int, list[int]] = {}
+        for chunk in chunks:
+            if chunk in self.slotted:
+                continue
+            key = self.keys[chunk]
+            need: dict[int, int] = {}
+            for path, nbytes in self.store.placement(key):
+                need[path] = need.get(path, 0) + nbytes
+            if keep_free:
+                for path in need.keys() - room.keys():
+                    fs = os.statvfs(paths[path])
+                    room[path] = [fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize // KEEP_FREE_PART]
+                short = [paths[p] for p, n in need.items() if room[p][0] - n < room[p][1]]
+                if short:
+                    self.slots_short = (
+                        f"{short[0]} would keep less than a tenth of its file system free with chunk "
+                        f"{chunk}'s second slot"
+                    )
+                    break
+            try:
+                self.slot_bytes += self.store.add_shadow_slot(key)
+            except OSError as e:
+                if not keep_free or e.errno != errno.ENOSPC:
+                    raise
+                self.slots_short = f"no room for chunk {chunk}'s second slot: {e}"
+                break
+            self.slotted.add(chunk)
+            for path, nbytes in need.items():
+                if path in room:
+                    room[path][0] -= nbytes
+        return [c for c in chunks if c in self.slotted]
 
     def _slices(self, chunk: int) -> list[slice]:
         """Where the chunk's `[params | exp_avg | exp_avg_sq]` lie in its subgroup's."""

@@ -99,7 +99,8 @@ class ObjectStore:
         stripe's CRC32C of `src`, cut where `write_cuts` said, computed by the caller (the fused update
         computes them as it writes the bytes); the store then does not hash them again. `staged`: the new
         version lands beside the current one, which reads go on seeing, until `commit(key)` makes it
-        current or `discard(key)` forgets it (needs shadow slots and a current version)."""
+        current or `discard(key)` forgets it (needs a current version, and shadow slots or a slot added by
+        `add_shadow_slot`)."""
         address, nbytes, owner = memory_of(src, writable=False)
         weights = list(weights) if weights else None
         return self._store.write(key, address, nbytes, owner, weights, sums, staged)
@@ -112,6 +113,13 @@ class ObjectStore:
     def discard(self, key: str) -> bool:
         """Forgets the staged version of `key` once its write has completed; whether there was one."""
         return self._store.discard(key)
+
+    def add_shadow_slot(self, key: str) -> int:
+        """Gives `key` a second slot on disk of its own, its blocks reserved now, so it takes staged
+        writes in a store with `shadow_slots=False` (and from then on alternates between its two slots);
+        the bytes reserved, 0 when it had two. `OSError` (ENOSPC) naming the file when a path is full,
+        the object as it was."""
+        return self._store.add_shadow_slot(key)
 
     def read(self, key: str, dst: Any, *, verify: bool = True) -> _core.IoHandle:
         """Reads object `key` into `dst`, which must have exactly the object's size in bytes. With

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -70,6 +71,10 @@ _NORM_BUFFER_SIZE = int(
     .parameters["buffer_size"]
     .default
 )
+
+# The update during backward stops when the norms so far clip by more than this (relative): their sum
+# in another order may round differently from DeepSpeed's.
+CLIP_MARGIN = 1e-6
 
 # The optimizers whose state is ours to hold: per element, exp_avg and exp_avg_sq beside the weights.
 ADAM_OPTIMIZERS = (DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
@@ -129,6 +134,13 @@ class Speculation:
     backward_end: float | None = None
     started: float = field(default_factory=time.perf_counter)
     future: Future[StepStats] | None = None
+    # The chunks the plan chose, and of those, the ones with a second slot to stage into (set on the
+    # update thread before the first chunk).
+    planned: int = 0
+    slotted: int = 0
+    # Why it stopped before every chunk was taken, when the gradients' norm so far proved the step
+    # clipped or not finite.
+    stopped: str | None = None
 
 
 class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
@@ -208,6 +220,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # during backward assumes so, and is not tried after a step that was clipped (it would be undone
         # as long as clipping goes on); an unclipped step turns it back on.
         self._mlp_spec_likely = True
+        # Why this boundary's update during backward was not tried, for step()'s record.
+        self._mlp_spec_skipped: str | None = None
+        # The boundary's gradient norms so far, squared and summed, to stop the update during backward
+        # once they prove the step clipped or not finite; reset by each backward.
+        self._mlp_norm_sq_so_far = 0.0
+        # The last boundary's backward, and the last update that ran whole inside step(): what the plan
+        # of the update during backward goes by.
+        self._mlp_last_boundary_backward = 0.0
+        self._mlp_last_whole_update: float | None = None
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`); dropped
         # by step().
@@ -256,8 +277,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     ) -> None:
         # Only the norm: the half-precision gradient stays in DeepSpeed's host buffer until its subgroup
         # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
-        self.norm_for_param_grads[self.get_param_id(param)] = self._mlp_grad_norm(grad_buffer)
+        norm = self._mlp_grad_norm(grad_buffer)
+        self.norm_for_param_grads[self.get_param_id(param)] = norm
         self._mlp_grads_final.final(self.get_param_id(param))
+        if self._mlp_spec_on:
+            self._mlp_norm_sq_so_far += float(norm) ** 2
+            if (spec := self._mlp_spec) is not None and spec.stopped is None:
+                self._mlp_stop_if_ruled_out(spec)
         if (
             self._mlp_spec_on
             and self._mlp_spec is None
@@ -324,7 +350,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_fused is not None,
                 params_dtype is not None,
                 cache_slots < len(layout.chunks),
-                config.shadow_slots,
             )
             self._mlp_spec_begun = False
             self._mlp_planner.overlap_backward = self._mlp_spec_on
@@ -339,6 +364,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 pages=pages,
                 # The update during backward keeps the first chunks cached too.
                 ascending=self._mlp_overlap or self._mlp_spec_on,
+                shadow_slots=config.shadow_slots,
             )
         except ValueError as e:
             # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
@@ -371,6 +397,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
         # The initial state, placed by the plan's weights, through the pool's buffers.
         self._mlp_state.initialize(lambda i: self.fp16_partitioned_groups_flat[i])
+        if self._mlp_spec_on and config.overlap_backward is True:
+            # Every streamed chunk is updated during backward: each gets its second slot now, so a full
+            # disk shows at start-up, naming the file.
+            self._mlp_state.with_second_slots(pipeline.order[pipeline.cache_slots :], keep_free=False)
         self._mlp_planner.emit(
             {
                 "event": "start",
@@ -392,7 +422,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # Whether the update runs behind the next forward, and why.
                 "overlap": {"on": self._mlp_overlap, "why": overlap_why},
                 # Whether the streamed chunks are updated during backward, and why.
-                "overlap_backward": {"on": self._mlp_spec_on, "why": spec_why},
+                "overlap_backward": {
+                    "on": self._mlp_spec_on,
+                    "why": spec_why,
+                    # Chunks with a second slot on disk, and the bytes the ones added for it took.
+                    "slotted_chunks": len(self._mlp_state.slotted),
+                    "slot_bytes": self._mlp_state.slot_bytes,
+                },
                 "weights": self._mlp_store.weights,
                 # This rank's requests in flight per path, and why.
                 "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
@@ -624,6 +660,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Backward writes the gradients the update reads.
         self._mlp_settle()
         self._mlp_backward_start = time.perf_counter()
+        # Norms come at the boundary's backward (and in step() for what it reduces there): each backward
+        # starts the sum afresh.
+        self._mlp_norm_sq_so_far = 0.0
         super().backward_prologue()
 
     def backward_epilogue(self) -> None:
@@ -645,9 +684,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pipeline = self._mlp_state.pipeline
         # In chunk order the first `cache_slots` chunks stay in host memory: the rest stream.
         streamed = pipeline.order[pipeline.cache_slots :]
-        # The order the gradients came in at the last boundary (last chunk first before any).
         leads = self._mlp_last_leads
-        streamed.sort(key=lambda c: (-leads[c], -c) if leads else -c)
+        if self._mlp_config.overlap_backward is True:
+            # Every one, in the order the gradients came in at the last boundary (last chunk first
+            # before any).
+            streamed.sort(key=lambda c: (-leads[c], -c) if leads else -c)
+        else:
+            streamed, why_not = self._mlp_backward_plan(streamed)
+            if not streamed:
+                self._mlp_spec_skipped = why_not
+                return
         spec = Speculation(
             steps=[int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat],
             groups=[dict(group) for group in self.optimizer.param_groups],
@@ -685,17 +731,63 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             spec.ended_at.append(time.perf_counter())
             return sums
 
-        spec.future = self._mlp_update_thread.submit(
-            pipeline.run_step,
-            update,
-            only=streamed,
-            staged=True,
-            ready=ready,
-            drain=False,
-            ends_step=False,
-            checksums_in_update=True,
-        )
+        def run() -> StepStats:
+            # The chosen chunks that lack a second slot get one first (off backward's thread).
+            spec.planned = len(streamed)
+            taken = self._mlp_state.with_second_slots(streamed, keep_free=True)
+            spec.slotted = len(taken)
+            return pipeline.run_step(
+                update,
+                only=taken,
+                staged=True,
+                ready=ready,
+                drain=False,
+                ends_step=False,
+                checksums_in_update=True,
+            )
+
+        spec.future = self._mlp_update_thread.submit(run)
         self._mlp_spec = spec
+        # Gradients were final before this one: their norms may already rule the outcome out.
+        self._mlp_stop_if_ruled_out(spec)
+
+    def _mlp_backward_plan(self, streamed: list[int]) -> tuple[list[int], str]:
+        """The streamed chunks to update during this boundary's backward, in the order they run
+        (`overlap.chunks_for_backward`): by when each one's gradient was final in the last boundary's
+        backward, each taking the update's predicted time (the performance model's, else the last one
+        measured whole inside `step()`) over the streamed chunks. None, and why, when there is nothing
+        yet to plan by or nothing would begin before backward ends."""
+        leads = self._mlp_last_leads
+        if leads is None:
+            return [], "not tried: the plan waits for one boundary's gradient times"
+        update_secs = self._mlp_planner.prediction or self._mlp_last_whole_update
+        if update_secs is None:
+            return [], "not tried: no update predicted or measured yet to plan by"
+        chosen = overlap.chunks_for_backward(
+            {c: leads[c] for c in streamed}, self._mlp_last_boundary_backward, update_secs / len(streamed)
+        )
+        if not chosen:
+            return [], "not tried: the plan expects no streamed chunk's update to begin before backward ends"
+        return chosen, ""
+
+    def _mlp_stop_if_ruled_out(self, spec: Speculation) -> None:
+        """Stops the update during backward once the boundary's gradient norms so far prove the step's
+        outcome another than it assumed: not finite (an overflow, or a skipped step), or clipped (their
+        squares only add up; other ranks' only add more). It would be undone; the chunks already taken
+        stay staged for `step()` to decide."""
+        so_far = self._mlp_norm_sq_so_far
+        if not math.isfinite(so_far):
+            spec.stopped = "the gradients' norm so far is not finite"
+        elif (
+            self.clip_grad > 0.0
+            and (math.sqrt(so_far) / self.loss_scale + 1e-6) / self.clip_grad > 1.0 + CLIP_MARGIN
+        ):
+            spec.stopped = (
+                f"the gradients' norm so far, {math.sqrt(so_far) / self.loss_scale:.6g}, already clips at "
+                f"{self.clip_grad:g}"
+            )
+        if spec.stopped is not None:
+            spec.stop.set()
 
     def _mlp_spec_touches(self, spec: Speculation, params: Iterable[Any]) -> bool:
         """Whether gathering `params` now would read what the update during backward changed: after
@@ -730,14 +822,27 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_state.pipeline.commit(stats.staged)
         else:
             self._mlp_undo(spec, params=not redo)
-        record = {
-            "chunks": len(spec.taken),
-            "in_backward": sum(t <= end for t in spec.ended_at),
-            "kept": keep,
+        return stats, self._mlp_spec_record(spec, sum(t <= end for t in spec.ended_at), keep, why)
+
+    def _mlp_spec_record(
+        self, spec: Speculation | None, in_backward: int, kept: bool, why: str
+    ) -> dict[str, Any]:
+        """The step record's account of the update during backward (`spec`; None: not tried)."""
+        return {
+            "chunks": 0 if spec is None else len(spec.taken),
+            "in_backward": in_backward,
+            "kept": kept,
             "why": why,
-            "secs": time.perf_counter() - spec.started,
+            "secs": 0.0 if spec is None else time.perf_counter() - spec.started,
+            # The chunks the plan chose, those of them with a second slot, and why it stopped early.
+            "planned": 0 if spec is None else spec.planned,
+            "slotted": 0 if spec is None else spec.slotted,
+            "stopped": None if spec is None else spec.stopped,
+            # Chunks with a second slot, the bytes the ones added took, and why adding stopped short.
+            "slotted_chunks": len(self._mlp_state.slotted),
+            "slot_bytes": self._mlp_state.slot_bytes,
+            "slots_short": self._mlp_state.slots_short,
         }
-        return stats, record
 
     def _mlp_undo(self, spec: Speculation, params: bool = True) -> None:
         """Forgets the staged versions of every chunk the update during backward took, and gives back
@@ -778,10 +883,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # How long before the boundary's backward ended each chunk's gradient was final.
         leads = grads.leads(self._mlp_backward_end)
         self._mlp_last_leads = leads
+        self._mlp_last_boundary_backward = max(0.0, self._mlp_backward_end - self._mlp_backward_start)
         grads_final = {
-            "backward_secs": max(0.0, self._mlp_backward_end - self._mlp_backward_start),
+            "backward_secs": self._mlp_last_boundary_backward,
             "lead_secs": [round(t, 3) for t in leads],
         }
+        skipped, self._mlp_spec_skipped = self._mlp_spec_skipped, None
         changed = bool(grads.changed)
         if spec is None:
             grads.reset()
@@ -833,14 +940,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         spec_stats: StepStats | None = None
         speculation, committed = self._mlp_abandoned, set()
         self._mlp_abandoned = None
-        if spec is None and speculation is None and self._mlp_spec_on and not likely:
-            speculation = {
-                "chunks": 0,
-                "in_backward": 0,
-                "kept": False,
-                "why": "not tried: the last step's gradients were clipped",
-                "secs": 0.0,
-            }
+        if spec is None and speculation is None and self._mlp_spec_on:
+            why_not = "not tried: the last step's gradients were clipped" if not likely else skipped
+            if why_not is not None:
+                speculation = self._mlp_spec_record(None, 0, False, why_not)
         if spec is not None:
             why = "kept: the step's outcome was the one expected"
             if grad_scale != spec.grad_scale:
@@ -937,6 +1040,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             else:
                 stats = pipeline.run_step(update, drain=False)
             update_end = time.perf_counter()
+            if not committed:
+                # The whole update ran here: what the plan of the update during backward goes by
+                # without a prediction.
+                self._mlp_last_whole_update = update_end - step_start
             return stats if spec_stats is None else spec_stats.add(stats)
 
         def finish(stats: StepStats, waited_secs: float | None) -> None:

@@ -568,6 +568,51 @@ impl ObjectStore {
         unsafe { self.submit_write(key, buf, len, keepalive, weights, sums, true) }
     }
 
+    /// Gives object `key`, created by a store with shadow slots off, a second slot of its own: its
+    /// blocks are reserved now, split as the current version is, and from then on the object's writes
+    /// alternate between its two slots and it takes staged writes ([`ObjectStore::stage_raw_with_sums`]),
+    /// as every object of a store with shadow slots does. So an engine pays the second copy's disk only
+    /// for the objects it stages. Returns the bytes reserved: 0 when the object already had two slots.
+    /// Waits for the object's writes in flight first. Out of space, the error names the file and the
+    /// object keeps its one slot, its contents as they were.
+    pub fn add_shadow_slot(&self, key: &str) -> Result<u64> {
+        let entry = self.entry(key)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        wait_for(&entry, |op| op == Op::Write);
+        let stripes = {
+            let mut record = entry.record.lock().expect("record lock");
+            if record.slots == 2 {
+                return Ok(0);
+            }
+            // Slot 1 begins at the stride every record keeps, one slot or two, so slot 0 stays where
+            // it is.
+            record.slots = 2;
+            record.layouts.push(Vec::new());
+            record.checksums.push(Vec::new());
+            record.layouts[0].clone()
+        };
+        if let Err(e) = self.relayout(&entry, 1, &stripes) {
+            // Give back whatever of slot 1 was reserved before the failure, and the object its one slot.
+            let files = entry.files.lock().expect("files lock").clone();
+            let mut record = entry.record.lock().expect("record lock");
+            for (path, file) in files.iter().enumerate() {
+                if let Some(file) = file {
+                    let stride = record.slot_strides[path];
+                    release(file.primary(), stride, stride);
+                }
+            }
+            record.slots = 1;
+            record.layouts.truncate(1);
+            record.checksums.truncate(1);
+            return Err(e);
+        }
+        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
+        Ok(stripes
+            .iter()
+            .map(|s| s.len.div_ceil(aligns[s.path]) * aligns[s.path])
+            .sum())
+    }
+
     /// Makes the staged version of `key` current, once its write has completed (a metadata change: no
     /// I/O). An error, naming the key, when there is none: none was written since the object's last
     /// write or commit, it was discarded, or its write failed (that write's own wait raised why).

@@ -162,6 +162,7 @@ for_each_engine!(
     a_delete_is_in_the_manifest_before_it_returns,
     files_no_manifest_knows_are_removed_at_open,
     a_staged_version_is_read_only_once_committed,
+    a_second_slot_added_to_one_object_takes_staged_writes,
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
@@ -676,6 +677,113 @@ fn a_staged_version_is_read_only_once_committed(engine: EngineChoice) {
         .err()
         .unwrap();
     assert!(err.to_string().contains("shadow_slots"), "{err}");
+}
+
+fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let len = 300_000;
+    let versions: Vec<Vec<u8>> = (0..5).map(|v| random_bytes(len, 200 + v)).collect();
+    let open_one_slot = || {
+        ObjectStore::open(
+            StoreConfig::new(paths.iter().cloned())
+                .with_engine(engine)
+                .with_shadow_slots(false),
+        )
+        .unwrap()
+    };
+    let on_disk = |key: &str| -> u64 {
+        (0..2)
+            .map(|i| allocated(&paths[i].join(format!("rank0/{key}.mlpo"))))
+            .sum()
+    };
+    let store = open_one_slot();
+    for key in ["a", "b"] {
+        store
+            .write(key, aligned_copy(&versions[0]), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+    let refused = |store: &ObjectStore, key: &str| {
+        let mut buf = aligned_copy(&versions[0]);
+        let ptr = HostPtr(buf.as_mut_ptr());
+        // SAFETY: refused before any I/O; `buf` outlives the call.
+        let err = unsafe { store.stage_raw_with_sums(key, ptr, len, Box::new(()), None, None) }
+            .err()
+            .map(|e| e.to_string());
+        err.is_some_and(|e| e.contains("shadow_slots") && e.contains(&format!("{key:?}")))
+    };
+    assert!(refused(&store, "a"));
+    // The second slot's blocks are reserved at once, split as the current version; a second call has
+    // nothing to add.
+    let before = on_disk("a");
+    let added = store.add_shadow_slot("a").unwrap();
+    assert!(
+        (len as u64..len as u64 + 2 * 4096).contains(&added),
+        "{added}"
+    );
+    assert_eq!(on_disk("a"), before + added);
+    assert_eq!(store.add_shadow_slot("a").unwrap(), 0);
+    // "a" now stages, commits and discards as an object of a store with shadow slots; "b" does not.
+    stage(&store, "a", &versions[1], None).wait().unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[0]);
+    store.commit("a").unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[1]);
+    stage(&store, "a", &versions[2], None);
+    assert!(store.discard("a").unwrap());
+    assert_eq!(read_back(&store, "a", len), versions[1]);
+    // A plain write goes to the slot not in use and flips: the version before stays whole until then.
+    store
+        .write("a", aligned_copy(&versions[3]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[3]);
+    assert!(refused(&store, "b"));
+    assert_eq!(read_back(&store, "b", len), versions[0]);
+    // The manifest keeps each object's slots: reopened, "a" stages and "b" still refuses.
+    drop(store);
+    let store = open_one_slot();
+    assert_eq!(read_back(&store, "a", len), versions[3]);
+    stage(&store, "a", &versions[4], None).wait().unwrap();
+    store.commit("a").unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[4]);
+    assert!(refused(&store, "b"));
+    let err = store.add_shadow_slot("nothing").unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { .. }) && err.to_string().contains("\"nothing\""),
+        "{err}"
+    );
+    drop(store);
+    if !is_root() {
+        eprintln!("skipped: running out of space (mounting a small tmpfs needs root)");
+        return;
+    }
+    // Out of space: named, and the object keeps its one slot and its contents.
+    let (_root1, paths1) = dirs(1);
+    let _mount = Mount::tmpfs(&paths1[0], "size=2m");
+    let store = ObjectStore::open(
+        StoreConfig::new(paths1.iter().cloned())
+            .with_engine(engine)
+            .with_shadow_slots(false),
+    )
+    .unwrap();
+    store
+        .write("c", aligned_copy(&versions[0]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    fill(&paths1[0]);
+    let err = store.add_shadow_slot("c").unwrap_err();
+    assert_eq!(err.errno(), Some(libc::ENOSPC), "{err}");
+    assert!(err.to_string().contains("c.mlpo"), "{err}");
+    assert_eq!(read_back(&store, "c", len), versions[0]);
+    assert!(refused(&store, "c"));
+    fs::remove_file(paths1[0].join("filler")).unwrap();
+    assert!(store.add_shadow_slot("c").unwrap() >= len as u64);
+    stage(&store, "c", &versions[1], None).wait().unwrap();
+    store.commit("c").unwrap();
+    assert_eq!(read_back(&store, "c", len), versions[1]);
 }
 
 fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: EngineChoice) {

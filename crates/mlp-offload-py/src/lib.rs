@@ -597,6 +597,14 @@ impl PyObjectStore {
         py.detach(|| store.discard(key)).map_err(to_py)
     }
 
+    /// Gives `key` a second slot of its own (its blocks reserved now), so it takes staged writes in a
+    /// store with shadow slots off; the bytes reserved, 0 when it had two. OSError (ENOSPC) naming the
+    /// file when the path is full, the object as it was.
+    fn add_shadow_slot(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        let store = self.get()?;
+        py.detach(|| store.add_shadow_slot(key)).map_err(to_py)
+    }
+
     /// Where each stripe of an `nbytes` object written now would start (the current weights' split).
     fn write_cuts(&self, nbytes: u64) -> PyResult<Vec<u64>> {
         self.get()?.write_cuts(nbytes).map_err(to_py)
