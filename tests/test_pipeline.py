@@ -95,21 +95,22 @@ def test_every_step_updates_every_chunk_once_and_the_cache_skips_io(
         bump.assert_stored(store, steps)
 
 
-@pytest.mark.parametrize(
-    ("chunks", "buffers", "cache", "cached"),
-    [
-        # In chunk order the cached chunks come first and hold their buffers all step: a cache of
-        # every buffer leaves the stream up to PIPELINE_BUFFERS of them, at least one.
-        (5, 1, None, 0),
-        (5, 2, None, 1),
-        (13, 12, None, 1),
-        (16, 14, None, 2),
-        (5, 5, 4, 4),  # as many as asked: one buffer streams
-        (13, 12, 0, 0),
-        (4, 12, None, 4),  # all stay: the initial writes' buffers are kept, no read at all
-        (8, 8, None, 8),
-    ],
-)
+# chunks, buffers, cache_chunks, the chunks cached in chunk order
+IN_CHUNK_ORDER = [
+    # In chunk order the cached chunks come first and hold their buffers all step: a cache of every
+    # buffer leaves the stream up to PIPELINE_BUFFERS of them, at least one.
+    (5, 1, None, 0),
+    (5, 2, None, 1),
+    (13, 12, None, 1),
+    (16, 14, None, 2),
+    (5, 5, 4, 4),  # as many as asked: one buffer streams
+    (13, 12, 0, 0),
+    (4, 12, None, 4),  # all stay: the initial writes' buffers are kept, no read at all
+    (8, 8, None, 8),
+]
+
+
+@pytest.mark.parametrize(("chunks", "buffers", "cache", "cached"), IN_CHUNK_ORDER)
 def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
     engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
 ) -> None:
@@ -135,6 +136,35 @@ def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
             assert len(pipeline.resident) + len(pipeline.retained) <= pipeline.buffer_count
         pipeline.flush()
         bump.assert_stored(store, steps)
+
+
+@pytest.mark.parametrize(("chunks", "buffers", "cache", "cached"), IN_CHUNK_ORDER)
+def test_a_pipeline_goes_to_chunk_order_between_steps(
+    engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
+) -> None:
+    """`go_ascending` after steps in the cache's order (the plan choosing the update during backward):
+    the chunks its smaller cache does not keep are written back, and from the next step on every step
+    goes in chunk order with the first `cached` chunks kept, each chunk updated once a step, the store
+    exact."""
+    bump = Bumps(chunks)
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        pipeline = ChunkPipeline(store, bump.keys, bump.sizes, buffers, cache_slots=cache)
+        assert not pipeline.ascending and pipeline.cache_slots_in_chunk_order == cached
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        for _ in range(2):
+            bump.seen.append([])
+            pipeline.run_step(bump, drain=False)
+        pipeline.go_ascending()
+        assert pipeline.ascending and pipeline.cache_slots == cached and pipeline.order == list(range(chunks))
+        assert set(pipeline.resident) <= set(range(cached))
+        for step in range(2, 5):
+            bump.seen.append([])
+            stats = pipeline.run_step(bump, drain=False)
+            assert bump.seen[-1] == list(range(chunks))
+            assert stats.writes == chunks - cached and pipeline.resident == list(range(cached))
+            assert step == 2 or stats.cached == cached
+        pipeline.flush()
+        bump.assert_stored(store, 5)
 
 
 @pytest.mark.parametrize(
@@ -322,6 +352,38 @@ def test_what_could_run_during_backward_follows_the_gradients_final_times(
 ) -> None:
     assert overlap.could_run_in_backward(leads, backward, per_chunk) == pytest.approx(hidden)
     assert overlap.chunks_for_backward(dict(enumerate(leads)), backward, per_chunk) == chosen
+
+
+# The chunks' gradient times in chunk order's stream, backward, each chunk's time, the chunks chunk
+# order's smaller cache loses; whether going to chunk order pays, what could run during backward, and
+# the I/O the lost cache costs.
+CHUNK_ORDER = [
+    (
+        "gradients final only at backward's end: nothing to gain",
+        [0.0, 0.0, 0.0],
+        2.0,
+        0.5,
+        1,
+        False,
+        0.0,
+        0.5,
+    ),
+    ("most of the update hidden, one chunk lost", [2.0, 2.0, 1.0], 2.0, 0.5, 1, True, 1.5, 0.5),
+    ("as much lost as hidden", [1.0], 2.0, 0.5, 1, False, 0.5, 0.5),
+    ("nothing lost: any gain pays", [0.1], 2.0, 0.5, 0, True, 0.1, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("leads", "backward", "per_chunk", "lost", "pays", "hidden", "extra"),
+    [c[1:] for c in CHUNK_ORDER],
+    ids=[c[0] for c in CHUNK_ORDER],
+)
+def test_chunk_order_pays_where_backward_hides_more_than_the_cache_it_loses_costs(
+    leads: list[float], backward: float, per_chunk: float, lost: int, pays: bool, hidden: float, extra: float
+) -> None:
+    got = overlap.chunk_order_pays(leads, backward, per_chunk, lost)
+    assert got[0] == pays and got[1:] == pytest.approx((hidden, extra))
 
 
 def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_path: Path) -> None:

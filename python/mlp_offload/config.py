@@ -110,14 +110,18 @@ class MLPOffloadConfig(BaseModel):
     parameters in host memory (not yet on an accelerator); the cached chunks are the first ones (as
     with `overlap`), updated in `step()`. A chunk updated during backward needs a second slot on disk
     for its new version: every chunk has one with `shadow_slots: true`; otherwise the chunk gets its
-    own the first time, and keeps it (its state's bytes again). `"auto"`: after each boundary the plan
-    takes the streamed chunks whose update could begin before backward ends, from when each chunk's
-    gradient was final in the last boundary's backward and the update's predicted (else measured) time
-    per chunk, and gives them second slots while every path keeps a tenth of its file system free; none
-    at the first boundary, whose gradients' times it waits for. `true`: every streamed chunk, their
-    second slots made at start-up. After a step whose gradients were clipped it is not tried (it would
-    be undone) until a step whose gradients were not; with clipping on, it stops as soon as the
-    gradients' norm so far proves the step clipped. Each step's record says what it did, and why."""
+    own the first time, and keeps it (its state's bytes again). It needs the steps in chunk order, whose
+    cache is the first chunks and leaves the stream its buffers: with the whole pool as cache that is up
+    to 12 chunks fewer cached, each read and written every step. `"auto"`: the plan goes to chunk order
+    only where what could run during the last backward outweighs that I/O (from when each chunk's
+    gradient was final, and the update's predicted, else measured, time per chunk; at once where the
+    cache loses nothing); then after each boundary it takes the streamed chunks whose update could begin
+    before backward ends, and gives them second slots while every path keeps a tenth of its file system
+    free. None at the first boundary, whose gradients' times it waits for. `true`: chunk order and every
+    streamed chunk, their second slots made at start-up. After a step whose gradients were clipped it
+    is not tried (it would be undone) until a step whose gradients were not; it stops as soon as the
+    gradients' norm so far proves the step clipped or not finite. Each step's record says what it did,
+    and why."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""

@@ -23,6 +23,7 @@ __all__ = [
     "UpdateInFlight",
     "choose",
     "choose_backward",
+    "chunk_order_pays",
     "chunks_for_backward",
     "could_run_in_backward",
     "update_thread",
@@ -95,6 +96,19 @@ def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per
         max(0.0, min(end, backward_secs) - start)
         for _, start, end in _in_backward(dict(enumerate(leads)), backward_secs, secs_per_chunk)
     )
+
+
+def chunk_order_pays(
+    leads: Sequence[float], backward_secs: float, secs_per_chunk: float, cache_lost: int
+) -> tuple[bool, float, float]:
+    """Whether going to chunk order, which the update during backward needs, pays: what of the update of
+    the chunks that stream in chunk order could run during backward (`leads`: theirs, see
+    `could_run_in_backward`), against the I/O of the `cache_lost` chunks the smaller cache of chunk order
+    no longer keeps (each read and written every step, `secs_per_chunk` each). Returns whether it pays,
+    the first and the second."""
+    hidden = could_run_in_backward(leads, backward_secs, secs_per_chunk)
+    extra = cache_lost * secs_per_chunk
+    return hidden > extra, hidden, extra
 
 
 def update_thread() -> ThreadPoolExecutor:

@@ -17,10 +17,11 @@ The last `cache_slots` chunks of a step stay resident. With fewer cache slots th
 buffers (retained), and the initial writes leave the same. Either way, when forward and backward begin,
 every buffer holds a chunk the next step takes first.
 
-With the update overlapped with the next forward (`ascending`), every step goes in chunk order, the order
-in which the forward needs the parameters: the first `cache_slots` chunks stay resident and come first
-with no read, and the rest stream through the other buffers, which the writes still in flight from the
-step before free as they complete.
+With the update overlapped with the next forward or with backward (`ascending`, from the start or from
+`go_ascending` on), every step goes in chunk order, the order in which the forward needs the parameters:
+the first `cache_slots` chunks stay resident and come first with no read, and the rest stream through the
+other buffers, which the writes still in flight from the step before free as they complete. That cache
+leaves the stream its buffers: with every buffer as cache, up to `PIPELINE_BUFFERS` chunks fewer stay.
 """
 
 from __future__ import annotations
@@ -124,10 +125,15 @@ class ChunkPipeline:
             raise ValueError(f"keys: {len(keys)} keys for {len(sizes)} chunks")
         n = len(sizes)
         self.buffer_count, self.cache_slots = stream_buffers(buffers, n, cache_slots)
-        if ascending and n > self.cache_slots >= self.buffer_count:
-            # In chunk order the cached chunks come first and hold their buffers all step: a cache of
-            # every buffer ("auto") leaves the stream its buffers.
-            self.cache_slots = self.buffer_count - min(PIPELINE_BUFFERS, max(1, self.buffer_count - 1))
+        # The cache in chunk order: the cached chunks come first and hold their buffers all step, so a
+        # cache of every buffer ("auto") leaves the stream its buffers.
+        self.cache_slots_in_chunk_order = self.cache_slots
+        if n > self.cache_slots >= self.buffer_count:
+            self.cache_slots_in_chunk_order = self.buffer_count - min(
+                PIPELINE_BUFFERS, max(1, self.buffer_count - 1)
+            )
+        if ascending:
+            self.cache_slots = self.cache_slots_in_chunk_order
         self.store = store
         self.keys = list(keys)
         self.sizes = list(sizes)
@@ -154,6 +160,27 @@ class ChunkPipeline:
     def page_report(self) -> dict[str, int]:
         """How the buffers' bytes are backed (see `_core.HostBufferPool.page_report`)."""
         return self._pool.page_report
+
+    @property
+    def ascending(self) -> bool:
+        """Whether every step goes in chunk order."""
+        return self._ascending
+
+    def go_ascending(self) -> None:
+        """From the next step on, every step in chunk order with its cache (`cache_slots_in_chunk_order`,
+        the first chunks). The cached chunks that cache does not keep are written back now, their
+        buffers freed as the writes land (retained, as the end of a step leaves them), so the next step
+        has buffers to read the first chunks it lacks into: one step's more I/O."""
+        self._idle("go_ascending")
+        if self._ascending:
+            return
+        self._ascending = True
+        self.cache_slots = self.cache_slots_in_chunk_order
+        for c in sorted(self._resident):
+            if c >= self.cache_slots:
+                buffer = self._resident.pop(c)
+                self._retained[c] = (buffer, self.store.write(self.keys[c], self.view(c, buffer)))
+        self._order = next_order(self._order, set(self._resident), set(self._retained), ascending=True)
 
     @property
     def order(self) -> list[int]:

@@ -229,6 +229,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # of the update during backward goes by.
         self._mlp_last_boundary_backward = 0.0
         self._mlp_last_whole_update: float | None = None
+        # What the plan found of chunk order, which the update during backward needs ("auto").
+        self._mlp_order_why = "the plan waits for one boundary's gradient times"
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`); dropped
         # by step().
@@ -362,8 +364,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 cache_chunks=cache_chunks,
                 lock=self._mlp_pin,
                 pages=pages,
-                # The update during backward keeps the first chunks cached too.
-                ascending=self._mlp_overlap or self._mlp_spec_on,
+                # The update during backward needs chunk order too (the first chunks cached): from the
+                # start with `overlap_backward: true`, else once the plan finds it pays (`step()`).
+                ascending=self._mlp_overlap or (self._mlp_spec_on and config.overlap_backward is True),
                 shadow_slots=config.shadow_slots,
             )
         except ValueError as e:
@@ -372,6 +375,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"mlp_offload.{e} (host_memory {host_memory:,} holds {layout.buffers} buffers "
                 f"of {buffer_bytes:,} bytes)"
             ) from None
+        if self._mlp_spec_on and self._mlp_state.pipeline.cache_slots_in_chunk_order == cache_slots:
+            # Chunk order costs its cache nothing here: from the start.
+            self._mlp_state.pipeline.go_ascending()
         self._mlp_grad = torch.empty(c, dtype=FP32)
         self._mlp_grads_final = overlap.GradsFinal(
             self._mlp_state.chunks,
@@ -760,6 +766,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         leads = self._mlp_last_leads
         if leads is None:
             return [], "not tried: the plan waits for one boundary's gradient times"
+        if not self._mlp_state.pipeline.ascending:
+            return [], f"not tried: {self._mlp_order_why}"
         update_secs = self._mlp_planner.prediction or self._mlp_last_whole_update
         if update_secs is None:
             return [], "not tried: no update predicted or measured yet to plan by"
@@ -769,6 +777,29 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if not chosen:
             return [], "not tried: the plan expects no streamed chunk's update to begin before backward ends"
         return chosen, ""
+
+    def _mlp_weigh_chunk_order(self, leads: list[float], backward_secs: float) -> None:
+        """With `overlap_backward: "auto"`, before chunk order: whether it pays (`overlap.chunk_order_pays`,
+        from this boundary's gradient times and the update's predicted, else measured, time per streamed
+        chunk); if so the pipeline goes to chunk order for this step's update, and the update during
+        backward can begin at the next boundary. `_mlp_order_why` says what the plan found."""
+        pipeline = self._mlp_state.pipeline
+        update_secs = self._mlp_planner.prediction or self._mlp_last_whole_update
+        if update_secs is None:
+            self._mlp_order_why = "no update predicted or measured yet to plan by"
+            return
+        n = len(self._mlp_state.chunks)
+        in_order = pipeline.cache_slots_in_chunk_order
+        lost = pipeline.cache_slots - in_order
+        pays, hidden, extra = overlap.chunk_order_pays(
+            leads[in_order:], backward_secs, update_secs / max(1, n - pipeline.cache_slots), lost
+        )
+        self._mlp_order_why = (
+            f"in chunk order {hidden:.2f} s of the update could run during the last backward, against "
+            f"{extra:.2f} s more I/O a step for a cache {lost} chunks smaller"
+        )
+        if pays:
+            pipeline.go_ascending()
 
     def _mlp_stop_if_ruled_out(self, spec: Speculation) -> None:
         """Stops the update during backward once the boundary's gradient norms so far prove the step's
@@ -842,6 +873,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             "slotted_chunks": len(self._mlp_state.slotted),
             "slot_bytes": self._mlp_state.slot_bytes,
             "slots_short": self._mlp_state.slots_short,
+            # Whether the steps go in chunk order (which it needs), and what the plan found of it.
+            "chunk_order": self._mlp_state.pipeline.ascending,
+            "chunk_order_why": self._mlp_order_why,
+            "cached_chunks": self._mlp_state.pipeline.cache_slots,
         }
 
     def _mlp_undo(self, spec: Speculation, params: bool = True) -> None:
@@ -884,6 +919,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         leads = grads.leads(self._mlp_backward_end)
         self._mlp_last_leads = leads
         self._mlp_last_boundary_backward = max(0.0, self._mlp_backward_end - self._mlp_backward_start)
+        if self._mlp_spec_on and not self._mlp_state.pipeline.ascending:
+            self._mlp_weigh_chunk_order(leads, self._mlp_last_boundary_backward)
         grads_final = {
             "backward_secs": self._mlp_last_boundary_backward,
             "lead_secs": [round(t, 3) for t in leads],
