@@ -195,7 +195,11 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
         assert all(sum(t > 0 for t in r["grads_final"]["lead_secs"]) > start["chunks"] // 2 for r in steps)
     for r in steps:
         assert r["reads"] + r["cached"] + r["retained"] == start["chunks"]
-        assert r["writes"] + start["cached_chunks"] == start["chunks"]
+        # The cache of the step: smaller from the step the plan goes to chunk order on (the update
+        # during backward, by default).
+        assert r["writes"] + r["cached_chunks"] == start["chunks"]
+        chunk_order = r["speculation"] is not None and r["speculation"]["chunk_order"]
+        assert r["cached_chunks"] == start["cached_chunks"] or chunk_order, r
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
     assert len(used) == n_paths, "every path holds a share of the state"
     # destroy() without mlp_offload_flush() leaves the last step's state, cached chunks included.
@@ -345,7 +349,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     chunk_bytes = start["buffer_bytes"]
     for step, r in enumerate(records[first:], first):
         spec = r["speculation"]
-        streamed = start["chunks"] - spec["cached_chunks"]
+        streamed = start["chunks"] - r["cached_chunks"]
         assert spec["chunk_order"] and spec["kept"] and spec["stopped"] is None, (step, spec)
         assert spec["slots_short"] is None, (step, spec)
         assert 0 < spec["planned"] == spec["slotted"] == spec["chunks"] <= streamed, (step, spec)

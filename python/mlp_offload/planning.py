@@ -385,6 +385,8 @@ class UpdatePlanner:
                 "writes": stats.writes,
                 "cached": stats.cached,
                 "retained": stats.retained,
+                # The chunks the pipeline keeps in host memory across steps now (chunk order keeps fewer).
+                "cached_chunks": self._pipeline.cache_slots if self._pipeline is not None else None,
                 "paths": per_path,
                 "weights_next": moved,
                 "compute_secs": compute_secs,

@@ -354,7 +354,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 cache_slots < len(layout.chunks),
             )
             self._mlp_spec_begun = False
-            self._mlp_planner.overlap_backward = self._mlp_spec_on
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
             # leaves) and checks it.
             self._mlp_state = ChunkedState(
@@ -375,9 +374,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 f"mlp_offload.{e} (host_memory {host_memory:,} holds {layout.buffers} buffers "
                 f"of {buffer_bytes:,} bytes)"
             ) from None
-        if self._mlp_spec_on and self._mlp_state.pipeline.cache_slots_in_chunk_order == cache_slots:
+        pipeline = self._mlp_state.pipeline
+        if self._mlp_spec_on and pipeline.cache_slots_in_chunk_order == pipeline.cache_slots:
             # Chunk order costs its cache nothing here: from the start.
-            self._mlp_state.pipeline.go_ascending()
+            pipeline.go_ascending()
+        # The plan predicts what the update during backward leaves once the steps go in chunk order.
+        self._mlp_planner.overlap_backward = self._mlp_spec_on and pipeline.ascending
         self._mlp_grad = torch.empty(c, dtype=FP32)
         self._mlp_grads_final = overlap.GradsFinal(
             self._mlp_state.chunks,
@@ -398,7 +400,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         }
         if self._mlp_fused is not None:
             kernel_record.update(simd=self._mlp_fused.kernel.simd, arith=self._mlp_fused.kernel.arith)
-        pipeline = self._mlp_state.pipeline
         page_report = pipeline.page_report
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
         # The initial state, placed by the plan's weights, through the pool's buffers.
@@ -800,6 +801,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         )
         if pays:
             pipeline.go_ascending()
+            self._mlp_planner.overlap_backward = True
 
     def _mlp_stop_if_ruled_out(self, spec: Speculation) -> None:
         """Stops the update during backward once the boundary's gradient norms so far prove the step's
@@ -876,7 +878,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Whether the steps go in chunk order (which it needs), and what the plan found of it.
             "chunk_order": self._mlp_state.pipeline.ascending,
             "chunk_order_why": self._mlp_order_why,
-            "cached_chunks": self._mlp_state.pipeline.cache_slots,
         }
 
     def _mlp_undo(self, spec: Speculation, params: bool = True) -> None:
