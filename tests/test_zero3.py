@@ -782,10 +782,11 @@ def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Te
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
-# name, the DeepSpeed side, extra section keys, where the kill comes (what the harness says as it kills)
+# name, the DeepSpeed side, extra section keys, where the kill comes (what the harness says as it kills),
+# ranks
 KILLED_CASES = [
-    ("in step()", {}, {"overlap": False}, "in step()"),
-    ("behind step(), the next forward running", {}, {"overlap": True}, "behind step()"),
+    ("in step()", {}, {"overlap": False}, "in step()", 1),
+    ("behind step(), the next forward running", {}, {"overlap": True}, "behind step()", 1),
     # DeepSpeed reduces in small buckets, so the streamed chunks are updated during backward, their new
     # versions staged beside the old ones: the kill comes while backward still runs. No clipping
     # (DeepSpeed's default, 1.0, clips these gradients, and a clipped step's update is not tried then).
@@ -794,46 +795,73 @@ KILLED_CASES = [
         {"reduce_bucket_size": 20_000, "clip": 0.0},
         {"shadow_slots": True, "overlap_backward": True},
         "during backward",
+        1,
+    ),
+    # Rank 1 of two dies there; rank 0 is ended wherever it is (its collective with rank 1 fails, or the
+    # launcher kills it, as torchrun does), its own update during backward possibly half done. The
+    # second slots come from the plan ("auto"), not from shadow_slots.
+    (
+        "rank 1 of two, in the update during backward",
+        {"reduce_bucket_size": 20_000, "clip": 0.0},
+        {"overlap_backward": True},
+        "during backward",
+        2,
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("ds_case", "extra", "where"), [c[1:] for c in KILLED_CASES], ids=[c[0] for c in KILLED_CASES]
+    ("ds_case", "extra", "where", "ranks"), [c[1:] for c in KILLED_CASES], ids=[c[0] for c in KILLED_CASES]
 )
 def test_killed_in_an_update_the_job_resumes_from_its_last_checkpoint(
     ds_case: dict[str, Any],
     extra: dict[str, Any],
     where: str,
+    ranks: int,
     stock_resumed: dict[str, Any],
     work_dirs: list[Path],
     tmp_path: Path,
 ) -> None:
     """SIGKILL in the middle of step 7's update (three chunks updated, writes in flight): inside
     `step()`, behind it while the next forward runs, or while backward runs (the update during
-    backward, its versions staged); after a
-    checkpoint at step 5; a new process on the same paths resumes from that checkpoint: the store opens
-    (the dead process's locks are gone) and steps 5 to 9 give what DeepSpeed's own resume from the same
-    checkpoint gives, bit for bit."""
+    backward, its versions staged), in the last rank; after a checkpoint at step 5, the job (every
+    rank) resumes from that checkpoint in new processes on the same paths: the stores open (the dead
+    processes' locks are gone) and steps 5 to 9 give what DeepSpeed's own resume from the same
+    checkpoint gives, bit for bit, on every rank."""
     ours = section(work_dirs[:2], host_memory="64M", update_chunk="24K", cache_chunks=2, **extra)
     ckpt = str(tmp_path / "ckpt")
-    killed = {"save_at": 5, "sigkill_in_update_at": 7, "checkpoint_dir": ckpt, "mlp_offload": ours}
-    with pytest.raises(AssertionError, match=r"killed rank 0 failed \(-9\)") as failed:
-        run_case({**ds_case, **killed}, tmp_path, "killed")
-    assert f"killed {where}" in str(failed.value), str(failed.value)[-2000:]
+    killed_rank = ranks - 1
+    killed = {
+        "save_at": 5,
+        "sigkill_in_update_at": 7,
+        "sigkill_rank": killed_rank,
+        "checkpoint_dir": ckpt,
+        "mlp_offload": ours,
+    }
+    with pytest.raises(AssertionError, match=r"killed rank \d failed") as failed:
+        run_case({**ds_case, **killed}, tmp_path, "killed", ranks=ranks)
+    log = (tmp_path / f"killed.rank{killed_rank}.log").read_text()
+    assert f"killed {where}" in log, (str(failed.value)[-2000:], log[-2000:])
     resumed = run_case(
-        {**ds_case, "resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed"
+        {**ds_case, "resume_at": 5, "checkpoint_dir": ckpt, "mlp_offload": ours},
+        tmp_path,
+        "resumed",
+        ranks=ranks,
     )
-    if ds_case:
+    if ds_case or ranks > 1:
         stock_ckpt = str(tmp_path / "stock-ckpt")
         stock_case = {**ds_case, "checkpoint_at": 5, "checkpoint_dir": stock_ckpt}
-        stock_resumed = run_case(stock_case, tmp_path, "stock-resumed")
-    assert_bit_equal(resumed, from_step(stock_resumed, 5))
+        stock_resumed = run_case(stock_case, tmp_path, "stock-resumed", ranks=ranks)
+    for ours_rank, stock_rank in zip(
+        resumed.get("ranks", [resumed]), stock_resumed.get("ranks", [stock_resumed]), strict=True
+    ):
+        assert_bit_equal(ours_rank, from_step(stock_rank, 5))
     if extra.get("overlap_backward"):
         # The resumed job updates during backward again, and keeps what it did.
-        steps = [r for r in resumed["telemetry"] if r["event"] == "step"]
-        assert all(r["speculation"]["kept"] for r in steps), steps
-        assert sum(r["speculation"]["in_backward"] for r in steps) > 0, steps
+        for rank in resumed.get("ranks", [resumed]):
+            steps = [r for r in rank["telemetry"] if r["event"] == "step"]
+            assert all(r["speculation"]["kept"] for r in steps), steps
+            assert sum(r["speculation"]["in_backward"] for r in steps) > 0, steps
 
 
 FAULTFS = Path(__file__).with_name("faultfs.py")

@@ -177,7 +177,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
         if step == case.get("set_params_apart_at"):
             set_params_apart(engine)
-        if step == case.get("sigkill_in_update_at"):
+        if step == case.get("sigkill_in_update_at") and os.environ["RANK"] == str(
+            case.get("sigkill_rank", 0)
+        ):
             in_update(optimizer, after_chunks=3, then=functools.partial(sigkill, optimizer))
         if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
             # This node's ranks stop mid-update, and say so, until the test kills the node.
