@@ -431,8 +431,9 @@ def eight_mib(tmp_path: Path) -> Iterator[Path]:
 def test_second_slots_keep_a_tenth_of_the_disk_free_or_raise_naming_the_file(eight_mib: Path) -> None:
     """`ChunkedState.with_second_slots` on a real file system running out of space: with `keep_free`,
     each chunk in turn gets its second slot while the path keeps a tenth of its file system free, then
-    it stops, saying why; chunks that have one are taken without more room. Without `keep_free`, a full
-    path raises ENOSPC naming the chunk's file, and the chunk stays as it was."""
+    it stops, saying why; chunks that have one are taken without more room, also by a later process.
+    Without `keep_free`, a full path raises ENOSPC naming the chunk's file, and the chunk stays as it
+    was."""
     small = eight_mib
     chunk_bytes = 512 << 10
     # Four chunks of about 512 KiB of state each.
@@ -474,6 +475,16 @@ def test_second_slots_keep_a_tenth_of_the_disk_free_or_raise_naming_the_file(eig
         with pytest.raises(ValueError, match=f'shadow_slots: object "{state.keys[0]}"'):
             store.write(state.keys[0], torch.ones(layout.sizes[0], dtype=torch.uint8), staged=True)
         # Room for the manifest the store writes as it closes.
+        filler.unlink()
+        state.pipeline.close()
+    # A later process on the same path (a job resumed) knows the second slots from the store's manifest,
+    # and takes those chunks on a path with less than a tenth free.
+    with ObjectStore([small], shadow_slots=False) as store:
+        state = ChunkedState(store, [numel], layout, cache_chunks=0, lock=False)
+        assert state.slotted == {1, 2, 3}
+        filler.write_bytes(b"\0" * (os.statvfs(small).f_bavail * fs.f_frsize - keep // 2))
+        assert state.with_second_slots([3, 2, 1], keep_free=True) == [3, 2, 1]
+        assert state.slots_short is None and state.slot_bytes == 0
         filler.unlink()
         state.pipeline.close()
 

@@ -80,14 +80,17 @@ def test_a_staged_version_waits_for_commit_or_discard(engine: str, work_dirs: li
         store.write("one", versions[0]).wait()
         with pytest.raises(ValueError, match='shadow_slots: object "one"'):
             store.write("one", versions[1], staged=True)
+        assert store.slots("one") == 1
         assert store.add_shadow_slot("one") >= versions[0].numel() * versions[0].element_size()
         assert store.add_shadow_slot("one") == 0
+        assert store.slots("one") == 2
         store.write("one", versions[1], staged=True).wait()
         store.commit("one")
         store.read("one", back).wait()
         assert torch.equal(back, versions[1])
-        with pytest.raises(FileNotFoundError, match="absent"):
-            store.add_shadow_slot("absent")
+        for call in (store.add_shadow_slot, store.slots):
+            with pytest.raises(FileNotFoundError, match="absent"):
+                call("absent")
 
 
 def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_dirs: list[Path]) -> None:

@@ -174,6 +174,8 @@ class ObjectStore:
         """Gives `key` a second slot of its own; the bytes reserved (0 when it had two)."""
     def read(self, key: str, address: int, nbytes: int, owner: object, verify: bool = True) -> IoHandle:
         """Reads `key` into the bytes; `verify=False` leaves its checksums to the caller (`verify`)."""
+    def slots(self, key: str) -> int:
+        """How many slots `key` has on disk: 2 where it takes staged writes, else 1."""
     def write_cuts(self, nbytes: int) -> list[int]:
         """Where each stripe of an `nbytes` object written now would start."""
     def read_check(self, key: str) -> ReadCheck:

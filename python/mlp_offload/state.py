@@ -57,10 +57,17 @@ class ChunkedState:
             self.of_subgroup[i].append(c)
         self.keys = [f"{KEY_PREFIX}{i}.{first}" for i, first, _ in self.chunks]
         self._remove_stale()
-        # Chunks known to have a second slot on disk to stage into (every one with shadow slots; see
-        # `with_second_slots`), the bytes the slots added here took, and why the last adding stopped
+        # Chunks with a second slot on disk to stage into (every one with shadow slots; else those
+        # `with_second_slots` gave one, here or in an earlier process on these paths, as the store's
+        # manifest keeps them), the bytes the slots added here took, and why the last adding stopped
         # short.
-        self.slotted: set[int] = set(range(len(self.chunks))) if shadow_slots else set()
+        self.slotted: set[int] = (
+            set(range(len(self.chunks)))
+            if shadow_slots
+            else {
+                c for c, key in enumerate(self.keys) if store.size(key) is not None and store.slots(key) == 2
+            }
+        )
         self.slot_bytes = 0
         self.slots_short: str | None = None
         self.pipeline = ChunkPipeline(

@@ -121,6 +121,12 @@ class ObjectStore:
         the object as it was."""
         return self._store.add_shadow_slot(key)
 
+    def slots(self, key: str) -> int:
+        """How many slots `key` has on disk: 2 where it takes staged writes (every object with
+        `shadow_slots`, else those `add_shadow_slot` gave one, also in an earlier process), else 1.
+        `FileNotFoundError` naming the key when there is no such object."""
+        return self._store.slots(key)
+
     def read(self, key: str, dst: Any, *, verify: bool = True) -> _core.IoHandle:
         """Reads object `key` into `dst`, which must have exactly the object's size in bytes. With
         `verify=False` the store does not check its checksums: the caller hashes what it read and calls

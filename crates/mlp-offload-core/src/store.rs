@@ -431,6 +431,14 @@ impl ObjectStore {
         Some(size)
     }
 
+    /// How many slots the object has on disk: 2 where it takes staged writes (a store with shadow
+    /// slots, or [`ObjectStore::add_shadow_slot`], kept in the manifest across reopens), else 1.
+    pub fn slots(&self, key: &str) -> Result<u32> {
+        let entry = self.entry(key)?;
+        let slots = entry.record.lock().expect("record lock").slots;
+        Ok(u32::from(slots))
+    }
+
     /// How the object's current contents are split: `(path index, bytes)` per stripe.
     pub fn placement(&self, key: &str) -> Result<Vec<(usize, u64)>> {
         let entry = self.entry(key)?;

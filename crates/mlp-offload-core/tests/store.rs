@@ -717,7 +717,15 @@ fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
     // The second slot's blocks are reserved at once, split as the current version; a second call has
     // nothing to add.
     let before = on_disk("a");
+    assert_eq!(
+        (store.slots("a").unwrap(), store.slots("b").unwrap()),
+        (1, 1)
+    );
     let added = store.add_shadow_slot("a").unwrap();
+    assert_eq!(
+        (store.slots("a").unwrap(), store.slots("b").unwrap()),
+        (2, 1)
+    );
     assert!(
         (len as u64..len as u64 + 2 * 4096).contains(&added),
         "{added}"
@@ -744,6 +752,10 @@ fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
     // The manifest keeps each object's slots: reopened, "a" stages and "b" still refuses.
     drop(store);
     let store = open_one_slot();
+    assert_eq!(
+        (store.slots("a").unwrap(), store.slots("b").unwrap()),
+        (2, 1)
+    );
     assert_eq!(read_back(&store, "a", len), versions[3]);
     stage(&store, "a", &versions[4], None).wait().unwrap();
     store.commit("a").unwrap();
@@ -754,6 +766,8 @@ fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
         matches!(err, Error::NotFound { .. }) && err.to_string().contains("\"nothing\""),
         "{err}"
     );
+    let err = store.slots("nothing").unwrap_err();
+    assert!(matches!(err, Error::NotFound { .. }), "{err}");
     drop(store);
     if !is_root() {
         eprintln!("skipped: running out of space (mounting a small tmpfs needs root)");
@@ -778,6 +792,7 @@ fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
     assert_eq!(err.errno(), Some(libc::ENOSPC), "{err}");
     assert!(err.to_string().contains("c.mlpo"), "{err}");
     assert_eq!(read_back(&store, "c", len), versions[0]);
+    assert_eq!(store.slots("c").unwrap(), 1);
     assert!(refused(&store, "c"));
     fs::remove_file(paths1[0].join("filler")).unwrap();
     assert!(store.add_shadow_slot("c").unwrap() >= len as u64);

@@ -605,6 +605,11 @@ impl PyObjectStore {
         py.detach(|| store.add_shadow_slot(key)).map_err(to_py)
     }
 
+    /// How many slots `key` has on disk: 2 where it takes staged writes, else 1.
+    fn slots(&self, key: &str) -> PyResult<u32> {
+        self.get()?.slots(key).map_err(to_py)
+    }
+
     /// Where each stripe of an `nbytes` object written now would start (the current weights' split).
     fn write_cuts(&self, nbytes: u64) -> PyResult<Vec<u64>> {
         self.get()?.write_cuts(nbytes).map_err(to_py)
