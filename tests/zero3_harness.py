@@ -181,6 +181,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             case.get("sigkill_rank", 0)
         ):
             in_update(optimizer, after_chunks=3, then=functools.partial(sigkill, optimizer))
+            if case.get("hold_backward"):
+                hold_backward(engine)
         if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
             # This node's ranks stop mid-update, and say so, until the test kills the node.
             marker = Path(case["stall_marker"].replace("{rank}", os.environ["RANK"]))
@@ -380,6 +382,23 @@ def sigkill(optimizer: Any) -> None:
         where = "behind step()"
     print("killed", where, file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_backward(engine: Any) -> None:
+    """Makes the next backward wait, near its end (at the token embedding's output gradient, every later
+    layer's gradients reduced), until something kills this process: a kill that the test expects during
+    backward (`sigkill`'s "during backward") then comes there however slowly the machine runs."""
+    embedding = next(m for m in engine.module.modules() if isinstance(m, torch.nn.Embedding))
+
+    def wait(grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(120)
+        raise RuntimeError("hold_backward: not killed within 120 s")
+
+    def on_forward(module: Any, inputs: Any, output: torch.Tensor) -> None:
+        handle.remove()
+        output.register_hook(wait)
+
+    handle = embedding.register_forward_hook(on_forward)
 
 
 def stall(marker: Path) -> None:
