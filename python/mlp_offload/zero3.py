@@ -524,13 +524,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if key in adam:
                 adam[key] = torch.empty(0, dtype=FP32)
 
+    def _mlp_clip_ratio(self, total_norm: Any) -> Any:
+        """DeepSpeed's clipping ratio in `unscale_and_clip_grads` for a scaled gradient norm (a float, or a
+        0-dim tensor: the same operations either way); it clips where this is above 1."""
+        return ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
+
     def _mlp_grad_scale(self, total_norm: Any) -> float:
         """What DeepSpeed's `unscale_and_clip_grads` multiplies every fp32 gradient by this step, from the
         same expressions (a float, or a 0-dim tensor's value: torch multiplies by it as a float)."""
         combined_scale = self.loss_scale
         if self.clip_grad > 0.0:
-            clip = ((total_norm / self.loss_scale) + 1e-6) / self.clip_grad
-            clip = torch.clamp(clip, min=1.0)
+            clip = torch.clamp(self._mlp_clip_ratio(total_norm), min=1.0)
             combined_scale = clip * self.loss_scale
         return float(1.0 / combined_scale)
 
@@ -758,6 +762,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Gradients were final before this one: their norms may already rule the outcome out.
         self._mlp_stop_if_ruled_out(spec)
 
+    def _mlp_update_secs_to_plan_by(self) -> float | None:
+        """The update's time the plan of the update during backward goes by: the performance model's
+        prediction, else the last update measured whole inside `step()`; None before either."""
+        return self._mlp_planner.prediction or self._mlp_last_whole_update
+
     def _mlp_backward_plan(self, streamed: list[int]) -> tuple[list[int], str]:
         """The streamed chunks to update during this boundary's backward, in the order they run
         (`overlap.chunks_for_backward`): by when each one's gradient was final in the last boundary's
@@ -769,7 +778,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             return [], "not tried: the plan waits for one boundary's gradient times"
         if not self._mlp_state.pipeline.ascending:
             return [], f"not tried: {self._mlp_order_why}"
-        update_secs = self._mlp_planner.prediction or self._mlp_last_whole_update
+        update_secs = self._mlp_update_secs_to_plan_by()
         if update_secs is None:
             return [], "not tried: no update predicted or measured yet to plan by"
         chosen = overlap.chunks_for_backward(
@@ -785,7 +794,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         chunk); if so the pipeline goes to chunk order for this step's update, and the update during
         backward can begin at the next boundary. `_mlp_order_why` says what the plan found."""
         pipeline = self._mlp_state.pipeline
-        update_secs = self._mlp_planner.prediction or self._mlp_last_whole_update
+        update_secs = self._mlp_update_secs_to_plan_by()
         if update_secs is None:
             self._mlp_order_why = "no update predicted or measured yet to plan by"
             return
@@ -811,10 +820,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         so_far = self._mlp_norm_sq_so_far
         if not math.isfinite(so_far):
             spec.stopped = "the gradients' norm so far is not finite"
-        elif (
-            self.clip_grad > 0.0
-            and (math.sqrt(so_far) / self.loss_scale + 1e-6) / self.clip_grad > 1.0 + CLIP_MARGIN
-        ):
+        elif self.clip_grad > 0.0 and self._mlp_clip_ratio(math.sqrt(so_far)) > 1.0 + CLIP_MARGIN:
             spec.stopped = (
                 f"the gradients' norm so far, {math.sqrt(so_far) / self.loss_scale:.6g}, already clips at "
                 f"{self.clip_grad:g}"
