@@ -14,12 +14,14 @@ Parts, in this order (all by default; name some to run only those, one call each
   `../shared/deepspeed-tests` is not there);
 - `lightning`: PyTorch Lightning's `DeepSpeedStrategy(config=...)` with our section, bit-equal to stock
   Lightning with DeepSpeed (`tests/test_frameworks.py`);
-- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-largest`, `e2e-largest-ours`: `benches/e2e.py` with the
-  LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's pipelined NVMe offload and
-  its `device: cpu`, and the largest LLaMA size whose state the data directory's free space holds for
-  DeepSpeed's NVMe offload (16 bytes a parameter). At 1B, ours at DeepSpeed's memory and with half the
-  state in memory (issue 29's (b) and (c)), and as the README configures it with the update behind the
-  next forward and inside `step()` (issue 30's (d), and its 2x against `device: cpu`).
+- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-forward`, `e2e-largest`, `e2e-largest-ours`:
+  `benches/e2e.py` with the LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's
+  pipelined NVMe offload and its `device: cpu`, and the largest LLaMA size whose state the data
+  directory's free space holds for DeepSpeed's NVMe offload (16 bytes a parameter). At 1B, ours at
+  DeepSpeed's memory and with half the state in memory (issue 29's (b) and (c)); as the README
+  configures it with the update behind the next forward and inside `step()` (issue 30's (d), and its 2x
+  against `device: cpu`); and with half the state in memory, inside `step()` against behind the next
+  forward (issue 30's (c), whose forward on the CPU had nothing to hide the update behind).
 
 Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
 runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
@@ -148,6 +150,11 @@ PARTS = {
         "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it, the update behind the "
         "next forward (the default there) and inside step()",
         e2e_part("1B", "ds-cpu,mlp-offload-default", "e2e-1B-dram", ('default/serial={"overlap": false}',)),
+    ),
+    "e2e-1B-forward": Part(
+        "LLaMA 1B, half the state in memory: the update inside step() (the default where the state streams) "
+        "against behind the next forward (overlap: true), whose 0.01 s forward on the CPU hid nothing",
+        e2e_part("1B", "mlp-offload-half", "e2e-1B-forward", ('half/forward={"overlap": true}',)),
     ),
     "e2e-largest": Part(
         "the largest LLaMA the disk holds: DeepSpeed NVMe (pipelined)",

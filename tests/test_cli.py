@@ -215,30 +215,45 @@ def test_each_rank_is_planned_with_its_part_of_a_shared_device(
         assert plan["predicted_update_secs"] > 0
 
 
-# name, nodes, configured localities, per path (locality, mixed MiB/s, {nodes: each node's MiB/s
-# together}), expected share of each path's figures
+# name, nodes, configured localities, per path (locality, mixed MiB/s of its probe at start-up,
+# {nodes: each node's MiB/s together}, this node's MiB/s alone in that measurement (None: as at
+# start-up)), expected share of each path's figures
 NODE_SHARES = [
-    ("node-local: all its own", 4, None, [("node-local", 1000, None)], [1.0]),
-    ("one node: all of a shared path", 1, None, [("shared", 1000, {"2": [300, 300]})], [1.0]),
-    ("measured with 2, planned for 2", 2, None, [("shared", 1000, {"2": [300, 340]})], [0.32]),
-    ("measured with 2, planned for 4", 4, None, [("shared", 1000, {"2": [300, 340]})], [0.16]),
-    ("not saturated: no more than alone", 2, None, [("shared", 500, {"2": [600, 600]})], [1.0]),
-    ("not measured: a lower bound", 4, None, [("shared", 1000, None)], [0.25]),
-    ("the most nodes measured below", 4, None, [("shared", 1000, {"2": [300, 300], "8": [50] * 8})], [0.15]),
+    ("node-local: all its own", 4, None, [("node-local", 1000, None, None)], [1.0]),
+    ("one node: all of a shared path", 1, None, [("shared", 1000, {"2": [300, 300]}, None)], [1.0]),
+    ("measured with 2, planned for 2", 2, None, [("shared", 1000, {"2": [300, 340]}, None)], [0.32]),
+    ("measured with 2, planned for 4", 4, None, [("shared", 1000, {"2": [300, 340]}, None)], [0.16]),
+    ("not saturated: no more than alone", 2, None, [("shared", 500, {"2": [600, 600]}, None)], [1.0]),
+    (
+        "the start-up probe ran beside another node's: its half, above that probe",
+        2,
+        None,
+        [("shared", 300, {"2": [400, 440]}, 800)],
+        [1.4],
+    ),
+    ("its half, at most what it moved alone", 2, None, [("shared", 300, {"2": [600, 600]}, 450)], [1.5]),
+    ("not measured: a lower bound", 4, None, [("shared", 1000, None, None)], [0.25]),
+    (
+        "the most nodes measured below",
+        4,
+        None,
+        [("shared", 1000, {"2": [300, 300], "8": [50] * 8}, None)],
+        [0.15],
+    ),
     (
         "only more nodes measured: the fewest",
         2,
         None,
-        [("shared", 1000, {"8": [50] * 8, "4": [200] * 4})],
+        [("shared", 1000, {"8": [50] * 8, "4": [200] * 4}, None)],
         [0.4],
     ),
-    ("configured node-local", 2, ["node-local"], [("shared", 1000, {"2": [300, 300]})], [1.0]),
-    ("configured shared", 2, ["shared"], [("node-local", 1000, None)], [0.5]),
+    ("configured node-local", 2, ["node-local"], [("shared", 1000, {"2": [300, 300]}, None)], [1.0]),
+    ("configured shared", 2, ["shared"], [("node-local", 1000, None, None)], [0.5]),
     (
         "node-local and shared",
         2,
         None,
-        [("node-local", 3000, None), ("shared", 800, {"2": [400, 400]})],
+        [("node-local", 3000, None, None), ("shared", 800, {"2": [400, 400]}, None)],
         [1.0, 0.5],
     ),
 ]
@@ -252,11 +267,11 @@ NODE_SHARES = [
 def test_each_node_is_planned_with_its_part_of_a_shared_path(
     nodes: int,
     configured: list[str] | None,
-    paths: list[tuple[str, int, dict[str, list[int]] | None]],
+    paths: list[tuple[str, int, dict[str, list[int]] | None, int | None]],
     expected: list[float],
 ) -> None:
     """The nodes share equally what the shared path moved with all of them at once, each at most what
-    its own probe measured; node-local paths are each node's own."""
+    it moved alone in the same measurement; node-local paths are each node's own. This node is node0."""
     from mlp_offload import profiles
 
     probes = [
@@ -275,7 +290,7 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
                     "across_nodes": {
                         n: {
                             "hosts": [f"node{k}" for k in range(len(rates))],
-                            "alone_bytes_per_s": [mixed * MiB] * len(rates),
+                            "alone_bytes_per_s": [(alone or mixed) * MiB] * len(rates),
                             "together_bytes_per_s": [r * MiB for r in rates],
                             "secs": 3.0,
                             "probed_at": 0.0,
@@ -285,10 +300,10 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
                 }
             ),
         }
-        for i, (locality, mixed, measured) in enumerate(paths)
+        for i, (locality, mixed, measured, alone) in enumerate(paths)
     ]
     profile = profiles.Profile(paths=[f"/p{i}" for i in range(len(paths))], probes=probes, probed_at=0.0)
-    assert profile.node_share(nodes, configured) == pytest.approx(expected)
+    assert profile.node_share(nodes, configured, host="node0") == pytest.approx(expected)
     for i in range(len(paths)):
         note = profiles.across_nodes_note(probes[i], nodes)
         assert ("not measured" in note) == ("across_nodes" not in probes[i]), note

@@ -153,15 +153,19 @@ class Profile:
             return list(configured)
         return [p["locality"] for p in self.probes]
 
-    def node_share(self, nodes: int, localities: Sequence[str] | None = None) -> list[float]:
+    def node_share(
+        self, nodes: int, localities: Sequence[str] | None = None, host: str | None = None
+    ) -> list[float]:
         """Per path, the fraction of this node's probed figures that it gets when `nodes` nodes update at
         once: 1 for a node-local path. A shared path's nodes share equally the aggregate measured with
         all nodes at once (`measure_across_nodes`; the measurement `across_nodes` picks), each getting
-        at most its own mixed figure; without a measurement, the aggregate is taken as one node's
-        figure, a lower bound (`across_nodes_note` says so)."""
+        at most what it moved alone in that measurement (`host`, this machine's name by default; a host
+        it did not measure: at most its own mixed figure); without a measurement, the aggregate is taken
+        as one node's figure, a lower bound (`across_nodes_note` says so)."""
         share = [1.0] * len(self.probes)
         if nodes <= 1:
             return share
+        host = socket.gethostname() if host is None else host
         for i, locality in enumerate(localities or self.localities()):
             if locality != "shared":
                 continue
@@ -169,10 +173,13 @@ class Profile:
             if measured is None:
                 share[i] = 1 / nodes
                 continue
-            # Over this node's own mixed figure, which the plan scales: the nodes' probes at start-up
-            # run at once, so on a shared path it may be below what the node measured alone.
-            alone = self.probes[i]["mixed_bytes_per_s"]
-            share[i] = min(1.0, sum(measured["together_bytes_per_s"]) / nodes / alone)
+            # Over this node's own mixed figure, which the plan scales. The nodes' probes at start-up
+            # run at once, so on a shared path that figure may be well below what the node moves
+            # alone: the cap is its own window of the same measurement, and the share may exceed 1.
+            mixed = self.probes[i]["mixed_bytes_per_s"]
+            hosts = list(measured["hosts"])
+            alone = measured["alone_bytes_per_s"][hosts.index(host)] if host in hosts else mixed
+            share[i] = min(alone, sum(measured["together_bytes_per_s"]) / nodes) / mixed
         return share
 
     def plan_subgroups(
