@@ -18,6 +18,7 @@ import torch
 
 from conftest import mounted_tmpfs
 from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, memory, overlap, profiles
+from mlp_offload import state as state_module
 from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.overlap import UpdateInFlight, update_thread
 from mlp_offload.pipeline import ChunkPipeline, next_order
@@ -486,6 +487,75 @@ def test_second_slots_keep_a_tenth_of_the_disk_free_or_raise_naming_the_file(eig
         assert state.with_second_slots([3, 2, 1], keep_free=True) == [3, 2, 1]
         assert state.slots_short is None and state.slot_bytes == 0
         filler.unlink()
+        state.pipeline.close()
+
+
+def test_second_slots_the_plan_stopped_choosing_go_back_to_the_file_system(eight_mib: Path) -> None:
+    """`ChunkedState.give_back_idle_slots` on a real file system: a chunk's second slot, not chosen for
+    `SLOT_IDLE_BOUNDARIES` boundaries in a row, goes back (its blocks free again, the chunk's contents
+    as they were) once its current version lies in slot 0; one in slot 1 waits for its next write; a
+    chosen chunk starts counting again. A later process knows which chunks kept theirs. With shadow
+    slots every chunk keeps two."""
+    small = eight_mib
+    chunk_bytes = 512 << 10
+    numel = 4 * memory.chunk_layout([1 << 20], 1 << 30, chunk_bytes).elements
+    layout = memory.chunk_layout([numel], 16 * chunk_bytes, chunk_bytes)
+
+    def contents(c: int) -> torch.Tensor:
+        return torch.full((layout.sizes[c],), c + 1, dtype=torch.uint8)
+
+    def free() -> int:
+        fs = os.statvfs(small)
+        return fs.f_bavail * fs.f_frsize
+
+    with ObjectStore([small], shadow_slots=False) as store:
+        state = ChunkedState(store, [numel], layout, cache_chunks=0, lock=False)
+        keys = state.keys
+        for c in range(4):
+            store.write(keys[c], contents(c)).wait()
+        assert state.with_second_slots([0, 1, 2, 3], keep_free=False) == [0, 1, 2, 3]
+        # Chunk 1's current version in slot 1: staged there and kept.
+        store.write(keys[1], contents(1), staged=True).wait()
+        store.commit(keys[1])
+        before = free()
+        for _ in range(state_module.SLOT_IDLE_BOUNDARIES - 1):
+            state.give_back_idle_slots({2, 3})
+        assert state.slotted == {0, 1, 2, 3} and free() == before
+        # The fourth: chunk 0 goes back, chunk 1 (in slot 1) waits; chunk 2, chosen until now, starts
+        # counting.
+        state.give_back_idle_slots({3})
+        assert state.slotted == {1, 2, 3} and state.slots_given_back == 1
+        assert state.slot_bytes_given_back >= layout.sizes[0]
+        # Its blocks are free again (the manifest, rewritten, may take a page more or less).
+        assert abs(free() - before - state.slot_bytes_given_back) <= 4096
+        assert [store.slots(k) for k in keys] == [1, 2, 2, 2]
+        # Chunk 1 after its next write (to slot 0); chunk 2 after its own idle boundaries.
+        store.write(keys[1], contents(1)).wait()
+        state.give_back_idle_slots({3})
+        assert state.slotted == {2, 3} and state.slots_given_back == 2
+        for _ in range(state_module.SLOT_IDLE_BOUNDARIES - 2):
+            state.give_back_idle_slots({3})
+        assert state.slotted == {3} and [store.slots(k) for k in keys] == [1, 1, 1, 2]
+        for c in range(4):
+            back = torch.empty(layout.sizes[c], dtype=torch.uint8)
+            store.read(keys[c], back).wait()
+            assert torch.equal(back, contents(c)), c
+        # A chunk given back gets a slot again when chosen.
+        assert state.with_second_slots([0], keep_free=False) == [0]
+        state.pipeline.close()
+    with ObjectStore([small], shadow_slots=False) as store:
+        state = ChunkedState(store, [numel], layout, cache_chunks=0, lock=False)
+        assert state.slotted == {0, 3}
+        state.pipeline.close()
+    # With shadow slots every chunk keeps its two.
+    (small / "shadow").mkdir()
+    with ObjectStore([small / "shadow"]) as store:
+        state = ChunkedState(store, [numel], layout, cache_chunks=0, lock=False, shadow_slots=True)
+        for c in range(4):
+            store.write(state.keys[c], contents(c)).wait()
+        for _ in range(state_module.SLOT_IDLE_BOUNDARIES):
+            state.give_back_idle_slots(set())
+        assert state.slotted == {0, 1, 2, 3} and state.slots_given_back == 0
         state.pipeline.close()
 
 

@@ -88,9 +88,26 @@ def test_a_staged_version_waits_for_commit_or_discard(engine: str, work_dirs: li
         store.commit("one")
         store.read("one", back).wait()
         assert torch.equal(back, versions[1])
-        for call in (store.add_shadow_slot, store.slots):
+        # Given back once the current version is in slot 0: after the commit it is in slot 1.
+        added = store.add_shadow_slot("one") or versions[0].numel() * versions[0].element_size()
+        assert store.remove_shadow_slot("one") is None and store.slots("one") == 2
+        store.write("one", versions[2], staged=True).wait()
+        with pytest.raises(ValueError, match='remove_shadow_slot: object "one" has a staged version'):
+            store.remove_shadow_slot("one")
+        store.commit("one")
+        given = store.remove_shadow_slot("one")
+        assert given is not None and given >= added and store.slots("one") == 1
+        assert store.remove_shadow_slot("one") == 0
+        store.read("one", back).wait()
+        assert torch.equal(back, versions[2])
+        for call in (store.add_shadow_slot, store.remove_shadow_slot, store.slots):
             with pytest.raises(FileNotFoundError, match="absent"):
                 call("absent")
+    (work_dirs[2] / "shadow").mkdir()
+    with ObjectStore([work_dirs[2] / "shadow"], engine=engine) as store:
+        store.write("two", versions[0]).wait()
+        with pytest.raises(ValueError, match=r'shadow_slots: object "two".*shadow slots on'):
+            store.remove_shadow_slot("two")
 
 
 def test_errors_are_oserror_with_errno_and_path_or_valueerror(engine: str, work_dirs: list[Path]) -> None:

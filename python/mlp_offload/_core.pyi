@@ -172,6 +172,9 @@ class ObjectStore:
         """Forgets the staged version of `key`; whether there was one."""
     def add_shadow_slot(self, key: str) -> int:
         """Gives `key` a second slot of its own; the bytes reserved (0 when it had two)."""
+    def remove_shadow_slot(self, key: str) -> int | None:
+        """Gives back the slot `add_shadow_slot` gave `key`: the bytes (0 with one), None while current
+        in slot 1."""
     def read(self, key: str, address: int, nbytes: int, owner: object, verify: bool = True) -> IoHandle:
         """Reads `key` into the bytes; `verify=False` leaves its checksums to the caller (`verify`)."""
     def slots(self, key: str) -> int:

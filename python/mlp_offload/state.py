@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -24,6 +24,10 @@ STATE_TENSORS = memory.STATE_TENSORS
 KEY_PREFIX = "subgroup"
 # `with_second_slots(keep_free=True)` adds slots while each path keeps 1 / this of its file system free.
 KEEP_FREE_PART = 10
+# `give_back_idle_slots`: a second slot the plan has not chosen for this many boundaries in a row goes
+# back to the file system. The plan's pick moves from boundary to boundary (docs/results.md), so a slot
+# idle for one or two is likely wanted again soon, and giving it back would only make it again.
+SLOT_IDLE_BOUNDARIES = 4
 
 
 class ChunkedState:
@@ -70,6 +74,12 @@ class ChunkedState:
         )
         self.slot_bytes = 0
         self.slots_short: str | None = None
+        # Per chunk with a second slot of its own, the boundaries in a row the plan did not choose it
+        # (`give_back_idle_slots`), and the chunks and bytes given back here so far.
+        self.shadow_slots = shadow_slots
+        self._slot_idle: dict[int, int] = {}
+        self.slots_given_back = 0
+        self.slot_bytes_given_back = 0
         self.pipeline = ChunkPipeline(
             store,
             self.keys,
@@ -143,6 +153,30 @@ class ChunkedState:
                 if path in room:
                     room[path][0] -= nbytes
         return [c for c in chunks if c in self.slotted]
+
+    def give_back_idle_slots(self, chosen: Collection[int]) -> None:
+        """After a boundary whose update during backward chose `chosen`: each chunk with a second slot of
+        its own that was not chosen for `SLOT_IDLE_BOUNDARIES` boundaries in a row gives it back
+        (`ObjectStore.remove_shadow_slot`), once its current version lies in slot 0 (each write of the
+        chunk flips it: until then it is asked again at each boundary). So the disk the slots take
+        follows the plan's pick down as well as up. Nothing with `shadow_slots`, where every object
+        keeps two. No staged version may wait (the last step kept or forgot them)."""
+        if self.shadow_slots:
+            return
+        for chunk in sorted(self.slotted):
+            if chunk in chosen:
+                self._slot_idle.pop(chunk, None)
+                continue
+            idle = self._slot_idle[chunk] = self._slot_idle.get(chunk, 0) + 1
+            if idle < SLOT_IDLE_BOUNDARIES:
+                continue
+            given = self.store.remove_shadow_slot(self.keys[chunk])
+            if given is None:
+                continue
+            self.slotted.discard(chunk)
+            del self._slot_idle[chunk]
+            self.slots_given_back += 1
+            self.slot_bytes_given_back += given
 
     def _slices(self, chunk: int) -> list[slice]:
         """Where the chunk's `[params | exp_avg | exp_avg_sq]` lie in its subgroup's."""

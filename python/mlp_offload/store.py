@@ -121,6 +121,15 @@ class ObjectStore:
         the object as it was."""
         return self._store.add_shadow_slot(key)
 
+    def remove_shadow_slot(self, key: str) -> int | None:
+        """Gives back the second slot `add_shadow_slot` gave `key`: it goes back to one slot, written in
+        place, and the slot's blocks go back to the file system; the bytes given back, 0 when it had one
+        slot. Only while its current version is in slot 0: None, and nothing changes, while it is in
+        slot 1 (its next write goes to slot 0). The manifest forgets the slot first, durably.
+        `ValueError` naming the key while a staged version waits (commit or discard it first), and in a
+        store with `shadow_slots`, whose every object keeps two."""
+        return self._store.remove_shadow_slot(key)
+
     def slots(self, key: str) -> int:
         """How many slots `key` has on disk: 2 where it takes staged writes (every object with
         `shadow_slots`, else those `add_shadow_slot` gave one, also in an earlier process), else 1.

@@ -743,8 +743,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             return sums
 
         def run() -> StepStats:
-            # The chosen chunks that lack a second slot get one first (off backward's thread).
+            # Off backward's thread: the second slots the plan has long stopped choosing go back, and the
+            # chosen chunks that lack one get one.
             spec.planned = len(streamed)
+            self._mlp_state.give_back_idle_slots(set(streamed))
             taken = self._mlp_state.with_second_slots(streamed, keep_free=True)
             spec.slotted = len(taken)
             return pipeline.run_step(
@@ -877,10 +879,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             "planned": 0 if spec is None else spec.planned,
             "slotted": 0 if spec is None else spec.slotted,
             "stopped": None if spec is None else spec.stopped,
-            # Chunks with a second slot, the bytes the ones added took, and why adding stopped short.
+            # Chunks with a second slot, the bytes the ones added took, why adding stopped short, and
+            # the slots given back after the plan stopped choosing them (chunks, bytes).
             "slotted_chunks": len(self._mlp_state.slotted),
             "slot_bytes": self._mlp_state.slot_bytes,
             "slots_short": self._mlp_state.slots_short,
+            "slots_given_back": self._mlp_state.slots_given_back,
+            "slot_bytes_given_back": self._mlp_state.slot_bytes_given_back,
             # Whether the steps go in chunk order (which it needs), and what the plan found of it.
             "chunk_order": self._mlp_state.pipeline.ascending,
             "chunk_order_why": self._mlp_order_why,
@@ -983,6 +988,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The update during backward: kept where the outcome is the one it assumed, else undone.
         spec_stats: StepStats | None = None
         speculation, committed = self._mlp_abandoned, set()
+        # An update during backward that began and was undone before step() (something read the state).
+        abandoned = speculation is not None
         self._mlp_abandoned = None
         if spec is None and speculation is None and self._mlp_spec_on:
             why_not = "not tried: the last step's gradients were clipped" if not likely else skipped
@@ -1088,6 +1095,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # The whole update ran here: what the plan of the update during backward goes by
                 # without a prediction.
                 self._mlp_last_whole_update = update_end - step_start
+            if spec is None and not abandoned and self._mlp_spec_on:
+                # A boundary without the update during backward (not tried, or clipped) chose no chunk:
+                # second slots long unused go back here too (with one, when it began).
+                self._mlp_state.give_back_idle_slots(())
             return stats if spec_stats is None else spec_stats.add(stats)
 
         def finish(stats: StepStats, waited_secs: float | None) -> None:

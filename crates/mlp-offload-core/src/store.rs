@@ -621,6 +621,73 @@ impl ObjectStore {
             .sum())
     }
 
+    /// Gives back the second slot [`ObjectStore::add_shadow_slot`] gave object `key`: the object goes
+    /// back to one slot, its writes in place and no staged ones, and slot 1's blocks go back to the file
+    /// system. Only while its current version lies in slot 0: returns `None` and changes nothing when it
+    /// lies in slot 1 (the object's next write goes to slot 0; ask again after it). Returns the bytes
+    /// given back, 0 when the object has one slot. Waits for the object's operations in flight first.
+    /// The manifest forgets the slot first, durably, so a store reopened after a crash never stages into
+    /// blocks that are gone (a crash before they go leaves them reserved, where the next
+    /// `add_shadow_slot` takes them again). An error naming the key while a staged version waits, and
+    /// in a store with shadow slots on, whose every object keeps two.
+    pub fn remove_shadow_slot(&self, key: &str) -> Result<Option<u64>> {
+        if self.config.shadow_slots {
+            return Err(Error::config(
+                "shadow_slots",
+                format!(
+                    "object {key:?}: the store keeps two slots for every object (shadow slots on)"
+                ),
+            ));
+        }
+        let entry = self.entry(key)?;
+        let _submitting = entry.submit_lock.lock().expect("submit lock");
+        wait_for(&entry, |_| true);
+        let (layout, sums, strides) = {
+            let mut record = entry.record.lock().expect("record lock");
+            if record.slots == 1 {
+                return Ok(Some(0));
+            }
+            if record.staged.is_some() {
+                return Err(Error::config(
+                    "remove_shadow_slot",
+                    format!(
+                        "object {key:?} has a staged version in its second slot: commit or discard it \
+                         first"
+                    ),
+                ));
+            }
+            if record.active == Some(1) {
+                return Ok(None);
+            }
+            record.slots = 1;
+            let sums = record.checksums.pop().expect("a second slot's checksums");
+            let layout = record.layouts.pop().expect("a second slot's layout");
+            (layout, sums, record.slot_strides.clone())
+        };
+        {
+            let mut written = self.written_manifest.lock().expect("manifest lock");
+            if let Err(e) = self.write_manifest(&mut written) {
+                // Not given back: the object keeps both slots, as the manifest on disk still says.
+                let mut record = entry.record.lock().expect("record lock");
+                record.slots = 2;
+                record.layouts.push(layout);
+                record.checksums.push(sums);
+                return Err(e);
+            }
+        }
+        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
+        let files = entry.files.lock().expect("files lock").clone();
+        let mut given = 0;
+        for stripe in &layout {
+            let len = stripe.len.div_ceil(aligns[stripe.path]) * aligns[stripe.path];
+            if let Some(file) = &files[stripe.path] {
+                release(file.primary(), strides[stripe.path], len);
+            }
+            given += len;
+        }
+        Ok(Some(given))
+    }
+
     /// Makes the staged version of `key` current, once its write has completed (a metadata change: no
     /// I/O). An error, naming the key, when there is none: none was written since the object's last
     /// write or commit, it was discarded, or its write failed (that write's own wait raised why).

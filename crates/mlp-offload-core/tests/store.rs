@@ -163,6 +163,7 @@ for_each_engine!(
     files_no_manifest_knows_are_removed_at_open,
     a_staged_version_is_read_only_once_committed,
     a_second_slot_added_to_one_object_takes_staged_writes,
+    a_second_slot_is_given_back_once_the_current_version_is_in_slot_0,
 );
 
 fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
@@ -799,6 +800,98 @@ fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
     stage(&store, "c", &versions[1], None).wait().unwrap();
     store.commit("c").unwrap();
     assert_eq!(read_back(&store, "c", len), versions[1]);
+}
+
+fn a_second_slot_is_given_back_once_the_current_version_is_in_slot_0(engine: EngineChoice) {
+    let (_root, paths) = dirs(2);
+    let len = 300_000;
+    let versions: Vec<Vec<u8>> = (0..6).map(|v| random_bytes(len, 300 + v)).collect();
+    let open_one_slot = || {
+        ObjectStore::open(
+            StoreConfig::new(paths.iter().cloned())
+                .with_engine(engine)
+                .with_shadow_slots(false),
+        )
+        .unwrap()
+    };
+    let on_disk = |key: &str| -> u64 {
+        (0..2)
+            .map(|i| allocated(&paths[i].join(format!("rank0/{key}.mlpo"))))
+            .sum()
+    };
+    let write = |store: &ObjectStore, version: &[u8]| {
+        store
+            .write("a", aligned_copy(version), None)
+            .unwrap()
+            .wait()
+            .unwrap();
+    };
+    let store = open_one_slot();
+    write(&store, &versions[0]);
+    // One slot: nothing to give back.
+    assert_eq!(store.remove_shadow_slot("a").unwrap(), Some(0));
+    let one_slot = on_disk("a");
+    let added = store.add_shadow_slot("a").unwrap();
+    // Current in slot 1 (a staged version kept): kept as it is, both slots.
+    stage(&store, "a", &versions[1], None).wait().unwrap();
+    store.commit("a").unwrap();
+    assert_eq!(store.remove_shadow_slot("a").unwrap(), None);
+    assert_eq!(store.slots("a").unwrap(), 2);
+    assert_eq!(on_disk("a"), one_slot + added);
+    // A staged version waiting in slot 0: refused, naming the key; it stays committable.
+    stage(&store, "a", &versions[2], None).wait().unwrap();
+    let err = store.remove_shadow_slot("a").unwrap_err();
+    assert!(
+        err.to_string().contains("\"a\"") && err.to_string().contains("staged"),
+        "{err}"
+    );
+    store.commit("a").unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[2]);
+    // Current in slot 0: given back, every byte the slot took, and the contents stay.
+    assert_eq!(store.remove_shadow_slot("a").unwrap(), Some(added));
+    assert_eq!(store.slots("a").unwrap(), 1);
+    assert_eq!(on_disk("a"), one_slot);
+    assert_eq!(read_back(&store, "a", len), versions[2]);
+    // One slot again: writes in place, staged writes refused.
+    write(&store, &versions[3]);
+    assert_eq!(on_disk("a"), one_slot);
+    let mut buf = aligned_copy(&versions[4]);
+    let ptr = HostPtr(buf.as_mut_ptr());
+    // SAFETY: refused before any I/O; `buf` outlives the call.
+    let err = unsafe { store.stage_raw_with_sums("a", ptr, len, Box::new(()), None, None) }
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("shadow_slots"), "{err}");
+    // The manifest already says so: reopened (as after a crash), one slot and the last contents.
+    drop(store);
+    let store = open_one_slot();
+    assert_eq!(store.slots("a").unwrap(), 1);
+    assert_eq!(read_back(&store, "a", len), versions[3]);
+    // And a slot can be added again, taking as many bytes.
+    assert_eq!(store.add_shadow_slot("a").unwrap(), added);
+    stage(&store, "a", &versions[5], None).wait().unwrap();
+    store.commit("a").unwrap();
+    assert_eq!(read_back(&store, "a", len), versions[5]);
+    let err = store.remove_shadow_slot("nothing").unwrap_err();
+    assert!(
+        matches!(err, Error::NotFound { .. }) && err.to_string().contains("\"nothing\""),
+        "{err}"
+    );
+    drop(store);
+    // A store with shadow slots keeps two for every object.
+    let (_root2, paths2) = dirs(1);
+    let store = open(&paths2, engine);
+    store
+        .write("s", aligned_copy(&versions[0]), None)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let err = store.remove_shadow_slot("s").unwrap_err();
+    assert!(
+        err.to_string().contains("\"s\"") && err.to_string().contains("shadow slots on"),
+        "{err}"
+    );
+    assert_eq!(store.slots("s").unwrap(), 2);
 }
 
 fn running_out_of_space_names_the_path_and_keeps_the_old_contents(engine: EngineChoice) {

@@ -605,6 +605,14 @@ impl PyObjectStore {
         py.detach(|| store.add_shadow_slot(key)).map_err(to_py)
     }
 
+    /// Gives back the second slot `add_shadow_slot` gave `key`, once its current version is in slot 0:
+    /// the bytes given back (0 when it had one slot), None when it is in slot 1 (ask after its next
+    /// write). ValueError naming the key while a staged version waits, or with shadow slots on.
+    fn remove_shadow_slot(&self, py: Python<'_>, key: &str) -> PyResult<Option<u64>> {
+        let store = self.get()?;
+        py.detach(|| store.remove_shadow_slot(key)).map_err(to_py)
+    }
+
     /// How many slots `key` has on disk: 2 where it takes staged writes, else 1.
     fn slots(&self, key: &str) -> PyResult<u32> {
         self.get()?.slots(key).map_err(to_py)
