@@ -680,23 +680,30 @@ fn a_staged_version_is_read_only_once_committed(engine: EngineChoice) {
     assert!(err.to_string().contains("shadow_slots"), "{err}");
 }
 
+/// A store on `paths` with shadow slots off: one slot per object unless one is added.
+fn open_without_shadow_slots(paths: &[PathBuf], engine: EngineChoice) -> ObjectStore {
+    ObjectStore::open(
+        StoreConfig::new(paths.iter().cloned())
+            .with_engine(engine)
+            .with_shadow_slots(false),
+    )
+    .unwrap()
+}
+
+/// The bytes the file system holds for object `key` of rank 0, over all `paths`.
+fn allocated_on(paths: &[PathBuf], key: &str) -> u64 {
+    paths
+        .iter()
+        .map(|path| allocated(&path.join(format!("rank0/{key}.mlpo"))))
+        .sum()
+}
+
 fn a_second_slot_added_to_one_object_takes_staged_writes(engine: EngineChoice) {
     let (_root, paths) = dirs(2);
     let len = 300_000;
     let versions: Vec<Vec<u8>> = (0..5).map(|v| random_bytes(len, 200 + v)).collect();
-    let open_one_slot = || {
-        ObjectStore::open(
-            StoreConfig::new(paths.iter().cloned())
-                .with_engine(engine)
-                .with_shadow_slots(false),
-        )
-        .unwrap()
-    };
-    let on_disk = |key: &str| -> u64 {
-        (0..2)
-            .map(|i| allocated(&paths[i].join(format!("rank0/{key}.mlpo"))))
-            .sum()
-    };
+    let open_one_slot = || open_without_shadow_slots(&paths, engine);
+    let on_disk = |key: &str| allocated_on(&paths, key);
     let store = open_one_slot();
     for key in ["a", "b"] {
         store
@@ -806,19 +813,8 @@ fn a_second_slot_is_given_back_once_the_current_version_is_in_slot_0(engine: Eng
     let (_root, paths) = dirs(2);
     let len = 300_000;
     let versions: Vec<Vec<u8>> = (0..6).map(|v| random_bytes(len, 300 + v)).collect();
-    let open_one_slot = || {
-        ObjectStore::open(
-            StoreConfig::new(paths.iter().cloned())
-                .with_engine(engine)
-                .with_shadow_slots(false),
-        )
-        .unwrap()
-    };
-    let on_disk = |key: &str| -> u64 {
-        (0..2)
-            .map(|i| allocated(&paths[i].join(format!("rank0/{key}.mlpo"))))
-            .sum()
-    };
+    let open_one_slot = || open_without_shadow_slots(&paths, engine);
+    let on_disk = |key: &str| allocated_on(&paths, key);
     let write = |store: &ObjectStore, version: &[u8]| {
         store
             .write("a", aligned_copy(version), None)
