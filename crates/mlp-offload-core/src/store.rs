@@ -614,11 +614,14 @@ impl ObjectStore {
             record.checksums.truncate(1);
             return Err(e);
         }
-        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
-        Ok(stripes
-            .iter()
-            .map(|s| s.len.div_ceil(aligns[s.path]) * aligns[s.path])
-            .sum())
+        Ok(stripes.iter().map(|s| self.reserved_len(s)).sum())
+    }
+
+    /// The bytes a slot's stripe takes in its path's file: its length rounded up to the path's
+    /// alignment, as `relayout` reserves it.
+    fn reserved_len(&self, stripe: &Stripe) -> u64 {
+        let align = self.tiers[stripe.path].alignment();
+        stripe.len.div_ceil(align) * align
     }
 
     /// Gives back the second slot [`ObjectStore::add_shadow_slot`] gave object `key`: the object goes
@@ -675,11 +678,10 @@ impl ObjectStore {
                 return Err(e);
             }
         }
-        let aligns: Vec<u64> = self.tiers.iter().map(TierInfo::alignment).collect();
         let files = entry.files.lock().expect("files lock").clone();
         let mut given = 0;
         for stripe in &layout {
-            let len = stripe.len.div_ceil(aligns[stripe.path]) * aligns[stripe.path];
+            let len = self.reserved_len(stripe);
             if let Some(file) = &files[stripe.path] {
                 release(file.primary(), strides[stripe.path], len);
             }
