@@ -355,6 +355,46 @@ def test_what_could_run_during_backward_follows_the_gradients_final_times(
     assert overlap.chunks_for_backward(dict(enumerate(leads)), backward, per_chunk) == chosen
 
 
+# When each chunk's gradient was final (seconds before a 10 s backward's end), when the update began,
+# the chunks in the order they ran and when each ended (seconds from backward's start); what a chunk took.
+CHUNK_TIMES = [
+    ("every gradient final early: end to end", [9.0] * 4, 0.5, [0, 1, 2, 3], [1.5, 2.5, 3.5, 4.5], 1.0),
+    ("the update began late: its first chunk from then", [9.0] * 3, 3.0, [0, 1, 2], [3.5, 4.0, 4.5], 0.5),
+    (
+        "a chunk waited for its gradient: from when it was final",
+        [9.0, 9.0, 5.0, 5.0],
+        0.0,
+        [0, 1, 2, 3],
+        # 1 s, 2 s, then 2 s from 5 s (not from 3 s), 2 s
+        [1.0, 3.0, 7.0, 9.0],
+        2.0,
+    ),
+    ("the median, not the mean", [9.0] * 4, 1.0, [3, 2, 1, 0], [2.0, 3.0, 4.0, 9.0], 1.0),
+    (
+        "chunks that ended after backward left out",
+        [9.0] * 4,
+        1.0,
+        [0, 1, 2, 3],
+        [2.0, 3.0, 4.0, 12.0],
+        1.0,
+    ),
+    ("too few to say", [9.0] * 4, 1.0, [0, 1, 2, 3], [2.0, 3.0, 11.0, 12.0], None),
+    ("a chunk taken whose pass did not end", [9.0] * 4, 1.0, [0, 1, 2], [2.0, 3.0], None),
+]
+
+
+@pytest.mark.parametrize(
+    ("leads", "began", "taken", "ended", "secs"),
+    [c[1:] for c in CHUNK_TIMES],
+    ids=[c[0] for c in CHUNK_TIMES],
+)
+def test_what_a_chunk_took_during_backward_counts_from_when_it_could_begin(
+    leads: list[float], began: float, taken: list[int], ended: list[float], secs: float | None
+) -> None:
+    got = overlap.secs_per_chunk_in_backward(leads, 10.0, began, taken[: len(ended)], ended)
+    assert got == (None if secs is None else pytest.approx(secs))
+
+
 # The chunks' gradient times in chunk order's stream, backward, each chunk's time, the chunks chunk
 # order's smaller cache loses; whether going to chunk order pays, what could run during backward, and
 # the I/O the lost cache costs.
@@ -399,6 +439,12 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     assert planner._left_after_backward(3.0, grads) == pytest.approx(1.0)
     # Gradients final only at backward's end: the whole update is left.
     assert planner._left_after_backward(3.0, {"backward_secs": 2.0, "lead_secs": [0.0] * 4}) == 3.0
+    # A chunk took 2 s during the recent backwards (the median of their measures): chunk 1 runs from 0
+    # to 2 s, chunk 2 begins at backward's end. 1 s of the update (chunk 1's, inside step()) is not left.
+    for secs in (2.0, 2.0, 0.1):
+        planner.observe_backward_chunks(secs)
+    assert planner.backward_chunk_secs() == 2.0
+    assert planner._left_after_backward(3.0, grads) == pytest.approx(2.0)
     stream.cache_slots = 4
     assert planner._left_after_backward(3.0, grads) == 3.0, "nothing streams"
 

@@ -28,6 +28,7 @@ from deepspeed_runs import (
     run_harness,
     stock_cache,
 )
+from mlp_offload import overlap
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -321,6 +322,7 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
             # Only the chunks that stream were taken; the cached ones stay in memory, never written.
             assert spec["chunks"] == r["writes"] == streamed, (step, spec, r["writes"])
             assert step == 0 or r["cached"] == start["cached_chunks"], (step, r["cached"])
+            check_chunk_secs(spec)
             continue
         undone.append(step)
         if what == "read" and step == int(at):
@@ -333,6 +335,15 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     assert what == "kept" or (int(at) in undone if at else undone), undone
     # Chunks' updates ran before backward ended.
     assert what == "clipping" or sum(r["speculation"]["in_backward"] for r in records) > 0
+
+
+def check_chunk_secs(spec: dict[str, Any]) -> None:
+    """A boundary's measure of what a chunk took during its backward: from the chunks that ended before
+    backward did, when there were enough of them."""
+    if spec["in_backward"] < overlap.CHUNK_TIMES_NEEDED:
+        assert spec["chunk_secs"] is None, spec
+    else:
+        assert spec["chunk_secs"] > 0.0, spec
 
 
 def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) -> None:
@@ -358,6 +369,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
         held = spec["slot_bytes"] - spec["slot_bytes_given_back"]
         assert 0 < held <= spec["slotted_chunks"] * chunk_bytes, (step, spec)
         assert r["writes"] == streamed, (step, r["writes"])
+        check_chunk_secs(spec)
     # A cache of fewer chunks than buffers loses nothing to chunk order: in chunk order from the start.
     assert (first == 1) == (records[0]["speculation"]["chunk_order"]), whys
     assert sum(r["speculation"]["in_backward"] for r in records) > 0

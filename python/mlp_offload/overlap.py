@@ -12,6 +12,7 @@ pass) and its I/O run in the Rust core without it.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "chunk_order_pays",
     "chunks_for_backward",
     "could_run_in_backward",
+    "secs_per_chunk_in_backward",
     "update_thread",
 ]
 
@@ -96,6 +98,37 @@ def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per
         max(0.0, min(end, backward_secs) - start)
         for _, start, end in _in_backward(dict(enumerate(leads)), backward_secs, secs_per_chunk)
     )
+
+
+# The fewest chunks updated before backward ended whose times say what a chunk takes there.
+CHUNK_TIMES_NEEDED = 3
+
+
+def secs_per_chunk_in_backward(
+    leads: Sequence[float],
+    backward_secs: float,
+    began_secs: float,
+    taken: Sequence[int],
+    ended_secs: Sequence[float],
+) -> float | None:
+    """What a chunk's update took during backward, measured: the median, over the chunks whose update
+    ended before backward did, of the seconds from when it could begin (its gradient final, at
+    `backward_secs - leads[chunk]`, and the chunk before it done; the first, the update's start at
+    `began_secs`) to its end. `taken`, `ended_secs`: the chunks in the order they ran and when each ended.
+    All times in seconds from backward's start. None with fewer than `CHUNK_TIMES_NEEDED` such chunks.
+
+    Backward's compute shares the CPU and the disk with it (on the CPU, the very cores), so a chunk takes
+    longer here than inside `step()`; where the update is bound by its reads, this is a read's time."""
+    times = []
+    free = began_secs
+    for chunk, end in zip(taken, ended_secs, strict=True):
+        if end > backward_secs:
+            break
+        times.append(end - max(free, backward_secs - leads[chunk]))
+        free = end
+    if len(times) < CHUNK_TIMES_NEEDED:
+        return None
+    return statistics.median(times)
 
 
 def chunk_order_pays(

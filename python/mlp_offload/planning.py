@@ -116,6 +116,9 @@ class UpdatePlanner:
         # engine), and then the next step's prediction of the update left after backward.
         self.overlap_backward = False
         self.prediction_after_backward: float | None = None
+        # What a streamed chunk's update took during the recent boundaries' backwards, measured
+        # (`overlap.secs_per_chunk_in_backward`).
+        self._backward_chunks: deque[float] = deque(maxlen=PREDICTION_STEPS)
         self._pipeline: ChunkPipeline | None = None
         # Per recent step, each path's bytes per busy second (the first step left out: it also holds
         # the initial writes of the whole state).
@@ -405,18 +408,33 @@ class UpdatePlanner:
             }
         )
 
+    def observe_backward_chunks(self, secs: float) -> None:
+        """A boundary's measure of what a streamed chunk's update took during its backward."""
+        self._backward_chunks.append(secs)
+
+    def backward_chunk_secs(self) -> float | None:
+        """What a streamed chunk's update takes during backward: the median of the recent boundaries'
+        measures; None before one. Backward's compute shares the CPU and the disk with it, so it may take
+        longer there than its part of the update inside `step()`."""
+        return statistics.median(self._backward_chunks) if self._backward_chunks else None
+
     def _left_after_backward(self, update_secs: float, grads_final: dict[str, Any]) -> float:
         """Of an update predicted to take `update_secs` inside `step()`, what the update during backward
         leaves after backward: the streamed chunks (those after the cache in chunk order) each taking an
-        equal part of it, updated as soon as their gradients are final at the times the last boundary's
-        gradients were (`grads_final`), one after another; the cached ones in `step()`."""
+        equal part of it inside `step()`, and during backward what a chunk took there lately
+        (`backward_chunk_secs`, else the same part), updated as soon as their gradients are final at the
+        times the last boundary's gradients were (`grads_final`), one after another; the chunks left,
+        and the cached ones, in `step()`."""
         assert self._pipeline is not None
         streamed = self._pipeline.order[self._pipeline.cache_slots :]
         if not streamed:
             return update_secs
         leads = [grads_final["lead_secs"][c] for c in streamed]
-        hidden = could_run_in_backward(leads, grads_final["backward_secs"], update_secs / len(streamed))
-        return max(0.0, update_secs - hidden)
+        in_step = update_secs / len(streamed)
+        in_backward = self.backward_chunk_secs() or in_step
+        # Chunks (a last one in part) done before backward ends, each of which step() no longer runs.
+        done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
+        return max(0.0, update_secs - done * in_step)
 
     def close(self) -> None:
         if self._file is not None:

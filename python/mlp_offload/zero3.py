@@ -133,6 +133,8 @@ class Speculation:
     kept_params: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     backward_end: float | None = None
     started: float = field(default_factory=time.perf_counter)
+    # When the first chunk could begin: once the chosen chunks had their second slots.
+    began: float | None = None
     future: Future[StepStats] | None = None
     # The chunks the plan chose, and of those, the ones with a second slot to stage into (set on the
     # update thread before the first chunk).
@@ -749,6 +751,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_state.give_back_idle_slots(set(streamed))
             taken = self._mlp_state.with_second_slots(streamed, keep_free=True)
             spec.slotted = len(taken)
+            spec.began = time.perf_counter()
             return pipeline.run_step(
                 update,
                 only=taken,
@@ -772,9 +775,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def _mlp_backward_plan(self, streamed: list[int]) -> tuple[list[int], str]:
         """The streamed chunks to update during this boundary's backward, in the order they run
         (`overlap.chunks_for_backward`): by when each one's gradient was final in the last boundary's
-        backward, each taking the update's predicted time (the performance model's, else the last one
-        measured whole inside `step()`) over the streamed chunks. None, and why, when there is nothing
-        yet to plan by or nothing would begin before backward ends."""
+        backward, each taking what a chunk took during the last boundaries' backwards
+        (`UpdatePlanner.backward_chunk_secs`), else the update's predicted time (the performance
+        model's, else the last one measured whole inside `step()`) over the streamed chunks. None, and
+        why, when there is nothing yet to plan by or nothing would begin before backward ends."""
         leads = self._mlp_last_leads
         if leads is None:
             return [], "not tried: the plan waits for one boundary's gradient times"
@@ -783,8 +787,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         update_secs = self._mlp_update_secs_to_plan_by()
         if update_secs is None:
             return [], "not tried: no update predicted or measured yet to plan by"
+        secs_per_chunk = self._mlp_planner.backward_chunk_secs() or update_secs / len(streamed)
         chosen = overlap.chunks_for_backward(
-            {c: leads[c] for c in streamed}, self._mlp_last_boundary_backward, update_secs / len(streamed)
+            {c: leads[c] for c in streamed}, self._mlp_last_boundary_backward, secs_per_chunk
         )
         if not chosen:
             return [], "not tried: the plan expects no streamed chunk's update to begin before backward ends"
@@ -813,6 +818,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if pays:
             pipeline.go_ascending()
             self._mlp_planner.overlap_backward = True
+
+    def _mlp_measure_backward_chunks(self, spec: Speculation, leads: list[float]) -> float | None:
+        """What a chunk took in this boundary's update during backward (kept or undone: it ran all the
+        same; `overlap.secs_per_chunk_in_backward`), handed to the plan of the next ones. None where too
+        few chunks ended before backward did."""
+        start = self._mlp_backward_start
+        began = spec.began if spec.began is not None else spec.started
+        ended = [t - start for t in spec.ended_at]
+        secs = overlap.secs_per_chunk_in_backward(
+            leads, self._mlp_last_boundary_backward, began - start, spec.taken[: len(ended)], ended
+        )
+        if secs is not None:
+            self._mlp_planner.observe_backward_chunks(secs)
+        return secs
 
     def _mlp_stop_if_ruled_out(self, spec: Speculation) -> None:
         """Stops the update during backward once the boundary's gradient norms so far prove the step's
@@ -872,6 +891,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         return {
             "chunks": 0 if spec is None else len(spec.taken),
             "in_backward": in_backward,
+            # What a chunk took during backward, measured (set by step(); None: too few to say).
+            "chunk_secs": None,
             "kept": kept,
             "why": why,
             "secs": 0.0 if spec is None else time.perf_counter() - spec.started,
@@ -1010,6 +1031,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             keep = why.startswith("kept")
             spec_stats, speculation = self._mlp_spec_finish(spec, keep=keep, why=why, redo=not keep)
             grads.reset()
+            speculation["chunk_secs"] = self._mlp_measure_backward_chunks(spec, leads)
             if speculation["kept"]:
                 committed = set(spec_stats.staged)
         # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
