@@ -354,12 +354,26 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     assert start["overlap_backward"]["slotted_chunks"] == 0, start["overlap_backward"]
     whys = [r["speculation"]["why"] for r in records]
     assert whys[0] == "not tried: the plan waits for one boundary's gradient times", whys
-    first = next(step for step, why in enumerate(whys) if not why.startswith("not tried"))
-    # Without a probe profile the first update's time comes from the first step.
-    assert first <= 2 and all(why.startswith("not tried") for why in whys[:first]), whys
+    tried = [step for step, why in enumerate(whys) if not why.startswith("not tried")]
+    assert tried, whys
+    first = tried[0]
+    # Then, until it is tried: without a probe profile the first update's time comes from the first
+    # step; after that only what the plan found of the last boundary's times (which a loaded machine
+    # moves) holds it back: chunk order not paying, or no chunk that would begin before backward ends.
+    in_order_from_start = records[0]["speculation"]["chunk_order"]
+    nothing_begins = "not tried: the plan expects no streamed chunk's update to begin before backward ends"
+    for step, why in enumerate(whys[1:first], 1):
+        found = why.removeprefix("not tried: ")
+        assert (
+            (step == 1 and found == "no update predicted or measured yet to plan by")
+            or (found.startswith("in chunk order ") and not in_order_from_start)
+            or why == nothing_begins
+        ), (step, whys)
     chunk_bytes = start["buffer_bytes"]
     for step, r in enumerate(records[first:], first):
         spec = r["speculation"]
+        if spec["why"] == nothing_begins:
+            continue
         streamed = start["chunks"] - r["cached_chunks"]
         assert spec["chunk_order"] and spec["kept"] and spec["stopped"] is None, (step, spec)
         assert spec["slots_short"] is None, (step, spec)
@@ -370,8 +384,9 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
         assert 0 < held <= spec["slotted_chunks"] * chunk_bytes, (step, spec)
         assert r["writes"] == streamed, (step, r["writes"])
         check_chunk_secs(spec)
-    # A cache of fewer chunks than buffers loses nothing to chunk order: in chunk order from the start.
-    assert (first == 1) == (records[0]["speculation"]["chunk_order"]), whys
+    # A cache of fewer chunks than buffers loses nothing to chunk order: in chunk order from the start,
+    # tried from the first boundary with gradient times unless the plan found nothing to take there.
+    assert not in_order_from_start or first == 1 or whys[1] == nothing_begins, whys
     assert sum(r["speculation"]["in_backward"] for r in records) > 0
 
 
