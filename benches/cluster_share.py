@@ -18,9 +18,10 @@ Steps, all in one run:
 It prints, per node: the plan's figure (mixed x share), the update's rate with both nodes, and their
 ratio (the issue's target: within 15%); the node's part of what the volume gave, planned against
 delivered; the same ratio for a plan without the measurement across nodes (the node's mixed figure
-alone); and the share the probe measured (both nodes over alone) beside the update's (both nodes over
-node 0 alone). Then how far the volume itself moved between the probe and the update: both nodes'
-updates over the probe's aggregate. JSON to `--out`.
+alone); the share the probe measured (both nodes over alone) beside the update's (both nodes over
+node 0 alone); and each step's rate over the median of the node's steps before it (what the plan goes
+by once the job runs). Then how far the volume itself moved between the probe and the update: both
+nodes' updates over the probe's aggregate. JSON to `--out`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ def update_rates(result: dict[str, Any]) -> list[float]:
     ]
 
 
+def next_over_earlier(rates: list[float]) -> list[float]:
+    """Each step's rate over the median of the steps before it, from the second step on."""
+    return [rates[i] / statistics.median(rates[:i]) for i in range(1, len(rates))]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root).resolve()
     subprocess.run(["rm", "-rf", str(root)], check=True)
@@ -189,6 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "planned_bytes_per_s": planned,
                 "update_both_bytes_per_s": both_update,
                 "update_both_rates": update_rates(results["both"][k]),
+                # What the plan goes by once the job runs: each step's rate over the median of the
+                # node's steps before it (the planner's measured rates).
+                "update_next_over_earlier": next_over_earlier(update_rates(results["both"][k])),
                 "update_over_plan": both_update / planned,
                 # What a plan of this node as the path's only user (no measurement across nodes) missed by.
                 "update_over_alone_plan": both_update / probe_k["mixed_bytes_per_s"],
@@ -246,7 +255,7 @@ def main() -> int:
     mib = 2**20
     print(f"update on node 0 alone: {report['update_alone_bytes_per_s'] / mib:,.0f} MiB/s")
     header = ["node", "probe mixed", "share", "plan (mixed x share)", "update, both nodes", "update/plan"]
-    header += ["part: plan / update", "update/mixed", "share: probe", "share: update"]
+    header += ["part: plan / update", "update/mixed", "share: probe", "share: update", "step/earlier"]
     rows = [
         [
             str(n["node"]),
@@ -259,6 +268,7 @@ def main() -> int:
             f"{n['update_over_alone_plan']:.2f}",
             f"{n['probe_share']:.2f}",
             f"{n['update_share']:.2f}",
+            ", ".join(f"{r:.2f}" for r in n["update_next_over_earlier"]),
         ]
         for n in report["nodes"]
     ]
