@@ -64,3 +64,30 @@ def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs."""
     yield from mounted_tmpfs(tmp_path / "small", "2m")
+
+
+# Each test phase's worker, id and wall-clock span, as the run's reports arrive (with pytest-xdist, in the
+# controlling process): the summary says what ran beside the slowest, so a test slowed by its neighbour
+# (two cores shared by several ranks) shows in CI's log.
+SLOWEST_WITH_NEIGHBOURS = 3
+_spans: list[tuple[str, str, float, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call") and report.stop - report.start >= 1.0:
+        gateway = getattr(getattr(report, "node", None), "gateway", None)
+        name = f"{report.nodeid} ({report.when})"
+        _spans.append((getattr(gateway, "id", "main"), name, report.start, report.stop))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    slowest = sorted(_spans, key=lambda s: s[3] - s[2])[-SLOWEST_WITH_NEIGHBOURS:]
+    if not slowest or all(worker == "main" for worker, *_ in _spans):
+        return
+    terminalreporter.section("the slowest, and what ran beside them")
+    for worker, name, start, stop in reversed(slowest):
+        terminalreporter.write_line(f"{stop - start:.1f} s [{worker}] {name}")
+        for other, beside, b_start, b_stop in _spans:
+            shared = min(stop, b_stop) - max(start, b_start)
+            if other != worker and shared >= 1.0:
+                terminalreporter.write_line(f"    {shared:6.1f} s beside [{other}] {beside}")
