@@ -23,10 +23,9 @@ import pytest
 from deepspeed_runs import free_port
 
 # Builds and installs the wheel, then trains with it: a DeepSpeed run. Both tests on one pytest worker,
-# which builds the wheel once: two builds at once race in the one cargo target directory. That worker is
-# the one of the tests whose ranks share the node (`test_zero3.ONE_NODE`): the build takes both cores for
-# a minute, and a multi-rank test beside it starved (98 s in CI, 14-22 s otherwise).
-pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("node-wide admission")]
+# which builds the wheel once: two builds at once race in the one cargo target directory. The build takes
+# both cores for a minute and slows the test beside it (docs/testing.md).
+pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("the wheel")]
 ROOT = Path(__file__).resolve().parent.parent
 DEV_BIN = Path(sys.executable).parent
 
