@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             logs.mkdir()
             torchrun_all(cluster, nodes, [str(E2E), "--worker", str(spec_file)], env, logs)
             results[name] = [json.loads((logs / f"result.node{k}.json").read_text()) for k in range(nodes)]
-    alone_update = statistics.median(update_rates(results["alone"][0]))
+    alone_rates = update_rates(results["alone"][0])
+    alone_update = statistics.median(alone_rates)
     per_node = []
     for k, entry in enumerate(saved):
         probe_k = entry["probes"][0]
@@ -184,7 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         at = measured["hosts"].index(hostnames[k])
         share = profile.node_share(2, host=hostnames[k])[0]
         planned = probe_k["mixed_bytes_per_s"] * share
-        both_update = statistics.median(update_rates(results["both"][k]))
+        both_rates = update_rates(results["both"][k])
+        both_update = statistics.median(both_rates)
         per_node.append(
             {
                 "node": k,
@@ -194,10 +196,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "node_share": share,
                 "planned_bytes_per_s": planned,
                 "update_both_bytes_per_s": both_update,
-                "update_both_rates": update_rates(results["both"][k]),
+                "update_both_rates": both_rates,
                 # What the plan goes by once the job runs: each step's rate over the median of the
                 # node's steps before it (the planner's measured rates).
-                "update_next_over_earlier": next_over_earlier(update_rates(results["both"][k])),
+                "update_next_over_earlier": next_over_earlier(both_rates),
                 "update_over_plan": both_update / planned,
                 # What a plan of this node as the path's only user (no measurement across nodes) missed by.
                 "update_over_alone_plan": both_update / probe_k["mixed_bytes_per_s"],
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "args": vars(args),
         "volume_update_over_probe": update_sum / sum(n["probe_together_bytes_per_s"] for n in per_node),
         "update_alone_bytes_per_s": alone_update,
-        "update_alone_rates": update_rates(results["alone"][0]),
+        "update_alone_rates": alone_rates,
         "nodes": per_node,
         "store_vs_fio": fio,
         "steps": {name: [r["steps"] for r in rs] for name, rs in results.items()},

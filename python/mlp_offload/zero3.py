@@ -133,8 +133,8 @@ class Speculation:
     kept_params: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     backward_end: float | None = None
     started: float = field(default_factory=time.perf_counter)
-    # When the first chunk could begin: once the chosen chunks had their second slots.
-    began: float | None = None
+    # When the first chunk could begin: once the chosen chunks had their second slots (set then).
+    began: float = field(default_factory=time.perf_counter)
     future: Future[StepStats] | None = None
     # The chunks the plan chose, and of those, the ones with a second slot to stage into (set on the
     # update thread before the first chunk).
@@ -824,10 +824,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         same; `overlap.secs_per_chunk_in_backward`), handed to the plan of the next ones. None where too
         few chunks ended before backward did."""
         start = self._mlp_backward_start
-        began = spec.began if spec.began is not None else spec.started
         ended = [t - start for t in spec.ended_at]
         secs = overlap.secs_per_chunk_in_backward(
-            leads, self._mlp_last_boundary_backward, began - start, spec.taken[: len(ended)], ended
+            leads, self._mlp_last_boundary_backward, spec.began - start, spec.taken[: len(ended)], ended
         )
         if secs is not None:
             self._mlp_planner.observe_backward_chunks(secs)
