@@ -9,6 +9,9 @@ Parts, in this order (all by default; name some to run only those, one call each
 - `bitexact`: the bit-exact table on CUDA (`tests/test_zero3.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
+- `bitexact-backward`: the rows of the update during backward (`tests/test_zero3.py`) on CUDA, but the
+  two-rank one, the ones that force the host scratch a GPU takes anyway, and the planned ones (`"auto"`
+  leaves it off on an accelerator until this part has passed);
 - `ds-suite`: DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine, among them the
   cases that skip on the CPU (`tests/deepspeed_suite/run.py`; `MLP_OFFLOAD_DS_TESTS` names the tests if
   `../shared/deepspeed-tests` is not there);
@@ -116,6 +119,17 @@ PARTS = {
     "bitexact": Part(
         "the bit-exact table on CUDA against stock DeepSpeed's device: cpu",
         pytest_part("tests/test_zero3.py", "-k", "test_state_is_bit_equal_to_deepspeed_cpu_offload"),
+        CUDA,
+    ),
+    "bitexact-backward": Part(
+        "the update during backward on CUDA (gradients copied to the host on DeepSpeed's stream, norms "
+        "summed on the device, parameters through a host scratch), kept or undone, against stock",
+        pytest_part(
+            "tests/test_zero3.py",
+            "-k",
+            "test_the_update_during_backward_is_kept_or_undone_bit_for_bit"
+            " and not scratch and not ranks and not plan",
+        ),
         CUDA,
     ),
     "ds-suite": Part(

@@ -26,7 +26,15 @@ def report(*args: str | Path) -> subprocess.CompletedProcess[str]:
 def test_without_cuda_every_part_says_it_skipped_and_why(tmp_path: Path) -> None:
     listed = report("--list").stdout.split("\n")
     parts = [line.split()[0] for line in listed if line.strip()]
-    assert {"bitexact", "ds-suite", "lightning", "e2e-130M", "e2e-1B", "e2e-largest"} <= set(parts)
+    assert {
+        "bitexact",
+        "bitexact-backward",
+        "ds-suite",
+        "lightning",
+        "e2e-130M",
+        "e2e-1B",
+        "e2e-largest",
+    } <= set(parts)
     proc = report("--out", tmp_path / "out", "--data", tmp_path / "data")
     assert proc.returncode == 0, proc.stderr
     for part in parts:
@@ -40,4 +48,4 @@ def test_without_cuda_every_part_says_it_skipped_and_why(tmp_path: Path) -> None
 def test_an_unknown_part_is_refused_by_name(tmp_path: Path) -> None:
     proc = report("--out", tmp_path, "bitexact", "e2e-2B")
     assert proc.returncode == 2
-    assert "e2e-2B: not among bitexact, ds-suite" in proc.stderr
+    assert "e2e-2B: not among bitexact, bitexact-backward, ds-suite" in proc.stderr

@@ -146,6 +146,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
     section = case.get("mlp_offload")
     engine, optimizer = make_engine(section is not None and not case.get("plain_initialize"), section, 1234)
+    if case.get("params_through_scratch"):
+        # The path of a partition on an accelerator, on the CPU: the pass writes the new parameters into
+        # the host scratch, copied to the partition after it (what a GPU's events and stream add is
+        # checked on a GPU, `make gpu-report`).
+        optimizer._mlp_params_on_host = False
     # Each data-parallel rank gets its own batches, as a sampler would give it.
     data = torch.Generator().manual_seed(99 + int(os.environ["RANK"]))
     losses = []
@@ -204,7 +209,15 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             loss = engine(tokens.to(engine.device))
             if step == overflow_at:
                 loss = loss * float("inf")
+            last_grad = None
+            if step == case.get("first_param_grad_not_finite_at"):
+                # Only the first parameter's gradient, final last in backward: the gradients final
+                # before it are finite.
+                first = next(engine.module.parameters())
+                last_grad = first.register_hook(lambda grad: grad * float("inf"))
             engine.backward(loss)
+            if last_grad is not None:
+                last_grad.remove()
             if step == case.get("helpers_at"):
                 helper_reads.update(use_tensor_helpers(engine))
             engine.step()

@@ -227,6 +227,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The boundary's gradient norms so far, squared and summed, to stop the update during backward
         # once they prove the step clipped or not finite; reset by each backward.
         self._mlp_norm_sq_so_far = 0.0
+        # On an accelerator, where `float()` of a norm would wait for the device once per parameter: per
+        # chunk whose gradient is final, an event recorded after DeepSpeed queued the copy of its last
+        # gradient into the host buffer, and the norms so far squared and summed on the device then
+        # (`_offload_grad_partition_at_boundary`), which the update thread reads before it takes the
+        # chunk; reset by each backward.
+        self._mlp_device_marks: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._mlp_norm_sq_on_device: torch.Tensor | None = None
         # The last boundary's backward, and the last update that ran whole inside step(): what the plan
         # of the update during backward goes by.
         self._mlp_last_boundary_backward = 0.0
@@ -282,9 +289,23 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Only the norm: the half-precision gradient stays in DeepSpeed's host buffer until its subgroup
         # is updated (delayed conversion); no fp32 copy, no storage I/O in backward.
         norm = self._mlp_grad_norm(grad_buffer)
-        self.norm_for_param_grads[self.get_param_id(param)] = norm
-        self._mlp_grads_final.final(self.get_param_id(param))
-        if self._mlp_spec_on:
+        pid = self.get_param_id(param)
+        self.norm_for_param_grads[pid] = norm
+        on_device = norm.device.type != "cpu"
+        if self._mlp_spec_on and on_device:
+            # DeepSpeed queued the gradient's copy into the host buffer on this stream, and computed the
+            # norm from it: what the update thread waits for before it reads either (before the chunk's
+            # gradient is marked final, which wakes it).
+            so_far = norm.double() ** 2
+            if self._mlp_norm_sq_on_device is not None:
+                so_far += self._mlp_norm_sq_on_device
+            self._mlp_norm_sq_on_device = so_far
+            event = get_accelerator().Event()
+            event.record()
+            for c in self._mlp_grads_final.chunks_of(pid):
+                self._mlp_device_marks[c] = (event, so_far)
+        self._mlp_grads_final.final(pid)
+        if self._mlp_spec_on and not on_device:
             self._mlp_norm_sq_so_far += float(norm) ** 2
             if (spec := self._mlp_spec) is not None and spec.stopped is None:
                 self._mlp_stop_if_ruled_out(spec)
@@ -337,10 +358,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pages, pages_source = self._mlp_planner.host_pages()
         grad_bytes = memory.GRAD_BYTES * c
         first_half = self.fp16_partitioned_groups_flat[0]
-        # The pass writes the half-precision parameters only where they are in host memory.
-        params_dtype = first_half.dtype if first_half.device.type == "cpu" else None
+        # The pass writes the half-precision parameters: into the partition where it is in host memory,
+        # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
+        self._mlp_params_on_host = first_half.device.type == "cpu"
         self._mlp_fused, kernel_why = kernel.choose(
-            config.update_kernel, self.optimizer, first_half.dtype, params_dtype
+            config.update_kernel, self.optimizer, first_half.dtype, first_half.dtype
+        )
+        # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
+        # stream of its own: on the default one they would wait for the compute queued on it.
+        self._mlp_update_stream = (
+            None if get_accelerator().is_synchronized_device() else get_accelerator().Stream()
         )
         cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
         try:
@@ -352,7 +379,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_spec_on, spec_why = overlap.choose_backward(
                 config.overlap_backward,
                 self._mlp_fused is not None,
-                params_dtype is not None,
+                self._mlp_params_on_host,
                 cache_slots < len(layout.chunks),
             )
             self._mlp_spec_begun = False
@@ -555,30 +582,36 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
-        optimizer's param groups as the step saw them. `kept_params`: see `FusedAdam.update` (host
-        parameters only)."""
+        optimizer's param groups as the step saw them. `kept_params`: see `FusedAdam.update`."""
         assert self._mlp_fused is not None
         i, first, count = self._mlp_state.chunks[chunk]
         group = groups[self.sub_group_to_group_id[i]]
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
         state = state_bytes.view(FP32)
-        # On a GPU DeepSpeed keeps the half-precision partition there: the pass updates the state, and
-        # the parameters go over with DeepSpeed's own copy (its conversion, on the device), as in its path.
-        on_host = half.device.type == "cpu"
+        params = half
+        if not self._mlp_params_on_host:
+            # The partition is on the accelerator: the pass writes the new parameters into a host scratch
+            # (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use), copied over
+            # after it as they are. Its narrowing is the one DeepSpeed's copy does on the host before
+            # that copy (`kernel.self_check`). Where the pass is to keep what it overwrites, it first
+            # gets the parameters as they are.
+            params = self._mlp_grad.view(half.dtype)[:count]
+            if kept_params is not None:
+                params.copy_(half)
         sums = self._mlp_fused.update(
             state,
             grad,
-            half if on_host else None,
+            params,
             grad_scale=grad_scale,
             step=step,
             group=group,
             read_cuts=read_cuts,
             write_cuts=write_cuts,
-            kept_params=kept_params if on_host else None,
+            kept_params=kept_params,
         )
-        if not on_host:
-            half.copy_(state[:count])
+        if params is not half:
+            half.copy_(params)
         adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
         adam["step"] = self._mlp_step_value(step)
         for key in ("exp_avg", "exp_avg_sq"):
@@ -676,6 +709,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Norms come at the boundary's backward (and in step() for what it reduces there): each backward
         # starts the sum afresh.
         self._mlp_norm_sq_so_far = 0.0
+        self._mlp_device_marks = {}
+        self._mlp_norm_sq_on_device = None
         super().backward_prologue()
 
     def backward_epilogue(self) -> None:
@@ -716,7 +751,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         def ready(chunk: int, timeout: float) -> bool | None:
             if spec.stop.is_set():
                 return False
-            return True if self._mlp_grads_final.wait(chunk, timeout) else None
+            if not self._mlp_grads_final.wait(chunk, timeout):
+                return None
+            if (mark := self._mlp_device_marks.get(chunk)) is not None:
+                # On an accelerator: once the copy of the chunk's gradient into host memory has landed,
+                # the norms so far as they were then may rule the outcome out.
+                event, so_far = mark
+                event.synchronize()
+                self._mlp_norm_sq_so_far = max(self._mlp_norm_sq_so_far, float(so_far))
+                self._mlp_stop_if_ruled_out(spec)
+                if spec.stop.is_set():
+                    return False
+            return True
 
         def update(
             chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
@@ -752,15 +798,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             taken = self._mlp_state.with_second_slots(streamed, keep_free=True)
             spec.slotted = len(taken)
             spec.began = time.perf_counter()
-            return pipeline.run_step(
-                update,
-                only=taken,
-                staged=True,
-                ready=ready,
-                drain=False,
-                ends_step=False,
-                checksums_in_update=True,
-            )
+            with get_accelerator().stream(self._mlp_update_stream):
+                return pipeline.run_step(
+                    update,
+                    only=taken,
+                    staged=True,
+                    ready=ready,
+                    drain=False,
+                    ends_step=False,
+                    checksums_in_update=True,
+                )
 
         spec.future = self._mlp_update_thread.submit(run)
         self._mlp_spec = spec
