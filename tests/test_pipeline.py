@@ -445,6 +445,9 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
         planner.observe_backward_chunks(secs)
     assert planner.backward_chunk_secs() == 2.0
     assert planner._left_after_backward(3.0, grads) == pytest.approx(2.0)
+    # The cached chunk's compute (0.3 s) is not the streamed chunks' to share: each is 0.9 s of the 3 s
+    # inside step(), and during backward 2 s; 0.9 s of the update is not left.
+    assert planner._left_after_backward(3.0, grads, adam_secs_per_chunk=0.3) == pytest.approx(2.1)
     stream.cache_slots = 4
     assert planner._left_after_backward(3.0, grads) == 3.0, "nothing streams"
 
@@ -779,3 +782,24 @@ def test_each_step_is_predicted_from_what_the_steps_before_it_measured(
             took = sorted(r["pipeline_secs"] for r in records[1:])[len(records[1:]) // 2]
             assert planner.prediction > took / 4, (planner.prediction, took)
         planner.close()
+
+
+def test_the_adam_time_per_chunk_counts_only_the_chunks_updated_inside_step(work_dirs: list[Path]) -> None:
+    """Where the update during backward was kept, its chunks are not in the step's compute time: a chunk's
+    Adam time is that over the chunks `step()` updated, and the next prediction (every chunk cached here:
+    compute alone) is the same as a step that computed them all in the same time per chunk."""
+    sizes = [4 << 20] * 4
+    predictions = []
+    for compute_secs, kept_chunks in ((0.4, 0), (0.2, 2)):
+        with ObjectStore(work_dirs[:1]) as store:
+            pipeline = ChunkPipeline(store, [f"c{i}" for i in range(4)], sizes, 12)
+            pipeline.initialize(lambda i, view: view.fill_(i))
+            planner = UpdatePlanner(MLPOffloadConfig(paths=[str(work_dirs[0])]), rank=0)
+            planner.profile, planner._pipeline = fast_profile(work_dirs[:1]), pipeline
+            stats = pipeline.run_step(lambda i, view: None, drain=False)
+            speculation = {"chunks": kept_chunks, "kept": True} if kept_chunks else None
+            planner.after_step(store, stats, stats.seconds, 0.01, 0.0, compute_secs, speculation=speculation)
+            predictions.append(planner.prediction)
+            planner.close()
+    assert predictions[0] is not None and predictions[0] > 0.0
+    assert predictions[1] == pytest.approx(predictions[0]), predictions

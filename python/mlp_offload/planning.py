@@ -347,15 +347,20 @@ class UpdatePlanner:
                 # No step moved bytes on every path yet (or everything is cached): the tuner's figures.
                 else (self.tuner.estimates if self.tuner is not None else None)
             )
+            # The chunks the update during backward updated, when kept, are not in this step's compute.
+            committed = speculation["chunks"] if speculation is not None and speculation["kept"] else 0
+            adam_secs_per_chunk = compute_secs / max(1, len(self._pipeline.sizes) - committed)
             self.prediction = self._replan(
                 fwd_bwd_secs=fwd_bwd,
-                adam_secs_per_chunk=compute_secs / len(self._pipeline.sizes),
+                adam_secs_per_chunk=adam_secs_per_chunk,
                 measured_bytes_per_s=measured,
                 # At the tuner's split, which the next step's writes use; without a tuner the plan's.
                 weights=self.tuner.weights if self.tuner is not None else None,
             )["predicted_update_secs"]
             if self.overlap_backward and grads_final is not None:
-                self.prediction_after_backward = self._left_after_backward(self.prediction, grads_final)
+                self.prediction_after_backward = self._left_after_backward(
+                    self.prediction, grads_final, adam_secs_per_chunk
+                )
         per_path = []
         reports = store.path_reports()
         for path, p, report in zip(self.config.paths, stats.per_path, reports, strict=True):
@@ -418,19 +423,24 @@ class UpdatePlanner:
         longer there than its part of the update inside `step()`."""
         return statistics.median(self._backward_chunks) if self._backward_chunks else None
 
-    def _left_after_backward(self, update_secs: float, grads_final: dict[str, Any]) -> float:
+    def _left_after_backward(
+        self, update_secs: float, grads_final: dict[str, Any], adam_secs_per_chunk: float = 0.0
+    ) -> float:
         """Of an update predicted to take `update_secs` inside `step()`, what the update during backward
-        leaves after backward: the streamed chunks (those after the cache in chunk order) each taking an
-        equal part of it inside `step()`, and during backward what a chunk took there lately
-        (`backward_chunk_secs`, else the same part), updated as soon as their gradients are final at the
-        times the last boundary's gradients were (`grads_final`), one after another; the chunks left,
-        and the cached ones, in `step()`."""
+        leaves after backward: the cached chunks' compute (`adam_secs_per_chunk` each) and the streamed
+        chunks (those after the cache in chunk order) each taking an equal part of the rest inside
+        `step()`, and during backward what a chunk took there lately (`backward_chunk_secs`, else the
+        same part), updated as soon as their gradients are final at the times the last boundary's
+        gradients were (`grads_final`), one after another; the chunks left, and the cached ones, in
+        `step()`."""
         assert self._pipeline is not None
         streamed = self._pipeline.order[self._pipeline.cache_slots :]
         if not streamed:
             return update_secs
         leads = [grads_final["lead_secs"][c] for c in streamed]
-        in_step = update_secs / len(streamed)
+        # The cached chunks are only computed, never read or written: always left for step().
+        cached = min(update_secs, self._pipeline.cache_slots * adam_secs_per_chunk)
+        in_step = (update_secs - cached) / len(streamed)
         in_backward = self.backward_chunk_secs() or in_step
         # Chunks (a last one in part) done before backward ends, each of which step() no longer runs.
         done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
