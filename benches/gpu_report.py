@@ -10,7 +10,7 @@ Parts, in this order (all by default; name some to run only those, one call each
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
 - `bitexact-backward`: the rows of the update during backward (`tests/test_zero3.py`) on CUDA, but the
-  two-rank one, the ones that force the host scratch a GPU takes anyway, and the planned ones (`"auto"`
+  two-rank one, the one that forces the host scratch a GPU takes anyway, and the planned ones (`"auto"`
   leaves it off on an accelerator until this part has passed);
 - `ds-suite`: DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine, among them the
   cases that skip on the CPU (`tests/deepspeed_suite/run.py`; `MLP_OFFLOAD_DS_TESTS` names the tests if

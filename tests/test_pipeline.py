@@ -358,18 +358,19 @@ def test_what_could_run_during_backward_follows_the_gradients_final_times(
 # When each chunk's gradient was final (seconds before a 10 s backward's end), when the update began,
 # the chunks in the order they ran and when each ended (seconds from backward's start); what a chunk took.
 CHUNK_TIMES = [
-    ("every gradient final early: end to end", [9.0] * 4, 0.5, [0, 1, 2, 3], [1.5, 2.5, 3.5, 4.5], 1.0),
+    ("every gradient final early: end to end", [9.5] * 4, 0.5, [0, 1, 2, 3], [1.5, 2.5, 3.5, 4.5], 1.0),
     ("the update began late: its first chunk from then", [9.0] * 3, 3.0, [0, 1, 2], [3.5, 4.0, 4.5], 0.5),
     (
         "a chunk waited for its gradient: from when it was final",
-        [9.0, 9.0, 5.0, 5.0],
+        [10.0, 9.0, 5.0, 5.0],
         0.0,
         [0, 1, 2, 3],
         # 1 s, 2 s, then 2 s from 5 s (not from 3 s), 2 s
         [1.0, 3.0, 7.0, 9.0],
-        2.0,
+        1.75,
     ),
-    ("the median, not the mean", [9.0] * 4, 1.0, [3, 2, 1, 0], [2.0, 3.0, 4.0, 9.0], 1.0),
+    # 1 s, 1 s, 1 s and a stall of 5 s: the chunks behind a stall wait for it.
+    ("the mean, not the median", [9.0] * 4, 1.0, [3, 2, 1, 0], [2.0, 3.0, 4.0, 9.0], 2.0),
     (
         "chunks that ended after backward left out",
         [9.0] * 4,

@@ -249,16 +249,10 @@ BACKWARD_CASES = [
         1,
     ),
     # A partition on an accelerator: the pass writes the parameters into a host scratch copied over
-    # after it, and gets them from there first where it keeps what it overwrites.
+    # after it (every step kept here but the skipped one), and first gets them there where it keeps
+    # what it overwrites.
     (
-        "the parameters through the host scratch, as on an accelerator",
-        {"params_through_scratch": True},
-        {},
-        "kept",
-        1,
-    ),
-    (
-        "through the host scratch, parameters set apart, then a step skipped",
+        "as on an accelerator: through the host scratch, parameters set apart, then a step skipped",
         {"params_through_scratch": True, "set_params_apart_at": 3, "first_param_grad_not_finite_at": 3},
         {},
         "skipped at 3",

@@ -116,14 +116,16 @@ def secs_per_chunk_in_backward(
     taken: Sequence[int],
     ended_secs: Sequence[float],
 ) -> float | None:
-    """What a chunk's update took during backward, measured: the median, over the chunks whose update
+    """What a chunk's update took during backward, measured: the mean, over the chunks whose update
     ended before backward did, of the seconds from when it could begin (its gradient final, at
     `backward_secs - leads[chunk]`, and the chunk before it done; the first, the update's start at
     `began_secs`) to its end. `taken`, `ended_secs`: the chunks in the order they ran and when each ended.
     All times in seconds from backward's start. None with fewer than `CHUNK_TIMES_NEEDED` such chunks.
 
     Backward's compute shares the CPU and the disk with it (on the CPU, the very cores), so a chunk takes
-    longer here than inside `step()`; where the update is bound by its reads, this is a read's time."""
+    longer here than inside `step()`; where the update is bound by its reads, this is a read's time.
+    The mean, not the median: the plan adds chunks' times up, and a few stalled chunks (at 940M on this
+    machine a tenth of them took over twice the median) cost the chunks behind them their time."""
     times = []
     free = began_secs
     for chunk, end in zip(taken, ended_secs, strict=True):
@@ -133,7 +135,7 @@ def secs_per_chunk_in_backward(
         free = end
     if len(times) < CHUNK_TIMES_NEEDED:
         return None
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 def chunk_order_pays(
