@@ -64,7 +64,7 @@ lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against t
 	cargo clippy --workspace --all-targets -q -- -D warnings
 	$(VENV)/bin/ruff format --check -q python tests benches
 	$(VENV)/bin/ruff check -q python tests benches
-	$(VENV)/bin/mypy python/mlp_offload
+	$(VENV)/bin/mypy python/mlp_offload tests benches
 	$(VENV)/bin/python -m mypy.stubtest mlp_offload._core
 
 .PHONY: test-rust

@@ -217,7 +217,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     init_secs = time.perf_counter() - t0
     # Each data-parallel rank its own batches.
     data = torch.Generator().manual_seed(1 + rank)
-    steps = []
+    steps: list[dict[str, Any]] = []
     watch = DeviceWatch(spec["paths"]) if spec["contender"] != "ds-cpu" else None
     updates: list[dict[str, Any]] = []
     traces: list[dict[str, Any]] = []
@@ -510,8 +510,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
                 result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
             runs[contender].append(merge_ranks(ranks))
-    for p in (local, second):
-        shutil.rmtree(p, ignore_errors=True)
+    for data_dir in (local, second):
+        shutil.rmtree(data_dir, ignore_errors=True)
     report = summarize(runs)
     report.update(
         {

@@ -39,6 +39,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ KERNEL_CHUNKS = [
 ]
 # DeepSpeed's arithmetics (`_core.AdamKernel.candidates()` keywords): x86-64's AVX-512 and AVX2 builds, and
 # a build without vectors (aarch64's, whose compiler fuses or not).
-KERNEL_ARITHS = [
+KERNEL_ARITHS: list[dict[str, Any]] = [
     {"vector_width": 16},
     {"vector_width": 8, "momentum": "old", "variance": "separate", "others": False},
     {
@@ -65,7 +66,7 @@ KERNEL_ARITHS = [
     },
     {"vector_width": 1},
 ]
-ADAM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "bias_correction": True}
+ADAM: dict[str, Any] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "bias_correction": True}
 
 
 def _bits(rng: np.random.Generator, n: int, dtype: str, specials: bool) -> np.ndarray:
@@ -92,7 +93,11 @@ def _bits(rng: np.random.Generator, n: int, dtype: str, specials: bool) -> np.nd
 
 def _one_nan(values: np.ndarray, dtype: str) -> np.ndarray:
     """`values` (the bits of `dtype`) with every NaN's bits made one pattern."""
-    bits = values.view(np.uint32 if dtype == "float32" else np.uint16).copy()
+    bits: np.ndarray[Any, np.dtype[np.unsignedinteger[Any]]]
+    if dtype == "float32":
+        bits = values.view(np.uint32).copy()
+    else:
+        bits = values.view(np.uint16).copy()
     exponent, mantissa = {"float32": (0x7F800000, 0x007FFFFF), "float16": (0x7C00, 0x03FF)}.get(
         dtype, (0x7F80, 0x007F)
     )

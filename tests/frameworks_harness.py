@@ -175,7 +175,7 @@ def lightning(paths: list[str] | None, out: str, variant: dict[str, Any]) -> Non
         # The other CUDA-only check: CPU devices have no index to match the local ranks with.
         import lightning.pytorch.strategies.deepspeed as strategy_module
 
-        strategy_module._validate_device_index_selection = lambda devices: None
+        strategy_module._validate_device_index_selection = lambda parallel_devices: None
 
     class Strategy(DeepSpeedStrategy):
         def setup_environment(self) -> None:

@@ -22,7 +22,8 @@ def test_host_buffer_is_aligned_and_shared_with_torch(nbytes: int, dtype: torch.
     assert view.data_ptr() == buf.address
     view.fill_(1)
     # The write through torch is visible through the buffer protocol (read here as an independent copy).
-    copy = torch.frombuffer(bytearray(memoryview(buf)), dtype=torch.uint8)
+    # (typeshed spells the buffer protocol `__buffer__`, which Python 3.11's C slots do not declare)
+    copy = torch.frombuffer(bytearray(memoryview(buf)), dtype=torch.uint8)  # type: ignore[arg-type]
     assert torch.equal(copy, torch.ones_like(view).view(torch.uint8))
 
 

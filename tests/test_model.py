@@ -4,11 +4,14 @@ host buffers' pages it chooses."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
 from mlp_offload import _core
+
+# `MLPOffloadConfig.host_pages`'s settings.
+HostPages = Literal["auto", "huge", "small"]
 
 # Path a costs 0.32 s per 480 MB subgroup on its own, path b 0.96 s: the model's own split is 3:1.
 PATHS = [
@@ -79,13 +82,13 @@ HOST_PAGES = [
     ("name", "setting", "figures", "pages", "why"), HOST_PAGES, ids=[h[0] for h in HOST_PAGES]
 )
 def test_host_pages_follow_the_setting_or_the_probe(
-    name: str, setting: str, figures: list[dict] | None, pages: str, why: str, tmp_path: Path
+    name: str, setting: HostPages, figures: list[dict] | None, pages: str, why: str, tmp_path: Path
 ) -> None:
     from mlp_offload import profiles
     from mlp_offload.config import MLPOffloadConfig
     from mlp_offload.planning import UpdatePlanner
 
-    paths = [str(tmp_path / f"p{i}") for i in range(len(figures or [0]))]
+    paths = [str(tmp_path / f"p{i}") for i in range(len(figures) if figures else 1)]
     planner = UpdatePlanner(MLPOffloadConfig(paths=paths, host_pages=setting, weights="equal"), rank=0)
     if figures is not None:
         planner.profile = profiles.Profile(paths, [{"pages": f} for f in figures], probed_at=0.0)
@@ -147,7 +150,7 @@ def test_requests_in_flight_follow_the_config_or_the_probe(
     from mlp_offload.config import MLPOffloadConfig
     from mlp_offload.planning import UpdatePlanner
 
-    paths = [str(tmp_path / f"p{i}") for i in range(len(probed or [0]))]
+    paths = [str(tmp_path / f"p{i}") for i in range(len(probed) if probed else 1)]
     config = MLPOffloadConfig(paths=paths, max_inflight=configured, weights="equal")
     planner = UpdatePlanner(config, rank=0)
     if probed is not None:

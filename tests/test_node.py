@@ -99,4 +99,5 @@ def test_a_rank_killed_while_it_holds_the_device_does_not_block_the_others(work_
         if holder.poll() is None:
             holder.kill()
             holder.wait()
-        holder.stdout.close()
+        if holder.stdout is not None:
+            holder.stdout.close()

@@ -8,7 +8,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -634,9 +634,13 @@ def test_an_update_behind_step_lets_done_subgroups_through_and_raises_its_own_er
     with pytest.raises(OSError, match="Input/output error"):
         inflight.result()
     assert inflight.waited_secs > 0
-    finished = UpdateInFlight(
-        lambda done: [done(i) for i in range(2)] and "stats", subgroups=2, step=8, thread=thread
-    )
+
+    def update_both(done: Callable[[int], None]) -> str:
+        for i in range(2):
+            done(i)
+        return "stats"
+
+    finished = UpdateInFlight(update_both, subgroups=2, step=8, thread=thread)
     assert finished.result() == "stats"
     finished.wait_for([1])
     thread.shutdown()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -219,7 +220,7 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
         # Path 1 took four times as long as path 0 for the same bytes, twice (a move is compared with
         # two steps): share moves to path 0, by the tuner's first step (5% of each weight), and the
         # object follows.
-        per_path = [
+        per_path: list[dict[str, Any]] = [
             {
                 "read_bytes": 2000,
                 "read_busy_secs": 0.25,
@@ -237,7 +238,7 @@ def test_new_weights_move_objects_and_the_tuner_follows_measured_bandwidth(
         ]
         assert tuner.observe(per_path, 2.0) is None
         new = tuner.observe(per_path, 2.0)
-        assert new == pytest.approx([0.525, 0.475])
+        assert new is not None and new == pytest.approx([0.525, 0.475])
         store.weights = new
         assert store.weights == pytest.approx(new)
         store.write("sg", data).wait()

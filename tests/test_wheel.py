@@ -45,7 +45,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built and installed into `<dir>/venv`; returns `<dir>`, outside the repository."""
     d = tmp_path_factory.mktemp("wheel")
     dist = d / "dist"
-    maturin = [DEV_BIN / "maturin", "build", "--release", "--zig", "--compatibility", "manylinux2014"]
+    maturin: list[str | Path] = [
+        DEV_BIN / "maturin",
+        "build",
+        "--release",
+        "--zig",
+        "--compatibility",
+        "manylinux2014",
+    ]
     run(
         [*maturin, "-i", sys.executable, "-o", dist],
         cwd=ROOT,

@@ -194,7 +194,7 @@ class ChunkPipeline:
         if self._running:
             raise RuntimeError(f"{what}: the update phase is still running; wait for it first")
 
-    def initialize(self, fill: Callable[[int, torch.Tensor], None]) -> None:
+    def initialize(self, fill: Callable[[int, torch.Tensor], object]) -> None:
         """Creates every chunk's object from `fill(chunk, view)`, with as many writes in flight as there
         are buffers. The last ones written keep their buffers, and the first step begins with them."""
         self._idle("initialize")

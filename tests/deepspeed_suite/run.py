@@ -237,7 +237,11 @@ def run_modes(tests: Path, cases: list[tuple[str, bool]]) -> dict[str, tuple[dic
     seconds = dict.fromkeys(MODES, 0.0)
     distributed = [c for c, dist in cases if dist]
     in_process = [c for c, dist in cases if not dist]
-    phases = [(distributed, [MODES]), (in_process, [(m,) for m in MODES])]
+    # Per phase its cases, and the modes run at once in each of its batches.
+    phases: list[tuple[list[str], list[tuple[str, ...]]]] = [
+        (distributed, [MODES]),
+        (in_process, [(m,) for m in MODES]),
+    ]
     for phase_cases, batches in phases:
         if not phase_cases:
             continue

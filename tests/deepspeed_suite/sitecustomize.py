@@ -102,7 +102,7 @@ def _patch_checkpoint_common(common: ModuleType) -> None:
         assert saved_model.skipped_steps == loaded_model.skipped_steps
         assert saved_model.global_steps == loaded_model.global_steps
 
-    common.compare_deepspeed_states = compare_deepspeed_states
+    setattr(common, "compare_deepspeed_states", compare_deepspeed_states)  # noqa: B010 (an undeclared module attribute)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
