@@ -17,14 +17,16 @@ Parts, in this order (all by default; name some to run only those, one call each
   `../shared/deepspeed-tests` is not there);
 - `lightning`: PyTorch Lightning's `DeepSpeedStrategy(config=...)` with our section, bit-equal to stock
   Lightning with DeepSpeed (`tests/test_frameworks.py`);
-- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-forward`, `e2e-largest`, `e2e-largest-ours`:
+- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-forward`, `e2e-1B-backward`, `e2e-largest`, `e2e-largest-ours`:
   `benches/e2e.py` with the LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's
   pipelined NVMe offload and its `device: cpu`, and the largest LLaMA size whose state the data
   directory's free space holds for DeepSpeed's NVMe offload (16 bytes a parameter). At 1B, ours at
   DeepSpeed's memory and with half the state in memory (issue 29's (b) and (c)); as the README
   configures it with the update behind the next forward and inside `step()` (issue 30's (d), and its 2x
   against `device: cpu`); and with half the state in memory, inside `step()` against behind the next
-  forward (issue 30's (c), whose forward on the CPU had nothing to hide the update behind).
+  forward (issue 30's (c), whose forward on the CPU had nothing to hide the update behind); and, at
+  DeepSpeed's memory and with half the state in memory, the streamed chunks updated during backward
+  against not (issue 30's (b) and (c), `e2e-1B-backward`).
 
 Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
 runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
@@ -72,10 +74,14 @@ def pytest_part(*args: str) -> Callable[[Path, Path], list[str]]:
 
 
 def e2e_part(
-    size: str | None, contenders: str, name: str, variants: tuple[str, ...] = ()
+    size: str | None,
+    contenders: str,
+    name: str,
+    variants: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
 ) -> Callable[[Path, Path], list[str]]:
-    """`benches/e2e.py` on LLaMA of `size` (None: the largest the disk holds) with these contenders and
-    `--variant`s (NAME=JSON or BASE/NAME=JSON)."""
+    """`benches/e2e.py` on LLaMA of `size` (None: the largest the disk holds) with these contenders,
+    `--variant`s (NAME=JSON or BASE/NAME=JSON) and `extra` arguments."""
 
     def command(out: Path, data: Path) -> list[str]:
         chosen = size or largest_size(data)
@@ -99,6 +105,7 @@ def e2e_part(
             "--out",
             str(out / f"{name}.results.json"),
             *(arg for variant in variants for arg in ("--variant", variant)),
+            *extra,
         ]
 
     return command
@@ -169,6 +176,18 @@ PARTS = {
         "LLaMA 1B, half the state in memory: the update inside step() (the default where the state streams) "
         "against behind the next forward (overlap: true), whose 0.01 s forward on the CPU hid nothing",
         e2e_part("1B", "mlp-offload-half", "e2e-1B-forward", ('half/forward={"overlap": true}',)),
+    ),
+    "e2e-1B-backward": Part(
+        "LLaMA 1B at DeepSpeed's memory and with half the state in memory: the streamed chunks updated "
+        'during backward (overlap_backward: true; "auto" leaves it off on a GPU until bitexact-backward '
+        "has passed) against off, without clipping (a clipped step undoes it)",
+        e2e_part(
+            "1B",
+            "mlp-offload,mlp-offload-half",
+            "e2e-1B-backward",
+            ('bwd={"overlap_backward": true}', 'half/bwd={"overlap_backward": true}'),
+            ("--clip", "0"),
+        ),
     ),
     "e2e-largest": Part(
         "the largest LLaMA the disk holds: DeepSpeed NVMe (pipelined)",
