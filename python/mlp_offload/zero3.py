@@ -292,7 +292,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pid = self.get_param_id(param)
         self.norm_for_param_grads[pid] = norm
         on_device = norm.device.type != "cpu"
-        if self._mlp_spec_on and on_device:
+        # The first final gradient of a boundary whose update during backward is to be tried begins it
+        # (below); once it was not tried, or was undone, no chunk of this backward is taken.
+        begins = (
+            self._mlp_spec_on
+            and self._mlp_spec is None
+            and not self._mlp_spec_begun
+            and self._mlp_spec_likely
+        )
+        if self._mlp_spec_on and on_device and (self._mlp_spec is not None or begins):
             # DeepSpeed queued the gradient's copy into the host buffer on this stream, and computed the
             # norm from it: what the update thread waits for before it reads either (before the chunk's
             # gradient is marked final, which wakes it).
@@ -309,12 +317,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_norm_sq_so_far += float(norm) ** 2
             if (spec := self._mlp_spec) is not None and spec.stopped is None:
                 self._mlp_stop_if_ruled_out(spec)
-        if (
-            self._mlp_spec_on
-            and self._mlp_spec is None
-            and not self._mlp_spec_begun
-            and self._mlp_spec_likely
-        ):
+        if begins:
             # The first gradient of the boundary is final: the streamed chunks' update starts.
             self._mlp_spec_begun = True
             self._mlp_speculate()
