@@ -454,23 +454,21 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
 
 
 @pytest.mark.parametrize(
-    ("setting", "fused", "on_host", "streams", "why"),
+    ("setting", "fused", "streams", "why"),
     [
-        (False, True, True, True, "off in the config"),
-        (True, False, True, True, "DeepSpeed's passes hold the GIL"),
-        ("auto", False, True, True, "DeepSpeed's passes hold the GIL"),
-        ("auto", True, False, True, "not yet been checked bit for bit on a GPU"),
-        (True, True, False, True, "on (the config): every streamed chunk"),
-        (True, True, True, False, "every chunk stays in host memory"),
-        ("auto", True, True, False, "every chunk stays in host memory"),
-        (True, True, True, True, "on (the config): every streamed chunk"),
-        ("auto", True, True, True, "auto: the streamed chunks the plan expects"),
+        (False, True, True, "off in the config"),
+        (True, False, True, "DeepSpeed's passes hold the GIL"),
+        ("auto", False, True, "DeepSpeed's passes hold the GIL"),
+        (True, True, False, "every chunk stays in host memory"),
+        ("auto", True, False, "every chunk stays in host memory"),
+        (True, True, True, "on (the config): every streamed chunk"),
+        ("auto", True, True, "auto: the streamed chunks the plan expects"),
     ],
 )
 def test_the_update_during_backward_runs_where_it_can_be_undone(
-    setting: bool | str, fused: bool, on_host: bool, streams: bool, why: str
+    setting: bool | str, fused: bool, streams: bool, why: str
 ) -> None:
-    on, said = overlap.choose_backward(setting, fused, on_host, streams)
+    on, said = overlap.choose_backward(setting, fused, streams)
     assert on == (not said.startswith("off")) and why in said
 
 

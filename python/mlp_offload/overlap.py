@@ -50,22 +50,15 @@ def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[
     return False, "off: the state streams (overlap: true runs it behind step() all the same)"
 
 
-def choose_backward(
-    setting: bool | str, fused: bool, params_on_host: bool, streams: bool
-) -> tuple[bool, str]:
+def choose_backward(setting: bool | str, fused: bool, streams: bool) -> tuple[bool, str]:
     """Whether the streamed chunks are updated during backward (`MLPOffloadConfig.overlap_backward`),
-    and why, in words for the start-up line."""
+    and why, in words for the start-up line. With the half-precision parameters on an accelerator too:
+    its path there (events, norms on the device, a stream of its own, a host scratch) ran bit-exact on
+    an H100 (`make gpu-report`'s bitexact-backward part, docs/results.md)."""
     if setting is False:
         return False, "off in the config"
     if not fused:
         return False, "off: DeepSpeed's passes hold the GIL, which backward needs"
-    if not params_on_host and setting is not True:
-        # Its path there (events, norms on the device, a stream of its own) has not yet run on a GPU:
-        # `make gpu-report`'s bitexact-backward part checks it.
-        return False, (
-            "off: the half-precision parameters are on the accelerator, where this has not yet been checked "
-            "bit for bit on a GPU (overlap_backward: true turns it on)"
-        )
     if not streams:
         return False, "off: every chunk stays in host memory, nothing streams"
     if setting is True:

@@ -382,7 +382,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_spec_on, spec_why = overlap.choose_backward(
                 config.overlap_backward,
                 self._mlp_fused is not None,
-                self._mlp_params_on_host,
                 cache_slots < len(layout.chunks),
             )
             self._mlp_spec_begun = False
