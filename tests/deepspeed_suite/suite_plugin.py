@@ -1,16 +1,24 @@
 """The harness's pytest plugin, in the pytest process of DeepSpeed's suite (`-p suite_plugin`): names the
 running case for its rank processes (in a file: those forked from DeepSpeed's forkserver keep the
 environment it started with), empties the engines' store directories between cases, and writes each
-case's outcome as one JSON line."""
+case's outcome as one JSON line. With DeepSpeed's CPU accelerator it has the forkserver of the rank
+processes preload torch and DeepSpeed (`suite_preload`)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 from typing import Any
 
 import pytest
+
+
+def pytest_configure(config: Any) -> None:
+    # Before the first case starts DeepSpeed's forkserver, which imports these once for every rank.
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        multiprocessing.set_forkserver_preload(["__main__", "suite_preload"])
 
 
 def pytest_collection_finish(session: Any) -> None:
