@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,15 +44,7 @@ def test_the_main_job_trains_on_two_tiers_and_reports(work_dirs: list[Path], tmp
     assert summary["last_loss"] < summary["first_loss"], losses
     assert summary["subgroups"] > 3
     assert [t["path"] for t in summary["tiers"]] == tiers
-    tiers_moved = [t["bytes_read_per_step"] + t["bytes_written_per_step"] for t in summary["tiers"]]
-    assert sum(tiers_moved) > 0, summary["tiers"]
-    # The split follows the probe, and two directories of one disk probed at once under a busy CI can
-    # measure 1:10 apart; a tier's stripe of an object (~44 KB here) then rounds below a page and it moves
-    # nothing. A quarter of the split is a stripe of pages even after the tuner's first moves.
-    assert len(summary["weights"]) == 2 and math.isclose(sum(summary["weights"]), 1.0)
-    for tier, weight, moved in zip(summary["tiers"], summary["weights"], tiers_moved, strict=True):
-        if weight >= 0.25:
-            assert moved > 0, (tier, summary["weights"])
+    check_tiers_moved_bytes(summary)
     records = [json.loads(line) for line in (out / "telemetry.jsonl").read_text().splitlines()]
     assert [r["event"] for r in records] == ["start"] + ["step"] * steps
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -60,6 +53,19 @@ def test_the_main_job_trains_on_two_tiers_and_reports(work_dirs: list[Path], tmp
     assert summary["dtype"] in ("bf16", "fp32") and "matrix product takes" in summary["dtype_why"]
     assert f"in {summary['dtype']} (a 512 x 64 x 172 matrix product" in proc.stderr
     assert "steps left end in about" in proc.stderr
+
+
+def check_tiers_moved_bytes(summary: dict[str, Any]) -> None:
+    """The job's two tiers together moved bytes, split as the probe found them. Two directories of one
+    disk probed at once under a busy CI can measure 1:10 apart; a tier's stripe of an object (~44 KB in
+    the tiny model) then rounds below a page and it moves nothing. A quarter of the split is a stripe of
+    pages even after the tuner's first moves."""
+    tiers_moved = [t["bytes_read_per_step"] + t["bytes_written_per_step"] for t in summary["tiers"]]
+    assert sum(tiers_moved) > 0, summary["tiers"]
+    assert len(summary["weights"]) == 2 and math.isclose(sum(summary["weights"]), 1.0)
+    for tier, weight, moved in zip(summary["tiers"], summary["weights"], tiers_moved, strict=True):
+        if weight >= 0.25:
+            assert moved > 0, (tier, summary["weights"])
 
 
 # --dtype, seconds of the bf16 and fp32 products (None: not measured), the dtype chosen
@@ -153,13 +159,7 @@ def test_the_main_job_holds_memory_files_and_threads_flat_for_500_steps(
     (tmp_path / "samples.json").write_text(json.dumps(samples))
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["steps"]) == SOAK_STEPS
-    tiers_moved = [t["bytes_read_per_step"] + t["bytes_written_per_step"] for t in summary["tiers"]]
-    assert sum(tiers_moved) > 0, summary["tiers"]
-    # As in the test above: a tier the probe's split left a small share may move nothing.
-    assert len(summary["weights"]) == 2 and math.isclose(sum(summary["weights"]), 1.0)
-    for tier, weight, moved in zip(summary["tiers"], summary["weights"], tiers_moved, strict=True):
-        if weight >= 0.25:
-            assert moved > 0, (tier, summary["weights"])
+    check_tiers_moved_bytes(summary)
     kept = [samples[s] for s in sorted(samples) if s > 50]
     assert len(kept) > 0.9 * (SOAK_STEPS - 50), f"only {len(kept)} steps sampled"
     assert {s["fds"] for s in kept} == {kept[0]["fds"]}, "open files changed"
