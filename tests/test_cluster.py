@@ -70,6 +70,21 @@ def result_file(cluster: TwoNodeCluster, name: str, rank: int | None = None) -> 
     return cluster.root / f"{name}.rank{'{rank}' if rank is None else rank}.pt"
 
 
+def wait_for_nodes(
+    procs: list[tuple[Path, subprocess.Popen[bytes]]], timeout: float = 600.0, grace: float = 30.0
+) -> list[Path]:
+    """Waits for every node's torchrun, and returns the logs of those that failed or are still running.
+    Once one node has failed the others get `grace` seconds: their ranks may wait for the failed node's
+    in gloo without end (a fresh clone's CI saw node 0 wait past pytest's 300 s for a node 1 whose rank
+    had aborted), and the caller must see the failure in time to run stock's run once more."""
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for _, proc in procs) and time.monotonic() < deadline:
+        if any(proc.poll() not in (None, 0) for _, proc in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.2)
+    return [log for log, proc in procs if proc.poll() != 0]
+
+
 def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str) -> list[dict[str, Any]]:
     """`case` on 4 ranks (see `start_on`): every rank's result, rank by rank. A failed node's log ends
     the failure's message. Stock DeepSpeed's run (no `mlp_offload` section) is run once more, saying so,
@@ -78,11 +93,8 @@ def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str)
     run of ours is never run again."""
     for attempt in (1, 2):
         procs = start_on(cluster, nodes, case, name)
-        failed = []
         try:
-            for log, proc in procs:
-                if proc.wait(timeout=600) != 0:
-                    failed.append(log)
+            failed = wait_for_nodes(procs)
         finally:
             for _, proc in procs:
                 if proc.poll() is None:
