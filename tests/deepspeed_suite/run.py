@@ -217,10 +217,10 @@ def collect(tests: Path, only: str | None) -> list[tuple[str, bool]]:
     """The selected cases: node id, and whether it runs in rank processes of its own (a DistributedTest;
     the others run in the pytest process, some on a fixed port)."""
     listing = WORK / "collected.txt"
-    on_cpu = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR", "cpu") == "cpu"
     WORK.mkdir(parents=True, exist_ok=True)
     files = sorted({c.file for c in CASES})
     env = suite_env(tests, "collect", WORK)
+    on_cpu = env["DS_ACCELERATOR"] == "cpu"
     env["MLP_OFFLOAD_DS_SUITE_LISTING"] = str(listing)
     done = subprocess.run(
         pytest_command("--collect-only", *files), cwd=tests, env=env, capture_output=True, text=True
