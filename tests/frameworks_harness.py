@@ -217,7 +217,10 @@ def lightning(paths: list[str] | None, out: str, variant: dict[str, Any]) -> Non
     trainer = L.Trainer(
         accelerator="cuda" if on_cuda else "cpu",
         devices=1,
-        strategy=Strategy(config=config),
+        # DeepSpeed's safe_get_full_fp32_param gathers the offloaded fp32 partition, a host tensor: on
+        # CUDA the group needs gloo beside NCCL (NCCL alone: "No backend type associated with device
+        # type cpu", stock as ours).
+        strategy=Strategy(config=config, process_group_backend="cpu:gloo,cuda:nccl" if on_cuda else None),
         precision="bf16-mixed",
         max_steps=3,
         accumulate_grad_batches=2,
