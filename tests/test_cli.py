@@ -443,9 +443,9 @@ def test_parse_size(text: str, value: int) -> None:
 
 
 def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> None:
-    # Two directories on one disk share it, so the plan splits by what each gave while both ran, not by
-    # what each gave alone. (How even that split comes out is up to this noisy disk in a half-second
-    # window, so the test checks the rule, not the figures.)
+    # Two directories on one disk share it: the device gives what both moved together, split evenly
+    # between them (how the probe's figures fell between the two, 1:3 to 1:10 on this disk under load,
+    # is noise, and would starve one).
     out = run_cli(
         *("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G"),
         *("--json", "-q", str(work_dirs[0]), str(work_dirs[1])),
@@ -456,8 +456,8 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     assert workload["subgroups"] == 5 and workload["chunks"] == 25 and workload["bytes_per_chunk"] == 48 << 20
     paths = result["paths"]
     assert paths[0]["device_id"] == paths[1]["device_id"]
-    together = [p["concurrent_bytes_per_s"] for p in paths]
-    assert plan["weights"] == pytest.approx([bw / sum(together) for bw in together], rel=1e-9)
+    assert all(p["concurrent_bytes_per_s"] > 0 for p in paths)
+    assert plan["weights"] == pytest.approx([0.5, 0.5], rel=1e-9)
     # 2 GiB hold 42 chunk buffers besides the gradient chunk: more than the 25 chunks, so all stay cached.
     assert plan["cached_subgroups"] == 25 and plan["io_floor_secs"] == 0.0
     # The update as the budget grows: never slower with more memory, no I/O once everything is cached.

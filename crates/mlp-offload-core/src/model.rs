@@ -137,8 +137,11 @@ pub fn plan_split(
         work.write_bytes_per_subgroup as f64,
     );
     let usable = |bw: f64| bw.is_finite() && bw > 0.0;
-    // Figures measured with every path at once already show what shared devices give each path: then
-    // every path stands alone. Otherwise paths on one device share the best figure of any of them.
+    // Figures measured with every path at once already show what shared devices give each path: a
+    // device then gives the sum of its paths' figures. Otherwise paths on one device share the best
+    // figure of any of them. Either way a device's share is split evenly among its paths: on one file
+    // system they are alike, and how the probe's concurrent figure fell between them is noise (1:3 to
+    // 1:10 on one disk here), which would starve one of them.
     let concurrent = paths.iter().all(|p| p.concurrent_bytes_per_s.is_some());
     // Seconds a path needs per subgroup if it held all of it, reads and writes sharing it.
     let cost = |p: &PathProfile| -> Option<f64> {
@@ -162,18 +165,18 @@ pub fn plan_split(
     let mut devices: Vec<(String, f64, Vec<usize>)> = Vec::new();
     for (i, p) in paths.iter().enumerate() {
         let Some(c) = cost(p) else { continue };
-        let device = if concurrent {
-            format!("path {i}")
-        } else {
-            p.device_id.clone()
-        };
-        match devices.iter_mut().find(|(id, _, _)| *id == device) {
-            // Figures measured one path at a time each show the whole device: keep the best.
-            Some((_, best, members)) => {
-                *best = best.min(c);
+        match devices.iter_mut().find(|(id, _, _)| *id == p.device_id) {
+            Some((_, device_cost, members)) => {
+                *device_cost = if concurrent {
+                    // Measured at once: the device moves what its paths moved together.
+                    1.0 / (1.0 / *device_cost + 1.0 / c)
+                } else {
+                    // Measured one path at a time, each shows the whole device: keep the best.
+                    device_cost.min(c)
+                };
                 members.push(i);
             }
-            None => devices.push((device, c, vec![i])),
+            None => devices.push((p.device_id.clone(), c, vec![i])),
         }
     }
     if devices.is_empty() {
@@ -873,15 +876,30 @@ mod tests {
                 io_per_subgroup: 0.48 * 0.75,
             },
             Case {
-                name: "figures measured together stand alone, even on one device",
+                name: "figures measured together: a device gives their sum, split evenly on it",
                 paths: vec![
                     measured("a", Some(2000.0), Some(600.0)),
                     measured("a", Some(2000.0), Some(200.0)),
                 ],
                 buffers: 3,
-                weights: vec![0.75, 0.25],
+                weights: vec![0.5, 0.5],
                 cached: 0,
                 io_per_subgroup: 0.48 / 800.0 * 1000.0,
+            },
+            Case {
+                // The probe's split between two directories of one disk, measured at once, was 1:10
+                // under load: not a reason to starve one of them.
+                name: "measured together: two devices by their sums, one 1:10 within",
+                paths: vec![
+                    measured("a", Some(2000.0), Some(100.0)),
+                    measured("a", Some(2000.0), Some(1000.0)),
+                    measured("b", Some(2000.0), Some(550.0)),
+                ],
+                buffers: 3,
+                // a: 1100 MB/s, b: 550: a takes 2/3, a third to each of its paths.
+                weights: vec![1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0],
+                cached: 0,
+                io_per_subgroup: 0.48 / 1650.0 * 1000.0,
             },
             Case {
                 name: "together figures only count when every path has one",
