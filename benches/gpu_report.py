@@ -9,9 +9,9 @@ Parts, in this order (all by default; name some to run only those, one call each
 - `bitexact`: the bit-exact table on CUDA (`tests/test_zero3.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
-- `bitexact-backward`: the rows of the update during backward (`tests/test_zero3.py`) on CUDA, but the
-  two-rank one, the one that forces the host scratch a GPU takes anyway, and the planned ones (`"auto"`
-  leaves it off on an accelerator until this part has passed);
+- `bitexact-backward`: the rows of the update during backward (`tests/test_zero3.py`) on CUDA, the
+  planned ones among them, but the two-rank one (one GPU) and the one that forces the host scratch a GPU
+  takes anyway;
 - `ds-suite`: DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine, among them the
   cases that skip on the CPU (`tests/deepspeed_suite/run.py`; `MLP_OFFLOAD_DS_TESTS` names the tests if
   `../shared/deepspeed-tests` is not there);
@@ -26,7 +26,10 @@ Parts, in this order (all by default; name some to run only those, one call each
   against `device: cpu`); and with half the state in memory, inside `step()` against behind the next
   forward (issue 30's (c), whose forward on the CPU had nothing to hide the update behind); and, at
   DeepSpeed's memory and with half the state in memory, the streamed chunks updated during backward
-  against not (issue 30's (b) and (c), `e2e-1B-backward`).
+  against not (issue 30's (b) and (c), `e2e-1B-backward`);
+- `kernel`: `benches/update_kernel.py` on the GPU machine's host, the update's per-chunk work, fused
+  against DeepSpeed's passes: whether the update with the state in memory (0.56 s at 1B there) runs at
+  the host's memory bandwidth.
 
 Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
 runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
@@ -200,7 +203,8 @@ PARTS = {
     "e2e-1B-backward": Part(
         "LLaMA 1B with half the state in memory: the streamed chunks updated during backward as the plan "
         "chooses (overlap_backward: auto, the default), every one (true) and none (false), without clipping "
-        "(a clipped step undoes it); on an H100 true made the iteration 1.26x slower (2026-11-27)",
+        "(a clipped step undoes it); on an H100 true made the iteration 1.17-1.26x slower, and auto "
+        "took none (2026-11-27)",
         e2e_part(
             "1B",
             "mlp-offload-half",
@@ -208,6 +212,21 @@ PARTS = {
             ('half/bwd={"overlap_backward": true}', 'half/off={"overlap_backward": false}'),
             ("--clip", "0"),
         ),
+    ),
+    "kernel": Part(
+        "the update's per-chunk work on this host's CPUs, the fused pass against DeepSpeed's passes, over "
+        "a working set (1.1 GiB) past its caches: how near the host's memory bandwidth the update runs "
+        "(at 1B with the state in memory it took 0.56 s on an H100's host, 2026-11-27)",
+        lambda out, data: [
+            sys.executable,
+            str(ROOT / "benches" / "update_kernel.py"),
+            "--chunks",
+            "24",
+            "--rounds",
+            "5",
+            "--out",
+            str(out / "kernel.results.json"),
+        ],
     ),
     "e2e-largest": Part(
         "the largest LLaMA the disk holds: DeepSpeed NVMe (pipelined)",
