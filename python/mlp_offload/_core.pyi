@@ -128,12 +128,14 @@ class AdamKernel:
         read_cuts: list[int] | None = None,
         write_cuts: list[int] | None = None,
         keep_params: bool = False,
+        keep_state: int | None = None,
     ) -> tuple[list[int] | None, list[int] | None, list[tuple[int, bytes]] | None]:
         """One chunk in place at these addresses (GIL released): `state` `3 count` fp32, `grad` and
         `params` `count` of their dtypes; the bias correction advances as DeepSpeed's would at `step`.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
         (stripe starts), where given; and with `keep_params`, the parameters before the pass that were
-        not the old weights narrowed, a block at a time: (first element, their bytes)."""
+        not the old weights narrowed, a block at a time: (first element, their bytes). With `keep_state`
+        (address of `3 count` fp32), the state before the pass is copied there in the pass."""
 
 @final
 class ObjectStore:

@@ -71,6 +71,7 @@ class FusedAdam:
         read_cuts: list[int] | None = None,
         write_cuts: list[int] | None = None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
+        kept_state: torch.Tensor | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """One chunk: `state` its `[params | exp_avg | exp_avg_sq]` (fp32), `grad` its half-precision (or
         fp32) gradient before `grad_scale` (DeepSpeed's `1 / combined_scale`), `params` where the new
@@ -79,7 +80,10 @@ class FusedAdam:
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
         (the store's stripe starts), where given. Given `kept_params`, the pass appends to it the
         parameters as they were before it wherever they were not the old weights narrowed, a block at a
-        time (its first element, its values), checked in the pass itself."""
+        time (its first element, its values), checked in the pass itself. Given `kept_state` (fp32, as
+        many elements as `state`), the pass copies the state there as it was before it, a block at a
+        time while the block is in the core's cache: the one copy of state kept nowhere else (a cached
+        chunk's) that an undo needs, for one more write and no more reads."""
         n = grad.numel()
         beta1, beta2 = group["betas"]
         # The kernel runs without the GIL: the tensors are the caller's and outlive the call.
@@ -103,6 +107,7 @@ class FusedAdam:
             read_cuts=read_cuts,
             write_cuts=write_cuts,
             keep_params=kept_params is not None,
+            keep_state=None if kept_state is None else _address(kept_state, 3 * n, "kept_state"),
         )
         if kept_params is not None and kept and params is not None:
             kept_params.extend(

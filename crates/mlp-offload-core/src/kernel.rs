@@ -552,6 +552,11 @@ pub struct Chunk<'a, G: Elem, P: Elem> {
     /// narrowed ([`ChunkSums::kept_params`]), so that an update that is undone can give them back
     /// (the old weights alone give back the rest). Needs `params`.
     pub keep_params: bool,
+    /// Where the state as it was before the pass goes (`3 n` fp32, laid out as `state`), copied a block
+    /// at a time in the pass itself, while the block is in the core's cache for its update: an update
+    /// of state kept nowhere else (a chunk cached in host memory) that may be undone gives it back from
+    /// here, at the cost of this write alone (no second read of the state).
+    pub keep_state: Option<&'a mut [f32]>,
 }
 
 /// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
@@ -751,6 +756,14 @@ pub fn update<G: Elem, P: Elem>(
             "keeps the parameters before the pass, and no params were given",
         ));
     }
+    if let Some(kept) = &chunk.keep_state {
+        if kept.len() != 3 * n {
+            return Err(Error::config(
+                "keep_state",
+                format!("{} fp32 elements to keep a state of {}", kept.len(), 3 * n),
+            ));
+        }
+    }
     if arith.vector_width == 0 {
         return Err(Error::config("vector_width", "must be at least 1"));
     }
@@ -769,6 +782,11 @@ pub fn update<G: Elem, P: Elem>(
     let mut parts = Vec::with_capacity(threads);
     let (mut p, mut m, mut v, mut g) = (p, m, v, chunk.grad);
     let mut out = chunk.params;
+    let mut keep = chunk.keep_state.map(|kept| {
+        let (kp, rest) = kept.split_at_mut(n);
+        let (km, kv) = rest.split_at_mut(n);
+        [kp, km, kv]
+    });
     let mut first = 0;
     while first < n {
         let len = if parts.len() + 1 == threads {
@@ -788,6 +806,13 @@ pub fn update<G: Elem, P: Elem>(
             }
             None => None,
         };
+        let ks = keep.take().map(|[kp, km, kv]| {
+            let (kp0, kp1) = kp.split_at_mut(len);
+            let (km0, km1) = km.split_at_mut(len);
+            let (kv0, kv1) = kv.split_at_mut(len);
+            keep = Some([kp1, km1, kv1]);
+            [kp0, km0, kv0]
+        });
         // Of this part, how much lies below `body` (vector arithmetic).
         let vector = body.saturating_sub(first).min(len);
         let sums = [cuts.read, cuts.write].map(|c| c.map(|c| pieces(c, n, first, len)));
@@ -801,6 +826,7 @@ pub fn update<G: Elem, P: Elem>(
             offsets: [4 * first, 4 * (n + first), 4 * (2 * n + first)],
             sums,
             kept: chunk.keep_params.then(Vec::new),
+            kept_state: ks,
         });
         (p, m, v, g) = (p1, m1, v1, g1);
         first += len;
@@ -853,6 +879,7 @@ pub unsafe fn update_at(
     grad: (usize, Kind),
     params: Option<(usize, Kind)>,
     keep_params: bool,
+    keep_state: Option<usize>,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -864,6 +891,7 @@ pub unsafe fn update_at(
     for (name, address, kind) in [("state", state, Kind::F32), ("grad", grad.0, grad.1)]
         .into_iter()
         .chain(params.map(|(a, kind)| ("params", a, kind)))
+        .chain(keep_state.map(|a| ("keep_state", a, Kind::F32)))
     {
         if address == 0 || address % kind.size() != 0 {
             return Err(Error::config(
@@ -875,6 +903,8 @@ pub unsafe fn update_at(
     // SAFETY: the caller's promise, and the alignment checked above.
     let state = unsafe { std::slice::from_raw_parts_mut(state as *mut f32, 3 * count) };
     // SAFETY: as above.
+    let keep_state = keep_state.map(|a| unsafe { slice_mut::<f32>(a, 3 * count) });
+    // SAFETY: as above.
     unsafe {
         match grad.1 {
             Kind::F32 => update_with_params(
@@ -882,6 +912,7 @@ pub unsafe fn update_at(
                 slice::<f32>(grad.0, count),
                 params,
                 keep_params,
+                keep_state,
                 count,
                 grad_scale,
                 k,
@@ -895,6 +926,7 @@ pub unsafe fn update_at(
                 slice::<Bf16>(grad.0, count),
                 params,
                 keep_params,
+                keep_state,
                 count,
                 grad_scale,
                 k,
@@ -908,6 +940,7 @@ pub unsafe fn update_at(
                 slice::<F16>(grad.0, count),
                 params,
                 keep_params,
+                keep_state,
                 count,
                 grad_scale,
                 k,
@@ -942,6 +975,7 @@ unsafe fn update_with_params<G: Elem>(
     grad: &[G],
     params: Option<(usize, Kind)>,
     keep_params: bool,
+    keep_state: Option<&mut [f32]>,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -959,6 +993,7 @@ unsafe fn update_with_params<G: Elem>(
                     grad,
                     params: None,
                     keep_params,
+                    keep_state,
                 },
                 grad_scale,
                 k,
@@ -973,6 +1008,7 @@ unsafe fn update_with_params<G: Elem>(
                     grad,
                     params: Some(slice_mut::<f32>(a, count)),
                     keep_params,
+                    keep_state,
                 },
                 grad_scale,
                 k,
@@ -987,6 +1023,7 @@ unsafe fn update_with_params<G: Elem>(
                     grad,
                     params: Some(slice_mut::<Bf16>(a, count)),
                     keep_params,
+                    keep_state,
                 },
                 grad_scale,
                 k,
@@ -1001,6 +1038,7 @@ unsafe fn update_with_params<G: Elem>(
                     grad,
                     params: Some(slice_mut::<F16>(a, count)),
                     keep_params,
+                    keep_state,
                 },
                 grad_scale,
                 k,
@@ -1029,6 +1067,9 @@ struct Part<'a, G, P> {
     sums: [Option<[Vec<Piece>; 3]>; 2],
     /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
     kept: Option<Vec<KeptParams>>,
+    /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
+    /// exp_avg and exp_avg_sq.
+    kept_state: Option<[&'a mut [f32]; 3]>,
 }
 
 impl<G: Elem, P: Elem> Part<'_, G, P> {
@@ -1076,9 +1117,15 @@ fn run_part<G: Elem, P: Elem>(
     (finish_pieces(part.sums), part.kept)
 }
 
-/// Keeps the parameters of elements `b0..b1` as they are, where [`Chunk::keep_params`] asked and any
-/// of them is not its weight narrowed (before the block is updated; in the core's cache for it).
+/// Keeps elements `b0..b1` as they are before the block is updated (in the core's cache for it): their
+/// state where [`Chunk::keep_state`] asked, and their parameters where [`Chunk::keep_params`] asked and
+/// any of them is not its weight narrowed.
 fn keep_block<G: Elem, P: Elem>(part: &mut Part<'_, G, P>, b0: usize, b1: usize, simd: Simd) {
+    if let Some(to) = part.kept_state.as_mut() {
+        for (to, from) in to.iter_mut().zip([&*part.p, &*part.m, &*part.v]) {
+            to[b0..b1].copy_from_slice(&from[b0..b1]);
+        }
+    }
     let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
         return;
     };
@@ -1984,6 +2031,7 @@ mod tests {
                                 grad: &grad,
                                 params: Some(&mut got_params),
                                 keep_params: false,
+                                keep_state: None,
                             },
                             0.75,
                             &k,
@@ -2139,14 +2187,18 @@ mod tests {
             }
             for (simd, cuts) in simds_with_and_without_sums() {
                 for threads in [1, 3] {
-                    let run = |keep_params: bool| {
+                    // Keeping the parameters, and the state too (`keep`).
+                    let run = |keep: bool| {
                         let (mut s, mut params) = (state.clone(), before.clone());
+                        // NaN-filled: a block the pass did not copy shows.
+                        let mut kept_state = vec![f32::NAN; 3 * n];
                         let out = update(
                             Chunk {
                                 state: &mut s,
                                 grad: &grad,
                                 params: Some(&mut params),
-                                keep_params,
+                                keep_params: keep,
+                                keep_state: keep.then_some(&mut kept_state[..]),
                             },
                             0.5,
                             &k,
@@ -2156,13 +2208,20 @@ mod tests {
                             cuts,
                         )
                         .unwrap();
-                        (s, params, out)
+                        (s, params, out, kept_state)
                     };
-                    let (s0, p0, plain) = run(false);
-                    let (s1, p1, kept) = run(true);
+                    let (s0, p0, plain, _) = run(false);
+                    let (s1, p1, kept, kept_state) = run(true);
                     let what = format!("{simd:?} n {n} threads {threads} {:?}", P::KIND);
-                    // Keeping changes nothing else the pass does.
+                    // Keeping changes nothing else the pass does, and keeps the state as it was.
                     assert!(s0.iter().zip(&s1).all(|(a, b)| same(*a, *b)), "{what}");
+                    assert!(
+                        kept_state
+                            .iter()
+                            .zip(&state)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: the kept state is not the state before the pass"
+                    );
                     assert!(
                         p0.iter().zip(&p1).all(|(a, b)| a.bits() == b.bits()),
                         "{what}"
@@ -2201,7 +2260,7 @@ mod tests {
     }
 
     #[test]
-    fn kept_params_are_the_blocks_set_apart_from_the_weights_and_nothing_else_changes() {
+    fn kept_params_and_state_are_what_the_pass_found_and_nothing_else_changes() {
         let mut rng = StdRng::seed_from_u64(19);
         check_kept_params::<Bf16>(&mut rng);
         check_kept_params::<F16>(&mut rng);
@@ -2227,6 +2286,7 @@ mod tests {
                 grad: &grad,
                 params: Some(&mut params),
                 keep_params: false,
+                keep_state: None,
             },
             1.0,
             &k,
@@ -2242,6 +2302,7 @@ mod tests {
                 grad: &grad,
                 params: None,
                 keep_params: false,
+                keep_state: None,
             },
             1.0,
             &k,
@@ -2332,6 +2393,7 @@ mod tests {
                     grad,
                     params,
                     keep_params: false,
+                    keep_state: None,
                 },
                 1.0,
                 &k,
@@ -2465,6 +2527,7 @@ mod tests {
                 grad: &grad,
                 params: None,
                 keep_params: false,
+                keep_state: None,
             },
             1.0,
             &k,
@@ -2484,6 +2547,7 @@ mod tests {
                 grad: &grad,
                 params: None,
                 keep_params: true,
+                keep_state: None,
             },
             1.0,
             &k,
@@ -2495,6 +2559,27 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("keep_params"), "{err}");
+        // A kept state's buffer of another length is an error naming the key and its length.
+        let mut state = vec![0.0f32; 30];
+        let mut kept_state = vec![0.0f32; 29];
+        let err = update::<f32, f32>(
+            Chunk {
+                state: &mut state,
+                grad: &grad,
+                params: None,
+                keep_params: false,
+                keep_state: Some(&mut kept_state),
+            },
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("keep_state") && err.contains("29"), "{err}");
         let mut state = vec![0.0f32; 30];
         let mut params = vec![0.0f32; 9];
         let err = update(
@@ -2503,6 +2588,7 @@ mod tests {
                 grad: &grad,
                 params: Some(&mut params),
                 keep_params: false,
+                keep_state: None,
             },
             1.0,
             &k,
@@ -2522,6 +2608,7 @@ mod tests {
                 (bytes.as_ptr() as usize, Kind::Bf16),
                 None,
                 false,
+                None,
                 1,
                 1.0,
                 &k,

@@ -384,10 +384,11 @@ impl AdamKernel {
     /// (`count` of `grad_dtype`), `params` (`count` of `params_dtype`, or None). The bias correction
     /// advances as DeepSpeed's would for a call at Adam step `step`. With `keep_params`, the parameters
     /// before the pass that were not the old weights narrowed come back, a block at a time, as (first
-    /// element, bytes). Runs without the GIL.
+    /// element, bytes). With `keep_state` (address of `3 count` fp32), the state before the pass is
+    /// copied there in the pass. Runs without the GIL.
     #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
                         beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
-                        read_cuts=None, write_cuts=None, keep_params=false))]
+                        read_cuts=None, write_cuts=None, keep_params=false, keep_state=None))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
@@ -411,6 +412,7 @@ impl AdamKernel {
         read_cuts: Option<Vec<u64>>,
         write_cuts: Option<Vec<u64>>,
         keep_params: bool,
+        keep_state: Option<usize>,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
         let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
@@ -433,13 +435,15 @@ impl AdamKernel {
             .detach(|| {
                 // SAFETY: `mlp_offload.kernel.FusedAdam.update` passes the data pointers of contiguous CPU
                 // tensors of these lengths and dtypes, which it holds for the whole call; the state buffer,
-                // the gradient and the half-precision partition are distinct tensors.
+                // the gradient, the half-precision partition and the kept state's buffer are distinct
+                // tensors.
                 unsafe {
                     update_at(
                         state,
                         (grad, grad_kind),
                         params.map(|a| (a, params_kind)),
                         keep_params,
+                        keep_state,
                         count,
                         grad_scale,
                         &k,
