@@ -18,10 +18,11 @@ import torch
 
 from conftest import mounted_tmpfs
 from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, memory, overlap, profiles
+from mlp_offload import pipeline as pipeline_module
 from mlp_offload import state as state_module
 from mlp_offload.config import MLPOffloadConfig
 from mlp_offload.overlap import UpdateInFlight, update_thread
-from mlp_offload.pipeline import ChunkPipeline, next_order
+from mlp_offload.pipeline import ChunkPipeline, KeptCopy, next_order
 from mlp_offload.planning import UpdatePlanner
 from mlp_offload.state import ChunkedState
 
@@ -238,6 +239,72 @@ def test_a_step_in_two_parts_stages_the_first_and_keeps_or_forgets_it(
         bump.assert_stored(store, 3)
 
 
+def test_cached_chunks_are_staged_in_place_and_undone_from_their_kept_copies(
+    engine: str, work_dirs: list[Path]
+) -> None:
+    """Every chunk cached (the update during backward where the state fits in memory): a staged part
+    updates cached chunks in their buffers, each with a kept copy of its state before, filled by the
+    update; `commit` keeps the new state, `discard` gives the old one back. At most `kept_copies` are
+    made, the first time they are wanted; too few ready, or a chunk still staged in a later step, is
+    refused by name; an update that raises before it fills the copy leaves the chunk as it was, one
+    that raises after is undone by `discard`; copies no boundary wants go back."""
+    chunks = 5
+    bump = Bumps(chunks)
+
+    def staged_bump(index: int, view: torch.Tensor, kept: KeptCopy | None = None) -> None:
+        assert kept is not None, f"chunk {index}: cached, staged, and no kept copy"
+        kept.state.copy_(view)
+        kept.filled = True
+        bump(index, view)
+
+    def value(pipeline: ChunkPipeline, chunk: int) -> int:
+        found = pipeline.in_memory(chunk)
+        assert found is not None and found[1] == "resident"
+        return int(found[0][0])
+
+    with ObjectStore(work_dirs[:1], engine=engine) as store:
+        pipeline = ChunkPipeline(store, bump.keys, bump.sizes, chunks, ascending=True, kept_copies=3)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        bump.seen.append([])
+        pipeline.run_step(bump)
+        assert pipeline.resident == list(range(chunks)) and pipeline.kept_copies == 0
+        assert pipeline.reserve_kept(5) == 3 and pipeline.kept_bytes == 3 * pipeline.buffer_size
+        with pytest.raises(ValueError, match=r"chunks \[0, 1, 2, 3\] are cached.*3 kept copies"):
+            pipeline.run_step(staged_bump, only=[3, 2, 1, 0], staged=True)
+        bump.seen.append([])
+        first = pipeline.run_step(staged_bump, only=[4, 3, 2], staged=True, ends_step=False)
+        assert first.staged == [4, 3, 2] and first.writes == 0 and first.cached == 3
+        with pytest.raises(RuntimeError, match=r"chunks \[2, 3, 4\] have a staged update"):
+            pipeline.run_step(bump)
+        pipeline.commit([4, 3])
+        pipeline.discard([2])
+        assert [value(pipeline, c) for c in range(chunks)] == [1, 2, 3, 5, 6]
+        pipeline.run_step(bump, only=[0, 1, 2])
+        assert [value(pipeline, c) for c in range(chunks)] == [2, 3, 4, 5, 6]
+
+        def fails(filled: bool) -> Callable[..., None]:
+            def update(index: int, view: torch.Tensor, kept: KeptCopy | None = None) -> None:
+                assert kept is not None
+                if filled:
+                    staged_bump(index, view, kept)
+                raise OSError(5, "injected")
+
+            return update
+
+        for filled in (False, True):
+            bump.seen.append([])
+            with pytest.raises(OSError, match="injected"):
+                pipeline.run_step(fails(filled), only=[4], staged=True)
+            pipeline.discard([4])
+            assert value(pipeline, 4) == 6 and pipeline.kept_copies == 3, filled
+        # No boundary wants them: after `KEPT_IDLE_BOUNDARIES` of those, they go back.
+        for _ in range(pipeline_module.KEPT_IDLE_BOUNDARIES):
+            assert pipeline.kept_copies == 3
+            pipeline.reserve_kept(0)
+        assert pipeline.kept_copies == 0
+        pipeline.flush()
+
+
 def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_dirs: list[Path]) -> None:
     """The update behind `step()` runs the step on its own thread: whatever else would touch the
     buffers in the meantime is refused by name, not raced."""
@@ -429,10 +496,11 @@ def test_chunk_order_pays_where_backward_hides_more_than_the_cache_it_loses_cost
 
 
 def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_path: Path) -> None:
-    """The streamed chunks (those after the cache in chunk order) share the update's predicted time and
-    run as their gradients were final at the last boundary; the rest is left after backward."""
+    """The streamed chunks (those after the cache in chunk order; every chunk, where all are cached and
+    may have kept copies) share the update's predicted time and run as their gradients were final at the
+    last boundary; the rest is left after backward."""
     planner = UpdatePlanner(MLPOffloadConfig(paths=[str(tmp_path)], weights="equal"), rank=0)
-    stream = SimpleNamespace(order=[0, 1, 2, 3], cache_slots=1)
+    stream = SimpleNamespace(order=[0, 1, 2, 3], cache_slots=1, kept_limit=0)
     planner._pipeline = stream  # type: ignore[assignment]
     # Chunks 1, 2, 3 stream, final 2, 1 and 0 s before a 2 s backward's end; 1 s each of a 3 s update:
     # chunks 1 and 2 run during backward, chunk 3 after it.
@@ -451,24 +519,31 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     assert planner._left_after_backward(3.0, grads, adam_secs_per_chunk=0.3) == pytest.approx(2.1)
     stream.cache_slots = 4
     assert planner._left_after_backward(3.0, grads) == 3.0, "nothing streams"
+    # Every chunk cached, with kept copies: each chunk 0.75 s of the update; chunk 1 runs during backward
+    # (2 s there), chunk 2 would begin at its end.
+    stream.kept_limit = 4
+    assert planner._left_after_backward(3.0, grads) == pytest.approx(2.25)
 
 
 @pytest.mark.parametrize(
-    ("setting", "fused", "streams", "why"),
+    ("setting", "fused", "streams", "on_host", "kept", "why"),
     [
-        (False, True, True, "off in the config"),
-        (True, False, True, "DeepSpeed's passes hold the GIL"),
-        ("auto", False, True, "DeepSpeed's passes hold the GIL"),
-        (True, True, False, "every chunk stays in host memory"),
-        ("auto", True, False, "every chunk stays in host memory"),
-        (True, True, True, "on (the config): every streamed chunk"),
-        ("auto", True, True, "auto: the streamed chunks the plan expects"),
+        (False, True, True, True, 0, "off in the config"),
+        (True, False, True, True, 0, "DeepSpeed's passes hold the GIL"),
+        ("auto", False, True, True, 0, "DeepSpeed's passes hold the GIL"),
+        (True, True, False, True, 0, "leaves no room for a kept copy"),
+        ("auto", True, False, False, 0, "leaves no room for a kept copy"),
+        (True, True, False, True, 3, "on (the config): every chunk stays in host memory"),
+        ("auto", True, False, True, 3, "backward's compute runs on the cores"),
+        ("auto", True, False, False, 3, "auto: every chunk stays in host memory"),
+        (True, True, True, True, 0, "on (the config): every streamed chunk"),
+        ("auto", True, True, True, 0, "auto: the streamed chunks the plan expects"),
     ],
 )
 def test_the_update_during_backward_runs_where_it_can_be_undone(
-    setting: bool | str, fused: bool, streams: bool, why: str
+    setting: bool | str, fused: bool, streams: bool, on_host: bool, kept: int, why: str
 ) -> None:
-    on, said = overlap.choose_backward(setting, fused, streams)
+    on, said = overlap.choose_backward(setting, fused, streams, on_host, kept)
     assert on == (not said.startswith("off")) and why in said
 
 

@@ -116,7 +116,13 @@ CASES = [
         {"host_memory": "300K", "update_chunk": "24K"},
         2,
     ),
-    ("a budget of three chunks", {}, {"host_memory": "40K", "update_chunk": "12K"}, 2),
+    # Without checksums: the fused pass hashes nothing.
+    (
+        "a budget of three chunks, no checksums",
+        {},
+        {"host_memory": "40K", "update_chunk": "12K", "checksum": False},
+        2,
+    ),
     ("gradient accumulation 2", {"grad_accum": 2}, {"host_memory": "64M"}, 2),
     # torch's optimizers in place of DeepSpeed's CPU Adam: from the config, and as an object.
     (
@@ -207,6 +213,9 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert ours["store_after_destroy_matches"]
 
 
+# A budget that caches every chunk of these rows' model and leaves room for a kept copy of each.
+EVERY_CHUNK_CACHED = {"host_memory": "8M"}
+
 # The streamed chunks updated during backward (`overlap_backward`): DeepSpeed reduces in small buckets,
 # so most gradients are final before backward ends; the budget streams; shadow slots keep the old
 # versions. name, the DeepSpeed side, extra section keys, what each step's record says of it
@@ -258,6 +267,28 @@ BACKWARD_CASES = [
         "skipped at 3",
         1,
     ),
+    # Every chunk cached, and room for kept copies: the chunks are updated in their buffers, each one's
+    # state before copied by the pass, and given back from that copy when undone.
+    ("every chunk cached: kept copies, kept every step", {}, EVERY_CHUNK_CACHED, "kept", 1),
+    (
+        "every chunk cached: fp16, through the host scratch, parameters set apart, an overflow step",
+        {
+            "fp16": True,
+            "params_through_scratch": True,
+            "set_params_apart_at": 3,
+            "first_param_grad_not_finite_at": 3,
+        },
+        EVERY_CHUNK_CACHED,
+        "skipped at 3",
+        1,
+    ),
+    (
+        "every chunk cached: DeepSpeed's helpers between backward and step",
+        {"helpers_at": 4},
+        EVERY_CHUNK_CACHED,
+        "read at 4",
+        1,
+    ),
 ]
 
 
@@ -307,6 +338,10 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     assert len(records) == 6
     what, _, at = outcome.partition(" at ")
     streamed = start["chunks"] - start["cached_chunks"]
+    # Every chunk cached: they are the ones taken, each with a kept copy.
+    every_cached = streamed == 0
+    if every_cached:
+        assert start["overlap_backward"]["kept_copies_limit"] == start["chunks"], start["overlap_backward"]
     if what == "planned":
         check_planned_records(start, records)
         return
@@ -326,7 +361,7 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
             # Stopped by the gradients' norms so far: they already clip at the row's 0.05, or (the
             # overflow step) are not finite. Then undone.
             assert not spec["kept"], (step, spec)
-            assert spec["chunks"] < start["chunks"] - start["cached_chunks"], (step, spec)
+            assert spec["chunks"] < (start["chunks"] if every_cached else streamed), (step, spec)
             if what == "clipping":
                 assert "already clips at 0.05" in spec["stopped"], (step, spec)
             else:
@@ -337,8 +372,14 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
         assert what != "clipping" and spec["chunks"] > 0, (step, spec)
         if spec["kept"]:
             assert r["event"] == "step" and (what == "kept" or step != int(at)), (step, spec)
-            # Only the chunks that stream were taken; the cached ones stay in memory, never written.
-            assert spec["chunks"] == r["writes"] == streamed, (step, spec, r["writes"])
+            if every_cached:
+                # Every chunk taken, in its buffer with a kept copy: nothing written (at the first step
+                # the buffers still hold the initial writes, staged on disk as streamed chunks are).
+                assert spec["chunks"] == start["chunks"], (step, spec)
+                assert step == 0 or (r["writes"] == 0 and spec["kept_copies"] == start["chunks"]), (step, r)
+            else:
+                # Only the chunks that stream were taken; the cached ones stay in memory, never written.
+                assert spec["chunks"] == r["writes"] == streamed, (step, spec, r["writes"])
             assert step == 0 or r["cached"] == start["cached_chunks"], (step, r["cached"])
             check_chunk_secs(spec)
             continue
@@ -379,7 +420,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     # step; after that only what the plan found of the last boundary's times (which a loaded machine
     # moves) holds it back: chunk order not paying, or no chunk that would begin before backward ends.
     in_order_from_start = records[0]["speculation"]["chunk_order"]
-    nothing_begins = "not tried: the plan expects no streamed chunk's update to begin before backward ends"
+    nothing_begins = "not tried: the plan expects no chunk's update to begin before backward ends"
     for step, why in enumerate(whys[1:first], 1):
         found = why.removeprefix("not tried: ")
         assert (

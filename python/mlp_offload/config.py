@@ -101,28 +101,33 @@ class MLPOffloadConfig(BaseModel):
     turns it on). The start-up line says which, and why."""
 
     overlap_backward: bool | Literal["auto"] = "auto"
-    """Update streamed chunks during backward (at an accumulation boundary): each once its gradients are
-    final, at the step's outcome expected (no overflow, the gradients unclipped, the hyperparameters as
-    backward began), its new version written beside the old one on disk. `step()` keeps those versions
-    when the outcome is that one, and otherwise forgets them and restores the parameters, then updates
-    as without it; so is anything that reads parameters or state in between (an eval forward, a
-    checkpoint). Bit for bit the same as without it, on the CPU and on a GPU (where the pass writes the
-    half-precision parameters through a host scratch). It needs the fused pass; the cached chunks are
-    the first ones (as with `overlap`), updated in `step()`. A chunk updated during backward needs a
-    second slot on disk for its new version: every chunk has one with `shadow_slots: true`; otherwise
-    the chunk gets its own the first time, and keeps it (its state's bytes again). It needs the steps in
-    chunk order, whose cache is the first chunks and leaves the stream its buffers: with the whole pool
-    as cache that is up to 12 chunks fewer cached, each read and written every step. On a GPU a backward
-    is short (0.2 s at 1B on an H100, against a 4.8 s streamed update). `"auto"`: the plan goes to chunk order
-    only where what could run during the last backward outweighs that I/O (from when each chunk's
-    gradient was final, and the update's predicted, else measured, time per chunk; at once where the
-    cache loses nothing); then after each boundary it takes the streamed chunks whose update could begin
-    before backward ends, and gives them second slots while every path keeps a tenth of its file system
-    free. None at the first boundary, whose gradients' times it waits for. `true`: chunk order and every
-    streamed chunk, their second slots made at start-up. After a step whose gradients were clipped it
-    is not tried (it would be undone) until a step whose gradients were not; it stops as soon as the
-    gradients' norm so far proves the step clipped or not finite. Each step's record says what it did,
-    and why."""
+    """Update chunks during backward (at an accumulation boundary): each once its gradients are final, at the
+    step's outcome expected (no overflow, the gradients unclipped, the hyperparameters as backward began), a
+    streamed chunk's new version written beside the old one on disk. `step()` keeps those versions when the
+    outcome is that one, and otherwise forgets them and restores the parameters, then updates as without it;
+    so is anything that reads parameters or state in between (an eval forward, a checkpoint). Bit for bit
+    the same as without it, on the CPU and on a GPU (where the pass writes the half-precision parameters
+    through a host scratch). It needs the fused pass; the cached chunks are the first ones (as with
+    `overlap`), updated in `step()`. Where every chunk stays in host memory, the chunks updated during
+    backward are cached ones, each updated in its buffer while the pass copies its state before into a kept
+    copy in host memory (one more write of the state, no more reads), which an undo copies back: as many
+    kept copies as `host_memory` leaves room for beyond the state (with `"auto"`, what this rank can spare),
+    made the first time the plan wants them and given back when it wants fewer; `"auto"` does this only with
+    the parameters on an accelerator (on the CPU backward's compute runs on the cores the update would). A
+    streamed chunk updated during backward needs a second slot on disk for its new version: every chunk has
+    one with `shadow_slots: true`; otherwise the chunk gets its own the first time, and keeps it (its
+    state's bytes again). It needs the steps in chunk order, whose cache is the first chunks and leaves the
+    stream its buffers: with the whole pool as cache that is up to 12 chunks fewer cached, each read and
+    written every step. On a GPU a backward is short (0.2 s at 1B on an H100, against a 4.8 s streamed
+    update). `"auto"`: the plan goes to chunk order only where what could run during the last backward
+    outweighs that I/O (from when each chunk's gradient was final, and the update's predicted, else
+    measured, time per chunk; at once where the cache loses nothing); then after each boundary it takes the
+    chunks whose update could begin before backward ends, and gives the streamed ones second slots while
+    every path keeps a tenth of its file system free. None at the first boundary, whose gradients' times it
+    waits for. `true`: chunk order and every streamed chunk (every chunk, where all are cached), their
+    second slots made at start-up. After a step whose gradients were clipped it is not tried (it would be
+    undone) until a step whose gradients were not; it stops as soon as the gradients' norm so far proves the
+    step clipped or not finite. Each step's record says what it did, and why."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""

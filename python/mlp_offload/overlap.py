@@ -50,17 +50,39 @@ def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[
     return False, "off: the state streams (overlap: true runs it behind step() all the same)"
 
 
-def choose_backward(setting: bool | str, fused: bool, streams: bool) -> tuple[bool, str]:
-    """Whether the streamed chunks are updated during backward (`MLPOffloadConfig.overlap_backward`),
-    and why, in words for the start-up line. With the half-precision parameters on an accelerator too:
-    its path there (events, norms on the device, a stream of its own, a host scratch) ran bit-exact on
-    an H100 (`make gpu-report`'s bitexact-backward part, docs/results.md)."""
+def choose_backward(
+    setting: bool | str, fused: bool, streams: bool, params_on_host: bool = True, kept_copies: int = 0
+) -> tuple[bool, str]:
+    """Whether chunks are updated during backward (`MLPOffloadConfig.overlap_backward`), and why, in
+    words for the start-up line. With the half-precision parameters on an accelerator too: its path
+    there (events, norms on the device, a stream of its own, a host scratch) ran bit-exact on an H100
+    (`make gpu-report`'s bitexact-backward part, docs/results.md). Where nothing `streams` (every chunk
+    cached), the chunks updated during backward are cached ones, each with a kept copy of its state
+    before in host memory: `kept_copies` of them at most, what `host_memory` leaves room for."""
     if setting is False:
         return False, "off in the config"
     if not fused:
         return False, "off: DeepSpeed's passes hold the GIL, which backward needs"
     if not streams:
-        return False, "off: every chunk stays in host memory, nothing streams"
+        if kept_copies == 0:
+            return False, (
+                "off: every chunk stays in host memory, and host_memory leaves no room for a kept copy of "
+                "one (its state before the update, to undo it)"
+            )
+        how = (
+            f"every chunk stays in host memory: as its gradient is final, updated in place, its state "
+            f"before kept in host memory (up to {kept_copies} chunks), kept if the step agrees"
+        )
+        if setting is True:
+            return True, f"on (the config): {how}"
+        if params_on_host:
+            # The update is the CPU's work and backward's compute is too, on the same cores: only a
+            # streamed update's I/O waits hide there.
+            return False, (
+                "off: every chunk stays in host memory, and backward's compute runs on the cores the "
+                "update would (true turns it on)"
+            )
+        return True, f"auto: {how}, as many as the plan expects to begin before backward ends"
     if setting is True:
         return True, "on (the config): every streamed chunk as its gradient is final, kept if the step agrees"
     return True, (

@@ -22,6 +22,11 @@ With the update overlapped with the next forward or with backward (`ascending`, 
 the first `cache_slots` chunks stay resident and come first with no read, and the rest stream through the
 other buffers, which the writes still in flight from the step before free as they complete. That cache
 leaves the stream its buffers: with every buffer as cache, up to `PIPELINE_BUFFERS` chunks fewer stay.
+
+A part of a step may be staged (the update during backward, undone if the step's outcome is another):
+a streamed chunk's new version goes to disk beside its old one; a cached chunk is updated in its buffer,
+its state before copied by the pass into a kept copy of its own (`kept_copies` of them at most, made the
+first time they are wanted, given back when the plan wants fewer), which `discard` copies back.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ from mlp_offload.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.memory import PIPELINE_BUFFERS, stream_buffers
 from mlp_offload.store import ObjectStore
 
-__all__ = ["PIPELINE_BUFFERS", "ChunkPipeline", "StepStats", "next_order"]
+# Boundaries in a row that want fewer kept copies than are held before the idle ones go back.
+KEPT_IDLE_BOUNDARIES = 4
+
+__all__ = ["PIPELINE_BUFFERS", "ChunkPipeline", "KeptCopy", "StepStats", "next_order"]
 
 
 @dataclass
@@ -77,6 +85,17 @@ class StepStats:
         return out
 
 
+@dataclass
+class KeptCopy:
+    """Where a staged part's update of a cached chunk copies the chunk's state before it (`state`,
+    bytes), and whether the pass that copies it ran (`filled`, set by the update right after it): an
+    update that raises before it leaves the chunk's buffer as it was, one that raises after it is
+    undone from the copy."""
+
+    state: torch.Tensor
+    filled: bool = False
+
+
 def next_order(
     previous: Sequence[int], resident: set[int], retained: set[int], *, ascending: bool = False
 ) -> list[int]:
@@ -101,7 +120,8 @@ class ChunkPipeline:
     others to stream, written behind and so read ahead; see `memory.stream_buffers`); at least one must
     stay for the rest. `lock` page-locks the buffers (and registers them with CUDA when it is there);
     `pages` is `"small"` or `"huge"` (see `MLPOffloadConfig.host_pages`). `ascending`: every step in
-    chunk order, the first chunks cached (see the module docs).
+    chunk order, the first chunks cached (see the module docs). `kept_copies`: the most cached chunks a
+    staged part may update (each needs a buffer of its own for its state before; `reserve_kept`).
 
     A step may run on another thread than the caller's (`overlap.UpdateInFlight`): while it runs, every
     other method refuses, rather than race with it.
@@ -118,6 +138,7 @@ class ChunkPipeline:
         lock: bool = False,
         pages: str = "small",
         ascending: bool = False,
+        kept_copies: int = 0,
     ) -> None:
         if not sizes:
             raise ValueError("sizes: there are no chunks")
@@ -149,6 +170,14 @@ class ChunkPipeline:
         # Chunk -> (buffer, its staged write, maybe still in flight): what the buffer holds is not the
         # chunk's current state, so it is never used as such; the buffer is free once the write is done.
         self._staged_held: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
+        # Kept copies: the most there may be, the free ones (each its own pool, so that one given back
+        # frees its memory), the cached chunks' states before their staged update (chunk -> its copy,
+        # until `commit` or `discard`), and the copies the last boundaries wanted (`reserve_kept`).
+        self.kept_limit = kept_copies
+        self._lock, self._pages = lock, pages
+        self._kept_free: list[tuple[PinnedBufferPool, _core.HostBuffer]] = []
+        self._kept_held: dict[int, tuple[PinnedBufferPool, _core.HostBuffer]] = {}
+        self._kept_wanted: deque[int] = deque(maxlen=KEPT_IDLE_BOUNDARIES)
         self._order = list(range(n))
         self._ascending = ascending
         # Set while a step runs (on whichever thread).
@@ -251,6 +280,32 @@ class ChunkPipeline:
             return
         self.store.write(self.keys[chunk], state).wait()
 
+    @property
+    def kept_copies(self) -> int:
+        """Kept copies held now, free or holding a cached chunk's state before its staged update."""
+        return len(self._kept_free) + len(self._kept_held)
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.kept_copies * self.buffer_size
+
+    def reserve_kept(self, wanted: int) -> int:
+        """Makes `wanted` kept copies ready for a staged part (up to `kept_limit`), and gives back free
+        ones no boundary wanted for `KEPT_IDLE_BOUNDARIES` in a row (the memory follows the plan's pick
+        down as well as up). Returns how many cached chunks the part may take."""
+        self._idle("reserve_kept")
+        self._kept_wanted.append(wanted)
+        target = min(self.kept_limit, max(self._kept_wanted))
+        while self.kept_copies < min(wanted, self.kept_limit):
+            pool = PinnedBufferPool(1, self.buffer_size, lock=self._lock, pages=self._pages)
+            buffer = pool.acquire()
+            assert buffer is not None, "a pool of one buffer gave none"
+            self._kept_free.append((pool, buffer))
+        while self.kept_copies > target and self._kept_free:
+            pool, _ = self._kept_free.pop()
+            pool.close()
+        return min(wanted, len(self._kept_free))
+
     def _take_buffer(self) -> _core.HostBuffer | None:
         if self._free:
             return self._free.pop()
@@ -274,7 +329,9 @@ class ChunkPipeline:
         `only` runs these chunks, in this order; `ends_step=False` says more parts of the same step
         follow (`StepStats.add` joins their figures). `staged`: every write is staged
         (`ObjectStore.write(staged=True)`), so the chunks' new versions stay invisible until
-        `commit(chunks)`, or are forgotten by `discard(chunks)`; `stats.staged` lists them. `ready(chunk,
+        `commit(chunks)`, or are forgotten by `discard(chunks)`; `stats.staged` lists them. A cached chunk
+        takes a kept copy (`reserve_kept`), handed to `update` as `kept=` (a `KeptCopy`): the update
+        copies the state before into it and sets `filled`. `ready(chunk,
         timeout)`, called before each chunk's update while the reads ahead go on, says whether it may
         be updated now (True), not yet (None, after up to `timeout` seconds), or never in this part
         (False: the part ends there, and what was read ahead of it is dropped).
@@ -283,12 +340,12 @@ class ChunkPipeline:
         forward and backward run, and their buffers keep the state, so the next step uses them without
         reading them back.
 
-        With `checksums_in_update` (and the store keeping checksums), `update(chunk, view, read_cuts,
-        write_cuts)` also hashes the chunk's state as it reads and writes it, and returns the CRC32C per
-        stripe (`(read_sums, write_sums)`, cut at the stripe starts it was given, None where it was given
-        None). The store then neither verifies the read nor hashes the write on its own threads; a
-        chunk read from the store is verified here, after its update and before it is written or kept,
-        so corrupt state never reaches the store or the cache.
+        With `checksums_in_update`, `update(chunk, view, read_cuts, write_cuts)` also hashes the chunk's
+        state as it reads and writes it (where the store keeps checksums; else both cuts are None), and
+        returns the CRC32C per stripe (`(read_sums, write_sums)`, cut at the stripe starts it was given,
+        None where it was given None). The store then neither verifies the read nor hashes the write on
+        its own threads; a chunk read from the store is verified here, after its update and before it is
+        written or kept, so corrupt state never reaches the store or the cache.
         """
         self._idle("run_step")
         n = len(self.sizes)
@@ -297,9 +354,16 @@ class ChunkPipeline:
                 raise ValueError("only: a step runs in parts only in chunk order (ascending)")
             if len(set(only)) != len(only) or not all(0 <= c < n for c in only):
                 raise ValueError(f"only: chunks {list(only)} are not distinct chunks of {n}")
-        if staged and (cached := sorted(set(self._order if only is None else only) & set(self._resident))):
-            # A cached chunk's current state is its buffer alone: a staged update of it could not be undone.
-            raise ValueError(f"staged: chunks {cached} are cached, their current state in host memory only")
+        chunks = set(self._order if only is None else only)
+        if staged and len(cached := sorted(chunks & set(self._resident))) > len(self._kept_free):
+            # A cached chunk's current state is its buffer alone: a staged update of it is undone from
+            # its kept copy.
+            raise ValueError(
+                f"staged: chunks {cached} are cached, their current state in host memory only, and "
+                f"{len(self._kept_free)} kept copies are ready for them (reserve_kept)"
+            )
+        if pending := sorted(chunks & set(self._kept_held)):
+            raise RuntimeError(f"run_step: chunks {pending} have a staged update; commit or discard it first")
         self._running = True
         try:
             return self._run_step(update, drain, checksums_in_update, only, staged, ready, ends_step)
@@ -322,20 +386,37 @@ class ChunkPipeline:
         return waited
 
     def commit(self, chunks: Iterable[int]) -> None:
-        """Makes the staged versions of these chunks current (see `run_step(staged=True)`)."""
+        """Makes the staged versions of these chunks current (see `run_step(staged=True)`): a cached
+        chunk's is already in its buffer, and its kept copy is free again."""
         self._idle("commit")
         chunks = list(chunks)
+        # A chunk the cache keeps (in chunk order, the first ones) whose staged write's buffer still
+        # holds it, as the first step's do from the initial writes: cached again, with its new state.
+        cache = set(self._order[: self.cache_slots]) if self._ascending else set()
+        back = {c: self._staged_held.pop(c) for c in chunks if c in cache and c in self._staged_held}
         self._free_staged(chunks)
         for c in chunks:
-            self.store.commit(self.keys[c])
+            if (kept := self._kept_held.pop(c, None)) is not None:
+                self._kept_free.append(kept)
+            else:
+                if c in back:
+                    buffer, handle = back[c]
+                    handle.wait()
+                    self._resident[c] = buffer
+                self.store.commit(self.keys[c])
 
     def discard(self, chunks: Iterable[int]) -> None:
-        """Forgets the staged versions of these chunks: the store's current ones stay."""
+        """Forgets the staged versions of these chunks: the store's current ones stay, and a cached
+        chunk's state before goes back into its buffer from its kept copy."""
         self._idle("discard")
         chunks = list(chunks)
         self._free_staged(chunks)
         for c in chunks:
-            self.store.discard(self.keys[c])
+            if (kept := self._kept_held.pop(c, None)) is not None:
+                self.view(c, self._resident[c]).copy_(self.view(c, kept[1]))
+                self._kept_free.append(kept)
+            else:
+                self.store.discard(self.keys[c])
 
     def _run_step(
         self,
@@ -410,10 +491,11 @@ class ChunkPipeline:
                         self._free.append(buffer)
                     reading.clear()
                     break
-            was_read = False
+            was_read = cached = False
             if i in self._resident:
                 buffer = self._resident.pop(i)
                 stats.cached += 1
+                cached = True
             elif i in retained:
                 # Its write from the last step reads this buffer: let it finish before changing it.
                 buffer, handle = retained.pop(i)
@@ -436,13 +518,36 @@ class ChunkPipeline:
                 was_read = True
             view = self.view(i, buffer)
             sums = None
-            if not sums_here:
-                update(i, view)
-            else:
-                check = self.store.read_check(self.keys[i]) if was_read else None
-                read_cuts = check.starts if check is not None and check.has_sums else None
-                write_cuts = None if i in keep else self.store.write_cuts(self.sizes[i])
-                read_sums, write_sums = update(i, view, read_cuts, write_cuts)
+            # A cached chunk in a staged part: the pass copies its state before into a kept copy.
+            kept = self._kept_free.pop() if staged and cached else None
+            copy = None if kept is None else KeptCopy(self.view(i, kept[1]))
+            extra = {} if copy is None else {"kept": copy}
+            try:
+                if not checksums_in_update:
+                    update(i, view, **extra)
+                else:
+                    # Without the store's checksums, no cuts: the update hashes nothing.
+                    check = self.store.read_check(self.keys[i]) if was_read and sums_here else None
+                    read_cuts = check.starts if check is not None and check.has_sums else None
+                    write_cuts = None if i in keep or not sums_here else self.store.write_cuts(self.sizes[i])
+                    read_sums, write_sums = update(i, view, read_cuts, write_cuts, **extra)
+            except BaseException:
+                if kept is not None and copy is not None:
+                    self._resident[i] = buffer
+                    if copy.filled:
+                        # Staged: `discard` gives the state before back.
+                        self._kept_held[i] = kept
+                        stats.staged.append(i)
+                    else:
+                        # The pass checks its arguments before it touches memory: the buffer is as it was.
+                        self._kept_free.append(kept)
+                raise
+            if kept is not None:
+                self._resident[i] = buffer
+                self._kept_held[i] = kept
+                stats.staged.append(i)
+                continue
+            if sums_here:
                 if check is not None and read_cuts is not None:
                     # Raises CorruptObjectError naming the stripe's file: nothing made of it is kept.
                     self.store.verify(check, read_sums)

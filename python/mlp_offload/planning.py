@@ -45,6 +45,19 @@ def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_c
     return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
 
 
+def kept_copies_room(config: MLPOffloadConfig, host_memory: int, layout: memory.ChunkLayout) -> int:
+    """Where every chunk is cached: how many kept copies (a cached chunk's state before its update during
+    backward, `overlap_backward`) host memory has room for, at most one per chunk. With `host_memory:
+    "auto"`, what this rank can spare beyond the state's budget (`host_memory`); else the budget's
+    buffers beyond the chunks."""
+    n = len(layout.chunks)
+    if config.host_memory == "auto":
+        room = max(0, memory.spare_host_memory().bytes - host_memory) // layout.buffer_bytes
+    else:
+        room = max(0, layout.buffers - n)
+    return min(n, room)
+
+
 # A rank's requests in flight per path, and their size, when the config does not say (the store's
 # defaults).
 DEFAULT_MAX_INFLIGHT = 8
@@ -432,8 +445,16 @@ class UpdatePlanner:
         `step()`, and during backward what a chunk took there lately (`backward_chunk_secs`, else the
         same part), updated as soon as their gradients are final at the times the last boundary's
         gradients were (`grads_final`), one after another; the chunks left, and the cached ones, in
-        `step()`."""
+        `step()`. Where the cached chunks too may be updated during backward (kept copies: every chunk
+        cached), every chunk takes an equal part."""
         assert self._pipeline is not None
+        if self._pipeline.kept_limit:
+            every = self._pipeline.order
+            per_chunk = update_secs / len(every)
+            in_backward = self.backward_chunk_secs() or per_chunk
+            leads = [grads_final["lead_secs"][c] for c in every]
+            done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
+            return max(0.0, update_secs - done * per_chunk)
         streamed = self._pipeline.order[self._pipeline.cache_slots :]
         if not streamed:
             return update_secs

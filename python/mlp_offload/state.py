@@ -35,7 +35,8 @@ class ChunkedState:
 
     `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
     buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order;
-    `shadow_slots`: the store gives every object two slots.
+    `shadow_slots`: the store gives every object two slots; `kept_copies`: see `ChunkPipeline` (every
+    chunk cached).
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -50,6 +51,7 @@ class ChunkedState:
         pages: str = "small",
         ascending: bool = False,
         shadow_slots: bool = False,
+        kept_copies: int = 0,
     ) -> None:
         self.store = store
         self.numels = list(numels)
@@ -84,11 +86,13 @@ class ChunkedState:
             store,
             self.keys,
             layout.sizes,
-            layout.buffers,
+            # With kept copies every chunk is cached: the budget's buffers beyond them are the copies'.
+            min(layout.buffers, len(self.chunks)) if kept_copies else layout.buffers,
             cache_slots=cache_chunks,
             lock=lock,
             pages=pages,
             ascending=ascending,
+            kept_copies=kept_copies,
         )
 
     def _remove_stale(self) -> None:

@@ -58,8 +58,8 @@ from mlp_offload import checkpoint, kernel, memory, overlap
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.overlap import UpdateInFlight, update_thread
-from mlp_offload.pipeline import StepStats
-from mlp_offload.planning import UpdatePlanner, host_memory_budget, update_chunk
+from mlp_offload.pipeline import KeptCopy, StepStats
+from mlp_offload.planning import UpdatePlanner, host_memory_budget, kept_copies_room, update_chunk
 from mlp_offload.state import FP32, ChunkedState
 from mlp_offload.store import ObjectStore
 
@@ -114,9 +114,10 @@ def _same_groups(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 @dataclass
 class Speculation:
-    """The streamed chunks' update during backward (`overlap_backward`), at the outcome expected when it
-    began: each subgroup's Adam step before it, the param groups, and the gradient's scale with no
-    overflow and no clipping. Its versions are staged in the store until `step()` keeps or forgets them."""
+    """The update during backward (`overlap_backward`), at the outcome expected when it began: each
+    subgroup's Adam step before it, the param groups, and the gradient's scale with no overflow and no
+    clipping. Its versions are staged (in the store, or in a cached chunk's buffer with its state before
+    in a kept copy) until `step()` keeps or forgets them."""
 
     steps: list[int]
     groups: list[dict[str, Any]]
@@ -318,7 +319,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if (spec := self._mlp_spec) is not None and spec.stopped is None:
                 self._mlp_stop_if_ruled_out(spec)
         if begins:
-            # The first gradient of the boundary is final: the streamed chunks' update starts.
+            # The first gradient of the boundary is final: the update during backward starts.
             self._mlp_spec_begun = True
             self._mlp_speculate()
 
@@ -379,10 +380,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_overlap, overlap_why = overlap.choose(
                 config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
             )
+            every_cached = cache_slots == len(layout.chunks)
+            kept_copies = 0
+            if every_cached and config.overlap_backward is not False and self._mlp_fused is not None:
+                kept_copies = kept_copies_room(config, host_memory, layout)
             self._mlp_spec_on, spec_why = overlap.choose_backward(
                 config.overlap_backward,
                 self._mlp_fused is not None,
-                cache_slots < len(layout.chunks),
+                not every_cached,
+                self._mlp_params_on_host,
+                kept_copies,
             )
             self._mlp_spec_begun = False
             # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
@@ -398,6 +405,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # start with `overlap_backward: true`, else once the plan finds it pays (`step()`).
                 ascending=self._mlp_overlap or (self._mlp_spec_on and config.overlap_backward is True),
                 shadow_slots=config.shadow_slots,
+                kept_copies=kept_copies if self._mlp_spec_on else 0,
             )
         except ValueError as e:
             # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
@@ -466,6 +474,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                     # Chunks with a second slot on disk, and the bytes the ones added for it took.
                     "slotted_chunks": len(self._mlp_state.slotted),
                     "slot_bytes": self._mlp_state.slot_bytes,
+                    # The most kept copies in host memory for cached chunks (made when first wanted).
+                    "kept_copies_limit": pipeline.kept_limit,
                 },
                 "weights": self._mlp_store.weights,
                 # This rank's requests in flight per path, and why.
@@ -579,12 +589,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         read_cuts: list[int] | None,
         write_cuts: list[int] | None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
+        kept_state: KeptCopy | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
-        optimizer's param groups as the step saw them. `kept_params`: see `FusedAdam.update`."""
+        optimizer's param groups as the step saw them. `kept_params`, `kept_state`: see
+        `FusedAdam.update` (`kept_state.filled` is set once the pass ran)."""
         assert self._mlp_fused is not None
         i, first, count = self._mlp_state.chunks[chunk]
         group = groups[self.sub_group_to_group_id[i]]
@@ -611,7 +623,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             read_cuts=read_cuts,
             write_cuts=write_cuts,
             kept_params=kept_params,
+            kept_state=None if kept_state is None else kept_state.state.view(FP32),
         )
+        if kept_state is not None:
+            kept_state.filled = True
         if params is not half:
             half.copy_(params)
         adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
@@ -725,23 +740,25 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_grads_final.end(self._mlp_backward_end)
 
     # ----------------------------------------------------------------------------------------------
-    # The streamed chunks' update during backward
+    # The update during backward
 
     def _mlp_speculate(self) -> None:
-        """Starts the streamed chunks' update on the update thread, at the outcome expected now: no
+        """Starts the update during backward on the update thread, at the outcome expected now: no
         overflow, no clipping (`1 / loss_scale`), the param groups as they are. Each chunk waits for its
-        gradient, is updated, and is written as a staged version."""
+        gradient and is updated: a streamed one written as a staged version, a cached one in place, its
+        state before copied by the pass into a kept copy in host memory."""
         pipeline = self._mlp_state.pipeline
-        # In chunk order the first `cache_slots` chunks stay in host memory: the rest stream.
-        streamed = pipeline.order[pipeline.cache_slots :]
+        # In chunk order the first `cache_slots` chunks stay in host memory: the rest stream. Cached
+        # chunks are taken too where they may have kept copies (every chunk cached, with room).
+        chosen = pipeline.order if pipeline.kept_limit else pipeline.order[pipeline.cache_slots :]
         leads = self._mlp_last_leads
         if self._mlp_config.overlap_backward is True:
             # Every one, in the order the gradients came in at the last boundary (last chunk first
             # before any).
-            streamed.sort(key=lambda c: (-leads[c], -c) if leads else -c)
+            chosen.sort(key=lambda c: (-leads[c], -c) if leads else -c)
         else:
-            streamed, why_not = self._mlp_backward_plan(streamed)
-            if not streamed:
+            chosen, why_not = self._mlp_backward_plan(chosen)
+            if not chosen:
                 self._mlp_spec_skipped = why_not
                 return
         spec = Speculation(
@@ -767,7 +784,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             return True
 
         def update(
-            chunk: int, state_bytes: torch.Tensor, read_cuts: list[int] | None, write_cuts: list[int] | None
+            chunk: int,
+            state_bytes: torch.Tensor,
+            read_cuts: list[int] | None,
+            write_cuts: list[int] | None,
+            kept: KeptCopy | None = None,
         ) -> tuple[list[int] | None, list[int] | None]:
             i = self._mlp_state.chunks[chunk][0]
             with spec.lock:
@@ -776,7 +797,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights):
             # the pass keeps those, bit for bit (a -0.0 where the weight narrows to 0.0 too), checking
             # each block before it updates it.
-            kept: list[tuple[int, torch.Tensor]] = []
+            kept_params: list[tuple[int, torch.Tensor]] = []
             sums = self._mlp_fused_update(
                 chunk,
                 state_bytes,
@@ -785,19 +806,26 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 spec.groups,
                 read_cuts,
                 write_cuts,
-                kept_params=kept,
+                kept_params=kept_params,
+                kept_state=kept,
             )
-            if kept:
-                spec.kept_params[chunk] = kept
+            if kept_params:
+                spec.kept_params[chunk] = kept_params
             spec.ended_at.append(time.perf_counter())
             return sums
 
         def run() -> StepStats:
             # Off backward's thread: the second slots the plan has long stopped choosing go back, and the
-            # chosen chunks that lack one get one.
-            spec.planned = len(streamed)
+            # chosen streamed chunks that lack one get one; the chosen cached ones get kept copies.
+            spec.planned = len(chosen)
+            resident = set(pipeline.resident)
+            streamed = [c for c in chosen if c not in resident]
             self._mlp_state.give_back_idle_slots(set(streamed))
-            taken = self._mlp_state.with_second_slots(streamed, keep_free=True)
+            ready_to_stage = set(self._mlp_state.with_second_slots(streamed, keep_free=True))
+            if pipeline.kept_limit:
+                cached = [c for c in chosen if c in resident]
+                ready_to_stage.update(cached[: pipeline.reserve_kept(len(cached))])
+            taken = [c for c in chosen if c in ready_to_stage]
             spec.slotted = len(taken)
             spec.began = time.perf_counter()
             with get_accelerator().stream(self._mlp_update_stream):
@@ -821,12 +849,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         prediction, else the last update measured whole inside `step()`; None before either."""
         return self._mlp_planner.prediction or self._mlp_last_whole_update
 
-    def _mlp_backward_plan(self, streamed: list[int]) -> tuple[list[int], str]:
-        """The streamed chunks to update during this boundary's backward, in the order they run
+    def _mlp_backward_plan(self, candidates: list[int]) -> tuple[list[int], str]:
+        """The chunks of `candidates` (the streamed ones, and the cached ones where they may have kept
+        copies) to update during this boundary's backward, in the order they run
         (`overlap.chunks_for_backward`): by when each one's gradient was final in the last boundary's
         backward, each taking what a chunk took during the last boundaries' backwards
         (`UpdatePlanner.backward_chunk_secs`), else the update's predicted time (the performance
-        model's, else the last one measured whole inside `step()`) over the streamed chunks. None, and
+        model's, else the last one measured whole inside `step()`) over the candidates. None, and
         why, when there is nothing yet to plan by or nothing would begin before backward ends."""
         leads = self._mlp_last_leads
         if leads is None:
@@ -836,12 +865,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         update_secs = self._mlp_update_secs_to_plan_by()
         if update_secs is None:
             return [], "not tried: no update predicted or measured yet to plan by"
-        secs_per_chunk = self._mlp_planner.backward_chunk_secs() or update_secs / len(streamed)
+        secs_per_chunk = self._mlp_planner.backward_chunk_secs() or update_secs / len(candidates)
         chosen = overlap.chunks_for_backward(
-            {c: leads[c] for c in streamed}, self._mlp_last_boundary_backward, secs_per_chunk
+            {c: leads[c] for c in candidates}, self._mlp_last_boundary_backward, secs_per_chunk
         )
         if not chosen:
-            return [], "not tried: the plan expects no streamed chunk's update to begin before backward ends"
+            return [], "not tried: the plan expects no chunk's update to begin before backward ends"
         return chosen, ""
 
     def _mlp_weigh_chunk_order(self, leads: list[float], backward_secs: float) -> None:
@@ -955,6 +984,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             "slots_short": self._mlp_state.slots_short,
             "slots_given_back": self._mlp_state.slots_given_back,
             "slot_bytes_given_back": self._mlp_state.slot_bytes_given_back,
+            # Kept copies in host memory (cached chunks' states before), and their bytes.
+            "kept_copies": self._mlp_state.pipeline.kept_copies,
+            "kept_bytes": self._mlp_state.pipeline.kept_bytes,
             # Whether the steps go in chunk order (which it needs), and what the plan found of it.
             "chunk_order": self._mlp_state.pipeline.ascending,
             "chunk_order_why": self._mlp_order_why,
