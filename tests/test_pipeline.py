@@ -240,14 +240,15 @@ def test_a_step_in_two_parts_stages_the_first_and_keeps_or_forgets_it(
 
 
 def test_cached_chunks_are_staged_in_place_and_undone_from_their_kept_copies(
-    engine: str, work_dirs: list[Path]
+    engine: str, work_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every chunk cached (the update during backward where the state fits in memory): a staged part
     updates cached chunks in their buffers, each with a kept copy of its state before, filled by the
     update; `commit` keeps the new state, `discard` gives the old one back. At most `kept_copies` are
     made, the first time they are wanted; too few ready, or a chunk still staged in a later step, is
     refused by name; an update that raises before it fills the copy leaves the chunk as it was, one
-    that raises after is undone by `discard`; copies no boundary wants go back."""
+    that raises after is undone by `discard`; copies no boundary wants go back; none is made past what
+    the rank can spare then."""
     chunks = 5
     bump = Bumps(chunks)
 
@@ -299,9 +300,14 @@ def test_cached_chunks_are_staged_in_place_and_undone_from_their_kept_copies(
             assert value(pipeline, 4) == 6 and pipeline.kept_copies == 3, filled
         # No boundary wants them: after `KEPT_IDLE_BOUNDARIES` of those, they go back.
         for _ in range(pipeline_module.KEPT_IDLE_BOUNDARIES):
-            assert pipeline.kept_copies == 3
+            assert pipeline.kept_copies == 3 and pipeline.kept_short is None
             pipeline.reserve_kept(0)
         assert pipeline.kept_copies == 0
+        # Made only while the rank can spare their bytes then: here one and a half copies' worth.
+        spare = memory.SpareMemory(pipeline.buffer_size * 3 // 2, 0, 0, 1)
+        monkeypatch.setattr(pipeline_module, "spare_host_memory", lambda: spare)
+        assert pipeline.reserve_kept(3) == 1 and pipeline.kept_copies == 1
+        assert pipeline.kept_short is not None and "to spare now" in pipeline.kept_short
         pipeline.flush()
 
 

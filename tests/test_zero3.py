@@ -213,8 +213,9 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert ours["store_after_destroy_matches"]
 
 
-# A budget that caches every chunk of these rows' model and leaves room for a kept copy of each.
-EVERY_CHUNK_CACHED = {"host_memory": "8M"}
+# A budget that caches every chunk of these rows' model and leaves room for a kept copy of each; one
+# slot per chunk on disk (none is added: the chunks are staged in memory).
+EVERY_CHUNK_CACHED = {"host_memory": "8M", "shadow_slots": False}
 
 # The streamed chunks updated during backward (`overlap_backward`): DeepSpeed reduces in small buckets,
 # so most gradients are final before backward ends; the budget streams; shadow slots keep the old
@@ -271,7 +272,7 @@ BACKWARD_CASES = [
     # state before copied by the pass, and given back from that copy when undone.
     ("every chunk cached: kept copies, kept every step", {}, EVERY_CHUNK_CACHED, "kept", 1),
     (
-        "every chunk cached: fp16, through the host scratch, parameters set apart, an overflow step",
+        "every chunk cached: fp16, parameters set apart (written through the host), an overflow step",
         {
             "fp16": True,
             "params_through_scratch": True,
@@ -373,10 +374,10 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
         if spec["kept"]:
             assert r["event"] == "step" and (what == "kept" or step != int(at)), (step, spec)
             if every_cached:
-                # Every chunk taken, in its buffer with a kept copy: nothing written (at the first step
-                # the buffers still hold the initial writes, staged on disk as streamed chunks are).
-                assert spec["chunks"] == start["chunks"], (step, spec)
-                assert step == 0 or (r["writes"] == 0 and spec["kept_copies"] == start["chunks"]), (step, r)
+                # Every chunk taken, in its buffer with a kept copy (at the first step the buffers still
+                # hold the initial writes): nothing written, no second slot on disk.
+                assert spec["chunks"] == start["chunks"] == spec["kept_copies"], (step, spec)
+                assert r["writes"] == 0 and spec["slotted_chunks"] == 0, (step, r)
             else:
                 # Only the chunks that stream were taken; the cached ones stay in memory, never written.
                 assert spec["chunks"] == r["writes"] == streamed, (step, spec, r["writes"])

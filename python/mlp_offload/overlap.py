@@ -76,8 +76,9 @@ def choose_backward(
         if setting is True:
             return True, f"on (the config): {how}"
         if params_on_host:
-            # The update is the CPU's work and backward's compute is too, on the same cores: only a
-            # streamed update's I/O waits hide there.
+            # The update is the CPU's work and backward's compute is too, on the same cores; and the
+            # kept copies take memory the job may want (at 940M on 2 cores `true` took 3.5 GiB of them
+            # and gave 0.92x the iteration, docs/results.md).
             return False, (
                 "off: every chunk stays in host memory, and backward's compute runs on the cores the "
                 "update would (true turns it on)"

@@ -41,7 +41,7 @@ import torch
 
 from mlp_offload import _core
 from mlp_offload.buffers import PinnedBufferPool, as_tensor
-from mlp_offload.memory import PIPELINE_BUFFERS, stream_buffers
+from mlp_offload.memory import PIPELINE_BUFFERS, spare_host_memory, stream_buffers
 from mlp_offload.store import ObjectStore
 
 # Boundaries in a row that want fewer kept copies than are held before the idle ones go back.
@@ -178,6 +178,8 @@ class ChunkPipeline:
         self._kept_free: list[tuple[PinnedBufferPool, _core.HostBuffer]] = []
         self._kept_held: dict[int, tuple[PinnedBufferPool, _core.HostBuffer]] = {}
         self._kept_wanted: deque[int] = deque(maxlen=KEPT_IDLE_BOUNDARIES)
+        # Why the last `reserve_kept` made fewer than wanted, within the limit (None: it did not).
+        self.kept_short: str | None = None
         self._order = list(range(n))
         self._ascending = ascending
         # Set while a step runs (on whichever thread).
@@ -248,6 +250,15 @@ class ChunkPipeline:
         return sorted(self._resident)
 
     @property
+    def in_buffers(self) -> list[int]:
+        """The chunks a staged part updates in their buffers, with kept copies: the resident ones, and
+        (where there may be kept copies) the retained ones the cache keeps."""
+        if not self.kept_limit:
+            return self.resident
+        cache = set(self._order[: self.cache_slots]) if self._ascending else set()
+        return sorted(set(self._resident) | (set(self._retained) & cache))
+
+    @property
     def retained(self) -> list[int]:
         """Chunks written back at the end of the last step whose buffers still hold their state."""
         return sorted(self._retained)
@@ -292,11 +303,22 @@ class ChunkPipeline:
     def reserve_kept(self, wanted: int) -> int:
         """Makes `wanted` kept copies ready for a staged part (up to `kept_limit`), and gives back free
         ones no boundary wanted for `KEPT_IDLE_BOUNDARIES` in a row (the memory follows the plan's pick
-        down as well as up). Returns how many cached chunks the part may take."""
+        down as well as up). Each is made only while this rank can spare its bytes then (the memory
+        available, less the margin, over the node's ranks: the job's own memory grew since start-up);
+        `kept_short` says why it made fewer. Returns how many cached chunks the part may take."""
         self._idle("reserve_kept")
         self._kept_wanted.append(wanted)
         target = min(self.kept_limit, max(self._kept_wanted))
+        self.kept_short = None
+        spare = spare_host_memory().bytes if self.kept_copies < min(wanted, self.kept_limit) else 0
         while self.kept_copies < min(wanted, self.kept_limit):
+            if spare < self.buffer_size:
+                self.kept_short = (
+                    f"{spare:,} bytes of host memory to spare now, less than a kept copy's "
+                    f"{self.buffer_size:,}"
+                )
+                break
+            spare -= self.buffer_size
             pool = PinnedBufferPool(1, self.buffer_size, lock=self._lock, pages=self._pages)
             buffer = pool.acquire()
             assert buffer is not None, "a pool of one buffer gave none"
@@ -355,7 +377,7 @@ class ChunkPipeline:
             if len(set(only)) != len(only) or not all(0 <= c < n for c in only):
                 raise ValueError(f"only: chunks {list(only)} are not distinct chunks of {n}")
         chunks = set(self._order if only is None else only)
-        if staged and len(cached := sorted(chunks & set(self._resident))) > len(self._kept_free):
+        if staged and len(cached := sorted(chunks & set(self.in_buffers))) > len(self._kept_free):
             # A cached chunk's current state is its buffer alone: a staged update of it is undone from
             # its kept copy.
             raise ValueError(
@@ -503,6 +525,9 @@ class ChunkPipeline:
                 handle.wait()
                 stats.write_wait_seconds += time.perf_counter() - t
                 stats.retained += 1
+                # Its buffer holds the store's state, and the cache keeps it: with kept copies, staged
+                # in place as a resident chunk is (the first step after the initial writes).
+                cached = bool(self.kept_limit) and i in keep
             else:
                 while i not in reading:
                     # Every buffer is resident or held by a write in flight: the oldest write frees

@@ -818,7 +818,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Off backward's thread: the second slots the plan has long stopped choosing go back, and the
             # chosen streamed chunks that lack one get one; the chosen cached ones get kept copies.
             spec.planned = len(chosen)
-            resident = set(pipeline.resident)
+            resident = set(pipeline.in_buffers)
             streamed = [c for c in chosen if c not in resident]
             self._mlp_state.give_back_idle_slots(set(streamed))
             ready_to_stage = set(self._mlp_state.with_second_slots(streamed, keep_free=True))
@@ -987,6 +987,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Kept copies in host memory (cached chunks' states before), and their bytes.
             "kept_copies": self._mlp_state.pipeline.kept_copies,
             "kept_bytes": self._mlp_state.pipeline.kept_bytes,
+            "kept_short": self._mlp_state.pipeline.kept_short,
             # Whether the steps go in chunk order (which it needs), and what the plan found of it.
             "chunk_order": self._mlp_state.pipeline.ascending,
             "chunk_order_why": self._mlp_order_why,
