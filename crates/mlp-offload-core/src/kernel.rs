@@ -1123,7 +1123,14 @@ fn run_part<G: Elem, P: Elem>(
 fn keep_block<G: Elem, P: Elem>(part: &mut Part<'_, G, P>, b0: usize, b1: usize, simd: Simd) {
     if let Some(to) = part.kept_state.as_mut() {
         for (to, from) in to.iter_mut().zip([&*part.p, &*part.m, &*part.v]) {
-            to[b0..b1].copy_from_slice(&from[b0..b1]);
+            let (to, from) = (&mut to[b0..b1], &from[b0..b1]);
+            #[cfg(target_arch = "x86_64")]
+            if simd != Simd::Scalar {
+                // SAFETY: every SIMD but the scalar one needs AVX (`Simd::available`).
+                unsafe { x86::copy_streaming(to, from) };
+                continue;
+            }
+            to.copy_from_slice(from);
         }
     }
     let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
@@ -1391,6 +1398,33 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{AdamConstants, Decay, Kind};
+
+    /// `to` becomes `from`, its aligned 32-byte stretches written with stores that bypass the cache
+    /// (the kept state is read again only by an undo, long after): no read of the lines first, and
+    /// the cache stays the pass's. Fenced, so the stores are visible once it returns.
+    ///
+    /// # Safety
+    /// AVX must be available.
+    #[target_feature(enable = "avx")]
+    pub unsafe fn copy_streaming(to: &mut [f32], from: &[f32]) {
+        assert_eq!(to.len(), from.len(), "a copy between slices of one length");
+        // Elements before the first 32-byte boundary of `to`, then whole vectors, then the rest.
+        let head = to.as_ptr().align_offset(32).min(to.len());
+        let body = (to.len() - head) / 8 * 8;
+        to[..head].copy_from_slice(&from[..head]);
+        for i in (head..head + body).step_by(8) {
+            // SAFETY: `i + 8 <= to.len()` and `from` is as long; `to[i..]` is 32-byte aligned
+            // (`head`, then steps of 8 fp32); AVX is the caller's promise.
+            unsafe {
+                _mm256_stream_ps(
+                    to.as_mut_ptr().add(i),
+                    _mm256_loadu_ps(from.as_ptr().add(i)),
+                )
+            };
+        }
+        to[head + body..].copy_from_slice(&from[head + body..]);
+        _mm_sfence();
+    }
 
     /// 16 elements of `kind` at `src`, widened to fp32 as `Elem::widen` does.
     ///
