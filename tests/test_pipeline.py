@@ -506,7 +506,7 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     may have kept copies) share the update's predicted time and run as their gradients were final at the
     last boundary; the rest is left after backward."""
     planner = UpdatePlanner(MLPOffloadConfig(paths=[str(tmp_path)], weights="equal"), rank=0)
-    stream = SimpleNamespace(order=[0, 1, 2, 3], cache_slots=1, kept_limit=0)
+    stream = SimpleNamespace(order=[0, 1, 2, 3], cache_slots=1, kept_limit=0, kept_copies=0)
     planner._pipeline = stream  # type: ignore[assignment]
     # Chunks 1, 2, 3 stream, final 2, 1 and 0 s before a 2 s backward's end; 1 s each of a 3 s update:
     # chunks 1 and 2 run during backward, chunk 3 after it.
@@ -528,6 +528,13 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     # Every chunk cached, with kept copies: each chunk 0.75 s of the update; chunk 1 runs during backward
     # (2 s there), chunk 2 would begin at its end.
     stream.kept_limit = 4
+    assert planner._left_after_backward(3.0, grads) == pytest.approx(2.25)
+    # At 0.5 s a chunk during backward, chunks 1 and 2 begin before it ends (2 of them), but one kept
+    # copy is held: one chunk's part.
+    planner._backward_chunks.clear()
+    planner.observe_backward_chunks(0.5)
+    assert planner._left_after_backward(3.0, grads) == pytest.approx(1.5)
+    stream.kept_copies = 1
     assert planner._left_after_backward(3.0, grads) == pytest.approx(2.25)
 
 

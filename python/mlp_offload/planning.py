@@ -446,7 +446,8 @@ class UpdatePlanner:
         same part), updated as soon as their gradients are final at the times the last boundary's
         gradients were (`grads_final`), one after another; the chunks left, and the cached ones, in
         `step()`. Where the cached chunks too may be updated during backward (kept copies: every chunk
-        cached), every chunk takes an equal part."""
+        cached), every chunk takes an equal part, and no more chunks run during backward than there
+        are kept copies."""
         assert self._pipeline is not None
         if self._pipeline.kept_limit:
             every = self._pipeline.order
@@ -454,6 +455,8 @@ class UpdatePlanner:
             in_backward = self.backward_chunk_secs() or per_chunk
             leads = [grads_final["lead_secs"][c] for c in every]
             done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
+            # No more than the kept copies held (the limit, before any is made).
+            done = min(done, self._pipeline.kept_copies or self._pipeline.kept_limit)
             return max(0.0, update_secs - done * per_chunk)
         streamed = self._pipeline.order[self._pipeline.cache_slots :]
         if not streamed:
