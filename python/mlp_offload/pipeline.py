@@ -412,19 +412,11 @@ class ChunkPipeline:
         chunk's is already in its buffer, and its kept copy is free again."""
         self._idle("commit")
         chunks = list(chunks)
-        # A chunk the cache keeps (in chunk order, the first ones) whose staged write's buffer still
-        # holds it, as the first step's do from the initial writes: cached again, with its new state.
-        cache = set(self._order[: self.cache_slots]) if self._ascending else set()
-        back = {c: self._staged_held.pop(c) for c in chunks if c in cache and c in self._staged_held}
         self._free_staged(chunks)
         for c in chunks:
             if (kept := self._kept_held.pop(c, None)) is not None:
                 self._kept_free.append(kept)
             else:
-                if c in back:
-                    buffer, handle = back[c]
-                    handle.wait()
-                    self._resident[c] = buffer
                 self.store.commit(self.keys[c])
 
     def discard(self, chunks: Iterable[int]) -> None:
