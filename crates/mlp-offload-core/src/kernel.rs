@@ -2553,87 +2553,29 @@ mod tests {
         };
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
-        let mut state = vec![0.0f32; 29];
         let grad = vec![0.0f32; 10];
-        let err = update::<f32, f32>(
-            Chunk {
+        // Each wrong input (a gradient of 10 elements) is an error naming the key, and the length given.
+        let cases: [(&str, &[&str]); 4] = [
+            ("a state of 29", &["state", "29"]),
+            ("keep_params without params", &["keep_params"]),
+            ("a kept state of 29", &["keep_state", "29"]),
+            ("params of 9", &["params", "9"]),
+        ];
+        for (case, words) in cases {
+            let mut state = vec![0.0f32; if case == "a state of 29" { 29 } else { 30 }];
+            let (mut kept_state, mut params) = (vec![0.0f32; 29], vec![0.0f32; 9]);
+            let chunk = Chunk {
                 state: &mut state,
                 grad: &grad,
-                params: None,
-                keep_params: false,
-                keep_state: None,
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::Scalar,
-            1,
-            Cuts::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("state") && err.contains("29"), "{err}");
-        // Asking to keep parameters without any is an error naming the key.
-        let mut state = vec![0.0f32; 30];
-        let err = update::<f32, f32>(
-            Chunk {
-                state: &mut state,
-                grad: &grad,
-                params: None,
-                keep_params: true,
-                keep_state: None,
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::Scalar,
-            1,
-            Cuts::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("keep_params"), "{err}");
-        // A kept state's buffer of another length is an error naming the key and its length.
-        let mut state = vec![0.0f32; 30];
-        let mut kept_state = vec![0.0f32; 29];
-        let err = update::<f32, f32>(
-            Chunk {
-                state: &mut state,
-                grad: &grad,
-                params: None,
-                keep_params: false,
-                keep_state: Some(&mut kept_state),
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::Scalar,
-            1,
-            Cuts::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("keep_state") && err.contains("29"), "{err}");
-        let mut state = vec![0.0f32; 30];
-        let mut params = vec![0.0f32; 9];
-        let err = update(
-            Chunk {
-                state: &mut state,
-                grad: &grad,
-                params: Some(&mut params),
-                keep_params: false,
-                keep_state: None,
-            },
-            1.0,
-            &k,
-            &arith,
-            Simd::Scalar,
-            1,
-            Cuts::default(),
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("params") && err.contains('9'), "{err}");
+                params: (case == "params of 9").then_some(&mut params[..]),
+                keep_params: case == "keep_params without params",
+                keep_state: (case == "a kept state of 29").then_some(&mut kept_state[..]),
+            };
+            let err = update(chunk, 1.0, &k, &arith, Simd::Scalar, 1, Cuts::default())
+                .unwrap_err()
+                .to_string();
+            assert!(words.iter().all(|w| err.contains(w)), "{case}: {err}");
+        }
         let bytes = [0u8; 64];
         // SAFETY: the call fails on the misaligned address before touching memory.
         let err = unsafe {
