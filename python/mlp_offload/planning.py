@@ -125,7 +125,7 @@ class UpdatePlanner:
         self.profile: profiles.Profile | None = None
         self.tuner: _core.WeightTuner | None = None
         self.prediction: float | None = None
-        # Whether the streamed chunks are updated during backward (`overlap_backward`, set by the
+        # Whether chunks are updated during backward (`overlap_backward`, set by the
         # engine), and then the next step's prediction of the update left after backward.
         self.overlap_backward = False
         self.prediction_after_backward: float | None = None
@@ -327,7 +327,7 @@ class UpdatePlanner:
         step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
         the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
         chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
-        `speculation`: the streamed chunks' update during backward, and whether it was kept."""
+        `speculation`: the update during backward, and whether it was kept."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.

@@ -211,7 +211,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The update running behind `step()`, until something waits for it (`_mlp_settle`), and what
         # records it then (the step's telemetry).
         self._mlp_inflight: UpdateInFlight[StepStats] | None = None
-        # The streamed chunks' update during the boundary's backward, until step() (or a reader in
+        # The update during the boundary's backward, until step() (or a reader in
         # between) settles it.
         self._mlp_spec: Speculation | None = None
         self._mlp_spec_on = False
@@ -467,7 +467,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "update_kernel": kernel_record,
                 # Whether the update runs behind the next forward, and why.
                 "overlap": {"on": self._mlp_overlap, "why": overlap_why},
-                # Whether the streamed chunks are updated during backward, and why.
+                # Whether chunks are updated during backward, and why.
                 "overlap_backward": {
                     "on": self._mlp_spec_on,
                     "why": spec_why,
@@ -1016,7 +1016,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup),
-        which runs on behind this call with `overlap`. An update of the streamed chunks during backward
+        which runs on behind this call with `overlap`. The update during backward
         (`overlap_backward`) is kept where the step's outcome is the one it assumed, else undone."""
         # This step settles the update during backward itself (the settling below would undo it).
         spec, self._mlp_spec = self._mlp_spec, None
