@@ -310,8 +310,9 @@ class ChunkPipeline:
         self._kept_wanted.append(wanted)
         target = min(self.kept_limit, max(self._kept_wanted))
         self.kept_short = None
-        spare = spare_host_memory().bytes if self.kept_copies < min(wanted, self.kept_limit) else 0
-        while self.kept_copies < min(wanted, self.kept_limit):
+        missing = min(wanted, self.kept_limit) - self.kept_copies
+        spare = spare_host_memory().bytes if missing > 0 else 0
+        for _ in range(missing):
             if spare < self.buffer_size:
                 self.kept_short = (
                     f"{spare:,} bytes of host memory to spare now, less than a kept copy's "

@@ -448,26 +448,23 @@ class UpdatePlanner:
         `step()`. Where the cached chunks too may be updated during backward (kept copies: every chunk
         cached), every chunk takes an equal part, and no more chunks run during backward than there
         are kept copies."""
-        assert self._pipeline is not None
-        if self._pipeline.kept_limit:
-            every = self._pipeline.order
-            per_chunk = update_secs / len(every)
-            in_backward = self.backward_chunk_secs() or per_chunk
-            leads = [grads_final["lead_secs"][c] for c in every]
-            done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
-            # No more than the kept copies held (the limit, before any is made).
-            done = min(done, self._pipeline.kept_copies or self._pipeline.kept_limit)
-            return max(0.0, update_secs - done * per_chunk)
-        streamed = self._pipeline.order[self._pipeline.cache_slots :]
-        if not streamed:
+        pipeline = self._pipeline
+        assert pipeline is not None
+        kept = pipeline.kept_limit > 0
+        taken = pipeline.order if kept else pipeline.order[pipeline.cache_slots :]
+        if not taken:
             return update_secs
-        leads = [grads_final["lead_secs"][c] for c in streamed]
-        # The cached chunks are only computed, never read or written: always left for step().
-        cached = min(update_secs, self._pipeline.cache_slots * adam_secs_per_chunk)
-        in_step = (update_secs - cached) / len(streamed)
+        leads = [grads_final["lead_secs"][c] for c in taken]
+        # Without kept copies the cached chunks are only computed, never read or written: always left
+        # for step().
+        cached = 0.0 if kept else min(update_secs, pipeline.cache_slots * adam_secs_per_chunk)
+        in_step = (update_secs - cached) / len(taken)
         in_backward = self.backward_chunk_secs() or in_step
         # Chunks (a last one in part) done before backward ends, each of which step() no longer runs.
         done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
+        if kept:
+            # No more than the kept copies held (the limit, before any is made).
+            done = min(done, pipeline.kept_copies or pipeline.kept_limit)
         return max(0.0, update_secs - done * in_step)
 
     def close(self) -> None:

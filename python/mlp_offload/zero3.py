@@ -818,12 +818,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Off backward's thread: the second slots the plan has long stopped choosing go back, and the
             # chosen streamed chunks that lack one get one; the chosen cached ones get kept copies.
             spec.planned = len(chosen)
-            resident = set(pipeline.in_buffers)
-            streamed = [c for c in chosen if c not in resident]
+            in_buffers = set(pipeline.in_buffers)
+            streamed = [c for c in chosen if c not in in_buffers]
             self._mlp_state.give_back_idle_slots(set(streamed))
             ready_to_stage = set(self._mlp_state.with_second_slots(streamed, keep_free=True))
             if pipeline.kept_limit:
-                cached = [c for c in chosen if c in resident]
+                cached = [c for c in chosen if c in in_buffers]
                 ready_to_stage.update(cached[: pipeline.reserve_kept(len(cached))])
             taken = [c for c in chosen if c in ready_to_stage]
             spec.slotted = len(taken)
