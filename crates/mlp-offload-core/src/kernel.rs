@@ -1462,6 +1462,23 @@ mod x86 {
         }
     }
 
+    /// `store16` with stores that bypass the cache: `dst` must be aligned to the 16 elements' bytes (32 in
+    /// two-byte kinds, 64 in fp32). Weakly ordered: the caller fences.
+    ///
+    /// # Safety
+    /// As `store16`, and that alignment.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn stream16(kind: Kind, dst: *mut u8, x: __m512) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm512_stream_ps(dst.cast(), x),
+                Kind::Bf16 | Kind::F16 => _mm256_stream_si256(dst.cast(), narrow16(kind, x)),
+            }
+        }
+    }
+
     /// 16 lanes of `x` narrowed to `kind`, a two-byte kind, as `store16` stores them.
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -1511,6 +1528,23 @@ mod x86 {
             match kind {
                 Kind::F32 => _mm256_storeu_ps(dst.cast(), x),
                 Kind::Bf16 | Kind::F16 => _mm_storeu_si128(dst.cast(), narrow8(kind, x)),
+            }
+        }
+    }
+
+    /// `store8` with stores that bypass the cache, as `stream16`: `dst` aligned to 16 bytes in two-byte
+    /// kinds, 32 in fp32.
+    ///
+    /// # Safety
+    /// As `store8`, and that alignment.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn stream8(kind: Kind, dst: *mut u8, x: __m256) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match kind {
+                Kind::F32 => _mm256_stream_ps(dst.cast(), x),
+                Kind::Bf16 | Kind::F16 => _mm_stream_si128(dst.cast(), narrow8(kind, x)),
             }
         }
     }
@@ -1609,7 +1643,8 @@ mod x86 {
             $(#[$doc:meta])*
             $name:ident, $features:literal, $lanes:literal,
             set1: $set1:ident, loadu: $loadu:ident, storeu: $storeu:ident, mul: $mul:ident,
-            fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident
+            fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident,
+            stream: $stream:ident
             $(, fold: $folds:ident, $fload:ident, $fold3:ident, $fstore:ident)?
         ) => {
             $(#[$doc])*
@@ -1625,6 +1660,10 @@ mod x86 {
                 let bias2 = $set1(k.bias_correction2);
                 let (eps, step) = ($set1(k.eps), $set1(k.step_size));
                 let scale = $set1(grad_scale);
+                // The parameters are read again only by the next forward or a copy to the device, long
+                // after: where every vector's place is aligned for them (`o` is), stores that bypass the
+                // cache, with no read of the line first (2 of the pass's 30 bytes per element in bf16).
+                let stream_o = at.o.is_some_and(|(kind, o)| (o as usize) % ($lanes * kind.size()) == 0);
                 let (g_kind, g) = at.g;
                 let g_size = g_kind.size();
                 // SAFETY: `Folds` is 6 times 64 bytes; unaligned loads.
@@ -1660,9 +1699,18 @@ mod x86 {
                             $fold3(&mut acc, 3, [param, mom, var]);
                         )?
                         if let Some((kind, o)) = at.o {
-                            $store(kind, o.add(i * kind.size()), param);
+                            let dst = o.add(i * kind.size());
+                            if stream_o {
+                                $stream(kind, dst, param);
+                            } else {
+                                $store(kind, dst, param);
+                            }
                         }
                     }
+                }
+                if stream_o {
+                    // The streamed stores are visible once the pass returns.
+                    _mm_sfence();
                 }
                 // SAFETY: as the load above.
                 $(unsafe { $folds.$fstore(acc) };)?
@@ -1764,7 +1812,8 @@ mod x86 {
         /// 16), `p`, `m`, `v` and `o` writable and none overlapping another.
         avx512, "avx512f", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
-        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16
+        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
+        stream: stream16
     );
 
     adam_lanes!(
@@ -1775,7 +1824,7 @@ mod x86 {
         avx512_folding, "avx512f,vpclmulqdq", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
         fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
-        fold: folds, load512, fold3_512, store512
+        stream: stream16, fold: folds, load512, fold3_512, store512
     );
 
     adam_lanes!(
@@ -1783,7 +1832,8 @@ mod x86 {
         /// AVX2, FMA and F16C must be available; as `avx512` otherwise, `at.len` a multiple of 8.
         avx2, "avx2,fma,f16c", 8,
         set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
-        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8
+        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
+        stream: stream8
     );
 
     adam_lanes!(
@@ -1794,7 +1844,7 @@ mod x86 {
         avx2_folding, "avx2,fma,f16c,vpclmulqdq", 8,
         set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
         fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
-        fold: folds, load256, fold3_256, store256
+        stream: stream8, fold: folds, load256, fold3_256, store256
     );
 }
 
@@ -1915,6 +1965,17 @@ mod tests {
             bias_correction,
             adamw,
         }
+    }
+
+    /// A buffer of at least `n` elements of `P` and where in it `n` start: on a 64-byte boundary
+    /// shifted by `shift` elements. Aligned, the SIMD passes write the parameters with stores that bypass
+    /// the cache; shifted by one, with plain ones.
+    fn placed_params<P: Elem>(n: usize, shift: usize) -> (Vec<P>, usize) {
+        let size = std::mem::size_of::<P>();
+        let buf = vec![P::narrow(0.0); n + 64 / size + shift];
+        let start = buf.as_ptr().align_offset(64).min(64 / size) + shift;
+        assert_eq!((buf.as_ptr() as usize + start * size) % 64, shift * size);
+        (buf, start)
     }
 
     /// Random state and gradient with the values that trip arithmetic up sprinkled in: infinities, NaN,
@@ -2055,15 +2116,17 @@ mod tests {
                 let mut want_state = state.clone();
                 let mut want_params = vec![P::narrow(0.0); n];
                 reference(&mut want_state, &grad, &mut want_params, 0.75, &k, &arith);
+                let placements = [(1, 0), (3, 0), (1, 1), (3, 1)];
                 for (simd, cuts) in simds_with_and_without_sums() {
-                    for threads in [1, 3] {
+                    for (threads, shift) in placements {
                         let mut got_state = state.clone();
-                        let mut got_params = vec![P::narrow(0.0); n];
+                        let (mut buf, start) = placed_params::<P>(n, shift);
+                        let got_params = &mut buf[start..start + n];
                         let sums = update(
                             Chunk {
                                 state: &mut got_state,
                                 grad: &grad,
-                                params: Some(&mut got_params),
+                                params: Some(&mut *got_params),
                                 keep_params: false,
                                 keep_state: None,
                             },
@@ -2099,7 +2162,7 @@ mod tests {
                         for i in 0..n {
                             assert!(
                                 same(got_params[i].widen(), want_params[i].widen()),
-                                "{simd:?} n {n}: params[{i}] as {:?}",
+                                "{simd:?} n {n} threads {threads} shift {shift}: params[{i}] as {:?}",
                                 P::KIND
                             );
                         }
