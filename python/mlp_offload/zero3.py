@@ -55,6 +55,7 @@ from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from mlp_offload import checkpoint, kernel, memory, overlap
+from mlp_offload.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.overlap import UpdateInFlight, update_thread
@@ -419,7 +420,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             pipeline.go_ascending()
         # The plan predicts what the update during backward leaves once the steps go in chunk order.
         self._mlp_planner.overlap_backward = self._mlp_spec_on and pipeline.ascending
-        self._mlp_grad = torch.empty(c, dtype=FP32)
+        # The fp32 gradient chunk of DeepSpeed's passes; with the fused pass and the partitions on an
+        # accelerator, the host scratch of the new parameters: two slots of a chunk's half-precision
+        # parameters, the pass writing one while the other's copy to the device runs. Registered with
+        # the device where DeepSpeed pins (`pin_memory`): those copies then run without the host.
+        self._mlp_scratch_pool = None
+        if self._mlp_pin and not self._mlp_params_on_host:
+            self._mlp_scratch_pool = PinnedBufferPool(1, c * FP32.itemsize)
+            buffer = self._mlp_scratch_pool.acquire()
+            assert buffer is not None
+            self._mlp_grad = as_tensor(buffer, FP32)
+        else:
+            self._mlp_grad = torch.empty(c, dtype=FP32)
+        # Per slot, the event after its last copy to the device (None: none queued since the last wait).
+        self._mlp_scratch_copies: list[Any] = [None, None]
+        self._mlp_scratch_next = 0
         self._mlp_grads_final = overlap.GradsFinal(
             self._mlp_state.chunks,
             (
@@ -604,13 +619,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         grad = self._mlp_gradient(i)[first : first + count]
         state = state_bytes.view(FP32)
         params = half
+        slot = self._mlp_scratch_next
         if not self._mlp_params_on_host:
-            # The partition is on the accelerator: the pass writes the new parameters into a host scratch
-            # (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use), copied over
-            # after it as they are. Its narrowing is the one DeepSpeed's copy does on the host before
+            # The partition is on the accelerator: the pass writes the new parameters into a slot of the
+            # host scratch (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use),
+            # copied over after it as they are, on this thread's stream, while the next chunk's pass
+            # writes the other slot. Its narrowing is the one DeepSpeed's copy does on the host before
             # that copy (`kernel.self_check`). Where the pass is to keep what it overwrites, it first
             # gets the parameters as they are.
-            params = self._mlp_grad.view(half.dtype)[:count]
+            self._mlp_scratch_next ^= 1
+            self._mlp_wait_for_scratch(slot)
+            c = self._mlp_grad.numel()
+            params = self._mlp_grad.view(half.dtype)[slot * c : slot * c + count]
             if kept_params is not None:
                 params.copy_(half)
         sums = self._mlp_fused.update(
@@ -628,12 +648,34 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if kept_state is not None:
             kept_state.filled = True
         if params is not half:
-            half.copy_(params)
+            if self._mlp_scratch_pool is None:
+                half.copy_(params)
+            else:
+                # From memory registered with the device: a copy that runs without the host, whose
+                # event says when the slot may be written again; the subgroup's last chunk waits for
+                # every one of its copies (`_mlp_sync_copies`).
+                half.copy_(params, non_blocking=True)
+                copied = get_accelerator().Event()
+                copied.record()
+                self._mlp_scratch_copies[slot] = copied
         adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
         adam["step"] = self._mlp_step_value(step)
         for key in ("exp_avg", "exp_avg_sq"):
             adam.setdefault(key, torch.empty(0, dtype=FP32))
         return sums
+
+    def _mlp_wait_for_scratch(self, slot: int) -> None:
+        """Waits until the last copy to the device out of scratch `slot` has read it."""
+        copied, self._mlp_scratch_copies[slot] = self._mlp_scratch_copies[slot], None
+        if copied is not None:
+            copied.synchronize()
+
+    def _mlp_sync_copies(self) -> None:
+        """Waits for every copy to the device this thread queued: the new parameters are in the
+        partitions, and both scratch slots free."""
+        if not self._mlp_params_on_host and self._mlp_update_stream is not None:
+            get_accelerator().current_stream().synchronize()
+        self._mlp_scratch_copies = [None, None]
 
     def _mlp_gradient(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
@@ -829,15 +871,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             spec.slotted = len(taken)
             spec.began = time.perf_counter()
             with get_accelerator().stream(self._mlp_update_stream):
-                return pipeline.run_step(
-                    update,
-                    only=taken,
-                    staged=True,
-                    ready=ready,
-                    drain=False,
-                    ends_step=False,
-                    checksums_in_update=True,
-                )
+                try:
+                    return pipeline.run_step(
+                        update,
+                        only=taken,
+                        staged=True,
+                        ready=ready,
+                        drain=False,
+                        ends_step=False,
+                        checksums_in_update=True,
+                    )
+                finally:
+                    # The taken chunks' parameters are in the partitions before step() keeps or undoes
+                    # them.
+                    self._mlp_sync_copies()
 
         spec.future = self._mlp_update_thread.submit(run)
         self._mlp_spec = spec
@@ -1143,10 +1190,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 remaining[i] -= 1
                 if remaining[i] == 0:
                     self._unflatten_partitioned_parameters(i)
-                    if self.fp16_partitioned_groups_flat[i].device.type != "cpu":
-                        # The copy to the device is queued on this thread's stream; the forward's
-                        # all-gather runs on another.
-                        get_accelerator().current_stream().synchronize()
+                    # The copies to the device are queued on this thread's stream; the forward's
+                    # all-gather runs on another.
+                    self._mlp_sync_copies()
                     subgroup_done(i)
                 return sums
             finally:
@@ -1185,12 +1231,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                     self._unflatten_partitioned_parameters(i)
                     subgroup_done(i)
             if self._mlp_fused is not None:
-                stats = pipeline.run_step(
-                    functools.partial(fused_update, subgroup_done=subgroup_done),
-                    drain=False,
-                    checksums_in_update=True,
-                    only=[c for c in pipeline.order if c not in committed] if spec is not None else None,
-                )
+                # The copies to the device on the update's own stream: on this thread's default one
+                # they would wait for the forward's compute queued there.
+                with get_accelerator().stream(self._mlp_update_stream):
+                    try:
+                        stats = pipeline.run_step(
+                            functools.partial(fused_update, subgroup_done=subgroup_done),
+                            drain=False,
+                            checksums_in_update=True,
+                            only=[c for c in pipeline.order if c not in committed]
+                            if spec is not None
+                            else None,
+                        )
+                    finally:
+                        self._mlp_sync_copies()
             else:
                 stats = pipeline.run_step(update, drain=False)
             update_end = time.perf_counter()
@@ -1295,6 +1349,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 if self._mlp_overlap or self._mlp_spec_on:
                     self._mlp_update_thread.shutdown()
                 self._mlp_state.pipeline.close()
+                if self._mlp_scratch_pool is not None:
+                    # Every copy out of it ended with the update that queued it (`_mlp_sync_copies`).
+                    self._mlp_scratch_pool.close()
         self._mlp_store.close()
         self._mlp_planner.close()
         super_destroy = getattr(super(), "destroy", None)
