@@ -11,7 +11,11 @@ with them in its pass (as the engine runs it), or as separate passes; and each w
 Chunks rotate over a working set larger than the CPU's caches, as chunks arrive from storage; the
 variants run interleaved, round by round, over the same chunks; the figures are medians per chunk.
 Bytes touched per element count each pass's reads and writes of memory (a write to memory not read in
-the same pass also reads the line first).
+the same pass also reads the line first, unless it bypasses the cache).
+
+Then, per thread count (1, 2, 4, ... up to torch's), the fused pass over cached chunks against the host's
+own rate for a read and a write of each byte of state in place (`torch.Tensor.mul_`, 24 bytes per
+element): how near the memory's rate the update runs, and whether more cores take it further.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -37,9 +42,13 @@ import torch
 # (4, 2 + 2), a checksum pass over the state (12).
 DEEPSPEED_BYTES = (2 + 8) + 8 + 28 + 8
 CHECKSUM_BYTES = 2 * 12
-# One pass: gradient 2, state 12 + 12, parameters 2 + the line's read 2; its checksums hash the state
-# while it is in the core's cache.
-FUSED_BYTES = 2 + 24 + 4
+# One pass: gradient 2, state 12 + 12, parameters 2 (stores that bypass the cache where the parameters
+# are aligned for them, as a tensor of their own is; else 2 + the line's read 2); its checksums hash the
+# state while it is in the core's cache.
+FUSED_BYTES = 2 + 24 + 2
+FUSED_PLAIN_STORES_BYTES = FUSED_BYTES + 2
+# The host's reference: each element's state read and written in place.
+IN_PLACE_BYTES = 24
 # The update during backward first checks that the parameters are the old weights narrowed: in torch,
 # the weights (4) narrowed into a new tensor (2 + 2) and compared with the parameters (2 + 2); in the pass,
 # nothing more than it reads anyway (the parameters' line, in the core's cache).
@@ -95,6 +104,8 @@ def main() -> int:
         state[n:] = torch.rand(2 * n, generator=generator) * 1e-4
         grad = (torch.randn(n, generator=generator) * 1e-2).to(dtype)
         chunks.append((state, grad, torch.empty(n, dtype=dtype)))
+    # Per chunk, parameters one element off their alignment: the pass writes them with plain stores.
+    shifted = {id(state): torch.empty(n + 1, dtype=dtype)[1:] for state, _, _ in chunks}
     # Per chunk, where the update during backward of a cached chunk keeps its state before.
     kept_states = {id(state): torch.zeros(3 * n) for state, _, _ in chunks}
     grad32 = torch.empty(n)
@@ -129,6 +140,9 @@ def main() -> int:
 
     def fused_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         fused.update(state, grad, half, grad_scale=scale, step=step[0], group=group)
+
+    def fused_pass_shifted(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
+        fused.update(state, grad, shifted[id(state)], grad_scale=scale, step=step[0], group=group)
 
     def fused_pass_summing(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         # One stripe (one path), as read and as written.
@@ -176,6 +190,7 @@ def main() -> int:
         "fused, checksums in the pass": (fused_pass_summing, FUSED_BYTES),
         "fused + checksum passes": (with_checksums(fused_pass), FUSED_BYTES + CHECKSUM_BYTES),
         "fused": (fused_pass, FUSED_BYTES),
+        "fused, parameters unaligned": (fused_pass_shifted, FUSED_PLAIN_STORES_BYTES),
         "in backward: torch's check + fused": (torch_check_then_pass, FUSED_BYTES + TORCH_CHECK_BYTES),
         "in backward: checked in the pass": (pass_keeping, FUSED_BYTES),
         "in backward, cached: state kept": (pass_keeping_state, FUSED_BYTES + KEEP_STATE_BYTES),
@@ -204,6 +219,7 @@ def main() -> int:
         rows[name] = {"secs_per_chunk": secs, "of_today": secs / base, "bytes_touched_per_element": touched}
         print(f"{name:36} {secs * 1e3:9.2f} {12 * n / secs / 1e9:14.1f} {secs / base:8.2f} {touched:14d}")
     print("x today: the variant's time over DeepSpeed's passes with checksums (what the engine ran before)")
+    scaling = thread_scaling(chunks, fused_pass, fused, args.rounds)
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
@@ -212,12 +228,68 @@ def main() -> int:
         "simd": fused.kernel.simd,
         "arith": fused.kernel.arith,
         "variants": rows,
+        "threads_scaling": scaling,
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         print(f"results: {args.out}", file=sys.stderr)
     return 0
+
+
+def thread_scaling(
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    fused_pass: Callable[..., None],
+    fused: Any,
+    rounds: int,
+) -> list[dict[str, float]]:
+    """Per thread count, the fused pass over the chunks (cached, no checksums) and the host's in-place
+    read and write of their state, interleaved round by round; medians per chunk, as GB/s of bytes
+    touched."""
+    most = torch.get_num_threads()
+    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
+    n = chunks[0][1].numel()
+    rows = []
+    print(
+        f"{'threads':>7} {'fused ms':>9} {'GB/s':>6} {'in place ms':>12} {'GB/s':>6} {'fused / in place':>17}"
+    )
+    try:
+        for threads in counts:
+            fused.threads = threads
+            torch.set_num_threads(threads)
+            times: dict[str, list[float]] = {"fused": [], "in place": []}
+            # Each over every chunk in turn: torch's OpenMP threads spin a while after each operation,
+            # and on the cores the pass's threads would take.
+            runs: dict[str, Callable[..., None]] = {
+                "fused": fused_pass,
+                "in place": lambda state, grad, half: state.mul_(1.0),
+            }
+            for rnd in range(rounds + 1):
+                for name, run in runs.items():
+                    for state, grad, half in chunks:
+                        t = time.perf_counter()
+                        run(state, grad, half)
+                        if rnd > 0:
+                            times[name].append(time.perf_counter() - t)
+            fused_secs, in_place_secs = (statistics.median(times[k]) for k in ("fused", "in place"))
+            row = {
+                "threads": threads,
+                "fused_secs_per_chunk": fused_secs,
+                "fused_gb_per_s": FUSED_BYTES * n / fused_secs / 1e9,
+                "in_place_secs_per_chunk": in_place_secs,
+                "in_place_gb_per_s": IN_PLACE_BYTES * n / in_place_secs / 1e9,
+            }
+            rows.append(row)
+            fused_rate, in_place_rate = row["fused_gb_per_s"], row["in_place_gb_per_s"]
+            print(
+                f"{threads:7d} {fused_secs * 1e3:9.2f} {fused_rate:6.1f} {in_place_secs * 1e3:12.2f} "
+                f"{in_place_rate:6.1f} {fused_rate / in_place_rate:17.2f}"
+            )
+    finally:
+        fused.threads = most
+        torch.set_num_threads(most)
+    print("GB/s: bytes touched per second (the fused pass 28 per element, in place 24)")
+    return rows
 
 
 if __name__ == "__main__":
