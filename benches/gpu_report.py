@@ -29,8 +29,9 @@ Parts, in this order (all by default; name some to run only those, one call each
   DeepSpeed's memory and with half the state in memory, the streamed chunks updated during backward
   against not (issue 30's (b) and (c), `e2e-1B-backward`);
 - `kernel`: `benches/update_kernel.py` on the GPU machine's host, the update's per-chunk work, fused
-  against DeepSpeed's passes: whether the update with the state in memory (0.56 s at 1B there) runs at
-  the host's memory bandwidth.
+  against DeepSpeed's passes, and per thread count (1, 2, 4, ... all) the fused pass against the host's
+  own in-place read and write of the state: whether the update with the state in memory (0.56 s at 1B
+  there on 2026-11-27) runs at the host's memory rate, and whether more threads take it further.
 
 Each part writes `<out>/<part>.json` (outcome, seconds, where its output is) and `<out>/<part>.log` as it
 runs, and `<out>/report.md` is rewritten after each part. Without CUDA a part says it skipped and why.
@@ -223,8 +224,9 @@ PARTS = {
     ),
     "kernel": Part(
         "the update's per-chunk work on this host's CPUs, the fused pass against DeepSpeed's passes, over "
-        "a working set (1.1 GiB) past its caches: how near the host's memory bandwidth the update runs "
-        "(at 1B with the state in memory it took 0.56 s on an H100's host, 2026-11-27)",
+        "a working set (1.1 GiB) past its caches, and per thread count against the host's in-place read "
+        "and write of the state: how near the host's memory rate the update runs (at 1B with the state in "
+        "memory it took 0.56 s on an H100's host, 2026-11-27)",
         lambda out, data: [
             sys.executable,
             str(ROOT / "benches" / "update_kernel.py"),
