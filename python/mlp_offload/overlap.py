@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 __all__ = [
     "GradsFinal",
@@ -103,6 +103,24 @@ def _in_backward(
         start = max(backward_secs - leads[chunk], end)
         end = start + secs_per_chunk
         yield chunk, start, end
+
+
+class _Chunks(Protocol):
+    """What `chunks_backward_may_take` reads of a `ChunkPipeline`."""
+
+    @property
+    def order(self) -> list[int]: ...
+    @property
+    def cache_slots(self) -> int: ...
+    @property
+    def kept_limit(self) -> int: ...
+
+
+def chunks_backward_may_take(pipeline: _Chunks) -> list[int]:
+    """The chunks an update during backward may take, in chunk order: every one where the pipeline may
+    make kept copies (every chunk cached, with room), else the streamed ones (in chunk order the first
+    `cache_slots` stay in host memory, and their state is nowhere else to undo from)."""
+    return pipeline.order if pipeline.kept_limit else pipeline.order[pipeline.cache_slots :]
 
 
 def chunks_for_backward(leads: dict[int, float], backward_secs: float, secs_per_chunk: float) -> list[int]:

@@ -17,7 +17,7 @@ import torch.distributed as torch_dist
 
 from mlp_offload import _core, memory, profiles
 from mlp_offload.config import MLPOffloadConfig
-from mlp_offload.overlap import could_run_in_backward
+from mlp_offload.overlap import chunks_backward_may_take, could_run_in_backward
 from mlp_offload.pipeline import ChunkPipeline, StepStats
 from mlp_offload.store import ObjectStore
 
@@ -451,7 +451,7 @@ class UpdatePlanner:
         pipeline = self._pipeline
         assert pipeline is not None
         kept = pipeline.kept_limit > 0
-        taken = pipeline.order if kept else pipeline.order[pipeline.cache_slots :]
+        taken = chunks_backward_may_take(pipeline)
         if not taken:
             return update_secs
         leads = [grads_final["lead_secs"][c] for c in taken]

@@ -790,9 +790,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         gradient and is updated: a streamed one written as a staged version, a cached one in place, its
         state before copied by the pass into a kept copy in host memory."""
         pipeline = self._mlp_state.pipeline
-        # In chunk order the first `cache_slots` chunks stay in host memory: the rest stream. Cached
-        # chunks are taken too where they may have kept copies (every chunk cached, with room).
-        chosen = pipeline.order if pipeline.kept_limit else pipeline.order[pipeline.cache_slots :]
+        chosen = overlap.chunks_backward_may_take(pipeline)
         leads = self._mlp_last_leads
         if self._mlp_config.overlap_backward is True:
             # Every one, in the order the gradients came in at the last boundary (last chunk first
