@@ -243,11 +243,13 @@ def thread_scaling(
     fused: Any,
     rounds: int,
 ) -> list[dict[str, float]]:
-    """Per thread count, the fused pass over the chunks (cached, no checksums) and the host's in-place
-    read and write of their state, interleaved round by round; medians per chunk, as GB/s of bytes
-    touched."""
-    most = torch.get_num_threads()
-    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {most})
+    """Per thread count (powers of two, torch's and the CPUs this process may run on), the fused pass
+    over the chunks (cached, no checksums) and the host's in-place read and write of their state,
+    round by round; medians per chunk, as GB/s of bytes touched. The engine runs the pass on torch's
+    thread count (`torch.get_num_threads()`, marked)."""
+    default = torch.get_num_threads()
+    most = len(os.sched_getaffinity(0))
+    counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {default, most})
     n = chunks[0][1].numel()
     rows = []
     print(
@@ -278,16 +280,18 @@ def thread_scaling(
                 "fused_gb_per_s": FUSED_BYTES * n / fused_secs / 1e9,
                 "in_place_secs_per_chunk": in_place_secs,
                 "in_place_gb_per_s": IN_PLACE_BYTES * n / in_place_secs / 1e9,
+                "engines_default": threads == default,
             }
             rows.append(row)
             fused_rate, in_place_rate = row["fused_gb_per_s"], row["in_place_gb_per_s"]
             print(
                 f"{threads:7d} {fused_secs * 1e3:9.2f} {fused_rate:6.1f} {in_place_secs * 1e3:12.2f} "
                 f"{in_place_rate:6.1f} {fused_rate / in_place_rate:17.2f}"
+                f"{'  (torch: the engine)' if threads == default else ''}"
             )
     finally:
-        fused.threads = most
-        torch.set_num_threads(most)
+        fused.threads = default
+        torch.set_num_threads(default)
     print("GB/s: bytes touched per second (the fused pass 28 per element, in place 24)")
     return rows
 
