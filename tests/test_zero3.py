@@ -174,6 +174,8 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     torch_optimizer = ds_case.get("torch_adam") or ds_case.get("client_optimizer")
     fused = not torch_optimizer and extra.get("update_kernel") != "deepspeed"
     assert start["update_kernel"]["kernel"] == ("fused" if fused else "deepspeed"), start["update_kernel"]
+    # On torch's threads (the harness's OMP_NUM_THREADS), as DeepSpeed's CPU Adam on OpenMP's.
+    assert start["update_kernel"].get("threads") == (2 if fused else None), start["update_kernel"]
     # The update runs behind step() where asked and the fused pass runs; each step's record says so.
     assert start["overlap"]["on"] == (overlap and fused), start["overlap"]
     assert all((r["overlap"] is not None) == start["overlap"]["on"] for r in steps)

@@ -453,7 +453,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             "why": kernel_why,
         }
         if self._mlp_fused is not None:
-            kernel_record.update(simd=self._mlp_fused.kernel.simd, arith=self._mlp_fused.kernel.arith)
+            kernel_record.update(
+                simd=self._mlp_fused.kernel.simd,
+                arith=self._mlp_fused.kernel.arith,
+                # torch's intra-op threads, as DeepSpeed's CPU Adam takes OpenMP's.
+                threads=self._mlp_fused.threads,
+            )
         page_report = pipeline.page_report
         plan = self._mlp_planner.plan(pipeline, self._mlp_store)
         # The initial state, placed by the plan's weights, through the pool's buffers.
