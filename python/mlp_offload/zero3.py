@@ -35,13 +35,14 @@ and its swapper protocol).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -675,6 +676,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if copied is not None:
             copied.synchronize()
 
+    @contextlib.contextmanager
+    def _mlp_copying_to_device(self) -> Iterator[None]:
+        """A run of the update over chunks: its copies to the device on the update's own stream (on
+        the thread's default one they would wait for the compute queued there: backward's, or the next
+        forward's), every one waited for before it ends, raising or not."""
+        with get_accelerator().stream(self._mlp_update_stream):
+            try:
+                yield
+            finally:
+                self._mlp_sync_copies()
+
     def _mlp_sync_copies(self) -> None:
         """Waits for every copy to the device this thread queued: the new parameters are in the
         partitions, and both scratch slots free."""
@@ -873,21 +885,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             taken = [c for c in chosen if c in ready_to_stage]
             spec.slotted = len(taken)
             spec.began = time.perf_counter()
-            with get_accelerator().stream(self._mlp_update_stream):
-                try:
-                    return pipeline.run_step(
-                        update,
-                        only=taken,
-                        staged=True,
-                        ready=ready,
-                        drain=False,
-                        ends_step=False,
-                        checksums_in_update=True,
-                    )
-                finally:
-                    # The taken chunks' parameters are in the partitions before step() keeps or undoes
-                    # them.
-                    self._mlp_sync_copies()
+            # The taken chunks' parameters are in the partitions before step() keeps or undoes them.
+            with self._mlp_copying_to_device():
+                return pipeline.run_step(
+                    update,
+                    only=taken,
+                    staged=True,
+                    ready=ready,
+                    drain=False,
+                    ends_step=False,
+                    checksums_in_update=True,
+                )
 
         spec.future = self._mlp_update_thread.submit(run)
         self._mlp_spec = spec
@@ -1234,20 +1242,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                     self._unflatten_partitioned_parameters(i)
                     subgroup_done(i)
             if self._mlp_fused is not None:
-                # The copies to the device on the update's own stream: on this thread's default one
-                # they would wait for the forward's compute queued there.
-                with get_accelerator().stream(self._mlp_update_stream):
-                    try:
-                        stats = pipeline.run_step(
-                            functools.partial(fused_update, subgroup_done=subgroup_done),
-                            drain=False,
-                            checksums_in_update=True,
-                            only=[c for c in pipeline.order if c not in committed]
-                            if spec is not None
-                            else None,
-                        )
-                    finally:
-                        self._mlp_sync_copies()
+                with self._mlp_copying_to_device():
+                    stats = pipeline.run_step(
+                        functools.partial(fused_update, subgroup_done=subgroup_done),
+                        drain=False,
+                        checksums_in_update=True,
+                        only=[c for c in pipeline.order if c not in committed] if spec is not None else None,
+                    )
             else:
                 stats = pipeline.run_step(update, drain=False)
             update_end = time.perf_counter()
