@@ -1446,35 +1446,26 @@ mod x86 {
     }
 
     /// 16 lanes of `x` narrowed to `kind` at `dst`, as `Elem::narrow` does (bf16: torch's
-    /// `cvtfp32_bf16`, round to nearest even and NaN lanes 0xffff; fp16: F16C, as torch).
+    /// `cvtfp32_bf16`, round to nearest even and NaN lanes 0xffff; fp16: F16C, as torch). With
+    /// `stream`, by stores that bypass the cache: weakly ordered, the caller fences.
     ///
     /// # Safety
-    /// `dst` must hold 16 writable elements of `kind`; AVX-512F must be available.
+    /// `dst` must hold 16 writable elements of `kind`, with `stream` aligned to their bytes (32 in
+    /// two-byte kinds, 64 in fp32); AVX-512F must be available.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn store16(kind: Kind, dst: *mut u8, x: __m512) {
+    unsafe fn store16(kind: Kind, dst: *mut u8, x: __m512, stream: bool) {
         // SAFETY: the caller's promise.
         unsafe {
-            match kind {
-                Kind::F32 => _mm512_storeu_ps(dst.cast(), x),
-                Kind::Bf16 | Kind::F16 => _mm256_storeu_si256(dst.cast(), narrow16(kind, x)),
-            }
-        }
-    }
-
-    /// `store16` with stores that bypass the cache: `dst` must be aligned to the 16 elements' bytes (32 in
-    /// two-byte kinds, 64 in fp32). Weakly ordered: the caller fences.
-    ///
-    /// # Safety
-    /// As `store16`, and that alignment.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn stream16(kind: Kind, dst: *mut u8, x: __m512) {
-        // SAFETY: the caller's promise.
-        unsafe {
-            match kind {
-                Kind::F32 => _mm512_stream_ps(dst.cast(), x),
-                Kind::Bf16 | Kind::F16 => _mm256_stream_si256(dst.cast(), narrow16(kind, x)),
+            match (kind, stream) {
+                (Kind::F32, false) => _mm512_storeu_ps(dst.cast(), x),
+                (Kind::F32, true) => _mm512_stream_ps(dst.cast(), x),
+                (Kind::Bf16 | Kind::F16, false) => {
+                    _mm256_storeu_si256(dst.cast(), narrow16(kind, x))
+                }
+                (Kind::Bf16 | Kind::F16, true) => {
+                    _mm256_stream_si256(dst.cast(), narrow16(kind, x))
+                }
             }
         }
     }
@@ -1516,35 +1507,22 @@ mod x86 {
         }
     }
 
-    /// 8 lanes of `x` narrowed to `kind` at `dst`, as `store16`.
+    /// 8 lanes of `x` narrowed to `kind` at `dst`, as `store16` (with `stream`, `dst` aligned to 16
+    /// bytes in two-byte kinds, 32 in fp32).
     ///
     /// # Safety
-    /// `dst` must hold 8 writable elements of `kind`; AVX2 and F16C must be available.
+    /// `dst` must hold 8 writable elements of `kind`, with `stream` so aligned; AVX2 and F16C must be
+    /// available.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn store8(kind: Kind, dst: *mut u8, x: __m256) {
+    unsafe fn store8(kind: Kind, dst: *mut u8, x: __m256, stream: bool) {
         // SAFETY: the caller's promise.
         unsafe {
-            match kind {
-                Kind::F32 => _mm256_storeu_ps(dst.cast(), x),
-                Kind::Bf16 | Kind::F16 => _mm_storeu_si128(dst.cast(), narrow8(kind, x)),
-            }
-        }
-    }
-
-    /// `store8` with stores that bypass the cache, as `stream16`: `dst` aligned to 16 bytes in two-byte
-    /// kinds, 32 in fp32.
-    ///
-    /// # Safety
-    /// As `store8`, and that alignment.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn stream8(kind: Kind, dst: *mut u8, x: __m256) {
-        // SAFETY: the caller's promise.
-        unsafe {
-            match kind {
-                Kind::F32 => _mm256_stream_ps(dst.cast(), x),
-                Kind::Bf16 | Kind::F16 => _mm_stream_si128(dst.cast(), narrow8(kind, x)),
+            match (kind, stream) {
+                (Kind::F32, false) => _mm256_storeu_ps(dst.cast(), x),
+                (Kind::F32, true) => _mm256_stream_ps(dst.cast(), x),
+                (Kind::Bf16 | Kind::F16, false) => _mm_storeu_si128(dst.cast(), narrow8(kind, x)),
+                (Kind::Bf16 | Kind::F16, true) => _mm_stream_si128(dst.cast(), narrow8(kind, x)),
             }
         }
     }
@@ -1643,8 +1621,7 @@ mod x86 {
             $(#[$doc:meta])*
             $name:ident, $features:literal, $lanes:literal,
             set1: $set1:ident, loadu: $loadu:ident, storeu: $storeu:ident, mul: $mul:ident,
-            fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident,
-            stream: $stream:ident
+            fmadd: $fmadd:ident, sqrt: $sqrt:ident, div: $div:ident, load: $load:ident, store: $store:ident
             $(, fold: $folds:ident, $fload:ident, $fold3:ident, $fstore:ident)?
         ) => {
             $(#[$doc])*
@@ -1699,12 +1676,7 @@ mod x86 {
                             $fold3(&mut acc, 3, [param, mom, var]);
                         )?
                         if let Some((kind, o)) = at.o {
-                            let dst = o.add(i * kind.size());
-                            if stream_o {
-                                $stream(kind, dst, param);
-                            } else {
-                                $store(kind, dst, param);
-                            }
+                            $store(kind, o.add(i * kind.size()), param, stream_o);
                         }
                     }
                 }
@@ -1812,8 +1784,7 @@ mod x86 {
         /// 16), `p`, `m`, `v` and `o` writable and none overlapping another.
         avx512, "avx512f", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
-        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
-        stream: stream16
+        fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16
     );
 
     adam_lanes!(
@@ -1824,7 +1795,7 @@ mod x86 {
         avx512_folding, "avx512f,vpclmulqdq", 16,
         set1: _mm512_set1_ps, loadu: _mm512_loadu_ps, storeu: _mm512_storeu_ps, mul: _mm512_mul_ps,
         fmadd: _mm512_fmadd_ps, sqrt: _mm512_sqrt_ps, div: _mm512_div_ps, load: load16, store: store16,
-        stream: stream16, fold: folds, load512, fold3_512, store512
+        fold: folds, load512, fold3_512, store512
     );
 
     adam_lanes!(
@@ -1832,8 +1803,7 @@ mod x86 {
         /// AVX2, FMA and F16C must be available; as `avx512` otherwise, `at.len` a multiple of 8.
         avx2, "avx2,fma,f16c", 8,
         set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
-        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
-        stream: stream8
+        fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8
     );
 
     adam_lanes!(
@@ -1844,7 +1814,7 @@ mod x86 {
         avx2_folding, "avx2,fma,f16c,vpclmulqdq", 8,
         set1: _mm256_set1_ps, loadu: _mm256_loadu_ps, storeu: _mm256_storeu_ps, mul: _mm256_mul_ps,
         fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
-        stream: stream8, fold: folds, load256, fold3_256, store256
+        fold: folds, load256, fold3_256, store256
     );
 }
 
