@@ -195,13 +195,18 @@ PARTS = {
     "e2e-1B-dram": Part(
         "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it (every chunk cached: the "
         "update behind the next forward, and during backward from kept copies where the plan expects it "
-        "to begin before backward ends), the update inside step(), and none during backward (what ran "
-        "1.29x DeepSpeed's iteration on an H100, 2026-11-27)",
+        "to begin before backward ends), the update inside step(), none during backward (what ran "
+        "1.29x DeepSpeed's iteration on an H100, 2026-11-27), and the pass on every CPU rather than torch's "
+        "threads (update_threads)",
         e2e_part(
             "1B",
             "ds-cpu,mlp-offload-default",
             "e2e-1B-dram",
-            ('default/serial={"overlap": false}', 'default/nobwd={"overlap_backward": false}'),
+            (
+                'default/serial={"overlap": false}',
+                'default/nobwd={"overlap_backward": false}',
+                f'default/cpus={{"update_threads": {len(os.sched_getaffinity(0))}}}',
+            ),
         ),
     ),
     "e2e-1B-forward": Part(

@@ -83,6 +83,20 @@ def test_per_path_keys_name_themselves(section: dict[str, Any], message: str) ->
         from_ds_config({"mlp_offload": {"paths": ["/a", "/b"], **section}})
 
 
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"update_threads": 0}, r"mlp_offload\.update_threads"),
+        ({"update_threads": "all"}, r"mlp_offload\.update_threads"),
+        ({"update_threads": 2.5}, r"mlp_offload\.update_threads"),
+        ({"update_threads": True}, r"mlp_offload\.update_threads"),
+    ],
+)
+def test_bad_values_name_their_key(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_ds_config({"mlp_offload": {"paths": ["/a"], **section}})
+
+
 def test_path_locality_is_per_path() -> None:
     section = {"paths": ["/a", "/b"], "path_locality": ["node-local", "shared"]}
     parsed = from_ds_config({"mlp_offload": section})

@@ -89,6 +89,14 @@ class MLPOffloadConfig(BaseModel):
     saying why. `"deepspeed"`: DeepSpeed's passes. Optimizers other than DeepSpeed's CPU Adam (torch's
     Adam, AdamW) always run their own."""
 
+    update_threads: Annotated[int, Field(ge=1, strict=True)] | Literal["auto"] = "auto"
+    """Threads of the fused pass (`update_kernel`), each over its own range of a chunk. `"auto"`: torch's
+    intra-op threads (`torch.get_num_threads()`), as DeepSpeed's CPU Adam takes OpenMP's. Under torchrun
+    with several ranks a node that is 1 unless `OMP_NUM_THREADS` is set. With the parameters on an
+    accelerator the host's cores are idle while the update runs behind the forward, and the update runs
+    at the host's memory rate: more threads than torch's may move more bytes a second, or none
+    (`make bench-kernel` measures the pass per thread count). The start-up record says how many."""
+
     overlap: bool | Literal["auto"] = "auto"
     """Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
     clipping) is decided, and each parameter's fetch in the next forward waits for its own subgroup only;

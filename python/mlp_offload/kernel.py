@@ -276,13 +276,18 @@ def self_check(
 
 
 def choose(
-    setting: str, optimizer: Any, grad_dtype: torch.dtype, params_dtype: torch.dtype | None
+    setting: str,
+    optimizer: Any,
+    grad_dtype: torch.dtype,
+    params_dtype: torch.dtype | None,
+    threads: int | None = None,
 ) -> tuple[FusedAdam | None, str]:
     """`update_kernel` ("auto", "fused", "deepspeed"): the fused kernel where it agrees with DeepSpeed's
-    (see `self_check`), else None (DeepSpeed's passes), and why. `"fused"` refuses to start without it."""
+    (see `self_check`), on `threads` threads (None: torch's), else None (DeepSpeed's passes), and why.
+    `"fused"` refuses to start without it."""
     if setting == "deepspeed":
         return None, "configured"
-    fused, why = self_check(optimizer, grad_dtype, params_dtype)
+    fused, why = self_check(optimizer, grad_dtype, params_dtype, threads=threads)
     if fused is None and setting == "fused":
         raise ValueError(f'mlp_offload.update_kernel: "fused", but the fused kernel cannot be used: {why}')
     return fused, why

@@ -368,7 +368,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
         self._mlp_params_on_host = first_half.device.type == "cpu"
         self._mlp_fused, kernel_why = kernel.choose(
-            config.update_kernel, self.optimizer, first_half.dtype, first_half.dtype
+            config.update_kernel,
+            self.optimizer,
+            first_half.dtype,
+            first_half.dtype,
+            threads=None if config.update_threads == "auto" else config.update_threads,
         )
         # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
         # stream of its own: on the default one they would wait for the compute queued on it.
@@ -457,7 +461,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             kernel_record.update(
                 simd=self._mlp_fused.kernel.simd,
                 arith=self._mlp_fused.kernel.arith,
-                # torch's intra-op threads, as DeepSpeed's CPU Adam takes OpenMP's.
+                # `update_threads`: by default torch's intra-op threads, as DeepSpeed's CPU Adam takes
+                # OpenMP's.
                 threads=self._mlp_fused.threads,
             )
         page_report = pipeline.page_report
