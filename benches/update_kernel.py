@@ -13,7 +13,8 @@ variants run interleaved, round by round, over the same chunks; the figures are 
 Bytes touched per element count each pass's reads and writes of memory (a write to memory not read in
 the same pass also reads the line first, unless it bypasses the cache).
 
-Then, per thread count (1, 2, 4, ... up to torch's), the fused pass over cached chunks against the host's
+Then, per thread count (1, 2, 4, ... up to the CPUs this process may run on, torch's count among them),
+the fused pass over cached chunks against the host's
 own rate for a read and a write of each byte of state in place (`torch.Tensor.mul_`, 24 bytes per
 element): how near the memory's rate the update runs, and whether more cores take it further.
 """
@@ -30,12 +31,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import torch
+
+if TYPE_CHECKING:
+    from mlp_offload.kernel import FusedAdam
 
 # Per element, bytes read and written by each pass (bf16 gradient and parameters, fp32 state):
 # widen (read 2, write 4 + the line's read 4), unscale (4 + 4), CPU Adam (16 + 12), the half copy
@@ -240,7 +244,7 @@ def main() -> int:
 def thread_scaling(
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     fused_pass: Callable[..., None],
-    fused: Any,
+    fused: FusedAdam,
     rounds: int,
 ) -> list[dict[str, float]]:
     """Per thread count (powers of two, torch's and the CPUs this process may run on), the fused pass
@@ -252,6 +256,12 @@ def thread_scaling(
     counts = sorted({1 << k for k in range(most.bit_length()) if 1 << k <= most} | {default, most})
     n = chunks[0][1].numel()
     rows = []
+    # Each over every chunk in turn: torch's OpenMP threads spin a while after each operation, and on the
+    # cores the pass's threads would take.
+    runs: dict[str, Callable[..., None]] = {
+        "fused": fused_pass,
+        "in place": lambda state, grad, half: state.mul_(1.0),
+    }
     print(
         f"{'threads':>7} {'fused ms':>9} {'GB/s':>6} {'in place ms':>12} {'GB/s':>6} {'fused / in place':>17}"
     )
@@ -259,13 +269,7 @@ def thread_scaling(
         for threads in counts:
             fused.threads = threads
             torch.set_num_threads(threads)
-            times: dict[str, list[float]] = {"fused": [], "in place": []}
-            # Each over every chunk in turn: torch's OpenMP threads spin a while after each operation,
-            # and on the cores the pass's threads would take.
-            runs: dict[str, Callable[..., None]] = {
-                "fused": fused_pass,
-                "in place": lambda state, grad, half: state.mul_(1.0),
-            }
+            times: dict[str, list[float]] = {name: [] for name in runs}
             for rnd in range(rounds + 1):
                 for name, run in runs.items():
                     for state, grad, half in chunks:
@@ -292,7 +296,9 @@ def thread_scaling(
     finally:
         fused.threads = default
         torch.set_num_threads(default)
-    print("GB/s: bytes touched per second (the fused pass 28 per element, in place 24)")
+    print(
+        f"GB/s: bytes touched a second (the fused pass {FUSED_BYTES} an element, in place {IN_PLACE_BYTES})"
+    )
     return rows
 
 
