@@ -6,7 +6,9 @@ subnormals, bf16, fp16 and fp32."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +174,37 @@ def test_bad_tensors_are_named() -> None:
         )
     with pytest.raises(ValueError, match="grad"):
         fused.update(state, torch.zeros(10, dtype=torch.int32), None, grad_scale=1.0, step=1, group=group)
+
+
+def test_a_process_forked_after_a_pass_starts_its_own_threads() -> None:
+    """The pass's worker threads are kept between passes, in the process that started them: a child
+    forked after a pass (a data loader's worker, a framework's helper process) has none of them, and its
+    passes start their own, end, and compute what the parent's did."""
+    fused = kernel.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=3)
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    n = 1 << 16
+    state, grad = inputs(n, torch.bfloat16, torch.Generator().manual_seed(3), specials=False)
+    want, want_params = state.clone(), torch.empty(n, dtype=torch.bfloat16)
+    fused.update(want, grad, want_params, grad_scale=0.5, step=1, group=group)
+    got, got_params = state.clone(), torch.empty(n, dtype=torch.bfloat16)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fused.update(got, grad, got_params, grad_scale=0.5, step=1, group=group)
+            # Bit for bit, in numpy: torch's OpenMP threads do not survive a fork either.
+            bits = [
+                (t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy())
+                for t in (got, want, got_params, want_params)
+            ]
+            code = 0 if (bits[0] == bits[1]).all() and (bits[2] == bits[3]).all() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's pass did not end within 30 s")
+    assert os.waitstatus_to_exitcode(ended[1]) == 0, "the forked child's pass differs from the parent's"

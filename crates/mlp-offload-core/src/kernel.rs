@@ -22,6 +22,8 @@
 //! loaded into or stored from, two carry-less multiplications that run beside the update's divisions
 //! and square roots.
 
+use std::sync::{Arc, Mutex};
+
 use crc_fast::CrcAlgorithm::Crc32Iscsi;
 
 use crate::error::{Error, Result};
@@ -832,18 +834,7 @@ pub fn update<G: Elem, P: Elem>(
         first += len;
     }
     let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
-    let mut parts = parts.into_iter();
-    let mine = parts.next();
-    let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = std::thread::scope(|scope| {
-        let others: Vec<_> = parts.map(|part| scope.spawn(move || run(part))).collect();
-        let mut all: Vec<_> = mine.map(run).into_iter().collect();
-        all.extend(
-            others
-                .into_iter()
-                .map(|t| t.join().expect("a kernel thread panicked")),
-        );
-        all
-    });
+    let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = run_on_workers(parts, run)?;
     let [read, write] = [0, 1].map(|d| {
         [cuts.read, cuts.write][d].map(|c| {
             let pieces = done
@@ -864,6 +855,78 @@ pub fn update<G: Elem, P: Elem>(
         write,
         kept_params,
     })
+}
+
+/// The update's worker threads: one pool per number of threads beside the caller's, started the first
+/// time a pass asks for that many and kept for the process's life. A pass wakes them instead of starting
+/// threads: a start costs the caller tens of microseconds each (15 of them about a third of a millisecond
+/// on a VM, against a chunk's 2-3 ms), and the last one started decides when the chunk ends. Passes that
+/// run at once (the update during backward and a kept copy's discard) share a pool's threads.
+fn workers(others: usize) -> Result<Arc<rayon::ThreadPool>> {
+    struct Pools {
+        /// The process that started them: a child forked after a pass has none of their threads, and
+        /// starts its own.
+        pid: u32,
+        by_count: Vec<(usize, Arc<rayon::ThreadPool>)>,
+    }
+    static POOLS: Mutex<Pools> = Mutex::new(Pools {
+        pid: 0,
+        by_count: Vec::new(),
+    });
+    let mut pools = POOLS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let pid = std::process::id();
+    if pools.pid != pid {
+        // Forgotten, not dropped: dropping a pool signals threads that exist only in the parent.
+        std::mem::forget(std::mem::take(&mut pools.by_count));
+        pools.pid = pid;
+    }
+    if let Some((_, pool)) = pools.by_count.iter().find(|(n, _)| *n == others) {
+        return Ok(pool.clone());
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(others)
+        .thread_name(|i| format!("mlp-update-{i}"))
+        .build()
+        .map_err(|e| {
+            Error::config(
+                "update_threads",
+                format!("could not start {} threads for the update: {e}", others + 1),
+            )
+        })?;
+    let pool = Arc::new(pool);
+    pools.by_count.push((others, pool.clone()));
+    Ok(pool)
+}
+
+/// Runs `run` over `parts`, the first on the caller's thread and each other on a worker of
+/// [`workers`]; the results in the parts' order.
+fn run_on_workers<T: Send, R: Send>(parts: Vec<T>, run: impl Fn(T) -> R + Sync) -> Result<Vec<R>> {
+    let mut parts = parts.into_iter();
+    let Some(mine) = parts.next() else {
+        return Ok(Vec::new());
+    };
+    let mut done: Vec<Option<R>> = Vec::new();
+    done.resize_with(parts.len() + 1, || None);
+    if parts.len() == 0 {
+        done[0] = Some(run(mine));
+    } else {
+        let pool = workers(parts.len())?;
+        let run = &run;
+        let (first, rest) = done.split_first_mut().expect("one part at least");
+        // A panic in a worker's part comes back here, once every part has ended.
+        pool.in_place_scope(|scope| {
+            for (part, slot) in parts.zip(rest) {
+                scope.spawn(move |_| *slot = Some(run(part)));
+            }
+            *first = Some(run(mine));
+        });
+    }
+    Ok(done
+        .into_iter()
+        .map(|r| r.expect("every part ran"))
+        .collect())
 }
 
 /// [`update`] over raw memory: `state` holds `3 count` fp32 elements, `grad` `count` of its kind,
@@ -2012,6 +2075,15 @@ mod tests {
         }
     }
 
+    /// A 16-wide build whose scalar tail fuses as its vectors do.
+    fn vector_arith() -> DeepSpeedArith {
+        DeepSpeedArith {
+            vector_width: 16,
+            tail: TailFma::VECTOR,
+            bias_sqrt: BiasSqrt::Float,
+        }
+    }
+
     fn simds() -> Vec<Simd> {
         [
             Simd::Avx512Clmul,
@@ -2152,6 +2224,54 @@ mod tests {
         check_paths::<f32, Bf16>(|x| x, &mut rng);
     }
 
+    /// Passes that run at once on the same count of threads share that count's workers, and passes on
+    /// another count have their own: each is still the specification's, round after round.
+    #[test]
+    fn passes_at_once_share_the_workers_and_each_is_exact() {
+        let arith = vector_arith();
+        let k =
+            AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
+        let n = 3 * BLOCK + 100;
+        let mut rng = StdRng::seed_from_u64(5);
+        let callers: Vec<_> = [3, 3, 3, 5]
+            .into_iter()
+            .map(|threads| {
+                let (state, grad32) = inputs(n, &mut rng);
+                let grad: Vec<Bf16> = grad32.iter().map(|&g| Bf16::narrow(g)).collect();
+                let mut want_state = state.clone();
+                let mut want_params = vec![Bf16::default(); n];
+                reference(&mut want_state, &grad, &mut want_params, 0.5, &k, &arith);
+                (threads, state, grad, want_state, want_params)
+            })
+            .collect();
+        std::thread::scope(|scope| {
+            for (caller, (threads, state, grad, want_state, want_params)) in
+                callers.iter().enumerate()
+            {
+                let (arith, k) = (&arith, &k);
+                scope.spawn(move || {
+                    for round in 0..20 {
+                        let mut got_state = state.clone();
+                        let mut got_params = vec![Bf16::default(); n];
+                        let chunk = Chunk {
+                            state: &mut got_state,
+                            grad,
+                            params: Some(&mut got_params),
+                            keep_params: false,
+                            keep_state: None,
+                        };
+                        update(chunk, 0.5, k, arith, Simd::detect(), *threads, Cuts::default()).unwrap();
+                        assert!(
+                            got_state.iter().zip(want_state).all(|(&a, &b)| same(a, b))
+                                && got_params == *want_params,
+                            "caller {caller} ({threads} threads), round {round}: not the specification's"
+                        );
+                    }
+                });
+            }
+        });
+    }
+
     /// Weights of every kind the narrowing treats apart (zeros of both signs, subnormals, infinities,
     /// NaN, halfway cases of bf16, fp16's overflow and subnormal range) among ordinary ones.
     fn awkward_weights(n: usize, rng: &mut StdRng) -> Vec<f32> {
@@ -2233,11 +2353,7 @@ mod tests {
     fn check_kept_params<P: Elem>(rng: &mut StdRng) {
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
-        let arith = DeepSpeedArith {
-            vector_width: 16,
-            tail: TailFma::VECTOR,
-            bias_sqrt: BiasSqrt::Float,
-        };
+        let arith = vector_arith();
         // One block, several blocks with a short last one, a thread split inside a block.
         for n in [33, 3 * BLOCK + 100, BLOCK + 64 * 3 + 5] {
             let (mut state, grad32) = inputs(n, rng);
@@ -2340,11 +2456,7 @@ mod tests {
         let (state, grad) = inputs(100, &mut rng);
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
-        let arith = DeepSpeedArith {
-            vector_width: 16,
-            tail: TailFma::VECTOR,
-            bias_sqrt: BiasSqrt::Float,
-        };
+        let arith = vector_arith();
         let (mut with, mut without) = (state.clone(), state);
         let mut params = vec![0.0f32; 100];
         update(
@@ -2444,11 +2556,7 @@ mod tests {
     #[test]
     fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
         let mut rng = StdRng::seed_from_u64(17);
-        let arith = DeepSpeedArith {
-            vector_width: 16,
-            tail: TailFma::VECTOR,
-            bias_sqrt: BiasSqrt::Float,
-        };
+        let arith = vector_arith();
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
         let bytes = |x: &[f32]| as_bytes(x).to_vec();
@@ -2579,11 +2687,7 @@ mod tests {
 
     #[test]
     fn bad_lengths_and_addresses_are_named() {
-        let arith = DeepSpeedArith {
-            vector_width: 16,
-            tail: TailFma::VECTOR,
-            bias_sqrt: BiasSqrt::Float,
-        };
+        let arith = vector_arith();
         let k =
             AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
         let grad = vec![0.0f32; 10];
