@@ -861,7 +861,7 @@ pub fn update<G: Elem, P: Elem>(
 /// time a pass asks for that many and kept for the process's life. A pass wakes them instead of starting
 /// threads: a start costs the caller tens of microseconds each (15 of them about a third of a millisecond
 /// on a VM, against a chunk's 2-3 ms), and the last one started decides when the chunk ends. Passes that
-/// run at once (the update during backward and a kept copy's discard) share a pool's threads.
+/// run at once on the same count (two engines in one process) share its workers.
 fn workers(others: usize) -> Result<Arc<rayon::ThreadPool>> {
     struct Pools {
         /// The process that started them: a child forked after a pass has none of their threads, and
