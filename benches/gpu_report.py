@@ -196,8 +196,8 @@ PARTS = {
         "LLaMA 1B: DeepSpeed device: cpu against ours as the README configures it (every chunk cached: the "
         "update behind the next forward, and during backward from kept copies where the plan expects it "
         "to begin before backward ends), the update inside step(), none during backward (what ran "
-        "1.29x DeepSpeed's iteration on an H100, 2026-11-27), and the pass on every CPU rather than torch's "
-        "threads (update_threads)",
+        "1.29x DeepSpeed's iteration on an H100, 2026-11-27), and the pass on every CPU, and on every CPU "
+        "but one (the forward's launching thread's), rather than torch's threads (update_threads)",
         e2e_part(
             "1B",
             "ds-cpu,mlp-offload-default",
@@ -206,6 +206,7 @@ PARTS = {
                 'default/serial={"overlap": false}',
                 'default/nobwd={"overlap_backward": false}',
                 f'default/cpus={{"update_threads": {len(os.sched_getaffinity(0))}}}',
+                f'default/cpus-1={{"update_threads": {max(1, len(os.sched_getaffinity(0)) - 1)}}}',
             ),
         ),
     ),
