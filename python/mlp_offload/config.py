@@ -95,7 +95,8 @@ class MLPOffloadConfig(BaseModel):
     with several ranks a node that is 1 unless `OMP_NUM_THREADS` is set. With the parameters on an
     accelerator the host's cores are idle while the update runs behind the forward, and the update runs
     at the host's memory rate: more threads than torch's may move more bytes a second, or none
-    (`make bench-kernel` measures the pass per thread count). The start-up record says how many."""
+    (`make bench-kernel` measures the pass per thread count). The start-up record says how many. The
+    threads beside the caller's (`mlp-update-N`) start at the first pass and stay, idle between passes."""
 
     overlap: bool | Literal["auto"] = "auto"
     """Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
