@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The CPUs this process may run on: the update's thread counts the e2e-1B-dram part tries.
+HOST_CPUS = len(os.sched_getaffinity(0))
 # Each part must end within the device tool's 10 minutes a call, set-up included.
 PART_TIMEOUT_SECS = 540
 # Bytes on disk per parameter of DeepSpeed's NVMe offload (fp32 weights, two moments, fp32 gradients),
@@ -205,8 +207,8 @@ PARTS = {
             (
                 'default/serial={"overlap": false}',
                 'default/nobwd={"overlap_backward": false}',
-                f'default/cpus={{"update_threads": {len(os.sched_getaffinity(0))}}}',
-                f'default/cpus-1={{"update_threads": {max(1, len(os.sched_getaffinity(0)) - 1)}}}',
+                f'default/cpus={{"update_threads": {HOST_CPUS}}}',
+                f'default/cpus-1={{"update_threads": {max(1, HOST_CPUS - 1)}}}',
             ),
         ),
     ),

@@ -194,7 +194,7 @@ def test_a_process_forked_after_a_pass_starts_its_own_threads() -> None:
             fused.update(got, grad, got_params, grad_scale=0.5, step=1, group=group)
             # Bit for bit, in numpy: torch's OpenMP threads do not survive a fork either.
             bits = [
-                (t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy())
+                t.view(torch.int32 if t.element_size() == 4 else torch.int16).numpy()
                 for t in (got, want, got_params, want_params)
             ]
             code = 0 if (bits[0] == bits[1]).all() and (bits[2] == bits[3]).all() else 2

@@ -907,22 +907,21 @@ fn run_on_workers<T: Send, R: Send>(parts: Vec<T>, run: impl Fn(T) -> R + Sync) 
     let Some(mine) = parts.next() else {
         return Ok(Vec::new());
     };
+    if parts.len() == 0 {
+        return Ok(vec![run(mine)]);
+    }
+    let pool = workers(parts.len())?;
     let mut done: Vec<Option<R>> = Vec::new();
     done.resize_with(parts.len() + 1, || None);
-    if parts.len() == 0 {
-        done[0] = Some(run(mine));
-    } else {
-        let pool = workers(parts.len())?;
-        let run = &run;
-        let (first, rest) = done.split_first_mut().expect("one part at least");
-        // A panic in a worker's part comes back here, once every part has ended.
-        pool.in_place_scope(|scope| {
-            for (part, slot) in parts.zip(rest) {
-                scope.spawn(move |_| *slot = Some(run(part)));
-            }
-            *first = Some(run(mine));
-        });
-    }
+    let run = &run;
+    let (first, rest) = done.split_first_mut().expect("one part at least");
+    // A panic in a worker's part comes back here, once every part has ended.
+    pool.in_place_scope(|scope| {
+        for (part, slot) in parts.zip(rest) {
+            scope.spawn(move |_| *slot = Some(run(part)));
+        }
+        *first = Some(run(mine));
+    });
     Ok(done
         .into_iter()
         .map(|r| r.expect("every part ran"))
