@@ -437,6 +437,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_grad = as_tensor(buffer, FP32)
         else:
             self._mlp_grad = torch.empty(c, dtype=FP32)
+        # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
+        # and each chunk's pass waits for the last copy out of it.
+        self._mlp_scratch_slots = FP32.itemsize // first_half.element_size()
         # Per slot, the event after its last copy to the device (None: none queued since the last wait).
         self._mlp_scratch_copies: list[Any] = [None, None]
         self._mlp_scratch_next = 0
@@ -635,10 +638,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # The partition is on the accelerator: the pass writes the new parameters into a slot of the
             # host scratch (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use),
             # copied over after it as they are, on this thread's stream, while the next chunk's pass
-            # writes the other slot. Its narrowing is the one DeepSpeed's copy does on the host before
-            # that copy (`kernel.self_check`). Where the pass is to keep what it overwrites, it first
-            # gets the parameters as they are.
-            self._mlp_scratch_next ^= 1
+            # writes the other slot (half-precision parameters; fp32 ones have one slot). Its narrowing
+            # is the one DeepSpeed's copy does on the host before that copy (`kernel.self_check`).
+            # Where the pass is to keep what it overwrites, it first gets the parameters as they are.
+            self._mlp_scratch_next = (slot + 1) % self._mlp_scratch_slots
             self._mlp_wait_for_scratch(slot)
             c = self._mlp_grad.numel()
             params = self._mlp_grad.view(half.dtype)[slot * c : slot * c + count]
@@ -1034,6 +1037,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # What a chunk took during backward, measured (set by step(); None: too few to say).
             "chunk_secs": None,
             "kept": kept,
+            # Its part of the step's figures (reads, cached, retained, writes; bytes and seconds are in
+            # them too), set by step() where it ran until then: undone there, the update after it takes
+            # its chunks again, so the step counts them twice. None: in no step's figures (undone
+            # before step(), which something read the state before, or the step was skipped).
+            "figures": None,
             "why": why,
             "secs": 0.0 if spec is None else time.perf_counter() - spec.started,
             # The chunks the plan chose, those of them with a second slot, and why it stopped early.
@@ -1174,6 +1182,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Undone here, every chunk is updated next, its parameters written again.
             keep = why.startswith("kept")
             spec_stats, speculation = self._mlp_spec_finish(spec, keep=keep, why=why, redo=not keep)
+            speculation["figures"] = {
+                name: getattr(spec_stats, name) for name in ("reads", "cached", "retained", "writes")
+            }
             grads.reset()
             speculation["chunk_secs"] = self._mlp_measure_backward_chunks(spec, leads)
             if speculation["kept"]:
