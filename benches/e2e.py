@@ -510,6 +510,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
                 result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
             runs[contender].append(merge_ranks(ranks))
+            # Each run's figures as it ends: a bench cut off by a time limit keeps what it measured.
+            print(f"  {contender}: {describe_run(runs[contender][-1])}", file=sys.stderr, flush=True)
     for data_dir in (local, second):
         shutil.rmtree(data_dir, ignore_errors=True)
     report = summarize(runs)
@@ -593,6 +595,16 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def describe_run(run: dict[str, Any]) -> str:
+    """One round's medians over its measured steps, in a line."""
+    steps = run["steps"]
+    medians = {k: statistics.median(s[k] for s in steps) for k in ("iteration", "forward", "backward", "update")}
+    return (
+        f"iteration {medians['iteration']:.3f} s (forward {medians['forward']:.3f}, backward "
+        f"{medians['backward']:.3f}, update {medians['update']:.3f}; medians of {len(steps)} steps)"
+    )
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
