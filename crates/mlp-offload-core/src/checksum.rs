@@ -6,11 +6,10 @@
 //! I/O thread (reads), it delayed the next update and left the path's queue empty while it ran. So an
 //! object is cut into pieces of at most [`PIECE`] bytes, each piece hashed as its own part of the
 //! operation's [`Completion`] on a process-wide pool, and the pieces' CRCs are combined per stripe
-//! (`checksum_combine`), which gives the same value as hashing the stripe whole.
+//! ([`crc32c_combine`]), which gives the same value as hashing the stripe whole.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crc_fast::CrcAlgorithm::Crc32Iscsi;
 use crossbeam_channel::Sender;
 
 use crate::completion::Completion;
@@ -19,6 +18,59 @@ use crate::engine::HostPtr;
 /// The CRC32C (iSCSI polynomial) of `bytes`: the store's checksum of a stripe.
 pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(bytes)
+}
+
+/// The CRC32C polynomial, reflected: bit 31 is the coefficient of x^0.
+const POLY: u32 = 0x82f6_3b78;
+
+/// a(x) b(x) mod P(x), both reflected.
+const fn mul_mod_p(a: u32, mut b: u32) -> u32 {
+    let mut product = 0;
+    let mut bit = 0;
+    while bit < 32 {
+        if a & (1 << (31 - bit)) != 0 {
+            product ^= b;
+        }
+        // b(x) x mod P(x).
+        b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+        bit += 1;
+    }
+    product
+}
+
+/// x^(2^k) mod P(x) for k in 0..64: a shift by any length below 2^61 bytes is a product of them.
+const X_TO_TWO_TO_THE: [u32; 64] = {
+    let mut table = [0; 64];
+    // x^1.
+    table[0] = 1 << 30;
+    let mut k = 1;
+    while k < 64 {
+        table[k] = mul_mod_p(table[k - 1], table[k - 1]);
+        k += 1;
+    }
+    table
+};
+
+/// The CRC32C of two byte sequences one after the other, from each one's CRC and the second's length:
+/// `crc1` carried over `len2` bytes (times x^(8 len2) mod P, a product of at most one table entry per
+/// bit of the length), plus `crc2`. The all-ones start and end of CRC32C cancel in it, as in zlib's
+/// `crc32_combine`. About a microsecond: `crc_fast::checksum_combine` squares 64x64 bit matrices
+/// instead, tens of microseconds a call, which the fused pass paid several times per thread and
+/// stripe of every chunk (serially, after the threads: on 16 threads it took 7 ms of a 1 ms chunk).
+pub const fn crc32c_combine(crc1: u32, crc2: u32, len2: u64) -> u32 {
+    // x^0.
+    let mut shift = 1 << 31;
+    // len2 bytes are 8 len2 bits: the table from x^(2^3).
+    let mut k = 3;
+    let mut rest = len2;
+    while rest != 0 {
+        if rest & 1 != 0 {
+            shift = mul_mod_p(X_TO_TWO_TO_THE[k], shift);
+        }
+        rest >>= 1;
+        k += 1;
+    }
+    mul_mod_p(shift, crc1) ^ crc2
 }
 
 /// The largest piece one job hashes: small enough that the pool's threads share an object, large enough
@@ -116,10 +168,7 @@ impl PieceSums {
         for (&(r, _, len), &crc) in self.pieces.iter().zip(sums.iter()) {
             out[r] = Some(match out[r] {
                 None => crc,
-                Some(before) => {
-                    crc_fast::checksum_combine(Crc32Iscsi, before.into(), crc.into(), len as u64)
-                        as u32
-                }
+                Some(before) => crc32c_combine(before, crc, len as u64),
             });
         }
         out.into_iter().map(|s| s.unwrap_or(0)).collect()
@@ -128,12 +177,55 @@ impl PieceSums {
 
 #[cfg(test)]
 mod tests {
+    use crc_fast::CrcAlgorithm::Crc32Iscsi;
+
     use super::*;
 
     #[test]
     fn the_sums_are_crc32c() {
         // The check value of the CRC-32C (iSCSI) catalogue entry: stores written before keep reading.
         assert_eq!(crc_fast::crc32_iscsi(b"123456789"), 0xe306_9283);
+    }
+
+    #[test]
+    fn combining_is_the_crc_of_the_two_sequences_one_after_the_other() {
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 131 % 251) as u8).collect();
+        // Where the first sequence ends: empty either side, a byte, a word, lines, a page and more.
+        for split in [0, 1, 3, 4, 63, 64, 4095, 4096, 65_537, data.len()] {
+            let (a, b) = data.split_at(split);
+            let whole = crc_fast::crc32_iscsi(&data);
+            let (crc1, crc2) = (crc_fast::crc32_iscsi(a), crc_fast::crc32_iscsi(b));
+            assert_eq!(
+                crc32c_combine(crc1, crc2, b.len() as u64),
+                whole,
+                "split {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn combining_agrees_with_crc_fast_at_every_length() {
+        // Lengths past what can be hashed here: every bit of a 64-bit length up to 2^60, and odd ones.
+        let lengths = (0..61).map(|b| 1u64 << b).chain([
+            0,
+            5,
+            12 << 20,
+            (48 << 20) + 12,
+            (1 << 40) - 1,
+            0x0123_4567_89ab,
+        ]);
+        for (i, len) in lengths.enumerate() {
+            let (crc1, crc2) = (
+                (i as u32).wrapping_mul(0x9e37_79b9),
+                !(i as u32) ^ 0x5bd1_e995,
+            );
+            let expected = crc_fast::checksum_combine(Crc32Iscsi, crc1.into(), crc2.into(), len);
+            assert_eq!(
+                u64::from(crc32c_combine(crc1, crc2, len)),
+                expected,
+                "len {len}"
+            );
+        }
     }
 
     #[test]

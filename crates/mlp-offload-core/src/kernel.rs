@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use crc_fast::CrcAlgorithm::Crc32Iscsi;
 
+use crate::checksum::crc32c_combine;
 use crate::error::{Error, Result};
 
 /// bf16 bits.
@@ -703,7 +704,7 @@ fn stripe_sums(cuts: &[u64], mut pieces: Vec<(u64, u64, u32)>) -> Vec<u32> {
     for (start, len, crc) in pieces {
         // The stripe holding this piece: the last start at or before it.
         let s = cuts.partition_point(|&c| c <= start).saturating_sub(1);
-        sums[s] = crc_fast::checksum_combine(Crc32Iscsi, sums[s].into(), crc.into(), len) as u32;
+        sums[s] = crc32c_combine(sums[s], crc, len);
     }
     sums
 }
@@ -1215,12 +1216,9 @@ fn finish_pieces(sums: [Option<[Vec<Piece>; 3]>; 2]) -> Hashed {
                 .flatten()
                 .map(|p| {
                     let crc = match p.folded {
-                        Some(folded) if p.digested > 0 => crc_fast::checksum_combine(
-                            Crc32Iscsi,
-                            folded.into(),
-                            p.digest.finalize(),
-                            p.digested,
-                        ) as u32,
+                        Some(folded) if p.digested > 0 => {
+                            crc32c_combine(folded, p.digest.finalize() as u32, p.digested)
+                        }
                         Some(folded) => folded,
                         None => p.digest.finalize() as u32,
                     };
@@ -1388,7 +1386,7 @@ fn finish_fold(fold: &[u64; 8], width: usize, len: u64) -> u32 {
     }
     let crc = crc_fast::checksum(Crc32Iscsi, &bytes[..width]) as u32;
     // Combining with the CRC 0 of nothing-added is the shift alone.
-    crc ^ crc_fast::checksum_combine(Crc32Iscsi, 0xffff_ffff, 0, len) as u32
+    crc ^ crc32c_combine(0xffff_ffff, 0, len)
 }
 
 /// Hashes elements `b0..b1` of the part's state into its pieces of direction `d` (0 read, 1 written).
