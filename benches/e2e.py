@@ -600,7 +600,9 @@ def _has_cuda() -> bool:
 def describe_run(run: dict[str, Any]) -> str:
     """One round's medians over its measured steps, in a line."""
     steps = run["steps"]
-    medians = {k: statistics.median(s[k] for s in steps) for k in ("iteration", "forward", "backward", "update")}
+    medians = {
+        k: statistics.median(s[k] for s in steps) for k in ("iteration", "forward", "backward", "update")
+    }
     return (
         f"iteration {medians['iteration']:.3f} s (forward {medians['forward']:.3f}, backward "
         f"{medians['backward']:.3f}, update {medians['update']:.3f}; medians of {len(steps)} steps)"
