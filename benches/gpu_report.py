@@ -17,7 +17,8 @@ Parts, in this order (all by default; name some to run only those, one call each
   `../shared/deepspeed-tests` is not there);
 - `lightning`: PyTorch Lightning's `DeepSpeedStrategy(config=...)` with our section, bit-equal to stock
   Lightning with DeepSpeed (`tests/test_frameworks.py`);
-- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-threads`, `e2e-1B-forward`, `e2e-1B-backward`, `e2e-largest`, `e2e-largest-ours`:
+- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-threads`, `e2e-1B-forward`, `e2e-1B-backward`,
+  `e2e-largest`, `e2e-largest-ours`:
   `benches/e2e.py` with the LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's
   pipelined NVMe offload and its `device: cpu`, and the largest LLaMA size whose state the data
   directory's free space holds for DeepSpeed's NVMe offload (16 bytes a parameter). At 1B, ours at
