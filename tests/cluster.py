@@ -103,6 +103,8 @@ class TwoNodeCluster:
 
     def __enter__(self) -> TwoNodeCluster:
         fs = self.server_netns
+        # A run killed before its exit left namespaces of these names (and their processes): gone first.
+        self.__exit__(None, None, None)
         try:
             self.node_local.mkdir(parents=True, exist_ok=True)
             self.shared.mkdir(parents=True, exist_ok=True)
@@ -233,6 +235,9 @@ class GlusterVolume:
         server = self.cluster.server_netns
         address = self.cluster.server_address
         self.brick.mkdir(parents=True, exist_ok=True)
+        # A run killed before its exit left its volume's definition: glusterd would bring it back, and
+        # the create below would find the name taken.
+        shutil.rmtree(Path("/var/lib/glusterd/vols", self.name), ignore_errors=True)
         try:
             with self._log.open("w") as log:
                 self._glusterd = subprocess.Popen(

@@ -1040,7 +1040,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # Its part of the step's figures (reads, cached, retained, writes; bytes and seconds are in
             # them too), set by step() where it ran until then: undone there, the update after it takes
             # its chunks again, so the step counts them twice. None: in no step's figures (undone
-            # before step(), which something read the state before, or the step was skipped).
+            # before step() because something read the state, or the step was skipped).
             "figures": None,
             "why": why,
             "secs": 0.0 if spec is None else time.perf_counter() - spec.started,
