@@ -224,13 +224,42 @@ def keep(results: list[dict[str, Any]], path: Path) -> None:
     tmp.replace(path)
 
 
+def _ports_below_the_ephemeral_range() -> range:
+    """Ports no outgoing connection is given: the kernel picks those from `ip_local_port_range`."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10_000, max(low, 12_000))
+
+
+_PORT_SLICES = 32
+_ports_handed_out = 0
+
+
 def free_port() -> int:
-    """A TCP port that nobody listens on now, for one run's rendezvous: tests that run at once (pytest -n)
-    must not share one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port that nobody listens on now, for one run's rendezvous.
+
+    Not one the kernel hands out (bind to port 0): those come from the ephemeral range, where any test's
+    outgoing connection (a rank's to its store, gloo's pairs) may take it before the run's store listens on
+    it, as a CI run saw (EADDRINUSE). So below that range, where only listeners that name their port bind;
+    each pytest-xdist worker counts through a slice of its own (tests run at once never share one), starting
+    at a place of its process's, and skips a port something still holds."""
+    global _ports_handed_out
+    ports = _ports_below_the_ephemeral_range()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    width = len(ports) // _PORT_SLICES
+    first = ports.start + (int(worker) if worker.isdigit() else 0) % _PORT_SLICES * width
+    for _ in range(width):
+        offset = (os.getpid() * 97 + _ports_handed_out) % width
+        _ports_handed_out += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("", first + offset))
+            except OSError:
+                continue
+        return first + offset
+    raise RuntimeError(f"no free TCP port in {first}..{first + width - 1}")
 
 
 def from_step(run: dict[str, Any], step: int) -> dict[str, Any]:
