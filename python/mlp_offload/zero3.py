@@ -441,7 +441,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # and each chunk's pass waits for the last copy out of it.
         self._mlp_scratch_slots = FP32.itemsize // first_half.element_size()
         # Per slot, the event after its last copy to the device (None: none queued since the last wait).
-        self._mlp_scratch_copies: list[Any] = [None, None]
+        self._mlp_scratch_copies: list[Any] = [None] * self._mlp_scratch_slots
         self._mlp_scratch_next = 0
         self._mlp_grads_final = overlap.GradsFinal(
             self._mlp_state.chunks,
@@ -697,10 +697,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def _mlp_sync_copies(self) -> None:
         """Waits for every copy to the device this thread queued: the new parameters are in the
-        partitions, and both scratch slots free."""
+        partitions, and every scratch slot free."""
         if not self._mlp_params_on_host and self._mlp_update_stream is not None:
             get_accelerator().current_stream().synchronize()
-        self._mlp_scratch_copies = [None, None]
+        self._mlp_scratch_copies = [None] * self._mlp_scratch_slots
 
     def _mlp_gradient(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
