@@ -31,6 +31,8 @@ backward, update and iteration time, the ratios to the baseline, bytes moved per
 /proc/self/io, and per path from our telemetry), achieved bandwidth, the I/O floor (bytes moved over
 the paths' measured mixed read/write bandwidth) and the update time over it, and the peak resident set.
 It writes JSON and a PNG chart. On a machine with a GPU it runs unchanged (the model on the GPU).
+`--watch-threads` adds, per phase, where the training thread's and our update thread's time went (on a
+CPU, waiting for one, blocked) and the Python stacks they were found in (`benches/threadwatch.py`).
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from blocktrace import BlockTrace, describe
+from threadwatch import ThreadWatch, merge
 
 CONTENDERS = (
     "ds-nvme-partitioned",
@@ -225,7 +229,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         watch.wrap_step(engine, updates)
         if spec.get("trace_block"):
             trace_step(engine, BlockTrace(watch.devices), spec["warmup"], traces)
-    for _ in range(spec["warmup"] + spec["steps"]):
+    threads = ThreadWatch(training_threads) if spec.get("watch_threads") else None
+    for k in range(spec["warmup"] + spec["steps"]):
         tokens = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"] + 1), generator=data)
         tokens = tokens.to(engine.device)
         io0 = proc_io()
@@ -234,10 +239,17 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             step = timed_iteration(engine, tokens)
         else:
             step = timed_iteration(engine, input_ids=tokens[:, :-1], labels=tokens[:, :-1])
+        ended = time.perf_counter()
         io1 = proc_io()
         steps.append({**step, "bytes_read": io1[0] - io0[0], "bytes_written": io1[1] - io0[1]})
         if watch is not None and disk0 is not None:
             steps[-1]["disk"] = {"iteration": watch.between(disk0, watch.read()), "update": updates[-1]}
+        if threads is not None:
+            if k >= spec["warmup"]:
+                steps[-1]["threads"] = phases_of(threads, step, ended)
+            threads.forget(ended)
+    if threads is not None:
+        threads.stop()
     result: dict[str, Any] = {
         "params": params,
         "init_secs": init_secs,
@@ -265,6 +277,27 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["block_trace"] = traces[0]
     engine.destroy()
     return result
+
+
+def training_threads() -> dict[str, threading.Thread]:
+    """The threads `--watch-threads` samples: the training loop's, and our update's where it runs on one."""
+    found = {"main": threading.main_thread()}
+    for thread in threading.enumerate():
+        if thread.name.startswith("mlp-offload-update"):
+            found["update"] = thread
+    return found
+
+
+def phases_of(threads: ThreadWatch, step: dict[str, Any], ended: float) -> dict[str, Any]:
+    """Where each sampled thread's time went in each phase of `step` (`timed_iteration`'s, which runs
+    them one after another and returned at `ended`)."""
+    bounds = [ended]
+    for phase in ("update", "backward", "forward"):
+        bounds.insert(0, bounds[0] - step[phase])
+    return {
+        phase: threads.phase(bounds[i], bounds[i + 1])
+        for i, phase in enumerate(("forward", "backward", "update"))
+    }
 
 
 def trace_step(engine: Any, trace: BlockTrace, warmup: int, traces: list[dict[str, Any]]) -> None:
@@ -386,6 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="record the requests the disk was sent in each contender's first measured update (root)",
     )
+    parser.add_argument(
+        "--watch-threads",
+        action="store_true",
+        help="sample the training thread and our update's thread every 2 ms: per phase, time on a CPU, "
+        "waiting for one, and neither (blocked), and the Python stacks they were found in",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON results; the chart goes beside it")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -491,6 +530,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "steps": args.steps,
                 "section_keys": args.section_keys.get(contender, {}),
                 "trace_block": args.trace_block,
+                "watch_threads": args.watch_threads,
             }
             spec_file = root / f"{contender}.spec.json"
             spec_file.write_text(json.dumps(spec))
@@ -512,6 +552,9 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             runs[contender].append(merge_ranks(ranks))
             # Each run's figures as it ends: a bench cut off by a time limit keeps what it measured.
             print(f"  {contender}: {describe_run(runs[contender][-1])}", file=sys.stderr, flush=True)
+            for phase, named in (watched_threads(runs[contender][-1]["steps"]) or {}).items():
+                for name, t in named.items():
+                    print(f"    {phase}, {name} thread: {describe_thread(t)}", file=sys.stderr, flush=True)
     for data_dir in (local, second):
         shutil.rmtree(data_dir, ignore_errors=True)
     report = summarize(runs)
@@ -584,6 +627,9 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         if "disk" in per_rank[0]:
             # The device's own counters: every rank's requests already, so rank 0's reading stands.
             step["disk"] = per_rank[0]["disk"]
+        if "threads" in per_rank[0]:
+            # Rank 0's threads stand for the ranks' (each runs the same program).
+            step["threads"] = per_rank[0]["threads"]
         steps.append(step)
     merged["steps"] = steps
     merged["ranks"] = len(ranks)
@@ -624,6 +670,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
         if disks := [s["disk"] for s in steps if "disk" in s]:
             row["disk"] = disk_medians(disks)
+        if watched := watched_threads(steps):
+            row["threads"] = watched
         if spreads := [s["update_spread"] for s in steps if "update_spread" in s]:
             row["update_spread_median"] = statistics.median(spreads)
             row["update_spread_max"] = max(spreads)
@@ -662,6 +710,20 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             ratios[contender] = {k: base[k] / m[k] for k in ("update", "iteration")}
     params = next(iter(runs.values()))[0]["params"]
     return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
+
+
+def watched_threads(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """Per phase and thread, where its time went over `steps` (`--watch-threads`; None without)."""
+    watched = [s["threads"] for s in steps if "threads" in s]
+    if not watched:
+        return None
+    return {
+        phase: {
+            name: merge([w[phase][name] for w in watched if name in w[phase]])
+            for name in sorted({n for w in watched for n in w[phase]})
+        }
+        for phase in ("forward", "backward", "update")
+    }
 
 
 def in_backward(record: dict[str, Any]) -> dict[str, float]:
@@ -764,6 +826,9 @@ def print_report(report: dict[str, Any]) -> None:
                 print(
                     f"  requests of round {rnd + 1}'s first measured update: {describe(run['block_trace'])}"
                 )
+        for phase, named in m.get("threads", {}).items():
+            for name, t in named.items():
+                print(f"  {phase}, {name} thread: {describe_thread(t)}")
         if "update_spread_max" in m:
             print(
                 f"  update spread between ranks: median {100 * m['update_spread_median']:.1f}%, "
@@ -803,6 +868,19 @@ def print_report(report: dict[str, Any]) -> None:
     )
     for note in report.get("notes", []):
         print(f"note: {note}")
+
+
+def describe_thread(t: dict[str, Any]) -> str:
+    """A thread's phase (`threadwatch.merge`) in a line: where its time went, and its likeliest stacks."""
+    split = ""
+    if t["on_cpu_secs"] is not None and t["secs"]:
+        blocked = max(0.0, t["secs"] - t["on_cpu_secs"] - t["runnable_secs"])
+        split = (
+            f": {t['on_cpu_secs']:.3f} on a CPU, {t['runnable_secs']:.3f} waiting for one, {blocked:.3f} "
+            "neither"
+        )
+    stacks = "; ".join(f"{100 * share:.0f}% {stack}" for stack, share in t["stacks"][:3])
+    return f"{t['secs']:.3f} s{split} ({t['samples']} samples: {stacks})"
 
 
 def draw_chart(report: dict[str, Any], path: Path) -> None:
