@@ -552,9 +552,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             runs[contender].append(merge_ranks(ranks))
             # Each run's figures as it ends: a bench cut off by a time limit keeps what it measured.
             print(f"  {contender}: {describe_run(runs[contender][-1])}", file=sys.stderr, flush=True)
-            for phase, named in (watched_threads(runs[contender][-1]["steps"]) or {}).items():
-                for name, t in named.items():
-                    print(f"    {phase}, {name} thread: {describe_thread(t)}", file=sys.stderr, flush=True)
+            for line in describe_threads(watched_threads(runs[contender][-1]["steps"]) or {}):
+                print(f"    {line}", file=sys.stderr, flush=True)
     for data_dir in (local, second):
         shutil.rmtree(data_dir, ignore_errors=True)
     report = summarize(runs)
@@ -826,9 +825,8 @@ def print_report(report: dict[str, Any]) -> None:
                 print(
                     f"  requests of round {rnd + 1}'s first measured update: {describe(run['block_trace'])}"
                 )
-        for phase, named in m.get("threads", {}).items():
-            for name, t in named.items():
-                print(f"  {phase}, {name} thread: {describe_thread(t)}")
+        for line in describe_threads(m.get("threads", {})):
+            print(f"  {line}")
         if "update_spread_max" in m:
             print(
                 f"  update spread between ranks: median {100 * m['update_spread_median']:.1f}%, "
@@ -870,17 +868,24 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"note: {note}")
 
 
-def describe_thread(t: dict[str, Any]) -> str:
-    """A thread's phase (`threadwatch.merge`) in a line: where its time went, and its likeliest stacks."""
-    split = ""
-    if t["on_cpu_secs"] is not None and t["secs"]:
-        blocked = max(0.0, t["secs"] - t["on_cpu_secs"] - t["runnable_secs"])
-        split = (
-            f": {t['on_cpu_secs']:.3f} on a CPU, {t['runnable_secs']:.3f} waiting for one, {blocked:.3f} "
-            "neither"
-        )
-    stacks = "; ".join(f"{100 * share:.0f}% {stack}" for stack, share in t["stacks"][:3])
-    return f"{t['secs']:.3f} s{split} ({t['samples']} samples: {stacks})"
+def describe_threads(watched: dict[str, dict[str, Any]]) -> list[str]:
+    """`watched_threads` in lines, one per phase and thread: where its time went, and its likeliest
+    stacks."""
+    lines = []
+    for phase, named in watched.items():
+        for name, t in named.items():
+            split = ""
+            if t["on_cpu_secs"] is not None and t["secs"]:
+                blocked = max(0.0, t["secs"] - t["on_cpu_secs"] - t["runnable_secs"])
+                split = (
+                    f": {t['on_cpu_secs']:.3f} on a CPU, {t['runnable_secs']:.3f} waiting for one, "
+                    f"{blocked:.3f} neither"
+                )
+            stacks = "; ".join(f"{100 * share:.0f}% {stack}" for stack, share in t["stacks"][:3])
+            lines.append(
+                f"{phase}, {name} thread: {t['secs']:.3f} s{split} ({t['samples']} samples: {stacks})"
+            )
+    return lines
 
 
 def draw_chart(report: dict[str, Any], path: Path) -> None:

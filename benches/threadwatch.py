@@ -11,6 +11,7 @@ microseconds): a thread that holds the GIL in one long C call is sampled when it
 
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -109,7 +110,6 @@ class ThreadWatch:
 def merge(phases: list[dict[str, Any]], top: int = 6) -> dict[str, Any]:
     """One thread's phase over several steps (`ThreadWatch.phase` entries): median seconds, on a CPU and
     waiting for one, and the `top` stacks over all their samples, each with its share of them."""
-    import statistics
 
     def median(key: str) -> float | None:
         values = [p[key] for p in phases if p.get(key) is not None]
