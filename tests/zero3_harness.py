@@ -230,7 +230,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             # Between steps with nothing running: the update behind step() done (the fused pass's
             # threads live as long as its call).
             getattr(optimizer, "mlp_offload_wait", lambda: None)()
-            samples.append(resources())
+            scratch = getattr(optimizer, "_mlp_norm_scratch", None)
+            samples.append({**resources(), "norm_scratch": 0 if scratch is None else scratch.data_ptr()})
     state = {}
     for name, p in engine.module.named_parameters():
         state[name] = {

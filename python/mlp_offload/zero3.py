@@ -244,8 +244,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # What the plan found of chunk order, which the update during backward needs ("auto").
         self._mlp_order_why = "the plan waits for one boundary's gradient times"
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
-        # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`); dropped
-        # by step().
+        # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`). Kept from
+        # one boundary to the next (8 bytes per element of the largest partition): freed in each step()
+        # and touched afresh in the next backward, it cost the 134M wide model's iteration 0.2-0.3 s of
+        # 1.1 s (freeing 512 MiB, then its page faults); kept, the peak grew by 0.25 GiB, to 4.09 GiB
+        # against DeepSpeed's 4.29 (docs/results.md). Never allocated where the gradients are on an
+        # accelerator: their norms are DeepSpeed's there.
         self._mlp_norm_scratch: torch.Tensor | None = None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
@@ -328,10 +332,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def _mlp_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's `_constant_buffered_norm2(grad)`, bit for bit: per part of its buffer size, the part
         widened to the norm dtype (fp64) and its 2-norm squared, summed, the square root. In host memory
-        each part is widened into one scratch tensor, kept until step(), where DeepSpeed allocates a new
-        one per parameter: on the CPU the page faults of that fresh memory cost several times the copy
-        and the norm together (64 Mi bf16 elements: 150 ms to widen into new memory, 18 ms into the
-        scratch). The same values go through the same kernel: widening is exact, and the norm of a
+        each part is widened into one scratch tensor, kept for the next boundary, where DeepSpeed
+        allocates a new one per parameter: on the CPU the page faults of that fresh memory cost several
+        times the copy and the norm together (64 Mi bf16 elements: 150 ms to widen into new memory, 18 ms
+        into the scratch). The same values go through the same kernel: widening is exact, and the norm of a
         contiguous fp64 tensor does not depend on where it lies."""
         dtype = get_norm_dtype()
         if grad.device.type != "cpu" or grad.dtype == dtype:
@@ -341,7 +345,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             n = part.numel()
             scratch = self._mlp_norm_scratch
             if scratch is None or scratch.numel() < n or scratch.dtype != dtype:
-                # Once per boundary: as large as this rank's largest gradient partition gets.
+                # Once: as large as this rank's largest gradient partition gets.
                 largest = max(int(p.ds_tensor.numel()) for group in self.fp16_groups for p in group)
                 scratch = torch.empty(max(n, min(largest, _NORM_BUFFER_SIZE)), dtype=dtype)
                 self._mlp_norm_scratch = scratch
@@ -1124,8 +1128,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             scaled_global_grad_norm = combine_grad_norm_groups(norm_groups)
             if is_invalid_grad_norm(scaled_global_grad_norm):
                 self.overflow = True
-        # The boundary's norms are all taken: its scratch goes (memory between steps as DeepSpeed's).
-        self._mlp_norm_scratch = None
         if self._loss_scale_update_and_overflow_cleanup():
             # An fp16 overflow skips the update: no state is read, changed or written (what the update
             # during backward changed is undone).
@@ -1372,6 +1374,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 if self._mlp_scratch_pool is not None:
                     # Every copy out of it ended with the update that queued it (`_mlp_sync_copies`).
                     self._mlp_scratch_pool.close()
+                self._mlp_norm_scratch = None
         self._mlp_store.close()
         self._mlp_planner.close()
         super_destroy = getattr(super(), "destroy", None)
