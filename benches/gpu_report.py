@@ -17,7 +17,7 @@ Parts, in this order (all by default; name some to run only those, one call each
   `../shared/deepspeed-tests` is not there);
 - `lightning`: PyTorch Lightning's `DeepSpeedStrategy(config=...)` with our section, bit-equal to stock
   Lightning with DeepSpeed (`tests/test_frameworks.py`);
-- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-threads`, `e2e-1B-forward`, `e2e-1B-backward`,
+- `e2e-130M`, `e2e-1B`, `e2e-1B-dram`, `e2e-1B-threads`, `e2e-1B-chunks`, `e2e-1B-forward`, `e2e-1B-backward`,
   `e2e-largest`, `e2e-largest-ours`:
   `benches/e2e.py` with the LLaMA-style 130M (134M with LLaMA's vocabulary) and 1B against DeepSpeed's
   pipelined NVMe offload and its `device: cpu`, and the largest LLaMA size whose state the data
@@ -28,7 +28,8 @@ Parts, in this order (all by default; name some to run only those, one call each
   against `device: cpu`); and with half the state in memory, inside `step()` against behind the next
   forward (issue 30's (c), whose forward on the CPU had nothing to hide the update behind); and, at
   DeepSpeed's memory and with half the state in memory, the streamed chunks updated during backward
-  against not (issue 30's (b) and (c), `e2e-1B-backward`);
+  against not (issue 30's (b) and (c), `e2e-1B-backward`); and every chunk cached, the engine's chunks
+  of 4 Mi elements against 16 Mi and 1 Mi (`e2e-1B-chunks`);
 - `kernel`: `benches/update_kernel.py` on the GPU machine's host, the update's per-chunk work, fused
   against DeepSpeed's passes, and per thread count (1, 2, 4, ... all) the fused pass against the host's
   own in-place read and write of the state: whether the update with the state in memory (0.56 s at 1B
@@ -224,6 +225,24 @@ PARTS = {
             (
                 f'default/cpus={{"update_threads": {HOST_CPUS}}}',
                 f'default/cpus-1={{"update_threads": {max(1, HOST_CPUS - 1)}}}',
+            ),
+            ("--watch-threads",),
+        ),
+    ),
+    # The engine cuts 1B's subgroups into chunks of 4 Mi elements (240 of them); each chunk costs the
+    # update thread its Python (0.1-0.2 ms a chunk on a CPU's caches the pass just flushed) and the pass
+    # its threads' wake and join, which on 16 threads is a larger part of a chunk's 1.1-1.3 ms pass than
+    # on 2. Whether larger chunks pay there (their last chunks' padding costs host memory).
+    "e2e-1B-chunks": Part(
+        "LLaMA 1B, every chunk cached: ours as the README configures it (chunks of 4 Mi elements) against "
+        "chunks of 16 Mi and of 1 Mi elements (update_chunk)",
+        e2e_part(
+            "1B",
+            "mlp-offload-default",
+            "e2e-1B-chunks",
+            (
+                f'default/16Mi={{"update_chunk": {12 * (16 << 20)}}}',
+                f'default/1Mi={{"update_chunk": {12 * (1 << 20)}}}',
             ),
             ("--watch-threads",),
         ),
