@@ -15,7 +15,7 @@ from mlp_offload import _core
 
 def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """A 1-D tensor viewing `buffer` without a copy; the buffer lives as long as the tensor."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if buffer.nbytes % itemsize:
         raise ValueError(f"dtype: {buffer.nbytes} bytes is not a whole number of {dtype} elements")
     if buffer.nbytes == 0:

@@ -251,6 +251,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # against DeepSpeed's 4.29 (docs/results.md). Never allocated where the gradients are on an
         # accelerator: their norms are DeepSpeed's there.
         self._mlp_norm_scratch: torch.Tensor | None = None
+        # Per subgroup, DeepSpeed's first and last gradient slices and the range they span
+        # (`_mlp_half_grad`).
+        self._mlp_half_grads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
 
@@ -679,7 +682,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
         adam["step"] = self._mlp_step_value(step)
         for key in ("exp_avg", "exp_avg_sq"):
-            adam.setdefault(key, torch.empty(0, dtype=FP32))
+            if key not in adam:
+                adam[key] = torch.empty(0, dtype=FP32)
         return sums
 
     def _mlp_wait_for_scratch(self, slot: int) -> None:
@@ -716,12 +720,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
         slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
         params = self.fp16_groups[i]
-        first = slices[params[0].ds_id]
+        first, last = slices[params[0].ds_id], slices[params[-1].ds_id]
+        known = self._mlp_half_grads.get(i)
+        if known is not None and known[0] is first and known[1] is last:
+            # DeepSpeed's slices of the buffer as they were: the same range (asked for once per chunk,
+            # on caches the last chunk's pass has just flushed, where each torch call costs most).
+            return known[2]
         n = int(self.fp16_partitioned_groups_flat_numel[i])
         # The buffer lays partitions out subgroup after subgroup in this order: one contiguous range.
         whole = first.as_strided((n,), (1,), first.storage_offset())
-        last = slices[params[-1].ds_id]
         assert last.storage_offset() + last.numel() == whole.storage_offset() + n, "gradient layout changed"
+        self._mlp_half_grads[i] = (first, last, whole)
         return whole
 
     # ----------------------------------------------------------------------------------------------
