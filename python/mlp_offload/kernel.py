@@ -130,9 +130,14 @@ class CheckCall:
 def _check_inputs(
     n: int, grad_dtype: torch.dtype, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random `[params | exp_avg | exp_avg_sq]` and gradient, of magnitudes a training run has."""
+    """Random `[params | exp_avg | exp_avg_sq]` and gradient, of magnitudes a training run has. The
+    parameters' magnitudes spread from 0.05 down to 5e-6: where a parameter is about as small as its
+    update, the rounding of each product (fused into its sum or not) shows in the result; with every
+    parameter at 0.05 the products' roundings rarely did, and an AVX2 build's 7-element tails let a
+    wrong fusing of the decay, denominator and parameter updates through (2026-11-28, an AMD EPYC)."""
     state = torch.empty(3 * n)
-    state[:n] = torch.randn(n, generator=generator) * 0.05
+    spread = torch.pow(10.0, -4.0 * torch.rand(n, generator=generator))
+    state[:n] = torch.randn(n, generator=generator) * 0.05 * spread
     state[n : 2 * n] = torch.randn(n, generator=generator) * 1e-3
     state[2 * n :] = torch.rand(n, generator=generator) * 1e-6
     grad = (torch.randn(n, generator=generator) * 1e-2).to(grad_dtype)
