@@ -240,6 +240,7 @@ PARTS = {
             "1B",
             "mlp-offload-default",
             "e2e-1B-chunks",
+            # update_chunk is in bytes of state: 12 an element (fp32 weights and two moments).
             (
                 f'default/16Mi={{"update_chunk": {12 * (16 << 20)}}}',
                 f'default/1Mi={{"update_chunk": {12 * (1 << 20)}}}',

@@ -1383,7 +1383,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 if self._mlp_scratch_pool is not None:
                     # Every copy out of it ended with the update that queued it (`_mlp_sync_copies`).
                     self._mlp_scratch_pool.close()
+                # What the engine held of DeepSpeed's host memory between steps goes with it.
                 self._mlp_norm_scratch = None
+                self._mlp_half_grads.clear()
         self._mlp_store.close()
         self._mlp_planner.close()
         super_destroy = getattr(super(), "destroy", None)
