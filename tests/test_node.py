@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mlp_offload
+from mlp_offload import profiles
 
 # Node-wide admission on the work disk's device: one semaphore per device and user, so these run one after
 # another and never beside the other tests that use it (`pytest -n`).
@@ -50,6 +51,47 @@ def test_one_rank_of_a_node_probes_and_the_others_reuse_its_profile(work_dirs: l
     assert len({o["probed_at"] for o in outs}) == 1, "every rank plans from the one probe"
     # Both directories are on the work disk: the profile says they share it.
     assert list(outs[0]["devices"].values()) == [[0, 1]]
+
+
+def test_a_rank_waiting_for_the_probe_lock_still_takes_signals() -> None:
+    """The node's probe lock is tried with this thread's signals blocked (on GlusterFS an interrupted
+    lock request can hang the client), but never waited for so: a rank waiting for another's probe
+    still takes a signal (here its handler ends the wait), and has its signals as before after."""
+    script = textwrap.dedent(
+        """
+        import time
+        from mlp_offload.profiles import node_probe_lock
+        with node_probe_lock():
+            print("held", flush=True)
+            time.sleep(60)
+        """
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+            def interrupt(signum: int, frame: object) -> None:
+                raise KeyboardInterrupt
+
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            start = time.monotonic()
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                with pytest.raises(KeyboardInterrupt), profiles.node_probe_lock():
+                    pass
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            assert time.monotonic() - start < 10, "the signal ended the wait"
+            assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+            holder.kill()
+            holder.wait()
+            with profiles.node_probe_lock():
+                assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+        finally:
+            holder.kill()
+            holder.wait()
 
 
 HOLDER = textwrap.dedent(

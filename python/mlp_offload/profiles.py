@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -380,11 +381,32 @@ def node_probe_lock() -> Iterator[None]:
     file = profile_dir() / f"{socket.gethostname()}.lock"
     file.parent.mkdir(parents=True, exist_ok=True)
     with open(file, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        while True:
+            try:
+                _flock_without_signals(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(LOCK_POLL_S)
         try:
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            _flock_without_signals(f.fileno(), fcntl.LOCK_UN)
+
+
+# How often a rank waiting for the node's probe tries its lock again.
+LOCK_POLL_S = 0.05
+
+
+def _flock_without_signals(fd: int, operation: int) -> None:
+    """`flock` with every signal blocked in this thread, so never interrupted while the file system
+    answers: on a GlusterFS mount two interrupted lock requests hang its client for good (the store's
+    lock in the Rust core says how). A waiting rank therefore polls a non-blocking lock rather than
+    blocking with signals held off, and Ctrl-C still ends it between tries."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        fcntl.flock(fd, operation)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _load_or_probe(
