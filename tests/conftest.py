@@ -28,6 +28,23 @@ def profile_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
+@pytest.fixture(autouse=True)
+def harness_deadline(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The DeepSpeed runs a test starts end before pytest-timeout would end the test: a hung run then
+    fails its test with its ranks' logs and stacks, and the worker's harness server is ready for the next
+    (`deepspeed_runs.batch_timeout`)."""
+    import deepspeed_runs
+
+    marker = request.node.get_closest_marker("timeout")
+    if marker is not None:
+        limit = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        limit = request.config.getoption("timeout", None) or request.config.getini("timeout")
+    deepspeed_runs.set_test_deadline(float(limit) if limit else None)
+    yield
+    deepspeed_runs.set_test_deadline(None)
+
+
 @pytest.fixture
 def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
     """Three directories on the work disk (not /tmp, which may be tmpfs elsewhere)."""

@@ -5,13 +5,16 @@ results."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,31 @@ def harness_env(**overrides: str) -> dict[str, str]:
 SERVER = Path(__file__).with_name("harness_server.py")
 HARNESS = Path(__file__).with_name("zero3_harness.py")
 
+# The signal on which a run writes every thread's Python stack to its log (`zero3_harness.main`): sent to
+# a run that did not end in time, `STACKS_WAIT_S` before it is killed, so its log says where it waited.
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_WAIT_S = 2.0
+
+# When the running test's own timeout (pytest-timeout's) ends it, set by `conftest.harness_deadline`;
+# None outside a test, or where it has none.
+_test_deadline: float | None = None
+# How long before that deadline a batch of runs is ended: time to dump the ranks' stacks, kill them and
+# report, so a hung run fails its own test with its ranks' logs.
+DEADLINE_MARGIN_S = 20.0
+
+
+def set_test_deadline(seconds: float | None) -> None:
+    """The running test ends in `seconds` from now (None: no limit, or the test is over)."""
+    global _test_deadline
+    _test_deadline = None if seconds is None else time.monotonic() + seconds
+
+
+def batch_timeout(requested: float) -> float:
+    """`requested`, or less where the test's deadline comes first (at least 1 s)."""
+    if _test_deadline is None:
+        return requested
+    return max(1.0, min(requested, _test_deadline - DEADLINE_MARGIN_S - time.monotonic()))
+
 
 @dataclass
 class HarnessRun:
@@ -53,6 +81,7 @@ class HarnessServer:
 
     def __init__(self, env: dict[str, str]) -> None:
         self._stderr = tempfile.NamedTemporaryFile("w+", prefix="harness-server-", suffix=".log")
+        # A session of its own: its forked runs are in its process group, so `kill` ends them all.
         self._proc = subprocess.Popen(
             [sys.executable, str(SERVER)],
             stdin=subprocess.PIPE,
@@ -60,6 +89,7 @@ class HarnessServer:
             stderr=self._stderr,
             text=True,
             env=env,
+            start_new_session=True,
         )
         self._answer()  # {"ready": pid} once everything is imported and loaded
 
@@ -90,10 +120,29 @@ class HarnessServer:
             ],
             "timeout": timeout,
         }
-        self._proc.stdin.write(json.dumps(batch) + "\n")
-        self._proc.stdin.flush()
-        exits: list[int | None] = self._answer()["exits"]
+        try:
+            self._proc.stdin.write(json.dumps(batch) + "\n")
+            self._proc.stdin.flush()
+            exits: list[int | None] = self._answer()["exits"]
+        except BaseException:
+            # Ended without its answer (pytest's timeout, Ctrl-C, the server gone): that answer is still
+            # owed, and the next batch would read it as its own and fail for nothing, as every later
+            # test of a CI worker did once. So the server and its runs end here; the next batch starts a
+            # fresh one.
+            self.kill()
+            raise
         return exits
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def kill(self) -> None:
+        """Ends the server and every run it forked (its process group), at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+        self._stderr.close()
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -117,7 +166,7 @@ def _harness_server() -> HarnessServer | None:
     env = harness_env()
     if os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") == "0" or env["DS_ACCELERATOR"] != "cpu":
         return None
-    if _server is None:
+    if _server is None or not _server.alive:
         _server = HarnessServer(env)
         atexit.register(_server.close)
     return _server
@@ -125,7 +174,9 @@ def _harness_server() -> HarnessServer | None:
 
 def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None]:
     """Runs `zero3_harness.py` once per run (the ranks of one case, at once): each exit status, None
-    where it did not end within `timeout` seconds. A failed rank ends the others."""
+    where it did not end within `timeout` seconds, or before the test's own deadline (`batch_timeout`),
+    its threads' stacks in its log. A failed rank ends the others."""
+    timeout = batch_timeout(timeout)
     server = _harness_server()
     if server is not None:
         return server.run(runs, timeout)
@@ -140,11 +191,16 @@ def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None
                 subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=r.env)
             )
     exits: list[int | None] = []
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
             try:
-                exits.append(proc.wait(timeout=timeout))
+                exits.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
+                for late in procs:
+                    if late.poll() is None:
+                        late.send_signal(STACKS_SIGNAL)
+                time.sleep(STACKS_WAIT_S)
                 exits.append(None)
             if exits[-1] != 0:
                 break

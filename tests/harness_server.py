@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import zero3_harness
+from deepspeed_runs import STACKS_SIGNAL, STACKS_WAIT_S
 
 
 def preload() -> None:
@@ -64,18 +65,22 @@ def run_child(run: dict[str, Any]) -> int:
 
 
 def wait_all(pids: list[int], timeout: float) -> list[int | None]:
-    """Each child's exit (as `subprocess` gives it); a failed one ends the rest, a timeout ends all."""
+    """Each child's exit (as `subprocess` gives it); a failed one ends the rest, a timeout ends all, each
+    writing its threads' stacks to its log first."""
     exits: dict[int, int | None] = {}
     deadline = time.monotonic() + timeout
     while len(exits) < len(pids):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             if time.monotonic() > deadline:
-                for p in pids:
-                    if p not in exits:
-                        os.kill(p, signal.SIGKILL)
-                        os.waitpid(p, 0)
-                        exits[p] = None
+                late = [p for p in pids if p not in exits]
+                for p in late:
+                    os.kill(p, STACKS_SIGNAL)
+                time.sleep(STACKS_WAIT_S)
+                for p in late:
+                    os.kill(p, signal.SIGKILL)
+                    os.waitpid(p, 0)
+                    exits[p] = None
                 break
             time.sleep(0.02)
             continue

@@ -19,8 +19,10 @@ import torch
 
 from conftest import mounted_tmpfs
 from deepspeed_runs import (
+    DEADLINE_MARGIN_S,
     HarnessRun,
     assert_bit_equal,
+    batch_timeout,
     free_port,
     from_step,
     harness_env,
@@ -37,6 +39,20 @@ pytestmark = pytest.mark.deepspeed
 # Tests whose ranks share the work disk's device through node-wide admission run one after another, never
 # beside each other (`pytest -n`): one node-wide semaphore per device and user.
 ONE_NODE = pytest.mark.xdist_group("node-wide admission")
+
+
+def failed_runs(name: str, runs: list[HarnessRun], exits: list[int | None]) -> str:
+    """What the ranks of a failed case did: each one's exit, and the end of the log of each that did not
+    end well (a run that did not end in time wrote its threads' stacks there)."""
+    lines = []
+    for rank, (run, code) in enumerate(zip(runs, exits, strict=True)):
+        if code == 0:
+            lines.append(f"{name} rank {rank} ended well")
+            continue
+        what = "did not end in time" if code is None else f"failed ({code})"
+        log = run.log.read_text()[-8000:] if run.log.exists() else "(no log)"
+        lines.append(f"{name} rank {rank} {what}:\n{log}")
+    return "\n".join(lines)
 
 
 def run_case(
@@ -68,11 +84,10 @@ def run_case(
         for rank in range(ranks)
     ]
     exits = run_harness(runs)
+    if any(code != 0 for code in exits):
+        raise AssertionError(failed_runs(name, runs, exits))
     results = []
-    for rank, (run, code) in enumerate(zip(runs, exits, strict=True)):
-        if code != 0:
-            log = run.log.read_text()[-8000:] if run.log.exists() else ""
-            raise AssertionError(f"{name} rank {rank} failed ({code}):\n{log}")
+    for run in runs:
         result: dict[str, Any] = torch.load(run.out, weights_only=False)
         result["output"] = run.log.read_text()
         results.append(result)
@@ -628,6 +643,52 @@ def test_bad_sections_are_named_before_the_first_step(
     case = {"mlp_offload": {**section(work_dirs[:1]), **extra}, "steps": 1}
     with pytest.raises(AssertionError, match=message):
         run_case(case, tmp_path, "bad")
+
+
+TEST_TIMEOUT_S = 240
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_a_run_that_does_not_end_leaves_its_stacks_and_the_next_run_runs(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """A run that hangs (here: stopped mid-update) is ended after its timeout with every thread's stack in
+    its log, which says where it waited; one interrupted while it waits (as pytest's own timeout does)
+    takes the worker's harness server and its runs with it; either way the next run of the worker runs,
+    rather than reading an answer owed to the one before."""
+    import signal
+
+    case = {
+        "mlp_offload": section(work_dirs[:1], update_chunk="24K"),
+        "steps": 3,
+        "stall_in_update_at": 1,
+        "stall_node": 0,
+        "stall_marker": str(tmp_path / "stalled.rank{rank}"),
+        "port": free_port(),
+    }
+    spec = tmp_path / "stalled.json"
+    spec.write_text(json.dumps(case))
+    run = HarnessRun(spec, tmp_path / "stalled.pt", tmp_path / "stalled.log", harness_env(WORLD_SIZE="1"))
+    # Under the test's own timeout (pytest-timeout's, conftest.harness_deadline), a batch is given less.
+    assert batch_timeout(600) <= TEST_TIMEOUT_S - DEADLINE_MARGIN_S
+    assert run_harness([run], timeout=15) == [None]
+    assert "in stall" in run.log.read_text(), run.log.read_text()[-4000:]
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise TimeoutError("the test's time is up")
+
+    (tmp_path / "stalled.rank0").unlink()
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.alarm(15)
+        with pytest.raises(TimeoutError):
+            run_harness([run], timeout=600)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert (tmp_path / "stalled.rank0").exists(), "the interrupted run did not reach its stall"
+    ours = run_case({"mlp_offload": section(work_dirs[1:2]), "steps": 2}, tmp_path, "next")
+    assert len(ours["losses"]) == 2
 
 
 def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -35,6 +36,7 @@ default_environment()
 
 import torch  # noqa: E402
 
+from deepspeed_runs import STACKS_SIGNAL  # noqa: E402
 from mlp_offload.models import GPT, SIZES  # noqa: E402
 
 VOCAB, SEQ = SIZES["tiny"][0], 16
@@ -188,7 +190,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             in_update(optimizer, after_chunks=3, then=functools.partial(sigkill, optimizer))
             if case.get("hold_backward"):
                 hold_backward(engine)
-        if step == case.get("stall_in_update_at") and os.environ.get("GROUP_RANK") == str(case["stall_node"]):
+        # Which node: torchrun's GROUP_RANK; 0 where one node's ranks are started without it.
+        node = os.environ.get("GROUP_RANK", "0")
+        if step == case.get("stall_in_update_at") and node == str(case["stall_node"]):
             # This node's ranks stop mid-update, and say so, until the test kills the node.
             marker = Path(case["stall_marker"].replace("{rank}", os.environ["RANK"]))
             in_update(optimizer, after_chunks=3, then=functools.partial(stall, marker))
@@ -525,6 +529,8 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
 def main(spec: str, out: str) -> None:
     """Runs the case in file `spec` and saves its result to `out` (`{rank}` in it: this rank's number,
     for a launcher that starts every rank of a node with one command line)."""
+    # What a run that did not end in time was doing, written to its log before it is killed.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     case = json.loads(Path(spec).read_text())
     if "MASTER_PORT" not in os.environ or "port" in case:
         os.environ["MASTER_PORT"] = str(case.get("port", 29500))
