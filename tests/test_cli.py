@@ -452,8 +452,10 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     )
     result = json.loads(out.stdout)
     plan, workload = result["plan"], result["workload"]
-    # 100M parameters in subgroups of 2e7, chunks of 4 Mi elements (48 MiB): 5 of each subgroup.
-    assert workload["subgroups"] == 5 and workload["chunks"] == 25 and workload["bytes_per_chunk"] == 48 << 20
+    # 100M parameters in subgroups of 2e7, chunks of up to 4 Mi elements: 5 of each subgroup, of 4e6
+    # elements rounded up to 1024 (45.8 MiB).
+    assert workload["subgroups"] == 5 and workload["chunks"] == 25
+    assert workload["bytes_per_chunk"] == 12 * 4_000_768
     paths = result["paths"]
     assert paths[0]["device_id"] == paths[1]["device_id"]
     assert all(p["concurrent_bytes_per_s"] > 0 for p in paths)

@@ -12,13 +12,15 @@ MiB = 1 << 20
 @pytest.mark.parametrize(
     ("numels", "budget", "requested", "elements", "chunks", "buffers"),
     [
-        # Large budget: the largest chunk (4 Mi elements, 48 MiB); 2e7 is 4.77 of them.
-        ([20_000_000] * 2, 8 << 30, None, 4 << 20, 10, 170),
-        # DeepSpeed's pinned budget for 2e7-element subgroups (12 buffers) would hold 18 of those: smaller
-        # chunks, so it holds 24 less the gradient's share.
-        ([20_000_000] * 5, 12 * 20_000_000 * 4, None, 3_333_120, 35, 23),
+        # Large budget: chunks of up to 4 Mi elements (48 MiB); 2e7 is 4.77 of them, so 5 of 4e6 (rounded
+        # up to the alignment), not 4 of 4 Mi and one of 0.77 in a buffer as large: 178 buffers, not 170.
+        ([20_000_000] * 2, 8 << 30, None, 4_000_768, 10, 178),
+        # DeepSpeed's pinned budget for 2e7-element subgroups (12 buffers) would hold 18 chunks of 4 Mi:
+        # smaller ones, 3_333_120 elements for 24 buffers less the gradient's share, cut 6.0004 a
+        # subgroup: 7 even chunks, so 27 buffers.
+        ([20_000_000] * 5, 12 * 20_000_000 * 4, None, 2_857_984, 35, 27),
         # DeepSpeed's default 4 buffers: smaller still.
-        ([20_000_000] * 5, 4 * 20_000_000 * 4, None, 1_111_040, 95, 23),
+        ([20_000_000] * 5, 4 * 20_000_000 * 4, None, 1_052_672, 95, 24),
         # A subgroup smaller than a chunk is one chunk of its own (rounded up to the alignment).
         ([3000, 5000], 64 * MiB, None, 5120, 2, 1091),
         # Asked for: 24 KiB of state per chunk is 2048 elements.
@@ -33,10 +35,15 @@ def test_chunk_layout(
     layout = memory.chunk_layout(numels, budget, requested)
     assert (layout.elements, len(layout.chunks), layout.buffers) == (elements, chunks, buffers)
     assert layout.elements % memory.CHUNK_ALIGN == 0
-    # The chunks tile every subgroup exactly, in order.
+    # The chunks tile every subgroup exactly, in order, in as few chunks as the budget's chunk size allows
+    # (the layout's own on a budget that caches every chunk, else `chunk_elements`'), of one size (the
+    # last may be shorter), and the buffer holds the largest.
+    most = memory.chunk_elements(max(numels), budget, requested)
     for i, n in enumerate(numels):
         mine = [(first, count) for s, first, count in layout.chunks if s == i]
-        assert [f for f, _ in mine] == list(range(0, n, layout.elements)) and sum(c for _, c in mine) == n
+        size = mine[0][1]
+        assert [f for f, _ in mine] == list(range(0, n, size)) and sum(c for _, c in mine) == n
+        assert len(mine) == -(-n // most) and size <= layout.elements
     if layout.buffers:
         used = layout.buffers * layout.buffer_bytes + memory.GRAD_BYTES * layout.elements
         assert used <= budget < used + layout.buffer_bytes, "the pool fills the budget to the chunk"
