@@ -65,3 +65,17 @@ install=()
 [[ -x .venv/bin/mlp-offload ]] && install=(--skip-install)
 VIRTUAL_ENV="$PWD/.venv" PYO3_PYTHON="$PWD/.venv/bin/python" \
     .venv/bin/maturin develop --release -q "${install[@]}"
+
+# DeepSpeed builds its CPU ops on first use (minutes on two cores). Built here, once, they cost no test its
+# time limit: in CI the first run of a worker's harness waited out both builds, 4 minutes of its 5.
+extensions=${TORCH_EXTENSIONS_DIR:-$PWD/target/torch_extensions}
+say "building DeepSpeed's CPU Adam and shared-memory collectives into $extensions (once: a few minutes)"
+# ninja, which the builds run, is in .venv/bin.
+PATH="$PWD/.venv/bin:$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$extensions .venv/bin/python - <<'PY'
+from deepspeed.accelerator import get_accelerator
+
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None:
+        builder.load(verbose=False)
+PY

@@ -296,6 +296,7 @@ BACKWARD_CASES = [
     ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3", 1),
     ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3", 1),
     ("DeepSpeed's helpers between backward and step", {"helpers_at": 4}, {}, "read at 4", 1),
+    ("DeepSpeed's offload_states between backward and step", {"offload_states_at": 4}, {}, "read at 4", 1),
     # The parameters changed apart from the weights before a skipped step: the step keeps the changed
     # ones (the forward after it sees them), so undoing must give back those, not the weights narrowed.
     # Only the gradient final last is not finite: the chunks final before it were taken.
@@ -553,6 +554,23 @@ def test_what_is_read_between_a_step_and_the_next_forward_is_the_updated_model(
         for step, (x, y) in enumerate(zip(a["between_steps"], b["between_steps"], strict=True)):
             assert x["eval_loss"] == y["eval_loss"], (rank, step)
             assert torch.equal(x["gathered"], y["gathered"]), (rank, step)
+
+
+def test_offload_states_right_after_a_step_waits_for_the_update_behind_it(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """DeepSpeed's `offload_states` and `reload_states` right after every `step()` (an RLHF loop frees
+    memory for generation so), while our update still runs behind the step: they move the partitions
+    it writes, so they wait for it. Training after them is bit-equal to stock doing the same, and what
+    our engine keeps of the gradient buffer goes while it is offloaded."""
+    case = {"steps": 6, "offload_states_after_every_step": True}
+    stock = run_case(case, tmp_path, "stock")
+    extra = {"overlap": True, "host_memory": "200K", "update_chunk": "24K"}
+    ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **extra)}, tmp_path, "ours")
+    assert_bit_equal(ours, stock)
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["overlap"]["on"] and start["chunks"] > start["cached_chunks"], start
+    assert ours["half_grad_views_while_offloaded"] == [0] * 6
 
 
 def save_stale_profile(paths: list[Path], ranks: int) -> dict[str, Any]:

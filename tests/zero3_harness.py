@@ -163,6 +163,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     fail_at = case.get("immutable_at_step")
     samples: list[dict[str, int]] = []
     helper_reads: dict[str, torch.Tensor] = {}
+    # How many views of DeepSpeed's gradient buffer our engine held while its states were offloaded.
+    views_after_offload: list[int] = []
     between: list[dict[str, Any]] = []
     # The eval batches, drawn apart from the training data, so both runs train on the same batches.
     data_between = torch.Generator().manual_seed(7 + int(os.environ["RANK"]))
@@ -224,7 +226,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 last_grad.remove()
             if step == case.get("helpers_at"):
                 helper_reads.update(use_tensor_helpers(engine))
+            if step == case.get("offload_states_at"):
+                views_after_offload.append(offload_and_reload_states(engine, optimizer))
             engine.step()
+            if case.get("offload_states_after_every_step"):
+                views_after_offload.append(offload_and_reload_states(engine, optimizer))
         losses.append(float(loss.detach()))
         norm = engine.get_global_grad_norm()
         grad_norms.append(None if norm is None else float(norm))
@@ -262,6 +268,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         result["samples"] = samples
     if helper_reads:
         result["helper_reads"] = helper_reads
+    if views_after_offload:
+        result["half_grad_views_while_offloaded"] = views_after_offload
     if between:
         result["between_steps"] = between
     if directory := case.get("save_16bit"):
@@ -344,6 +352,18 @@ def use_tensor_helpers(engine: Any) -> dict[str, torch.Tensor]:
         else:
             put(p, new(old))
     return read
+
+
+def offload_and_reload_states(engine: Any, optimizer: Any) -> int:
+    """DeepSpeed's `offload_states` then `reload_states` (what an RLHF loop calls around generation),
+    of every state it moves with the optimizer offloaded (the others need its FusedAdam). Returns how
+    many views of the gradient buffer our engine held in between (0 for stock)."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+    engine.offload_states(include=[State.lp_params, State.lp_grads, State.contiguous_grad_buffer])
+    views = len(getattr(optimizer, "_mlp_half_grads", {}))
+    engine.reload_states()
+    return views
 
 
 def read_between_steps(engine: Any, data: torch.Generator) -> dict[str, Any]:

@@ -796,6 +796,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_settle()
         super().checkpoint_event_prologue()
 
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's, once the update behind `step()` has ended: it moves the half-precision
+        partitions that update writes and the gradient buffer it reads (an update during backward is
+        undone first, as for any read before `step()`). The views of the gradient buffer kept from
+        step to step go too: they would keep its memory past the move."""
+        self._mlp_settle()
+        self._mlp_half_grads.clear()
+        super().offload_states(*args, **kwargs)
+
     # ----------------------------------------------------------------------------------------------
     # The step
 
