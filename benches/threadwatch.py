@@ -62,12 +62,18 @@ class ThreadWatch:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             frames = sys._current_frames()
-            now = time.perf_counter()
             taken = []
             for name, thread in self._find().items():
                 if thread.ident is None or thread.native_id is None:
                     continue
-                taken.append((name, (now, schedstat(thread.native_id), where(frames.get(thread.ident)))))
+                counters = schedstat(thread.native_id)
+                # A thread that ended since `find()` has no counters left to read: that is a sample not
+                # taken, not a kernel without counters (which would blank the whole phase's split).
+                if counters is None and not thread.is_alive():
+                    continue
+                # Timed at the counters' reading: under load this thread waits for the GIL between
+                # threads, and a sample timed before it would count time its counters do not hold.
+                taken.append((name, (time.perf_counter(), counters, where(frames.get(thread.ident)))))
             with self._lock:
                 for name, sample in taken:
                     self._samples.setdefault(name, []).append(sample)
