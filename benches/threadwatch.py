@@ -71,8 +71,9 @@ class ThreadWatch:
                 # taken, not a kernel without counters (which would blank the whole phase's split).
                 if counters is None and not thread.is_alive():
                     continue
-                # Timed at the counters' reading: under load this thread waits for the GIL between
-                # threads, and a sample timed before it would count time its counters do not hold.
+                # Timed after its counters are read (reading them lets go of the GIL, and getting it back
+                # can take a switch interval): a sample timed inside a phase then holds counters from no
+                # later than its time, never from after the phase, when the thread may have ended.
                 taken.append((name, (time.perf_counter(), counters, where(frames.get(thread.ident)))))
             with self._lock:
                 for name, sample in taken:

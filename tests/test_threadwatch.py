@@ -65,7 +65,7 @@ def test_a_phase_splits_by_where_the_thread_was(
     assert cpu_end - cpu_start - edges - tick <= phase["on_cpu_secs"] <= cpu_end - cpu_start + tick, phase
     assert (
         0 <= phase["runnable_secs"] and phase["on_cpu_secs"] + phase["runnable_secs"] <= phase["secs"] + tick
-    )
+    ), phase
     ran = phase["on_cpu_secs"] + phase["runnable_secs"]
     assert (ran / phase["secs"] > 0.2) if running else (ran / phase["secs"] < 0.05), phase
     top, _ = phase["stacks"][0]
