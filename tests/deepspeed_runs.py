@@ -66,13 +66,17 @@ def batch_timeout(requested: float) -> float:
 
 @dataclass
 class HarnessRun:
-    """One process of a case: its spec file, result file, log, environment and cgroup (joined first)."""
+    """One process of a case: its spec file, result file, log, environment, cgroup (joined first), the
+    harness that runs it (a module in tests/ with `main(spec, out)` and `default_environment()`) and its
+    working directory (None: the caller's)."""
 
     spec: Path
     out: Path
     log: Path
     env: dict[str, str]
     cgroup: Path | None = None
+    harness: str = "zero3_harness"
+    cwd: Path | None = None
 
 
 class HarnessServer:
@@ -110,11 +114,13 @@ class HarnessServer:
         batch = {
             "runs": [
                 {
+                    "harness": r.harness,
                     "spec": str(r.spec),
                     "out": str(r.out),
                     "log": str(r.log),
                     "env": r.env,
                     "cgroup": r.cgroup and str(r.cgroup),
+                    "cwd": r.cwd and str(r.cwd),
                 }
                 for r in runs
             ],
@@ -173,7 +179,7 @@ def _harness_server() -> HarnessServer | None:
 
 
 def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None]:
-    """Runs `zero3_harness.py` once per run (the ranks of one case, at once): each exit status, None
+    """Runs each run's harness (`zero3_harness.py`: the ranks of one case, at once): each exit status, None
     where it did not end within `timeout` seconds, or before the test's own deadline (`batch_timeout`),
     its threads' stacks in its log. A failed rank ends the others."""
     timeout = batch_timeout(timeout)
@@ -182,13 +188,15 @@ def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None
         return server.run(runs, timeout)
     procs = []
     for r in runs:
-        command = [sys.executable, str(HARNESS), str(r.spec), str(r.out)]
+        command = [sys.executable, str(Path(__file__).with_name(f"{r.harness}.py")), str(r.spec), str(r.out)]
         if r.cgroup is not None:
             command = ["sh", "-c", f'echo $$ > {r.cgroup}/cgroup.procs && exec "$@"', "sh", *command]
         # Output to a file, not a pipe: a rank blocked on a full pipe would stall the others' collectives.
         with r.log.open("w") as sink:
             procs.append(
-                subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=r.env)
+                subprocess.Popen(
+                    command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=r.env, cwd=r.cwd
+                )
             )
     exits: list[int | None] = []
     deadline = time.monotonic() + timeout

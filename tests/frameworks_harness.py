@@ -4,31 +4,34 @@ after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments an
 `Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own, and PyTorch Lightning's
 `DeepSpeedStrategy` (on CUDA where `DS_ACCELERATOR` is `cuda`).
 
-`python tests/frameworks_harness.py FRAMEWORK PATHS_JSON OUT.pt [VARIANT_JSON]`: FRAMEWORK is
-`trainer`, `accelerate` or `lightning`;
-PATHS_JSON is a JSON list of storage paths for an `"mlp_offload"` section, or `null` for stock
-DeepSpeed. VARIANT_JSON, the same for both runs of a comparison: `clip`, the
-framework's gradient clipping instead of 1.0; `zero`, keys added to `zero_optimization`; `section`, keys
-added to our section. One process per run (DeepSpeed keeps process-wide state). The framework calls
+`python tests/frameworks_harness.py SPEC.json OUT.pt`, or forked from `harness_server.py`
+(`deepspeed_runs.HarnessRun(harness="frameworks_harness")`). SPEC holds `framework` (`trainer`,
+`accelerate` or `lightning`), `paths` (storage paths for an `"mlp_offload"` section, or null for stock
+DeepSpeed) and `variant`, the same for both runs of a comparison: `clip`, the framework's gradient
+clipping instead of 1.0; `zero`, keys added to `zero_optimization`; `section`, keys added to our
+section. One process per run (DeepSpeed keeps process-wide state). The framework calls
 `deepspeed.initialize` itself: nothing here names our engine.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-    os.environ.setdefault(key, value)
+# First, as in a ZeRO-3 harness run: its environment, set as it is imported (DS_ACCELERATOR before DeepSpeed
+# is imported); `harness_server.py` calls `default_environment` again in each child it forks.
+from zero3_harness import default_environment  # noqa: F401
 
-import torch  # noqa: E402
+# isort: split
+import torch
 
-import mlp_offload  # noqa: E402
-from mlp_offload.models import llama  # noqa: E402
+import mlp_offload
+from deepspeed_runs import STACKS_SIGNAL
+from mlp_offload.models import llama
 
 VOCAB, SEQ = 256, 32
 
@@ -74,7 +77,11 @@ def with_variant(config: dict[str, Any], paths: list[str] | None, variant: dict[
     """Our section where `paths` are given, and the variant's keys (VARIANT_JSON) in `config`."""
     config["zero_optimization"].update(variant.get("zero", {}))
     if paths is not None:
-        config["mlp_offload"] = {"paths": paths, "host_memory": "16M", **variant.get("section", {})}
+        # Equal weights, as in tests/test_zero3.py: "auto" would probe the two directories (on one disk)
+        # at start-up, 20-30 s of I/O here in each framework's test; the probe at start-up has tests of
+        # its own (test_zero3.py's ranks of a node, test_train.py's main job, test_cluster.py).
+        section = {"weights": "equal", **variant.get("section", {})}
+        config["mlp_offload"] = {"paths": paths, "host_memory": "16M", **section}
 
 
 def accelerate(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
@@ -234,8 +241,29 @@ def lightning(paths: list[str] | None, out: str, variant: dict[str, Any]) -> Non
     save(trainer.strategy.model, module.losses, out)
 
 
+FRAMEWORKS = {"trainer": trainer, "accelerate": accelerate, "lightning": lightning}
+
+
+def preload() -> None:
+    """What the frameworks import before they train (about 8 s here), imported by `harness_server.py`
+    once, before it forks the first run of this harness."""
+    import transformers  # noqa: F401
+    from accelerate import Accelerator  # noqa: F401
+    from transformers import Trainer  # noqa: F401
+
+    try:
+        from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: F401
+    except ImportError:
+        pass  # the Lightning test skips, saying so
+
+
+def main(spec: str, out: str) -> None:
+    """Runs the framework that file `spec` names and saves its result to `out`."""
+    # What a run that did not end in time was doing, written to its log before it is killed.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    run = json.loads(Path(spec).read_text())
+    FRAMEWORKS[run["framework"]](run["paths"], out, run.get("variant", {}))
+
+
 if __name__ == "__main__":
-    frameworks = {"trainer": trainer, "accelerate": accelerate, "lightning": lightning}
-    frameworks[sys.argv[1]](
-        json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-    )
+    main(sys.argv[1], sys.argv[2])

@@ -1,16 +1,20 @@
-"""Runs `zero3_harness.py` cases in processes forked from one that has already imported torch, DeepSpeed
-and mlp-offload and loaded DeepSpeed's just-in-time ops: each run still has a process of its own (fresh
-DeepSpeed state, its own pid, exit status and log), without paying 2-4 s of imports and op loading first.
+"""Runs `zero3_harness.py` cases (and `frameworks_harness.py` runs) in processes forked from one that has
+already imported torch, DeepSpeed and mlp-offload and loaded DeepSpeed's just-in-time ops: each run still
+has a process of its own (fresh DeepSpeed state, its own pid, exit status and log), without paying 2-4 s
+of imports and op loading first (a framework's run, 10-15 s: transformers, Accelerate, Lightning).
 
 Started by `deepspeed_runs.HarnessServer` (one per pytest worker) with the environment of a CPU run. It
-reads one JSON line per batch from stdin, `{"runs": [{"spec", "out", "log", "env", "cgroup"}...],
-"timeout": s}` (the ranks of one case), forks a child per run and answers one JSON line, `{"exits":
-[code...]}`: 0, the exit code, minus the signal that ended it (as `subprocess` reports it), or None where
-the batch timed out. A failed rank ends the others, which would otherwise wait in a collective for ever.
+reads one JSON line per batch from stdin, `{"runs": [{"harness", "spec", "out", "log", "env", "cgroup",
+"cwd"}...], "timeout": s}` (the ranks of one case), forks a child per run and answers one JSON line,
+`{"exits": [code...]}`: 0, the exit code, minus the signal that ended it (as `subprocess` reports it), or
+None where the batch timed out. A failed rank ends the others, which would otherwise wait in a collective
+for ever.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import signal
@@ -18,17 +22,20 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
-import zero3_harness
+# Imported first: it sets a run's environment as it is imported (`harness` returns it to each run).
+import zero3_harness  # noqa: F401
 from deepspeed_runs import STACKS_SIGNAL, STACKS_WAIT_S
 
 
 def preload() -> None:
     """What every run would load first: DeepSpeed's ZeRO-3 and CPU Adam modules and its JIT ops (CPU
     Adam, the shared-memory collectives), kept by DeepSpeed's op cache for the children."""
+    import cpuinfo
     import deepspeed  # noqa: F401
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
@@ -36,28 +43,46 @@ def preload() -> None:
 
     import mlp_offload  # noqa: F401
 
+    # DeepSpeed asks py-cpuinfo about this CPU each time it makes a CPU Adam (and each time it checks its
+    # ops' flags); py-cpuinfo answers from a fresh interpreter each time, about 1.2 s of CPU here, a
+    # fifth of a short two-rank case. The answer does not change while this server lives: asked once.
+    answer = cpuinfo.get_cpu_info()
+    cpuinfo.get_cpu_info = lambda: answer
+
     for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None:
             builder.load()
 
 
+@functools.cache
+def harness(name: str) -> ModuleType:
+    """The harness module a run names, imported here before the first fork, with what it preloads."""
+    module = importlib.import_module(name)
+    if hasattr(module, "preload"):
+        module.preload()
+    return module
+
+
 def run_child(run: dict[str, Any]) -> int:
-    """In the forked child: the run's log as stdout and stderr, its environment, its cgroup, then the
-    case."""
+    """In the forked child: the run's log as stdout and stderr, its environment, its cgroup, its working
+    directory, then the case."""
     fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     os.environ.clear()
     os.environ.update(run["env"])
-    zero3_harness.default_environment()
+    module = harness(run["harness"])
+    module.default_environment()
     if run.get("cgroup"):
         # Joined first, so the throttle applies to everything the run does.
         Path(run["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
+    if run.get("cwd"):
+        os.chdir(run["cwd"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        zero3_harness.main(run["spec"], run["out"])
+        module.main(run["spec"], run["out"])
         return 0
     except BaseException:
         traceback.print_exc()
@@ -99,6 +124,7 @@ def serve() -> None:
         batch = json.loads(line)
         pids = []
         for run in batch["runs"]:
+            harness(run["harness"])  # imported here, once, so the children need not
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()

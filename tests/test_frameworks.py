@@ -10,22 +10,19 @@ report, `make gpu-report`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from deepspeed_runs import assert_bit_equal, free_port, harness_env
+from deepspeed_runs import HarnessRun, assert_bit_equal, free_port, harness_env, run_harness
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.deepspeed
-HARNESS = Path(__file__).with_name("frameworks_harness.py")
 
 
 def train(
@@ -35,19 +32,29 @@ def train(
     name: str,
     variant: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    out = tmp_path / f"{name}.pt"
-    env = harness_env(MASTER_PORT=str(free_port()))
-    arg = json.dumps(None if paths is None else [str(p) for p in paths])
-    proc = subprocess.run(
-        [sys.executable, str(HARNESS), framework, arg, str(out), json.dumps(variant or {})],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    """One run of `frameworks_harness.py`, a process of its own (forked from the harness server, which
+    has imported the frameworks once, on the CPU)."""
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "framework": framework,
+                "paths": None if paths is None else [str(p) for p in paths],
+                "variant": variant or {},
+            }
+        )
+    )
+    run = HarnessRun(
+        spec,
+        tmp_path / f"{name}.pt",
+        tmp_path / f"{name}.log",
+        harness_env(MASTER_PORT=str(free_port())),
+        harness="frameworks_harness",
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    result: dict[str, Any] = torch.load(out, weights_only=False)
+    exits = run_harness([run], timeout=600)
+    assert exits == [0], f"{name}: exit {exits[0]}\n{run.log.read_text()[-8000:]}"
+    result: dict[str, Any] = torch.load(run.out, weights_only=False)
     return result
 
 
