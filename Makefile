@@ -26,8 +26,10 @@ setup: ## install what is missing: Debian packages, .venv, Python packages, the 
 	@bash scripts/bootstrap.sh
 
 .PHONY: build-dev
-build-dev: ## rebuild the native module into .venv (release mode)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+build-dev: ## build the native module into .venv (editable; release, linked with zig as `make dist`'s wheel is, so the wheel's build reuses every crate)
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH VIRTUAL_ENV=$(abspath $(VENV)) \
+	  MATURIN_PEP517_ARGS="--zig --compatibility manylinux2014" \
+	  $(PY) -m pip install -q --no-deps --no-build-isolation -e .
 
 .PHONY: dist
 dist: setup dist-aarch64 ## the portable wheels (abi3, manylinux2014 x86_64 and aarch64: glibc 2.17 on, linked with zig; maturin checks the tags) and the sdist, into dist/

@@ -23,8 +23,9 @@ import pytest
 from deepspeed_runs import free_port
 
 # Builds and installs the wheel, then trains with it: a DeepSpeed run. Both tests on one pytest worker,
-# which builds the wheel once: two builds at once race in the one cargo target directory. The build takes
-# both cores for a minute and slows the test beside it (docs/testing.md).
+# which builds the wheel once: two builds at once race in the one cargo target directory. `make setup`
+# built the module the same way (`make build-dev`), so the build here reuses its crates and only packs
+# the wheel (a full release build took both cores for 1-4 minutes beside the other worker's tests).
 pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("the wheel")]
 ROOT = Path(__file__).resolve().parent.parent
 DEV_BIN = Path(sys.executable).parent
