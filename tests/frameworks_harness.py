@@ -74,7 +74,7 @@ def save(engine: Any, losses: list[float], out: str) -> None:
 
 
 def with_variant(config: dict[str, Any], paths: list[str] | None, variant: dict[str, Any]) -> None:
-    """Our section where `paths` are given, and the variant's keys (VARIANT_JSON) in `config`."""
+    """Our section where `paths` are given, and the variant's keys (the spec's `variant`) in `config`."""
     config["zero_optimization"].update(variant.get("zero", {}))
     if paths is not None:
         # Equal weights, as in tests/test_zero3.py: "auto" would probe the two directories (on one disk)
@@ -245,9 +245,8 @@ FRAMEWORKS = {"trainer": trainer, "accelerate": accelerate, "lightning": lightni
 
 
 def preload() -> None:
-    """What the frameworks import before they train (about 8 s here), imported by `harness_server.py`
-    once, before it forks the first run of this harness."""
-    import transformers  # noqa: F401
+    """What the frameworks import before they train, imported by `harness_server.py` once, before it
+    forks the first run of this harness."""
     from accelerate import Accelerator  # noqa: F401
     from transformers import Trainer  # noqa: F401
 
