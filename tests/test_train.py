@@ -115,10 +115,15 @@ def job_args() -> argparse.Namespace:
     ],
 )
 @pytest.mark.deepspeed
-def test_bad_input_is_named(args: list[str], named: str, work_dirs: list[Path], tmp_path: Path) -> None:
+def test_bad_input_is_named(
+    args: list[str], named: str, work_dirs: list[Path], tmp_path: Path, profile_dir: Path
+) -> None:
+    """Refused with the key named, before the path is probed (the job's weights are "auto"): a budget
+    that holds no chunk as soon as DeepSpeed has cut the subgroups, not a probe of each path later."""
     proc = train(["--size", "tiny", "--paths", str(work_dirs[0]), "--out", str(tmp_path / "run"), *args])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert named in proc.stderr
+    assert not list(profile_dir.glob("*.json")), "the path was probed before the input was refused"
 
 
 SOAK_STEPS = 500

@@ -651,6 +651,8 @@ def test_the_ranks_of_a_node_share_each_device_and_agree_on_the_split(
     [
         ({"bogus": 1}, r"mlp_offload\.bogus"),
         ({"host_memory": "1K"}, r"mlp_offload\.host_memory"),
+        # 3 buffers of 24 KiB chunks, all 3 asked to cache: none left to stream the other chunks through.
+        ({"host_memory": "100K", "update_chunk": "24K", "cache_chunks": 3}, r"mlp_offload\.cache_chunks"),
         ({"weights": [1.0, 2.0]}, r"mlp_offload\.weights"),
         ({"paths": []}, r"mlp_offload\.paths"),
     ],

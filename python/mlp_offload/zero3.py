@@ -99,6 +99,15 @@ def _check_optimizer(optimizer: Any) -> None:
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
 
 
+def _budget_error(error: ValueError, host_memory: int, layout: memory.ChunkLayout) -> ValueError:
+    """`error`, whose text begins with a key of our section, named as the config's key
+    (mlp_offload.host_memory, mlp_offload.cache_chunks), with what the budget holds."""
+    return ValueError(
+        f"mlp_offload.{error} (host_memory {host_memory:,} holds {layout.buffers} buffers "
+        f"of {layout.buffer_bytes:,} bytes)"
+    )
+
+
 def _same_groups(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     """Whether two snapshots of the param groups hold the same hyperparameters (their parameter lists
     aside)."""
@@ -153,6 +162,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     overflow: bool  # set by DeepSpeed's overflow check
     persistent_parameters: list[Any]  # set by DeepSpeed's __init__: parameters every rank keeps whole
+    _mlp_planner: UpdatePlanner  # set, with the store, once DeepSpeed's __init__ has cut the subgroups
+    _mlp_store: ObjectStore
     _mlp_state: ChunkedState  # set once DeepSpeed's __init__ has partitioned the model
     _mlp_grads_final: overlap.GradsFinal  # set with it
     _mlp_spec_begun: bool  # whether this boundary's update during backward began (reset by step())
@@ -187,22 +198,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_buffer_count = int(offload.buffer_count)
         self._mlp_pin = bool(offload.pin_memory)
         self._mlp_rank = dist.get_rank()
-        self._mlp_planner = UpdatePlanner(config, self._mlp_rank)
-        # Before the store opens: its node-wide admission takes the device limits the profile gives.
-        self._mlp_planner.load_profile()
-        self._mlp_inflight_count = self._mlp_planner.max_inflight()
-        self._mlp_store = ObjectStore(
-            config.paths,
-            rank=self._mlp_rank,
-            engine=config.engine,
-            chunk_size=config.chunk_size,
-            max_inflight=self._mlp_inflight_count[0],
-            weights=config.weights if isinstance(config.weights, list) else None,
-            checksum=config.checksum,
-            shadow_slots=config.shadow_slots,
-            device_inflight=self._mlp_planner.device_inflight(),
-            device_sharing=self._mlp_planner.device_sharing(),
-        )
+        # The profile and the store come in `_create_fp32_partitions`, once the subgroups' sizes are known
+        # and the budget checked against them.
         # When the last step ended (forward and backward run until the next one starts).
         self._mlp_last_step_end: float | None = None
         # Backward time since the last step (all micro-batches), from DeepSpeed's backward hooks; when the
@@ -269,8 +266,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pass
 
     def _create_fp32_partitions(self) -> None:
-        """Leaves an empty fp32 tensor per subgroup in DeepSpeed's list; the state itself is written to
-        the store chunk by chunk once the budget is known (`_mlp_start`)."""
+        """Checks a configured budget against the subgroups, opens the store (`_mlp_open_store`), and
+        leaves an empty fp32 tensor per subgroup in DeepSpeed's list; the state itself is written to the
+        store chunk by chunk once the budget is known (`_mlp_start`)."""
+        self._mlp_check_configured_budget([int(n) for n in self.fp16_partitioned_groups_flat_numel])
+        self._mlp_open_store()
         self.subgroup_to_device = dict.fromkeys(range(len(self.fp16_partitioned_groups_flat)), "cpu")
         self.optimizer_swapper = StateSwapper(self)
         for i, fp16_flat in enumerate(self.fp16_partitioned_groups_flat):
@@ -288,6 +288,45 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._create_momentum_buffer(n, i, placeholder.ds_id)
         for param_group in self.optimizer.param_groups:
             param_group["params"] = []
+
+    def _mlp_check_configured_budget(self, numels: list[int]) -> None:
+        """A configured budget (a size, or `"deepspeed"`) that holds no chunk, or a `cache_chunks` that
+        leaves it no buffer to stream through, refused here: the first hook that knows the subgroups'
+        sizes, before the paths are probed (`_mlp_open_store`), not after a probe of each. `_mlp_start`
+        checks again whatever the budget (with `"auto"`, what this rank can spare once DeepSpeed has
+        allocated)."""
+        config = self._mlp_config
+        if config.host_memory == "auto":
+            return
+        host_memory, _ = host_memory_budget(config, numels, self._mlp_buffer_count)
+        layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
+        cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
+        try:
+            layout.require_a_buffer(host_memory)
+            memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
+        except ValueError as e:
+            raise _budget_error(e, host_memory, layout) from None
+
+    def _mlp_open_store(self) -> None:
+        """The paths' profile (a probe with `weights: "auto"`, `UpdatePlanner.load_profile`), then the
+        store over the paths."""
+        config = self._mlp_config
+        self._mlp_planner = UpdatePlanner(config, self._mlp_rank)
+        # Before the store opens: its node-wide admission takes the device limits the profile gives.
+        self._mlp_planner.load_profile()
+        self._mlp_inflight_count = self._mlp_planner.max_inflight()
+        self._mlp_store = ObjectStore(
+            config.paths,
+            rank=self._mlp_rank,
+            engine=config.engine,
+            chunk_size=config.chunk_size,
+            max_inflight=self._mlp_inflight_count[0],
+            weights=config.weights if isinstance(config.weights, list) else None,
+            checksum=config.checksum,
+            shadow_slots=config.shadow_slots,
+            device_inflight=self._mlp_planner.device_inflight(),
+            device_sharing=self._mlp_planner.device_sharing(),
+        )
 
     def initialize_optimizer_states(self) -> None:
         # CPU Adam creates its state at the first step; ours is already in the store (zero moments).
@@ -421,11 +460,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 kept_copies=kept_copies if self._mlp_spec_on else 0,
             )
         except ValueError as e:
-            # Named as the config's keys: mlp_offload.host_memory, mlp_offload.cache_chunks.
-            raise ValueError(
-                f"mlp_offload.{e} (host_memory {host_memory:,} holds {layout.buffers} buffers "
-                f"of {buffer_bytes:,} bytes)"
-            ) from None
+            raise _budget_error(e, host_memory, layout) from None
         pipeline = self._mlp_state.pipeline
         if self._mlp_spec_on and pipeline.cache_slots_in_chunk_order == pipeline.cache_slots:
             # Chunk order costs its cache nothing here: from the start.
