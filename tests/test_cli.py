@@ -468,11 +468,14 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     assert result["by_host_memory"][-1]["cached_chunks"] == result["by_host_memory"][-1]["chunks"]
 
 
-def test_plan_rejects_a_budget_below_one_chunk(work_dirs: list[Path]) -> None:
+def test_plan_rejects_a_budget_below_one_chunk_before_it_probes(
+    work_dirs: list[Path], profile_dir: Path
+) -> None:
     out = run_cli(
         *("plan", "--bytes", "16M", "--params", "1e9", "--host-memory", "8K", str(work_dirs[0])), check=False
     )
     assert out.returncode == 2 and "host_memory" in out.stderr and "no chunk" in out.stderr
+    assert not list(profile_dir.glob("*.json")), "the path was probed before the budget was refused"
 
 
 def test_plan_reuses_a_fresh_saved_profile_and_probes_again_when_stale(

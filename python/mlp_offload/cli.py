@@ -209,6 +209,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--locality: {','.join(args.locality)}: one of node-local or shared per path, for "
             f"{len(args.dirs)} paths"
         )
+    group = min(args.sub_group_size, args.params)
+    numels = [group] * (args.params // group) + ([args.params % group] if args.params % group else [])
+    # A budget that holds no chunk is refused before the paths are probed, not after.
+    memory.chunk_layout(numels, args.host_memory).require_a_buffer(args.host_memory)
     profile, source = profiles.load_or_probe(
         args.dirs,
         _probe_options(args),
@@ -219,8 +223,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(source, file=sys.stderr)
     probes = profile.probes
-    group = min(args.sub_group_size, args.params)
-    numels = [group] * (args.params // group) + ([args.params % group] if args.params % group else [])
     layout, plan = plan_at(profile, numels, args.host_memory, args)
     whole = memory.whole_state_bytes(numels)
     by_budget = []
