@@ -68,6 +68,10 @@ def update_chunk(config: MLPOffloadConfig) -> int | None:
     return None if config.update_chunk == "auto" else int(config.update_chunk)
 
 
+def cache_chunks(config: MLPOffloadConfig) -> int | None:
+    return None if config.cache_chunks == "auto" else config.cache_chunks
+
+
 class RankAgreement:
     """One step as every rank of the job sees it: each path's bytes and busy times averaged over the
     ranks, and the slowest rank's time (the step the job waits for). Ranks whose tuners observe the

@@ -61,7 +61,13 @@ from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.overlap import UpdateInFlight, update_thread
 from mlp_offload.pipeline import KeptCopy, StepStats
-from mlp_offload.planning import UpdatePlanner, host_memory_budget, kept_copies_room, update_chunk
+from mlp_offload.planning import (
+    UpdatePlanner,
+    cache_chunks,
+    host_memory_budget,
+    kept_copies_room,
+    update_chunk,
+)
 from mlp_offload.state import FP32, ChunkedState
 from mlp_offload.store import ObjectStore
 
@@ -295,17 +301,22 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         sizes, before the paths are probed (`_mlp_open_store`), not after a probe of each. `_mlp_start`
         checks again whatever the budget (with `"auto"`, what this rank can spare once DeepSpeed has
         allocated)."""
+        if self._mlp_config.host_memory != "auto":
+            self._mlp_budget(numels)
+
+    def _mlp_budget(self, numels: list[int]) -> tuple[int, str, memory.ChunkLayout, int]:
+        """The state's host memory and how it was chosen, its chunks, and how many of them the cache
+        keeps; a budget that holds no chunk, or a cache that leaves no buffer to stream through, is a
+        `ValueError` named as the config's key."""
         config = self._mlp_config
-        if config.host_memory == "auto":
-            return
-        host_memory, _ = host_memory_budget(config, numels, self._mlp_buffer_count)
+        host_memory, source = host_memory_budget(config, numels, self._mlp_buffer_count)
         layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
-        cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
         try:
             layout.require_a_buffer(host_memory)
-            memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
+            _, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks(config))
         except ValueError as e:
             raise _budget_error(e, host_memory, layout) from None
+        return host_memory, source, layout, cache_slots
 
     def _mlp_open_store(self) -> None:
         """The paths' profile (a probe with `weights: "auto"`, `UpdatePlanner.load_profile`), then the
@@ -404,8 +415,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def _mlp_start(self) -> None:
         config = self._mlp_config
         numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
-        host_memory, budget_source = host_memory_budget(config, numels, self._mlp_buffer_count)
-        layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
+        host_memory, budget_source, layout, cache_slots = self._mlp_budget(numels)
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         pages, pages_source = self._mlp_planner.host_pages()
         grad_bytes = memory.GRAD_BYTES * c
@@ -425,10 +435,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_update_stream = (
             None if get_accelerator().is_synchronized_device() else get_accelerator().Stream()
         )
-        cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
         try:
-            layout.require_a_buffer(host_memory)
-            _, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
             self._mlp_overlap, overlap_why = overlap.choose(
                 config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
             )
@@ -450,7 +457,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_store,
                 numels,
                 layout,
-                cache_chunks=cache_chunks,
+                cache_chunks=cache_chunks(config),
                 lock=self._mlp_pin,
                 pages=pages,
                 # The update during backward needs chunk order too (the first chunks cached): from the
