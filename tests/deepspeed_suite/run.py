@@ -94,11 +94,10 @@ CASES = [
         r"::TestDynamicOffloadStatesZero3::.*\[True-False-True-",
         "offload_states / reload_states with the optimizer offloaded (pinned, blocking)",
     ),
-    Cases(
-        "unit/v1/zero/test_zero.py",
-        r"::TestZero3ParamPartitioningBase::test_offload_optimizer|::TestZeroOffloadOptim::",
-        "ZeRO-3 partitioning with the optimizer offloaded; offload with a client optimizer",
-    ),
+    # Not `unit/v1/zero/test_zero.py`: its `test_offload_optimizer` returns before building an engine
+    # unless contiguous gradients are on, which it never sets (so it builds none with offload, and without
+    # it DeepSpeed's fused Adam, whose build took 83-107 s of a fresh clone's suite), and
+    # `TestZeroOffloadOptim` is ZeRO stage 1: on any accelerator neither builds a stage-3 offload engine.
     Cases(
         "unit/v1/pin_memory/test_destroy_unpin.py",
         r"\[3\]",

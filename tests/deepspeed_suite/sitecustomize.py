@@ -7,9 +7,14 @@ pytest plugins and conftest hooks do not run.
 - `ours`: `mlp_offload.install()`, and every ZeRO stage-3 engine whose optimizer is offloaded gets an
   `mlp_offload` section (its own store directory), then is recorded the same way, so the harness can
   prove that each case built our engine.
-Both modes make one known difference between the suite's snapshot and DeepSpeed 0.19.8 neutral: 0.19.8's
-engine has no `sparse_tensor_module_names`, which the checkpoint tests compare; it is compared only where
-both engines have it.
+Both modes mend two things in the suite's own code, the same way, so that the cases compare:
+- 0.19.8's engine has no `sparse_tensor_module_names`, which the checkpoint tests compare (the snapshot is
+  older); it is compared only where both engines have it.
+- `unit.common.reduce_boolean_flags` (under `allclose_on_all_ranks`) makes its tensor on
+  `get_accelerator().current_device()`, which DeepSpeed's CPU accelerator answers with LOCAL_RANK as a
+  string ("0"), a device torch refuses: on the CPU accelerator every case comparing through it failed,
+  stock and ours alike ("Invalid device string: '0'"), after its comparison had run. There the flags go
+  on the CPU, one element each (gloo's all-gather takes no 0-dimensional tensor).
 """
 
 from __future__ import annotations
@@ -105,6 +110,28 @@ def _patch_checkpoint_common(common: ModuleType) -> None:
     setattr(common, "compare_deepspeed_states", compare_deepspeed_states)  # noqa: B010 (an undeclared module attribute)
 
 
+def _patch_unit_common(common: ModuleType) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    import torch
+
+    dist = common.dist
+
+    def reduce_boolean_flags(flag: bool, op: Callable[[list[bool]], bool] = all) -> bool:
+        # DeepSpeed's, with the tensors on the CPU, and the flag one element (gloo's all-gather takes no
+        # 0-dimensional tensor).
+        if not dist.is_initialized():
+            return flag
+        tensor_flag = torch.tensor([1 if flag else 0], dtype=torch.int, device="cpu")
+        tensor_flag_buf = torch.zeros(dist.get_world_size(), dtype=torch.int, device="cpu")
+        dist.all_gather_into_tensor(tensor_flag_buf, tensor_flag)
+        return op([bool(f) for f in tensor_flag_buf.tolist()])
+
+    setattr(common, "reduce_boolean_flags", reduce_boolean_flags)  # noqa: B010 (an undeclared module attribute)
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs a patch right after a module has executed, in whichever process imports it."""
 
@@ -131,5 +158,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 if MODE in ("stock", "ours"):
     sys.meta_path.insert(
-        0, _AfterImport({"deepspeed": _patch_engine, "unit.checkpoint.common": _patch_checkpoint_common})
+        0,
+        _AfterImport(
+            {
+                "deepspeed": _patch_engine,
+                "unit.checkpoint.common": _patch_checkpoint_common,
+                "unit.common": _patch_unit_common,
+            }
+        ),
     )
