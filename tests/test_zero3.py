@@ -104,6 +104,20 @@ def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}
 
+ONE_CYCLE = {
+    "type": "OneCycle",
+    "params": {
+        "cycle_min_lr": 1e-4,
+        "cycle_max_lr": 3e-3,
+        "cycle_first_step_size": 3,
+        "cycle_min_mom": 0.85,
+        "cycle_max_mom": 0.95,
+        "decay_step_size": 2,
+        "decay_lr_rate": 0.1,
+        "decay_mom_rate": 0.05,
+    },
+}
+
 # name, the DeepSpeed side of the case, the mlp_offload section's extra keys, paths used
 CASES = [
     ("bf16, one path, DeepSpeed's pinned budget", {}, {"host_memory": "deepspeed"}, 1),
@@ -160,6 +174,14 @@ CASES = [
         },
         {"host_memory": "64M"},
         3,
+    ),
+    # DeepSpeed's OneCycle cycles the momentum too: beta1 changes every step, and with it the bias
+    # corrections DeepSpeed's CPU Adam keeps between calls.
+    (
+        "a OneCycle schedule of lr and momentum",
+        {"scheduler": ONE_CYCLE},
+        {"host_memory": "200K", "update_chunk": "24K"},
+        2,
     ),
     # No mixed precision (what `mlp-offload train` picks on a CPU whose bf16 is slow).
     ("fp32 throughout", {"fp32": True}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
@@ -515,6 +537,20 @@ def test_two_data_parallel_ranks_are_bit_equal_to_deepspeed(work_dirs: list[Path
     for path in work_dirs[:2]:
         assert sorted(d.name for d in path.iterdir() if any(d.glob("*.mlpo"))) == ["rank0", "rank1"], path
 
+
+ONE_CYCLE = {
+    "type": "OneCycle",
+    "params": {
+        "cycle_min_lr": 1e-4,
+        "cycle_max_lr": 3e-3,
+        "cycle_first_step_size": 3,
+        "cycle_min_mom": 0.85,
+        "cycle_max_mom": 0.95,
+        "decay_step_size": 2,
+        "decay_lr_rate": 0.1,
+        "decay_mom_rate": 0.05,
+    },
+}
 
 # name, the DeepSpeed side of the case, the mlp_offload section's extra keys, ranks
 BETWEEN_STEPS = [

@@ -99,6 +99,15 @@ CASES = [
     # it DeepSpeed's fused Adam, whose build took 83-107 s of a fresh clone's suite), and
     # `TestZeroOffloadOptim` is ZeRO stage 1: on any accelerator neither builds a stage-3 offload engine.
     Cases(
+        "unit/runtime/half_precision/test_fp16.py",
+        # The module skips whole where the accelerator has no fp16. Of its stage-3 `cpu_offload` cases,
+        # `TestZeroAllowUntestedOptimizer` is refused by DeepSpeed before any engine is built and
+        # `TestZeroEmptyPartition` skips itself at stage 3.
+        r"::Test(AdamFP16ZeroOneCycleCompatibility|ZeroStaticScale)::test\[True-3\]",
+        "fp16 under a OneCycle schedule of lr and momentum, and with a static loss scale (skipped where "
+        "the CPU has no fp16)",
+    ),
+    Cases(
         "unit/v1/pin_memory/test_destroy_unpin.py",
         r"\[3\]",
         "destroy() releases the optimizer's pinned host memory",
