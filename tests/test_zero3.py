@@ -183,6 +183,14 @@ CASES = [
         {"host_memory": "200K", "update_chunk": "24K"},
         2,
     ),
+    # Fine-tuning with part of the model frozen: the embeddings and every layer norm have no optimizer
+    # state, and the subgroups are cut from what is left.
+    (
+        "the embeddings and layer norms frozen",
+        {"frozen": r"^(tok|pos)\.|\.ln"},
+        {"host_memory": "200K", "update_chunk": "24K"},
+        2,
+    ),
     # No mixed precision (what `mlp-offload train` picks on a CPU whose bf16 is slow).
     ("fp32 throughout", {"fp32": True}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
     # The path of a partition on an accelerator (the parameters through the host scratch), where fp32

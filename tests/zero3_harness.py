@@ -13,6 +13,7 @@ import faulthandler
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -118,6 +119,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     def make_engine(ours: bool, section: dict[str, Any] | None, seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)
         model = GPT.from_size("tiny", max_seq=SEQ)
+        if frozen := case.get("frozen"):
+            # Part of the model frozen, as a fine-tuning job has it: DeepSpeed leaves those parameters
+            # out of the optimizer's groups.
+            for param_name, p in model.named_parameters():
+                p.requires_grad_(re.search(frozen, param_name) is None)
         if case.get("param_groups"):
             decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
             no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -244,6 +250,13 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             samples.append({**resources(), "norm_scratch": 0 if scratch is None else scratch.data_ptr()})
     state = {}
     for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            # A frozen parameter has no optimizer state: its partition is all there is.
+            half = p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None
+            state[name] = {"fp32": None, "exp_avg": None, "exp_avg_sq": None, "half": half}
+            continue
+        # The helpers first: they wait for an update still running behind step(), which writes the
+        # partition.
         state[name] = {
             "fp32": safe_get_full_fp32_param(p).clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
