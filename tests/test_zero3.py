@@ -191,6 +191,23 @@ CASES = [
         {"host_memory": "200K", "update_chunk": "24K"},
         2,
     ),
+    # LayerDrop: the last block does not run in some steps, so its parameters get no gradient there.
+    # DeepSpeed updates them with the gradient of their last boundary, which its fp32 buffer still holds,
+    # times every step's unscale-and-clip factor since (`mlp_offload.stale`). Clipped by DeepSpeed's
+    # default (1.0) in some steps, with accumulation and the update during backward (which leaves those
+    # chunks to step()); and in fp16, whose loss scale divides them again each step, with an overflow.
+    (
+        "the last block dropped from some steps, accumulation, the update during backward",
+        {"layer_drop": [1, 2, 5], "grad_accum": 2},
+        {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
+        2,
+    ),
+    (
+        "fp16, the last block dropped from some steps and an overflow",
+        {"layer_drop": [1, 2, 5], "fp16": True, "overflow_at_step": 3},
+        {"host_memory": "200K", "update_chunk": "24K"},
+        2,
+    ),
     # No mixed precision (what `mlp-offload train` picks on a CPU whose bf16 is slow).
     ("fp32 throughout", {"fp32": True}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
     # The path of a partition on an accelerator (the parameters through the host scratch), where fp32
@@ -283,10 +300,12 @@ def check_chunk_counts(start: dict[str, Any], steps: list[dict[str, Any]]) -> No
     its part said in its record)."""
     for r in steps:
         spec = r["speculation"]
-        undone = dict.fromkeys(("reads", "cached", "retained", "writes"), 0)
+        undone = dict.fromkeys(("reads", "reads_dropped", "cached", "retained", "writes"), 0)
         if spec is not None and not spec["kept"] and spec["figures"] is not None:
             undone = spec["figures"]
+        # A read ahead of a part that ended before its chunk (`reads_dropped`) is read again.
         taken = sum(r[k] - undone[k] for k in ("reads", "cached", "retained"))
+        taken -= r["reads_dropped"] - undone["reads_dropped"]
         assert taken == start["chunks"], (r, spec)
         assert r["writes"] - undone["writes"] + r["cached_chunks"] == start["chunks"], (r, spec)
 
@@ -1314,6 +1333,23 @@ def test_deepspeeds_tensor_helpers_read_and_write_as_in_stock(work_dirs: list[Pa
     for name, tensor in stock["helper_reads"].items():
         assert torch.equal(mine["helper_reads"][name], tensor), name
     assert_bit_equal(mine, stock)
+
+
+def test_gradients_of_earlier_micro_steps_alone_are_used_and_named(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """With accumulation over two micro-steps, the last block is dropped from the last micro-step of step
+    2: its parameters get gradients in the first micro-step only. Stock DeepSpeed copies into its fp32
+    gradient buffer only what the boundary's last micro-step reduces, and updates them with their
+    gradient of step 1; ours updates them with the gradients they got, and says so, naming them. The
+    steps before are bit-equal."""
+    case = {"layer_drop_last_micro": [2], "grad_accum": 2, "steps": 4}
+    stock = run_case(case, tmp_path, "stock")
+    mine = run_case({**case, "mlp_offload": section(work_dirs[:1], host_memory="64M")}, tmp_path, "ours")
+    assert mine["losses"][:3] == stock["losses"][:3] and mine["losses"][3] != stock["losses"][3]
+    warned = [line for line in mine["output"].splitlines() if "earlier micro-steps" in line]
+    assert len(warned) == 1 and "12 parameter(s)" in warned[0], warned
+    assert "blocks.1.block.qkv.weight" in warned[0] and "differs from stock's" in warned[0], warned[0]
 
 
 def test_a_checkpoint_without_zero_files_fails_as_in_stock_naming_the_file(

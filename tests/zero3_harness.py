@@ -124,6 +124,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             # out of the optimizer's groups.
             for param_name, p in model.named_parameters():
                 p.requires_grad_(re.search(frozen, param_name) is None)
+        if case.get("layer_drop") or case.get("layer_drop_last_micro"):
+            # The last block left out of some steps (LayerDrop), or of their last micro-step only: its
+            # parameters get no gradient there.
+            model.blocks[-1] = Droppable(model.blocks[-1])
         if case.get("param_groups"):
             decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
             no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -216,7 +220,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             resume = case.get("resume_mlp_offload")
             engine, optimizer = make_engine(resume is not None, resume, 4321)
             engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
-        for _ in range(case.get("grad_accum", 1)):
+        if case.get("layer_drop"):
+            engine.module.blocks[-1].dropped = step in case["layer_drop"]
+        for micro in range(case.get("grad_accum", 1)):
+            if case.get("layer_drop_last_micro"):
+                last = micro == case.get("grad_accum", 1) - 1
+                engine.module.blocks[-1].dropped = last and step in case["layer_drop_last_micro"]
             tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
             loss = engine(tokens.to(engine.device))
             if step == overflow_at:
@@ -322,6 +331,18 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 torch.equal(store_read(store, key, expected), expected) for key, expected in chunks.items()
             )
     return result
+
+
+class Droppable(torch.nn.Module):
+    """A block that passes its input through, without running, while `dropped`."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.dropped = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.dropped else self.block(x)
 
 
 def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:

@@ -70,11 +70,14 @@ class StepStats:
     per_path: list[dict[str, float]] = field(default_factory=list)
     # Chunks written as staged versions (`run_step(staged=True)`), in order.
     staged: list[int] = field(default_factory=list)
+    # Of `reads`, those read ahead of a part that ended before their chunks (`ready` said never): the
+    # part that updates them reads them again.
+    reads_dropped: int = 0
 
     def add(self, other: StepStats) -> StepStats:
         """This part of a step and `other`, the next part, as one step (this one's number)."""
         out = StepStats(self.step, self.seconds + other.seconds, 0, 0, 0, 0, 0)
-        for name in ("reads", "writes", "cached", "bytes_read", "bytes_written", "retained"):
+        for name in ("reads", "writes", "cached", "bytes_read", "bytes_written", "retained", "reads_dropped"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.read_wait_seconds = self.read_wait_seconds + other.read_wait_seconds
         out.write_wait_seconds = self.write_wait_seconds + other.write_wait_seconds
@@ -497,6 +500,7 @@ class ChunkPipeline:
                     read_ahead()
                 if not go:
                     # Reads ahead of a part that ends here are dropped, their buffers free.
+                    stats.reads_dropped += len(reading)
                     for buffer, handle in reading.values():
                         try:
                             handle.wait()

@@ -407,6 +407,7 @@ class UpdatePlanner:
                 "read_wait_secs": stats.read_wait_seconds,
                 "write_wait_secs": stats.write_wait_seconds,
                 "reads": stats.reads,
+                "reads_dropped": stats.reads_dropped,
                 "writes": stats.writes,
                 "cached": stats.cached,
                 "retained": stats.retained,

@@ -55,7 +55,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from mlp_offload import checkpoint, kernel, memory, overlap
+from mlp_offload import checkpoint, kernel, memory, overlap, stale
 from mlp_offload.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.config import MLPOffloadConfig, from_ds_config
@@ -257,6 +257,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Per subgroup, DeepSpeed's first and last gradient slices and the range they span
         # (`_mlp_half_grad`).
         self._mlp_half_grads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Which parameters' gradients each boundary reduced, and the factors the steps since applied to
+        # the others' (`stale`): a parameter without a gradient is updated as stock DeepSpeed updates it.
+        self._mlp_stale = stale.StaleGradients()
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
 
@@ -351,6 +354,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         norm = self._mlp_grad_norm(grad_buffer)
         pid = self.get_param_id(param)
         self.norm_for_param_grads[pid] = norm
+        self._mlp_stale.reduced(pid)
         on_device = norm.device.type != "cpu"
         # The first final gradient of a boundary whose update during backward is to be tried begins it
         # (below); once it was not tried, or was undone, no chunk of this backward is taken.
@@ -381,6 +385,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # The first gradient of the boundary is final: the update during backward starts.
             self._mlp_spec_begun = True
             self._mlp_speculate()
+
+    def partition_grads(self, params_to_release: list[Any], grad_partitions: list[Any]) -> Any:
+        if not self.is_gradient_accumulation_boundary():
+            # A micro-step before the boundary's last: DeepSpeed sums these into its host buffer, and
+            # copies into its fp32 buffer only what the last micro-step reduces (`stale`).
+            for param in params_to_release:
+                self._mlp_stale.touched(self.get_param_id(param))
+        return super().partition_grads(params_to_release, grad_partitions)
 
     def _mlp_grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's `_constant_buffered_norm2(grad)`, bit for bit: per part of its buffer size, the part
@@ -492,16 +504,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Per slot, the event after its last copy to the device (None: none queued since the last wait).
         self._mlp_scratch_copies: list[Any] = [None] * self._mlp_scratch_slots
         self._mlp_scratch_next = 0
-        self._mlp_grads_final = overlap.GradsFinal(
-            self._mlp_state.chunks,
-            (
-                (self.get_param_id(p), i, *self.grad_position[self.get_param_id(p)][1:])
-                for i, group in enumerate(self.fp16_groups)
-                for p in group
-                # DeepSpeed's own test in partition_grads: a partition of padding gets no gradient.
-                if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
-            ),
-        )
+        # Each parameter with a partition here: its id, subgroup, offset in it, elements. DeepSpeed's own
+        # test in partition_grads: a partition of padding gets no gradient.
+        self._mlp_param_ranges = [
+            (self.get_param_id(p), i, *self.grad_position[self.get_param_id(p)][1:])
+            for i, group in enumerate(self.fp16_groups)
+            for p in group
+            if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
+        ]
+        self._mlp_grads_final = overlap.GradsFinal(self._mlp_state.chunks, self._mlp_param_ranges)
+        # Per chunk, the parameters it holds part of.
+        self._mlp_chunk_pids: list[list[int]] = [[] for _ in self._mlp_state.chunks]
+        for pid, *_ in self._mlp_param_ranges:
+            for chunk in self._mlp_grads_final.chunks_of(pid):
+                self._mlp_chunk_pids[chunk].append(pid)
         if self._mlp_overlap or self._mlp_spec_on:
             self._mlp_update_thread = update_thread()
             self._mlp_wait_in_gathers()
@@ -616,10 +632,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         adam["exp_avg"] = state[n : 2 * n]
         adam["exp_avg_sq"] = state[2 * n : 3 * n]
 
-    def _mlp_bind_chunk(self, chunk: int, state_bytes: torch.Tensor, step: int) -> None:
+    def _mlp_bind_chunk(
+        self, chunk: int, state_bytes: torch.Tensor, step: int, stale_ranges: stale.StaleRanges
+    ) -> None:
         """Points DeepSpeed's fp32 tensor of the chunk's subgroup, its Adam state and its gradient at the
         chunk's elements, as if they were the whole subgroup, with the Adam step the subgroup had before
-        this update (CPU Adam counts one per call)."""
+        this update (CPU Adam counts one per call). `stale_ranges`: the step's gradients from earlier
+        boundaries (`stale`)."""
         i, first, count = self._mlp_state.chunks[chunk]
         state = state_bytes.view(FP32)
         fp32 = self.fp32_partitioned_groups_flat[i]
@@ -632,6 +651,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening),
         # unless a gradient setter left an fp32 gradient for the subgroup.
         grad.copy_(self._mlp_gradient(i)[first : first + count])
+        if i not in self._mlp_fp32_grads and (ranges := stale_ranges.get(i)):
+            stale.apply(grad, first, ranges)
         fp32.grad = grad
 
     def _mlp_unbind(self, i: int) -> None:
@@ -668,18 +689,29 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         write_cuts: list[int] | None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
         kept_state: KeptCopy | None = None,
+        stale_ranges: stale.StaleRanges | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
         """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
         optimizer's param groups as the step saw them. `kept_params`, `kept_state`: see
-        `FusedAdam.update` (`kept_state.filled` is set once the pass ran)."""
+        `FusedAdam.update` (`kept_state.filled` is set once the pass ran). `stale_ranges`: the step's
+        gradients from earlier boundaries (`stale`)."""
         assert self._mlp_fused is not None
         i, first, count = self._mlp_state.chunks[chunk]
         group = groups[self.sub_group_to_group_id[i]]
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
+        ranges = None if stale_ranges is None or i in self._mlp_fp32_grads else stale_ranges.get(i)
+        if ranges and stale.touches(first, count, ranges):
+            # Parameters of the chunk got no gradient at this boundary: its gradient in fp32, those
+            # parameters' through the factors since theirs. In the chunk's fp32 gradient buffer of the
+            # budget, where the parameters are on the host (it is unused then); else a buffer of its own.
+            widened = self._mlp_grad[:count] if self._mlp_params_on_host else torch.empty(count, dtype=FP32)
+            widened.copy_(grad)
+            stale.apply(widened, first, ranges)
+            grad = widened
         state = state_bytes.view(FP32)
         params = half
         slot = self._mlp_scratch_next
@@ -901,6 +933,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 return False
             if not self._mlp_grads_final.wait(chunk, timeout):
                 return None
+            if self._mlp_stale.pending(self._mlp_chunk_pids[chunk]):
+                # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one
+                # that steps since have scaled: its update is left to step(), which knows which.
+                return False
             if (mark := self._mlp_device_marks.get(chunk)) is not None:
                 # On an accelerator: once the copy of the chunk's gradient into host memory has landed,
                 # the norms so far as they were then may rule the outcome out.
@@ -1198,6 +1234,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 )
                 grads.reset()
             self._mlp_abandoned = None
+            self._mlp_stale.skipped()
             self._mlp_planner.emit(
                 {
                     "event": "skipped",
@@ -1245,12 +1282,30 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             keep = why.startswith("kept")
             spec_stats, speculation = self._mlp_spec_finish(spec, keep=keep, why=why, redo=not keep)
             speculation["figures"] = {
-                name: getattr(spec_stats, name) for name in ("reads", "cached", "retained", "writes")
+                name: getattr(spec_stats, name)
+                for name in ("reads", "reads_dropped", "cached", "retained", "writes")
             }
             grads.reset()
             speculation["chunk_secs"] = self._mlp_measure_backward_chunks(spec, leads)
             if speculation["kept"]:
                 committed = set(spec_stats.staged)
+        # The parameters this boundary gave no gradient, updated with their last one as DeepSpeed's
+        # buffer holds it (the update during backward left their chunks to this step); this step's
+        # factor is the one `unscale_and_clip_grads` applies. After the update during backward has
+        # ended: it reads what this changes.
+        stale_ranges = self._mlp_stale.taken(
+            self._mlp_grad_scale(scaled_global_grad_norm), self._mlp_param_ranges
+        )
+        if diverged := self._mlp_stale.diverged:
+            names = [self.param_names.get(self.param_dict[pid], str(pid)) for pid in diverged]
+            log.warning(
+                "mlp_offload: %d parameter(s) got gradients in earlier micro-steps of this accumulation "
+                "boundary but none in its last (%s): stock DeepSpeed updates them with their gradient of an "
+                "earlier boundary and drops these; mlp-offload updates them with these, so this step differs "
+                "from stock's",
+                len(names),
+                ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+            )
         # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
         steps = (
             spec.steps
@@ -1274,7 +1329,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             i = self._mlp_state.chunks[chunk][0]
             try:
                 sums = self._mlp_fused_update(
-                    chunk, state_bytes, steps[i] + 1, grad_scale, groups, read_cuts, write_cuts
+                    chunk,
+                    state_bytes,
+                    steps[i] + 1,
+                    grad_scale,
+                    groups,
+                    read_cuts,
+                    write_cuts,
+                    stale_ranges=stale_ranges,
                 )
                 remaining[i] -= 1
                 if remaining[i] == 0:
@@ -1293,7 +1355,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             nonlocal compute_secs
             t = time.perf_counter()
             i, first, count = self._mlp_state.chunks[chunk]
-            self._mlp_bind_chunk(chunk, state_bytes, steps[i])
+            self._mlp_bind_chunk(chunk, state_bytes, steps[i], stale_ranges)
             try:
                 if self._muon_update_lacks_loss_scale(i):
                     self.fp32_partitioned_groups_flat[i].grad.mul_(self.loss_scale)
