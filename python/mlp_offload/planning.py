@@ -326,12 +326,14 @@ class UpdatePlanner:
         overlap: dict[str, float] | None = None,
         grads_final: dict[str, Any] | None = None,
         speculation: dict[str, Any] | None = None,
+        stale: dict[str, int] | None = None,
     ) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
         step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
         the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
         chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
-        `speculation`: the update during backward, and whether it was kept."""
+        `speculation`: the update during backward, and whether it was kept. `stale`: the parameters this
+        boundary gave no gradient, updated with an earlier one (`mlp_offload.stale`)."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.
@@ -428,6 +430,7 @@ class UpdatePlanner:
                 "overlap": overlap,
                 "grads_final": grads_final,
                 "speculation": speculation,
+                "stale": stale,
             }
         )
 

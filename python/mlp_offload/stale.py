@@ -8,7 +8,12 @@ in that buffer the gradient of its last boundary, times every step's factor sinc
 it with that. The engine keeps no fp32 gradient buffer: it widens the half-precision gradient DeepSpeed
 reduced, whose slice of a parameter without a gradient still holds that last one. `StaleGradients`
 records the factors each such gradient has been through, so that the update applies them first, one
-product after another in fp32, as DeepSpeed's in-place products rounded them.
+product after another in fp32, as DeepSpeed's in-place products rounded them (a factor of exactly 1
+changes no value and is left out). Once a gradient has been through `KEEP_AFTER` such factors it is kept
+in fp32, as stock keeps it, and takes one product a step from then on, not one per step since (an
+expert no token reaches for thousands of steps would otherwise cost more every step); it is dropped at
+the parameter's next gradient. Those fp32 copies are outside `host_memory`: 4 bytes per element of the
+parameters without a gradient for that long, where stock holds 4 bytes per element of every one.
 
 One case stays apart from stock: with gradient accumulation, a parameter that got a gradient in an
 earlier micro-step of the boundary but not in its last. DeepSpeed's host buffer then holds the earlier
@@ -18,26 +23,43 @@ only, and updates with the old one); the engine updates with them, and names the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 
-# Per subgroup, the ranges (offset, elements) of its gradient that are stale, and the factors to apply
-# to each, in order.
-StaleRanges = dict[int, list[tuple[int, int, list[float]]]]
+# How many factors other than 1 a gradient goes through before it is kept in fp32.
+KEEP_AFTER = 8
+
+
+@dataclass
+class StaleRange:
+    """Elements `offset` to `offset + numel` of a subgroup's gradient, taken from an earlier boundary:
+    the half-precision buffer's through `factors` in order, or `kept` (fp32, already through them)."""
+
+    offset: int
+    numel: int
+    factors: list[float] = field(default_factory=list)
+    kept: torch.Tensor | None = None
+
+
+# Per subgroup, its ranges whose gradient is from an earlier boundary.
+StaleRanges = dict[int, list[StaleRange]]
 
 
 class StaleGradients:
-    """Per parameter id, from which step its gradient was last reduced, and the factors of the steps
-    taken since."""
+    """Per parameter id, from which step its gradient was last reduced (or last brought up to date in
+    fp32), and the factors of the steps taken since."""
 
     def __init__(self) -> None:
         # The factor of every step taken since the oldest parameter's last gradient; `_first` is the
         # number of the step of `_factors[0]`, counted from the first step taken.
         self._factors: list[float] = []
         self._first = 0
-        # Parameter id -> the number of the first step taken after its gradient was last reduced.
+        # Parameter id -> the number of the first step whose factor its gradient has not been through
+        # (in `_kept`, where kept; else the half-precision buffer's, through none since it was reduced).
         self._since: dict[int, int] = {}
+        self._kept: dict[int, torch.Tensor] = {}
         self._reduced: set[int] = set()
         self._touched: set[int] = set()
         # The parameters of the last step taken whose gradient came from earlier micro-steps only.
@@ -52,14 +74,22 @@ class StaleGradients:
         host buffer only."""
         self._touched.add(pid)
 
+    def kept_bytes(self) -> int:
+        """The fp32 gradients kept, in bytes."""
+        return sum(t.numel() * t.element_size() for t in self._kept.values())
+
+    def _renewed(self, end: int) -> None:
+        """The gradients of this boundary replace the old ones (their kept copies go)."""
+        for pid in self._reduced | self._touched:
+            self._since[pid] = end
+            self._kept.pop(pid, None)
+        self._reduced.clear()
+        self._touched.clear()
+
     def skipped(self) -> None:
         """The step was skipped (an overflow): the gradients reduced replaced the old ones in DeepSpeed's
         buffer, and no factor was applied."""
-        end = self._first + len(self._factors)
-        for pid in self._reduced | self._touched:
-            self._since[pid] = end
-        self._reduced.clear()
-        self._touched.clear()
+        self._renewed(self._first + len(self._factors))
 
     def pending(self, pids: Iterable[int]) -> bool:
         """Whether any of `pids` has no gradient reduced at this boundary so far, and one from an earlier
@@ -70,15 +100,22 @@ class StaleGradients:
             since = self._since.get(pid)
             if pid in self._reduced or since is None:
                 continue
-            if any(f != 1.0 for f in self._factors[since - self._first :]):
+            if pid in self._kept or any(f != 1.0 for f in self._factors[since - self._first :]):
                 return True
         return False
 
-    def taken(self, factor: float, params: Iterable[tuple[int, int, int, int]]) -> StaleRanges:
+    def taken(
+        self,
+        factor: float,
+        params: Iterable[tuple[int, int, int, int]],
+        half_gradient: Callable[[int], torch.Tensor],
+    ) -> StaleRanges:
         """A step taken with gradient factor `factor`: of `params` (id, subgroup, offset in it, elements:
         each parameter with a partition on this rank), the ranges whose gradient this step's update takes
-        from an earlier boundary, and the factors the steps since then applied to it (none where they
-        were all 1, which change nothing). Then this step's factor joins them."""
+        from an earlier boundary (none where every factor since was 1). `half_gradient(pid)`: the
+        parameter's slice of the half-precision buffer, widened when its gradient is to be kept. Then
+        this step's factor joins the others. The kept tensors handed out are read by this step's update
+        and changed only by the next call, after it."""
         stale: StaleRanges = {}
         end = self._first + len(self._factors)
         self.diverged = sorted(self._touched - self._reduced)
@@ -88,13 +125,20 @@ class StaleGradients:
                 # A gradient of this boundary (of its last micro-step, or only of earlier ones), or none
                 # ever: each is the half-precision buffer's.
                 continue
-            factors = self._factors[since - self._first :]
-            if any(f != 1.0 for f in factors):
-                stale.setdefault(i, []).append((offset, numel, factors))
-        for pid in self._reduced | self._touched:
-            self._since[pid] = end
-        self._reduced.clear()
-        self._touched.clear()
+            factors = [f for f in self._factors[since - self._first :] if f != 1.0]
+            kept = self._kept.get(pid)
+            if kept is None and len(factors) >= KEEP_AFTER:
+                kept = half_gradient(pid).to(torch.float32, copy=True)
+                self._kept[pid] = kept
+            if kept is not None:
+                # Brought up to this step: the factors since, once each, in place.
+                for f in factors:
+                    kept.mul_(f)
+                self._since[pid] = end
+                stale.setdefault(i, []).append(StaleRange(offset, numel, kept=kept))
+            elif factors:
+                stale.setdefault(i, []).append(StaleRange(offset, numel, factors))
+        self._renewed(end)
         self._factors.append(factor)
         oldest = min(self._since.values(), default=end + 1)
         if oldest > self._first:
@@ -103,19 +147,23 @@ class StaleGradients:
         return stale
 
 
-def apply(grad: torch.Tensor, first: int, ranges: list[tuple[int, int, list[float]]]) -> None:
-    """Applies the factors of `ranges` to `grad`, which holds elements `first` on of a subgroup's
-    gradient widened to fp32, in place and in order, as DeepSpeed's `mul_` of its buffer did step by
-    step."""
+def apply(grad: torch.Tensor, first: int, ranges: list[StaleRange]) -> None:
+    """Puts the gradient of `ranges` into `grad`, which holds elements `first` on of a subgroup's
+    gradient widened to fp32 from the half-precision buffer: a kept one copied over, else the factors
+    applied in place and in order, as DeepSpeed's `mul_` of its buffer did step by step."""
     last = first + grad.numel()
-    for offset, numel, factors in ranges:
-        lo, hi = max(offset, first), min(offset + numel, last)
-        if lo < hi:
-            part = grad[lo - first : hi - first]
-            for factor in factors:
-                part.mul_(factor)
+    for r in ranges:
+        lo, hi = max(r.offset, first), min(r.offset + r.numel, last)
+        if lo >= hi:
+            continue
+        part = grad[lo - first : hi - first]
+        if r.kept is not None:
+            part.copy_(r.kept[lo - r.offset : hi - r.offset])
+            continue
+        for factor in r.factors:
+            part.mul_(factor)
 
 
-def touches(first: int, count: int, ranges: list[tuple[int, int, list[float]]]) -> bool:
+def touches(first: int, count: int, ranges: list[StaleRange]) -> bool:
     """Whether elements `first` to `first + count` of the subgroup hold any of `ranges`."""
-    return any(offset < first + count and first < offset + numel for offset, numel, _ in ranges)
+    return any(r.offset < first + count and first < r.offset + r.numel for r in ranges)

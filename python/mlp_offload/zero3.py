@@ -790,6 +790,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         fp32 = self._mlp_fp32_grads.get(i)
         return fp32 if fp32 is not None else self._mlp_half_grad(i)
 
+    def _mlp_param_half_grad(self, pid: int) -> torch.Tensor:
+        """Parameter `pid`'s slice of DeepSpeed's host gradient buffer (half precision)."""
+        slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
+        return slices[self.param_dict[pid].ds_id]
+
     def _mlp_half_grad(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
         slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
@@ -1294,8 +1299,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # factor is the one `unscale_and_clip_grads` applies. After the update during backward has
         # ended: it reads what this changes.
         stale_ranges = self._mlp_stale.taken(
-            self._mlp_grad_scale(scaled_global_grad_norm), self._mlp_param_ranges
+            self._mlp_grad_scale(scaled_global_grad_norm), self._mlp_param_ranges, self._mlp_param_half_grad
         )
+        stale_record = {
+            "params": sum(len(ranges) for ranges in stale_ranges.values()),
+            # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
+            "kept_bytes": self._mlp_stale.kept_bytes(),
+            "diverged": len(self._mlp_stale.diverged),
+        }
         if diverged := self._mlp_stale.diverged:
             names = [self.param_names.get(self.param_dict[pid], str(pid)) for pid in diverged]
             log.warning(
@@ -1416,6 +1427,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 overlap=overlap,
                 grads_final=grads_final,
                 speculation=speculation,
+                stale=stale_record,
             )
             self._mlp_fp32_grads.clear()
 
