@@ -271,6 +271,7 @@ class GradsFinal:
         for c, (i, _, _) in enumerate(chunks):
             of_subgroup.setdefault(i, []).append(c)
         self._chunks_of: dict[Hashable, list[int]] = {}
+        self._params_of: list[list[Hashable]] = [[] for _ in chunks]
         self._expected = [0] * len(chunks)
         # Held while the counts change; waited on by `wait`.
         self._cond = threading.Condition()
@@ -284,6 +285,7 @@ class GradsFinal:
             self._chunks_of[pid] = overlapping
             for c in overlapping:
                 self._expected[c] += 1
+                self._params_of[c].append(pid)
         self.reset()
 
     def reset(self) -> None:
@@ -298,6 +300,10 @@ class GradsFinal:
     def chunks_of(self, pid: Hashable) -> list[int]:
         """The chunks parameter `pid` has elements in."""
         return self._chunks_of.get(pid, [])
+
+    def params_of(self, chunk: int) -> list[Hashable]:
+        """The parameters with elements in chunk `chunk`."""
+        return self._params_of[chunk]
 
     def final(self, pid: Hashable, at: float | None = None) -> None:
         """Parameter `pid`'s gradient is final (reduced into the host buffer) at `at` (now by default).

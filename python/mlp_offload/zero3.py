@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from deepspeed import comm as dist
@@ -513,11 +513,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
         ]
         self._mlp_grads_final = overlap.GradsFinal(self._mlp_state.chunks, self._mlp_param_ranges)
-        # Per chunk, the parameters it holds part of.
-        self._mlp_chunk_pids: list[list[int]] = [[] for _ in self._mlp_state.chunks]
-        for pid, *_ in self._mlp_param_ranges:
-            for chunk in self._mlp_grads_final.chunks_of(pid):
-                self._mlp_chunk_pids[chunk].append(pid)
         if self._mlp_overlap or self._mlp_spec_on:
             self._mlp_update_thread = update_thread()
             self._mlp_wait_in_gathers()
@@ -651,7 +646,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening),
         # unless a gradient setter left an fp32 gradient for the subgroup.
         grad.copy_(self._mlp_gradient(i)[first : first + count])
-        if i not in self._mlp_fp32_grads and (ranges := stale_ranges.get(i)):
+        if ranges := stale_ranges.get(i):
             stale.apply(grad, first, ranges)
         fp32.grad = grad
 
@@ -703,7 +698,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         group = groups[self.sub_group_to_group_id[i]]
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
-        ranges = None if stale_ranges is None or i in self._mlp_fp32_grads else stale_ranges.get(i)
+        ranges = None if stale_ranges is None else stale_ranges.get(i)
         if ranges and stale.touches(first, count, ranges):
             # Parameters of the chunk got no gradient at this boundary: its gradient in fp32, those
             # parameters' through the factors since theirs. In the chunk's fp32 gradient buffer of the
@@ -938,7 +933,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 return False
             if not self._mlp_grads_final.wait(chunk, timeout):
                 return None
-            if self._mlp_stale.pending(self._mlp_chunk_pids[chunk]):
+            # The parameter ids given to GradsFinal are DeepSpeed's (ints).
+            if self._mlp_stale.pending(cast("list[int]", self._mlp_grads_final.params_of(chunk))):
                 # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one
                 # that steps since have scaled: its update is left to step(), which knows which.
                 return False
@@ -1258,7 +1254,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
         compute_secs = 0.0
         update_end = step_start
-        grad_scale = self._mlp_grad_scale(scaled_global_grad_norm) if self._mlp_fused is not None else 1.0
+        # What `unscale_and_clip_grads` multiplies every fp32 gradient by this step (the fused pass
+        # applies it; DeepSpeed's passes compute it themselves).
+        step_factor = self._mlp_grad_scale(scaled_global_grad_norm)
+        grad_scale = step_factor if self._mlp_fused is not None else 1.0
         likely, self._mlp_spec_likely = self._mlp_spec_likely, grad_scale == float(1.0 / self.loss_scale)
         # The param groups as this step sees them: an lr scheduler changes them once step() returns.
         groups = [dict(group) for group in self.optimizer.param_groups]
@@ -1298,15 +1297,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # buffer holds it (the update during backward left their chunks to this step); this step's
         # factor is the one `unscale_and_clip_grads` applies. After the update during backward has
         # ended: it reads what this changes.
-        stale_ranges = self._mlp_stale.taken(
-            self._mlp_grad_scale(scaled_global_grad_norm), self._mlp_param_ranges, self._mlp_param_half_grad
-        )
+        stale_ranges = self._mlp_stale.taken(step_factor, self._mlp_param_ranges, self._mlp_param_half_grad)
         stale_record = {
             "params": sum(len(ranges) for ranges in stale_ranges.values()),
             # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
             "kept_bytes": self._mlp_stale.kept_bytes(),
             "diverged": len(self._mlp_stale.diverged),
         }
+        # A subgroup whose fp32 gradient a gradient setter wrote has it whole (`_mlp_fp32_grads`).
+        stale_ranges = {i: ranges for i, ranges in stale_ranges.items() if i not in self._mlp_fp32_grads}
         if diverged := self._mlp_stale.diverged:
             names = [self.param_names.get(self.param_dict[pid], str(pid)) for pid in diverged]
             log.warning(
