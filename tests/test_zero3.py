@@ -216,6 +216,36 @@ CASES = [
         {"host_memory": "200K", "update_chunk": "24K"},
         2,
     ),
+    # DeepSpeed keeps a parameter of under 100,000 elements whole on every rank (every one of this
+    # model's); with a threshold of 0 each is gathered for each use in forward and backward and released
+    # after it, as the parameters of the models people offload are. The head shares the token
+    # embedding's weight (GPT-2, Llama 3.2 1B and 3B): one parameter gathered twice in forward and in
+    # backward, its gradient final only at backward's end.
+    (
+        "each parameter gathered for its use, the head tied, the update during backward",
+        {"persistence_threshold": 0, "tied": True, "reduce_bucket_size": 20_000},
+        {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
+        2,
+    ),
+    # Activation checkpointing: each block's forward runs again in backward and gathers its parameters
+    # again there, after the chunks of the blocks behind it have had their gradients.
+    (
+        "activation checkpointing (reentrant), each parameter gathered for its use, clipping",
+        {
+            "checkpointing": "reentrant",
+            "persistence_threshold": 0,
+            "clip": 0.05,
+            "reduce_bucket_size": 20_000,
+        },
+        {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
+        2,
+    ),
+    (
+        "the parameters offloaded too (offload_param: cpu)",
+        {"offload_param": "cpu", "persistence_threshold": 0},
+        {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
+        2,
+    ),
     # No mixed precision (what `mlp-offload train` picks on a CPU whose bf16 is slow).
     ("fp32 throughout", {"fp32": True}, {"host_memory": "200K", "update_chunk": "24K"}, 2),
     # The path of a partition on an accelerator (the parameters through the host scratch), where fp32
@@ -267,6 +297,8 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     # Parameters without a gradient at a boundary are updated with an earlier one (`stale`); kept in
     # fp32 once long without.
     assert all(r["stale"]["diverged"] == 0 for r in steps)
+    # Every parameter of this model is held whole on every rank unless the row's threshold says not.
+    assert (ours["persistent_params"] == 0) == ("persistence_threshold" in ds_case), ours["persistent_params"]
     if "layer_drop" in ds_case:
         assert any(r["stale"]["params"] > 0 for r in steps), [r["stale"] for r in steps]
     kept = [r["stale"]["kept_bytes"] > 0 for r in steps]
@@ -356,6 +388,13 @@ BACKWARD_CASES = [
     ("and the rest behind the next forward", {}, {"overlap": True}, "kept", 1),
     ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept", 1),
     ("two ranks, a scheduler changing the lr every step", {"scheduler": WARMUP}, {}, "kept", 2),
+    (
+        "two ranks, each parameter gathered for its use, the head tied, activation checkpointing",
+        {"persistence_threshold": 0, "tied": True, "checkpointing": "non-reentrant"},
+        {},
+        "kept",
+        2,
+    ),
     ("clipping: stopped by the norms so far, undone, then not tried", {"clip": 0.05}, {}, "clipping", 1),
     ("fp16, an overflow step undone", {"fp16": True, "overflow_at_step": 3}, {}, "skipped at 3", 1),
     ("bf16, a gradient not finite", {"overflow_at_step": 3}, {}, "skipped at 3", 1),
@@ -944,8 +983,13 @@ def test_a_deepspeed_nvme_config_plus_our_section_runs_as_it_is(
             {"super_offload": True},
             r"SuperOffloadOptimizer_Stage3 \(set by zero_optimization\.offload_optimizer\.super_offload",
         ),
+        (
+            {"offload_param": "nvme", "param_max_in_cpu": 10_000},
+            r"offload_param: parameters on NVMe .* past offload_param\.max_in_cpu \(10,000 elements; "
+            r"this rank's partitions hold 66,624",
+        ),
     ],
-    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio", "SuperOffload"],
+    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio", "SuperOffload", "parameters on NVMe"],
 )
 def test_what_we_do_not_honour_is_refused_by_name(
     ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
@@ -953,6 +997,8 @@ def test_what_we_do_not_honour_is_refused_by_name(
     """Optimizers whose state is not exp_avg and exp_avg_sq per element, and DeepSpeed settings the
     engine does not honour, fail at start with an error naming them, never silently."""
     case = {**ds_case, "mlp_offload": section(work_dirs[:1]), "steps": 1}
+    if ds_case.get("offload_param") == "nvme":
+        case["param_nvme_path"] = str(tmp_path / "params")
     with pytest.raises(AssertionError, match=message):
         run_case(case, tmp_path, "refused")
 

@@ -64,6 +64,10 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     if "save_16bit" in case:
         # ZeRO-3 saves the 16-bit model only when asked to gather it.
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if "persistence_threshold" in case:
+        # Parameters of fewer elements stay whole on every rank (DeepSpeed's default, 100,000, keeps
+        # every parameter of the tiny model so); the others are gathered for each use and released.
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = case["persistence_threshold"]
     if "clip" in case:
         config["gradient_clipping"] = case["clip"]
     if "scheduler" in case:
@@ -88,6 +92,15 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             "pipeline_write": True,
         }
         config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
+    if device := case.get("offload_param"):
+        # The parameters' partitions offloaded too (ZeRO-Infinity), as Hugging Face's ZeRO-3 example
+        # config has them.
+        config["zero_optimization"]["offload_param"] = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            config["zero_optimization"]["offload_param"]["nvme_path"] = case["param_nvme_path"]
+            if "param_max_in_cpu" in case:
+                config["zero_optimization"]["offload_param"]["max_in_cpu"] = case["param_max_in_cpu"]
+            config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
     if case.get("pipeline_loading"):
         # Ranks load a checkpoint one after another, each told by the one before (DeepSpeed's load_serial).
         config["zero_optimization"]["pipeline_loading_checkpoint"] = True
@@ -124,6 +137,14 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             # out of the optimizer's groups.
             for param_name, p in model.named_parameters():
                 p.requires_grad_(re.search(frozen, param_name) is None)
+        if case.get("tied"):
+            # The output head shares the token embedding's weight (GPT-2, Llama 3.2 1B and 3B, Gemma): one
+            # parameter used first and last in forward, its gradient summed from both.
+            model.head.weight = model.tok.weight
+        if mode := case.get("checkpointing"):
+            # Activation checkpointing (a Trainer's gradient_checkpointing): each block's forward is run
+            # again in backward, its parameters gathered again there.
+            model.blocks = torch.nn.ModuleList(Checkpointed(b, mode == "reentrant") for b in model.blocks)
         if case.get("layer_drop") or case.get("layer_drop_last_micro"):
             # The last block left out of some steps (LayerDrop), or of their last micro-step only: its
             # parameters get no gradient there.
@@ -279,6 +300,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         "losses": losses,
         "grad_norms": grad_norms,
         "skipped": engine.skipped_steps,
+        # The parameters every rank holds whole (DeepSpeed's persistence threshold), gathered at the end
+        # of a step rather than for each use.
+        "persistent_params": len(getattr(optimizer, "persistent_parameters", [])),
         "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         # Type checks under the name imported before mlp_offload.install() and the module's name now.
         "is_deepspeed_stage3": [
@@ -331,6 +355,22 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 torch.equal(store_read(store, key, expected), expected) for key, expected in chunks.items()
             )
     return result
+
+
+class Checkpointed(torch.nn.Module):
+    """A block whose activations are not kept: torch's activation checkpointing runs its forward again in
+    backward."""
+
+    def __init__(self, block: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        out: torch.Tensor = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return out
 
 
 class Droppable(torch.nn.Module):

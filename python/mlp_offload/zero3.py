@@ -102,6 +102,33 @@ def _check_optimizer(optimizer: Any) -> None:
             )
 
 
+def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]], world: int) -> None:
+    """Refuses, before DeepSpeed partitions the model and builds its NVMe swapper, parameters offloaded
+    to NVMe past `offload_param.max_in_cpu`: DeepSpeed then keeps the partitions of the subgroups past
+    it on NVMe alone, and the update (which writes each subgroup's half-precision partition in host
+    memory) has nowhere to write them. Within it, every partition has its place in host memory and the
+    update runs as with `device: cpu`."""
+    if (
+        params_offload is None
+        or str(getattr(params_offload.device, "value", params_offload.device)) != "nvme"
+    ):
+        return
+    # DeepSpeed's count (stage3.py): each trainable parameter's partition, ceil(numel / ranks), summed.
+    elements = sum(
+        -(-int(getattr(p, "ds_numel", p.numel())) // world)
+        for group in param_groups
+        for p in group["params"]
+        if p.requires_grad
+    )
+    if elements > int(params_offload.max_in_cpu):
+        raise ValueError(
+            f"zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload past "
+            f"offload_param.max_in_cpu ({int(params_offload.max_in_cpu):,} elements; this rank's partitions "
+            f"hold {elements:,}): raise max_in_cpu to {elements:,} or more, or offload the parameters to "
+            '"cpu"'
+        )
+
+
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
 
 
@@ -194,6 +221,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "updated on the accelerator) is not supported with mlp_offload; leave it at 1.0"
             )
         _check_optimizer(init_optimizer)
+        _check_params_offload(
+            kwargs.get("offload_param_config"),
+            init_optimizer.param_groups,
+            dist.get_world_size(group=kwargs.get("dp_process_group")),
+        )
         # Set before the base __init__, which calls the overridden hooks below.
         self._mlp_config: MLPOffloadConfig = config
         # DeepSpeed's CPU Adam counts its steps in an int; torch's optimizers in a tensor.
@@ -286,8 +318,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             ids = self.fp16_partitioned_groups_flat_id[i]
             if fp16_flat is None:
+                # Refused at start (`_check_params_offload`) unless DeepSpeed's count changes.
                 raise ValueError(
-                    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload"
+                    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload "
+                    f"past offload_param.max_in_cpu (subgroup {i} has no partition in host memory)"
                 )
             # DeepSpeed tags tensors with attributes (`ds_id`), which torch's types do not declare.
             placeholder: Any = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
