@@ -70,7 +70,9 @@ def test_the_ranges_without_a_new_gradient_carry_the_factors_since_their_last(
 
 def test_a_gradient_long_without_a_new_one_is_kept_and_takes_one_product_a_step() -> None:
     """After `KEEP_AFTER` factors other than 1 the gradient is kept in fp32, bit for bit the products
-    one after another; from then on each step multiplies it once; a new gradient drops it."""
+    one after another; from then on each step multiplies it once; a new gradient drops it. Between
+    backward and each step, `held` gives it as DeepSpeed's buffer holds it then (through the factors
+    before that step), and changes nothing."""
     gradients = stale.StaleGradients()
     factors = [0.9 - 0.01 * k for k in range(stale.KEEP_AFTER + 3)]
     for pid in (1, 2, 3):
@@ -81,6 +83,11 @@ def test_a_gradient_long_without_a_new_one_is_kept_and_takes_one_product_a_step(
     for k in range(1, len(factors)):
         gradients.reduced(1)
         gradients.reduced(3)
+        held = gradients.held(PARAMS)
+        assert list(held) == [0], held
+        now = HALF[2].float()
+        stale.apply(now, 10, held[0])
+        assert torch.equal(now, expected), k
         ranges = gradients.taken(factors[k], PARAMS, half_gradient)
         (r,) = ranges[0]
         if k < stale.KEEP_AFTER:

@@ -1368,14 +1368,27 @@ def test_two_ranks_loading_a_checkpoint_one_after_another_match_deepspeed(
         assert_bit_equal(a, b)
 
 
-def test_deepspeeds_tensor_helpers_read_and_write_as_in_stock(work_dirs: list[Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "ds_case",
+    [
+        {"helpers_at": 4},
+        # The helpers on the last block's parameters, which got no gradient since step 2 (clipped steps):
+        # their gradients as DeepSpeed's fp32 buffer holds them, the last one times each step's factor
+        # since; the setters write some, into subgroups that hold others.
+        {"helpers_at": 4, "helpers_on": r"^blocks\.1\.", "layer_drop": [2, 3, 4], "clip": 0.05},
+    ],
+    ids=["every parameter with a gradient", "on parameters without a gradient since two clipped steps"],
+)
+def test_deepspeeds_tensor_helpers_read_and_write_as_in_stock(
+    ds_case: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
     """Between backward and step 4, each `safe_get_*` helper reads one parameter's gradient, weights or
     Adam state (full and local) and its `safe_set_*` twin writes new values; the state is then partly
     cached, partly streaming. What the helpers read, and where training ends, equal stock DeepSpeed doing
     the same, bit for bit."""
     ours = section(work_dirs[:2], host_memory="200K", update_chunk="24K", cache_chunks=2)
-    stock = run_case({"helpers_at": 4}, tmp_path, "stock")
-    mine = run_case({"helpers_at": 4, "mlp_offload": ours}, tmp_path, "ours")
+    stock = run_case(ds_case, tmp_path, "stock")
+    mine = run_case({**ds_case, "mlp_offload": ours}, tmp_path, "ours")
     assert sorted(mine["helper_reads"]) == sorted(stock["helper_reads"]) and len(stock["helper_reads"]) == 6
     for name, tensor in stock["helper_reads"].items():
         assert torch.equal(mine["helper_reads"][name], tensor), name

@@ -261,7 +261,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             if last_grad is not None:
                 last_grad.remove()
             if step == case.get("helpers_at"):
-                helper_reads.update(use_tensor_helpers(engine))
+                helper_reads.update(use_tensor_helpers(engine, case.get("helpers_on")))
             if step == case.get("offload_states_at"):
                 views_after_offload.append(offload_and_reload_states(engine, optimizer))
             engine.step()
@@ -391,12 +391,13 @@ def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def use_tensor_helpers(engine: Any) -> dict[str, torch.Tensor]:
+def use_tensor_helpers(engine: Any, names: str | None = None) -> dict[str, torch.Tensor]:
     """Between backward and step: reads through each of DeepSpeed's `safe_get_*` helpers and writes
-    new values through its `safe_set_*` twin, one parameter each; returns what was read."""
+    new values through its `safe_set_*` twin, one parameter each (of those whose names match `names`,
+    where given); returns what was read."""
     from deepspeed import utils
 
-    params = [p for _, p in engine.module.named_parameters()]
+    params = [p for n, p in engine.module.named_parameters() if names is None or re.search(names, n)]
     values = torch.Generator().manual_seed(5)
 
     def new(old: torch.Tensor) -> torch.Tensor:

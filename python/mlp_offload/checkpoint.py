@@ -11,6 +11,7 @@ import torch
 from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
+from mlp_offload import stale
 from mlp_offload.state import FP32, STATE_TENSORS
 
 # DeepSpeed's own class (`install()` leaves the name bound to it).
@@ -109,8 +110,13 @@ class StateSwapper:
         self._held[i] = whole
         opt._mlp_bind_state(i, whole)
         # The gradient as DeepSpeed's own swap-in would hold it: fp32, the one a setter left, else
-        # converted from the half-precision one.
-        parameter.grad = opt._mlp_gradient(i).to(FP32, copy=True)
+        # converted from the half-precision one, where a parameter without a gradient at this boundary
+        # has its last one times the factors of the steps since (`StaleGradients.held`).
+        grad = opt._mlp_gradient(i).to(FP32, copy=True)
+        if i not in opt._mlp_fp32_grads:
+            held = opt._mlp_stale.held(r for r in opt._mlp_param_ranges if r[1] == i)
+            stale.apply(grad, 0, held.get(i, []))
+        parameter.grad = grad
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         opt = self.optimizer

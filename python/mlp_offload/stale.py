@@ -104,6 +104,28 @@ class StaleGradients:
                 return True
         return False
 
+    def held(self, params: Iterable[tuple[int, int, int, int]]) -> StaleRanges:
+        """Of `params` (as `taken` has them), the ranges whose gradient DeepSpeed's fp32 buffer holds
+        from an earlier boundary, as it holds it now: through the factors of the steps taken since, not
+        yet this step's (what its `safe_get_*_grad` helpers read between backward and step, and what
+        its gradient setters write back beside the value they set). Changes nothing."""
+        held: StaleRanges = {}
+        for pid, i, offset, numel in params:
+            since = self._since.get(pid)
+            if pid in self._reduced or pid in self._touched or since is None:
+                continue
+            factors = [f for f in self._factors[since - self._first :] if f != 1.0]
+            kept = self._kept.get(pid)
+            if kept is not None and factors:
+                kept = kept.clone()
+                for f in factors:
+                    kept.mul_(f)
+            if kept is not None:
+                held.setdefault(i, []).append(StaleRange(offset, numel, kept=kept))
+            elif factors:
+                held.setdefault(i, []).append(StaleRange(offset, numel, factors))
+        return held
+
     def taken(
         self,
         factor: float,
