@@ -223,18 +223,20 @@ CASES = [
     # backward, its gradient final only at backward's end.
     (
         "each parameter gathered for its use, the head tied, the update during backward",
-        {"persistence_threshold": 0, "tied": True, "reduce_bucket_size": 20_000},
+        {"persistence_threshold": 0, "tied": True, "reduce_bucket_size": 20_000, "clip": 0.0},
         {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
         2,
     ),
     # Activation checkpointing: each block's forward runs again in backward and gathers its parameters
-    # again there, after the chunks of the blocks behind it have had their gradients.
+    # again there, after the chunks of the blocks behind it have been updated. Unclipped, as the row
+    # above and the one below: DeepSpeed's default clipping at 1.0 clips these gradients, and the update
+    # during backward is then not tried.
     (
-        "activation checkpointing (reentrant), each parameter gathered for its use, clipping",
+        "activation checkpointing (reentrant), each parameter gathered for its use",
         {
             "checkpointing": "reentrant",
             "persistence_threshold": 0,
-            "clip": 0.05,
+            "clip": 0.0,
             "reduce_bucket_size": 20_000,
         },
         {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
@@ -242,7 +244,7 @@ CASES = [
     ),
     (
         "the parameters offloaded too (offload_param: cpu)",
-        {"offload_param": "cpu", "persistence_threshold": 0},
+        {"offload_param": "cpu", "persistence_threshold": 0, "reduce_bucket_size": 20_000, "clip": 0.0},
         {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True},
         2,
     ),
@@ -297,6 +299,9 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     # Parameters without a gradient at a boundary are updated with an earlier one (`stale`); kept in
     # fp32 once long without.
     assert all(r["stale"]["diverged"] == 0 for r in steps)
+    if extra.get("overlap_backward") is True and ds_case.get("clip") == 0.0:
+        # Unclipped, the update during backward is kept.
+        assert all(r["speculation"]["kept"] and r["speculation"]["chunks"] > 0 for r in steps), steps
     # Every parameter of this model is held whole on every rank unless the row's threshold says not.
     assert (ours["persistent_params"] == 0) == ("persistence_threshold" in ds_case), ours["persistent_params"]
     if "layer_drop" in ds_case:
@@ -657,6 +662,47 @@ def test_what_is_read_between_a_step_and_the_next_forward_is_the_updated_model(
         for step, (x, y) in enumerate(zip(a["between_steps"], b["between_steps"], strict=True)):
             assert x["eval_loss"] == y["eval_loss"], (rank, step)
             assert torch.equal(x["gathered"], y["gathered"]), (rank, step)
+
+
+# name, the DeepSpeed side, ranks
+BEFORE_STEP = [
+    # One rank: DeepSpeed's "gather" makes a parameter's data its partition, which the update during
+    # backward writes before step(); a persistent parameter (all of this model's, by DeepSpeed's
+    # default threshold) stays so between uses.
+    ("one rank, every parameter held whole", {}, 1),
+    ("one rank, each parameter gathered for its use", {"persistence_threshold": 0}, 1),
+    ("two ranks, every parameter held whole", {}, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "ranks"),
+    [pytest.param(*c[1:], marks=[ONE_NODE] if c[2] > 1 else []) for c in BEFORE_STEP],
+    ids=[c[0] for c in BEFORE_STEP],
+)
+def test_what_is_read_between_backward_and_step_is_the_model_before_the_step(
+    ds_case: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Between backward and step 3, with chunks already updated during backward: the parameters' data
+    as they are, an eval pass, and every parameter gathered see the model before the step, as stock's
+    do, bit for bit; training goes on bit-equal. (With one rank the parameters held whole showed the
+    update's values before.)"""
+    case = {**ds_case, "reduce_bucket_size": 20_000, "clip": 0.0, "steps": 6, "read_before_step_at": 3}
+    stock = run_case(case, tmp_path, "stock", ranks=ranks)
+    keys = {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True}
+    ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys)}, tmp_path, "ours", ranks=ranks)
+    for rank, (a, b) in enumerate(zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True)):
+        assert_bit_equal(a, b)
+        (x,), (y,) = a["before_step"], b["before_step"]
+        assert torch.equal(x["held"], y["held"]), rank
+        assert x["eval_loss"] == y["eval_loss"], rank
+        assert torch.equal(x["gathered"], y["gathered"]), rank
+        specs = [r["speculation"] for r in a["telemetry"] if r["event"] == "step"]
+        # Chunks were taken before the reads; the gathered read undid them (step() had not decided).
+        assert specs[3]["chunks"] > 0 and specs[3]["why"] == "parameters were gathered before step()", specs[
+            3
+        ]
+        assert all(s["kept"] and s["chunks"] > 0 for k, s in enumerate(specs) if k != 3), specs
 
 
 def test_offload_states_right_after_a_step_waits_for_the_update_behind_it(

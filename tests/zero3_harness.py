@@ -197,6 +197,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     # How many views of DeepSpeed's gradient buffer our engine held while its states were offloaded.
     views_after_offload: list[int] = []
     between: list[dict[str, Any]] = []
+    before_step: list[dict[str, Any]] = []
     # The eval batches, drawn apart from the training data, so both runs train on the same batches.
     data_between = torch.Generator().manual_seed(7 + int(os.environ["RANK"]))
     first_step = case.get("resume_at", 0)
@@ -260,6 +261,13 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             engine.backward(loss)
             if last_grad is not None:
                 last_grad.remove()
+            if step == case.get("read_before_step_at"):
+                # What a hook between backward and step may read: the parameters' data as they are
+                # (the persistent ones whole, the others empty), an eval pass, every parameter gathered.
+                held = torch.cat(
+                    [p.data.detach().flatten().float().cpu() for p in engine.module.parameters()]
+                )
+                before_step.append({"held": held, **read_between_steps(engine, data_between)})
             if step == case.get("helpers_at"):
                 helper_reads.update(use_tensor_helpers(engine, case.get("helpers_on")))
             if step == case.get("offload_states_at"):
@@ -318,6 +326,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         result["half_grad_views_while_offloaded"] = views_after_offload
     if between:
         result["between_steps"] = between
+    if before_step:
+        result["before_step"] = before_step
     if directory := case.get("save_16bit"):
         result["saved_16bit"] = engine.save_16bit_model(directory)
     telemetry = getattr(optimizer, "mlp_offload_telemetry", None)

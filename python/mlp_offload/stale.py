@@ -104,6 +104,16 @@ class StaleGradients:
                 return True
         return False
 
+    def _earlier(self, pid: int) -> tuple[list[float], torch.Tensor | None] | None:
+        """Where the parameter's gradient is from an earlier boundary: the factors other than 1 of the
+        steps taken since it was reduced or last brought up to date, and its kept fp32 copy (None where
+        the half-precision buffer holds it). None where it has a gradient of this boundary (of its last
+        micro-step, or only of earlier ones) or never had one: each is the half-precision buffer's."""
+        since = self._since.get(pid)
+        if pid in self._reduced or pid in self._touched or since is None:
+            return None
+        return [f for f in self._factors[since - self._first :] if f != 1.0], self._kept.get(pid)
+
     def held(self, params: Iterable[tuple[int, int, int, int]]) -> StaleRanges:
         """Of `params` (as `taken` has them), the ranges whose gradient DeepSpeed's fp32 buffer holds
         from an earlier boundary, as it holds it now: through the factors of the steps taken since, not
@@ -111,11 +121,9 @@ class StaleGradients:
         its gradient setters write back beside the value they set). Changes nothing."""
         held: StaleRanges = {}
         for pid, i, offset, numel in params:
-            since = self._since.get(pid)
-            if pid in self._reduced or pid in self._touched or since is None:
+            if (earlier := self._earlier(pid)) is None:
                 continue
-            factors = [f for f in self._factors[since - self._first :] if f != 1.0]
-            kept = self._kept.get(pid)
+            factors, kept = earlier
             if kept is not None and factors:
                 kept = kept.clone()
                 for f in factors:
@@ -142,13 +150,9 @@ class StaleGradients:
         end = self._first + len(self._factors)
         self.diverged = sorted(self._touched - self._reduced)
         for pid, i, offset, numel in params:
-            since = self._since.get(pid)
-            if pid in self._reduced or pid in self._touched or since is None:
-                # A gradient of this boundary (of its last micro-step, or only of earlier ones), or none
-                # ever: each is the half-precision buffer's.
+            if (earlier := self._earlier(pid)) is None:
                 continue
-            factors = [f for f in self._factors[since - self._first :] if f != 1.0]
-            kept = self._kept.get(pid)
+            factors, kept = earlier
             if kept is None and len(factors) >= KEEP_AFTER:
                 kept = half_gradient(pid).to(torch.float32, copy=True)
                 self._kept[pid] = kept

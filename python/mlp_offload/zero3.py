@@ -129,6 +129,16 @@ def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]
         )
 
 
+def _is_its_partition(param: Any) -> bool:
+    """Whether the parameter's data is its partition's memory (where one rank holds it whole)."""
+    partition = getattr(param, "ds_tensor", None)
+    return (
+        partition is not None
+        and param.data.numel() > 0
+        and param.data.untyped_storage().data_ptr() == partition.untyped_storage().data_ptr()
+    )
+
+
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
 
 
@@ -867,7 +877,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                         # Raised once, as a failed step() raises it: what the update left stays.
                         self._mlp_inflight = None
                         raise
-                return gather(param_list, *args, **kwargs)
+                handle = gather(param_list, *args, **kwargs)
+                if self._mlp_spec_on:
+                    self._mlp_own_copies([owner] if param_list is None else param_list)
+                return handle
 
             return gather_after_update
 
@@ -876,6 +889,22 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if hasattr(p, "all_gather_coalesced"):
                 p.all_gather = after_update(p.all_gather, p)
                 p.all_gather_coalesced = after_update(p.all_gather_coalesced, p)
+        if self._mlp_spec_on:
+            # DeepSpeed gathered the persistent parameters before these wrappers were in place.
+            self._mlp_own_copies(self.module.parameters())
+
+    def _mlp_own_copies(self, params: Iterable[Any]) -> None:
+        """Gives each persistent parameter among `params` whose data is its partition (DeepSpeed's
+        "gather" where one rank holds the whole parameter, `NoGatherHandle`) a copy of its own. The
+        update during backward writes the partitions before `step()`; a persistent parameter stays
+        whole between uses, and its new values would show to whatever reads it between backward and
+        `step()` (an eval pass, a hook), where stock's show after `step()`. DeepSpeed gathers these
+        again at each step's end (the next forward does, behind an update still running), and each
+        gather here copies again. Persistent parameters are small by DeepSpeed's threshold
+        (`stage3_param_persistence_threshold`)."""
+        for p in params:
+            if getattr(p, "ds_persist", False) and _is_its_partition(p):
+                p.data = p.data.clone()
 
     def _mlp_settle(self) -> None:
         """Waits for the update running behind `step()`, if one is, and records it; raises what it
@@ -972,6 +1001,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one
                 # that steps since have scaled: its update is left to step(), which knows which.
                 return False
+            if any(_is_its_partition(self.param_dict[pid]) for pid in self._mlp_grads_final.params_of(chunk)):
+                # A parameter still whole whose data is its partition (one rank; not a persistent one,
+                # which has its own copy): what reads it before step() would see the update. Backward
+                # releases it once its module is done.
+                time.sleep(timeout)
+                return None
             if (mark := self._mlp_device_marks.get(chunk)) is not None:
                 # On an accelerator: once the copy of the chunk's gradient into host memory has landed,
                 # the norms so far as they were then may rule the outcome out.
