@@ -1001,12 +1001,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one
                 # that steps since have scaled: its update is left to step(), which knows which.
                 return False
-            if any(_is_its_partition(self.param_dict[pid]) for pid in self._mlp_grads_final.params_of(chunk)):
-                # A parameter still whole whose data is its partition (one rank; not a persistent one,
-                # which has its own copy): what reads it before step() would see the update. Backward
-                # releases it once its module is done.
-                time.sleep(timeout)
-                return None
             if (mark := self._mlp_device_marks.get(chunk)) is not None:
                 # On an accelerator: once the copy of the chunk's gradient into host memory has landed,
                 # the norms so far as they were then may rule the outcome out.
