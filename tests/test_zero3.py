@@ -699,9 +699,8 @@ def test_what_is_read_between_backward_and_step_is_the_model_before_the_step(
         assert torch.equal(x["gathered"], y["gathered"]), rank
         specs = [r["speculation"] for r in a["telemetry"] if r["event"] == "step"]
         # Chunks were taken before the reads; the gathered read undid them (step() had not decided).
-        assert specs[3]["chunks"] > 0 and specs[3]["why"] == "parameters were gathered before step()", specs[
-            3
-        ]
+        read_at = specs[3]
+        assert read_at["chunks"] > 0 and read_at["why"] == "parameters were gathered before step()", read_at
         assert all(s["kept"] and s["chunks"] > 0 for k, s in enumerate(specs) if k != 3), specs
 
 

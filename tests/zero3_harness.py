@@ -41,6 +41,8 @@ from deepspeed_runs import STACKS_SIGNAL  # noqa: E402
 from mlp_offload.models import GPT, SIZES  # noqa: E402
 
 VOCAB, SEQ = SIZES["tiny"][0], 16
+# DeepSpeed's AIO settings wherever a case puts something on NVMe (the optimizer or the parameters).
+DEEPSPEED_AIO = {"block_size": 1 << 20, "queue_depth": 16}
 
 
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             "pipeline_read": True,
             "pipeline_write": True,
         }
-        config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
+        config["aio"] = dict(DEEPSPEED_AIO)
     if device := case.get("offload_param"):
         # The parameters' partitions offloaded too (ZeRO-Infinity), as Hugging Face's ZeRO-3 example
         # config has them.
@@ -100,7 +102,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
             config["zero_optimization"]["offload_param"]["nvme_path"] = case["param_nvme_path"]
             if "param_max_in_cpu" in case:
                 config["zero_optimization"]["offload_param"]["max_in_cpu"] = case["param_max_in_cpu"]
-            config["aio"] = {"block_size": 1 << 20, "queue_depth": 16}
+            config["aio"] = dict(DEEPSPEED_AIO)
     if case.get("pipeline_loading"):
         # Ranks load a checkpoint one after another, each told by the one before (DeepSpeed's load_serial).
         config["zero_optimization"]["pipeline_loading_checkpoint"] = True

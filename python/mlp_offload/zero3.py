@@ -102,16 +102,21 @@ def _check_optimizer(optimizer: Any) -> None:
             )
 
 
+def _offload_device(offload: Any) -> str | None:
+    """The device of a DeepSpeed offload section (`offload_optimizer` or `offload_param`, a pydantic
+    model whose `device` is an enum or its string), or None where there is no section."""
+    if offload is None:
+        return None
+    return str(getattr(offload.device, "value", offload.device))
+
+
 def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]], world: int) -> None:
     """Refuses, before DeepSpeed partitions the model and builds its NVMe swapper, parameters offloaded
     to NVMe past `offload_param.max_in_cpu`: DeepSpeed then keeps the partitions of the subgroups past
     it on NVMe alone, and the update (which writes each subgroup's half-precision partition in host
     memory) has nowhere to write them. Within it, every partition has its place in host memory and the
     update runs as with `device: cpu`."""
-    if (
-        params_offload is None
-        or str(getattr(params_offload.device, "value", params_offload.device)) != "nvme"
-    ):
+    if _offload_device(params_offload) != "nvme":
         return
     # DeepSpeed's count (stage3.py): each trainable parameter's partition, ceil(numel / ranks), summed.
     elements = sum(
@@ -218,7 +223,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if config is None:
             raise ValueError(f"mlp_offload: the DeepSpeed config has no {'mlp_offload'!r} section")
         offload = kwargs.get("offload_optimizer_config")
-        if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":
+        if offload is None or _offload_device(offload) != "cpu":
             raise ValueError(
                 'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host '
                 'memory); it replaces the NVMe swapping itself. An "nvme" section is rewritten for it by '
