@@ -102,11 +102,9 @@ def _check_optimizer(optimizer: Any) -> None:
             )
 
 
-def _offload_device(offload: Any) -> str | None:
+def _offload_device(offload: Any) -> str:
     """The device of a DeepSpeed offload section (`offload_optimizer` or `offload_param`, a pydantic
-    model whose `device` is an enum or its string), or None where there is no section."""
-    if offload is None:
-        return None
+    model whose `device` is an enum or its string)."""
     return str(getattr(offload.device, "value", offload.device))
 
 
@@ -116,7 +114,7 @@ def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]
     it on NVMe alone, and the update (which writes each subgroup's half-precision partition in host
     memory) has nowhere to write them. Within it, every partition has its place in host memory and the
     update runs as with `device: cpu`."""
-    if _offload_device(params_offload) != "nvme":
+    if params_offload is None or _offload_device(params_offload) != "nvme":
         return
     # DeepSpeed's count (stage3.py): each trainable parameter's partition, ceil(numel / ranks), summed.
     elements = sum(
