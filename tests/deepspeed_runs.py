@@ -42,6 +42,9 @@ HARNESS = Path(__file__).with_name("zero3_harness.py")
 # a run that did not end in time, `STACKS_WAIT_S` before it is killed, so its log says where it waited.
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_WAIT_S = 2.0
+# How the log of a run forked by `harness_server.py` ends: how many modules the run imported that the
+# server had not preloaded, and their packages.
+IMPORTED_IN_RUN = "harness_server: the run imported"
 
 # When the running test's own timeout (pytest-timeout's) ends it, set by `conftest.harness_deadline`;
 # None outside a test, or where it has none.

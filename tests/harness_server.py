@@ -29,17 +29,23 @@ import torch
 
 # Imported first: it sets a run's environment as it is imported (`harness` returns it to each run).
 import zero3_harness  # noqa: F401
-from deepspeed_runs import STACKS_SIGNAL, STACKS_WAIT_S
+from deepspeed_runs import IMPORTED_IN_RUN, STACKS_SIGNAL, STACKS_WAIT_S
 
 
 def preload() -> None:
     """What every run would load first: DeepSpeed's ZeRO-3 and CPU Adam modules and its JIT ops (CPU
-    Adam, the shared-memory collectives), kept by DeepSpeed's op cache for the children."""
+    Adam, the shared-memory collectives), kept by DeepSpeed's op cache for the children; and what
+    DeepSpeed imports only once it builds an engine: torch's optimizer base class imports torch._dynamo
+    at the first param group, and ZeRO's optimizer check imports DeepSpeed's Muon, whose torch.compile
+    decorators import torch._inductor (sympy, networkx, triton's bindings), 1,500 modules and 2.5-4.5 s
+    of every run here before this server loaded them once."""
     import cpuinfo
     import deepspeed  # noqa: F401
+    import torch._dynamo  # noqa: F401
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
     from deepspeed.runtime.zero import stage3  # noqa: F401
+    from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
 
     import mlp_offload  # noqa: F401
 
@@ -81,12 +87,18 @@ def run_child(run: dict[str, Any]) -> int:
     if run.get("cwd"):
         os.chdir(run["cwd"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    loaded = set(sys.modules)
     try:
         module.main(run["spec"], run["out"])
         return 0
     except BaseException:
         traceback.print_exc()
         return 1
+    finally:
+        # What the preload missed costs every run its import again; the test of the preload reads this.
+        imported = set(sys.modules) - loaded
+        packages = sorted({name.partition(".")[0] for name in imported})
+        print(f"{IMPORTED_IN_RUN} {len(imported)} modules, of {', '.join(packages)}", file=sys.stderr)
 
 
 def wait_all(pids: list[int], timeout: float) -> list[int | None]:

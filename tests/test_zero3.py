@@ -20,6 +20,7 @@ import torch
 from conftest import mounted_tmpfs
 from deepspeed_runs import (
     DEADLINE_MARGIN_S,
+    IMPORTED_IN_RUN,
     HarnessRun,
     assert_bit_equal,
     batch_timeout,
@@ -857,6 +858,27 @@ def test_a_run_that_does_not_end_leaves_its_stacks_and_the_next_run_runs(
     assert (tmp_path / "stalled.rank0").exists(), "the interrupted run did not reach its stall"
     ours = run_case({"mlp_offload": section(work_dirs[1:2]), "steps": 2}, tmp_path, "next")
     assert len(ours["losses"]) == 2
+
+
+# What a forked run may still import: our engine's modules (imported by DeepSpeed's initialize through our
+# hook, not preloaded: a module that reads its environment at import would read the server's) and a few
+# dozen small ones DeepSpeed imports as it builds an engine. A new DeepSpeed or torch that imports a
+# package of hundreds of modules only once it builds an engine goes past it.
+IMPORTS_PER_RUN = 150
+
+
+def test_a_forked_run_imports_little_that_its_server_had_not_preloaded(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Every run forked from the harness server starts from what the server imported once
+    (`harness_server.preload`). DeepSpeed 0.19 imports torch._dynamo and torch._inductor (1,500 modules)
+    only when it builds an engine: 2.5-4.5 s of every run here until the server preloaded them."""
+    if os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") == "0" or harness_env()["DS_ACCELERATOR"] != "cpu":
+        pytest.skip("runs start from scratch here (MLP_OFFLOAD_TEST_FORK=0, or an accelerator)")
+    ours = run_case({"mlp_offload": section(work_dirs[:1]), "steps": 2}, tmp_path, "ours")
+    line = next(x for x in ours["output"].splitlines() if x.startswith(IMPORTED_IN_RUN))
+    count = int(line.removeprefix(IMPORTED_IN_RUN).split()[0])
+    assert count <= IMPORTS_PER_RUN, f"the server's preload misses what every run imports: {line}"
 
 
 def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:

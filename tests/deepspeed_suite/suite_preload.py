@@ -15,10 +15,15 @@ import traceback
 
 
 def preload() -> None:
+    # torch._dynamo and DeepSpeed's Muon (through its torch.compile decorators, torch._inductor) are
+    # imported by DeepSpeed only once a rank builds an engine, as in `tests/harness_server.py`: 2.5-4.5 s
+    # of every rank's start here.
     import deepspeed  # noqa: F401
+    import torch._dynamo  # noqa: F401
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
     from deepspeed.runtime.zero import stage3  # noqa: F401
+    from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401
 
     for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         builder = get_accelerator().create_op_builder(name)
