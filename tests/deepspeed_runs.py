@@ -167,16 +167,21 @@ class HarnessServer:
 _server: HarnessServer | None = None
 
 
+def runs_are_forked() -> bool:
+    """Whether runs are forked from a harness server here: on the CPU, unless `MLP_OFFLOAD_TEST_FORK=0`
+    (forking after CUDA's libraries initialised is not safe: on an accelerator each run starts from
+    scratch)."""
+    return os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") != "0" and harness_env()["DS_ACCELERATOR"] == "cpu"
+
+
 def _harness_server() -> HarnessServer | None:
     """This worker's server for runs on the CPU, started on first use; None where each run starts from
-    scratch instead (`MLP_OFFLOAD_TEST_FORK=0`, or another accelerator: forking after CUDA's libraries
-    initialised is not safe)."""
+    scratch instead (`runs_are_forked`)."""
     global _server
-    env = harness_env()
-    if os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") == "0" or env["DS_ACCELERATOR"] != "cpu":
+    if not runs_are_forked():
         return None
     if _server is None or not _server.alive:
-        _server = HarnessServer(env)
+        _server = HarnessServer(harness_env())
         atexit.register(_server.close)
     return _server
 

@@ -29,6 +29,7 @@ from deepspeed_runs import (
     harness_env,
     keep,
     run_harness,
+    runs_are_forked,
     stock_cache,
 )
 from mlp_offload import overlap
@@ -873,7 +874,7 @@ def test_a_forked_run_imports_little_that_its_server_had_not_preloaded(
     """Every run forked from the harness server starts from what the server imported once
     (`harness_server.preload`). DeepSpeed 0.19 imports torch._dynamo and torch._inductor (1,500 modules)
     only when it builds an engine: 2.5-4.5 s of every run here until the server preloaded them."""
-    if os.environ.get("MLP_OFFLOAD_TEST_FORK", "1") == "0" or harness_env()["DS_ACCELERATOR"] != "cpu":
+    if not runs_are_forked():
         pytest.skip("runs start from scratch here (MLP_OFFLOAD_TEST_FORK=0, or an accelerator)")
     ours = run_case({"mlp_offload": section(work_dirs[:1]), "steps": 2}, tmp_path, "ours")
     line = next(x for x in ours["output"].splitlines() if x.startswith(IMPORTED_IN_RUN))
