@@ -209,6 +209,9 @@ def suite_env(tests: Path, mode: str, run_dir: Path) -> dict[str, str]:
             # Probed once, by the first case's engines, then reused (the store paths do not change).
             "MLP_OFFLOAD_PROFILE_DIR": str(WORK / "profiles"),
             "PYTHONDONTWRITEBYTECODE": "1",
+            # Both modes' ranks share two cores: OpenMP's waiting threads sleep rather than spin (as in
+            # `tests/conftest.py`).
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
             # DeepSpeed builds its ops with the venv's ninja.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         }
