@@ -861,9 +861,9 @@ def test_a_run_that_does_not_end_leaves_its_stacks_and_the_next_run_runs(
     assert len(ours["losses"]) == 2
 
 
-# What a forked run may still import: our engine's modules (imported by DeepSpeed's initialize through our
-# hook, not preloaded: a module that reads its environment at import would read the server's) and a few
-# dozen small ones DeepSpeed imports as it builds an engine. A new DeepSpeed or torch that imports a
+# What a forked run may still import: our engine's modules, which `mlp_offload.install` imports when a run
+# puts our engine in (left out of the server, as a user's process imports them then), and a few dozen small
+# ones DeepSpeed imports as it builds an engine: 52 in all here. A new DeepSpeed or torch that imports a
 # package of hundreds of modules only once it builds an engine goes past it.
 IMPORTS_PER_RUN = 150
 
