@@ -73,6 +73,10 @@ CALLED = (
     "__all_gather_params_",
     "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
     "release_and_reset_all",
+    # A module's forward that reads another module's parameter while it is partitioned gathers it there
+    # and makes it one of its own external parameters, which the fetch trace then expects: why every
+    # forward starts with the persistent parameters partitioned (`_mlp_persistent_left_to_the_forward`).
+    "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict.__getitem__",
 )
 
 # Source digests (`source_digest`) in DeepSpeed 0.19.8 by module or class: `python -m mlp_offload.compat`.
@@ -89,6 +93,9 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     "deepspeed.runtime.utils": {
         "combine_grad_norm_groups": "37a114f1037dc520",
         "is_invalid_grad_norm": "6afd483e2c88e25e",
+    },
+    "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict": {
+        "__getitem__": "2e025aef27af87fc",
     },
     "deepspeed.runtime.zero.partition_parameters.Init": {
         "_convert_to_deepspeed_param": "109d5ce0cfbc889c",
@@ -141,6 +148,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "_writeback_swap_state": "b3b4e0f00b23f8d3",
         "backward_epilogue": "0b55028b62dba4f0",
         "backward_prologue": "1b9ad8d1a8a7864c",
+        "checkpoint_event_epilogue": "2b1042907cf22895",
         "checkpoint_event_prologue": "d32f3d66bf433689",
         "destroy": "1c8f6a96609fe60e",
         "dump_post_step_gradients": "c8959c2d90285817",

@@ -19,7 +19,8 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
 5. With `overlap` (the fused pass; by default only when every chunk stays in memory), `step()` returns
    once the step's outcome is decided, and the chunk loop runs on behind it (`overlap.UpdateInFlight`),
    in chunk order. Each parameter's all-gather waits for its own subgroup; the persistent parameters,
-   which DeepSpeed gathers at the end of its step, are gathered by the next forward's fetches instead.
+   which DeepSpeed gathers at the end of its step and after a checkpoint, are gathered by the next
+   forward's fetches instead, at every forward (`_mlp_persistent_left_to_the_forward`).
    Everything else that reads parameters, state or gradients first waits for the whole update
    (`_mlp_settle`).
 
@@ -919,22 +920,41 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         if inflight is not None:
             self._mlp_finish_update(inflight.result(), inflight.waited_secs)
 
-    def _post_step(self, timer_names: Any) -> None:
-        if self._mlp_inflight is None:
-            super()._post_step(timer_names)
+    @contextlib.contextmanager
+    def _mlp_persistent_left_to_the_forward(self) -> Iterator[None]:
+        """With `overlap`, leaves out DeepSpeed's gathers of the persistent parameters ahead of the next
+        forward (at a step's end, and after a checkpoint is saved or loaded): each forward gathers them
+        where it uses them, each once its subgroup is updated. So every forward starts with them
+        partitioned, the first one in a process too.
+
+        It has to be every forward. A module whose forward reads a parameter of another module while that
+        parameter is partitioned (`nn.MultiheadAttention` reads its `out_proj`'s) makes it, once and for
+        good, one of its own external parameters (DeepSpeed's `ZeROOrderedDict`), and DeepSpeed's fetch
+        trace takes each module's parameters as they were when it recorded the trace. After
+        `load_checkpoint` in a new process, DeepSpeed's gather left the first forward with them whole,
+        the trace without them, and the next forward's fetches out of step with the trace ("tracing
+        error")."""
+        if not self._mlp_overlap:
+            yield
             return
-        # DeepSpeed gathers the persistent parameters here. With the update still running they stay
-        # partitioned (its step released them), and the next forward's fetches gather each, once its
-        # subgroup is updated.
         persistent, self.persistent_parameters = self.persistent_parameters, []
         try:
-            super()._post_step(timer_names)
+            yield
         finally:
             self.persistent_parameters = persistent
+
+    def _post_step(self, timer_names: Any) -> None:
+        # The update still runs: DeepSpeed's gather here would wait for it.
+        with self._mlp_persistent_left_to_the_forward():
+            super()._post_step(timer_names)
 
     def checkpoint_event_prologue(self) -> None:
         self._mlp_settle()
         super().checkpoint_event_prologue()
+
+    def checkpoint_event_epilogue(self) -> None:
+        with self._mlp_persistent_left_to_the_forward():
+            super().checkpoint_event_epilogue()
 
     def offload_states(self, *args: Any, **kwargs: Any) -> None:
         """DeepSpeed's, once the update behind `step()` has ended: it moves the half-precision
