@@ -536,6 +536,10 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     assert planner._left_after_backward(3.0, grads) == pytest.approx(1.5)
     stream.kept_copies = 1
     assert planner._left_after_backward(3.0, grads) == pytest.approx(2.25)
+    # An update predicted at 0 s (every chunk cached, planned from the probe's profile under the
+    # README's section), nothing measured during backward yet: nothing is left (it divided by zero).
+    planner._backward_chunks.clear()
+    assert planner._left_after_backward(0.0, grads) == 0.0
 
 
 @pytest.mark.parametrize(

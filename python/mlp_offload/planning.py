@@ -468,6 +468,10 @@ class UpdatePlanner:
         cached = 0.0 if kept else min(update_secs, pipeline.cache_slots * adam_secs_per_chunk)
         in_step = (update_secs - cached) / len(taken)
         in_backward = self.backward_chunk_secs() or in_step
+        if in_backward <= 0:
+            # An update the model predicts at 0 s (every chunk cached: it moves no bytes), and nothing
+            # measured during backward yet: nothing to leave.
+            return max(0.0, update_secs)
         # Chunks (a last one in part) done before backward ends, each of which step() no longer runs.
         done = could_run_in_backward(leads, grads_final["backward_secs"], in_backward) / in_backward
         if kept:
