@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,6 +66,36 @@ def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
             p.mkdir()
         yield paths
     del root
+
+
+@pytest.fixture(scope="session")
+def probed_root() -> Iterator[Path]:
+    """This worker's directory for `probed_paths`, on the work disk (as `work_dirs`)."""
+    base = Path(os.environ.get("MLP_OFFLOAD_TEST_DIR", Path(__file__).resolve().parent.parent / "target"))
+    base.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=base, prefix="pytest-probed-") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def probed_paths(probed_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[Path]]:
+    """Two directories on the work disk for the README's section (`weights: "auto"`, which probes new
+    paths first: 20-35 s here), given the job's ranks per node: the same ones for every test of this
+    worker that asks, as a user's jobs reuse their paths, and the probe's profile of them kept from test
+    to test, as a user's second job finds it. The tests on this worker run one at a time; a test of
+    several ranks is in the `xdist_group` of the other tests whose ranks share the device."""
+    monkeypatch.setenv("MLP_OFFLOAD_PROFILE_DIR", str(probed_root / "profiles"))
+
+    def paths(ranks: int) -> list[Path]:
+        # One pair per rank count: the probe measures how a node's ranks share a device.
+        pair = [probed_root / f"{ranks}-ranks" / f"path{i}" for i in range(2)]
+        for path in pair:
+            path.mkdir(parents=True, exist_ok=True)
+        return pair
+
+    return paths
 
 
 def is_root() -> bool:

@@ -247,6 +247,7 @@ UNCACHED_KEYS = {
     "fill_at",
     "immutable_at_step",
     "sigkill_in_update_at",
+    "sigkill_in_save_at",
     "stall_in_update_at",
     "sample_resources",
 }
@@ -332,6 +333,69 @@ def free_port() -> int:
                 continue
         return first + offset
     raise RuntimeError(f"no free TCP port in {first}..{first + width - 1}")
+
+
+def failed_runs(name: str, runs: list[HarnessRun], exits: list[int | None]) -> str:
+    """What the ranks of a failed case did: each one's exit, and the end of the log of each that did not
+    end well (a run that did not end in time wrote its threads' stacks there)."""
+    lines = []
+    for rank, (run, code) in enumerate(zip(runs, exits, strict=True)):
+        if code == 0:
+            lines.append(f"{name} rank {rank} ended well")
+            continue
+        what = "did not end in time" if code is None else f"failed ({code})"
+        log = run.log.read_text()[-8000:] if run.log.exists() else "(no log)"
+        lines.append(f"{name} rank {rank} {what}:\n{log}")
+    return "\n".join(lines)
+
+
+def run_case(
+    case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
+) -> dict[str, Any]:
+    """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
+    stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`. A stock run
+    that leaves nothing else to look at is run once per configuration and code (`stock_cache`)."""
+    kept = stock_cache(case, ranks) if cgroup is None else None
+    if kept is not None and kept.exists():
+        results: list[dict[str, Any]] = torch.load(kept, weights_only=False)
+        return {**results[0], "ranks": results} if ranks > 1 else results[0]
+    case = {**case, "port": free_port()}
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(json.dumps(case))
+    # The machine's cores shared among the ranks.
+    # One node: the local world is the world, as torchrun and DeepSpeed's launcher say.
+    env = harness_env(
+        OMP_NUM_THREADS=str(max(1, 2 // ranks)), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)
+    )
+    runs = [
+        HarnessRun(
+            spec,
+            tmp_path / f"{name}.rank{rank}.pt",
+            tmp_path / f"{name}.rank{rank}.log",
+            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cgroup,
+        )
+        for rank in range(ranks)
+    ]
+    exits = run_harness(runs)
+    if any(code != 0 for code in exits):
+        raise AssertionError(failed_runs(name, runs, exits))
+    results = []
+    for run in runs:
+        result: dict[str, Any] = torch.load(run.out, weights_only=False)
+        result["output"] = run.log.read_text()
+        results.append(result)
+    if kept is not None:
+        keep(results, kept)
+    if ranks > 1:
+        results[0]["ranks"] = results
+    return results[0]
+
+
+def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
+    """An `"mlp_offload"` section on `paths` with `extra` keys, its weights equal: without the probe that
+    the README's section (`weights: "auto"`) runs on new paths first."""
+    return {"paths": [str(p) for p in paths], "weights": "equal", **extra}
 
 
 def from_step(run: dict[str, Any], step: int) -> dict[str, Any]:

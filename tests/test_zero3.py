@@ -27,10 +27,10 @@ from deepspeed_runs import (
     free_port,
     from_step,
     harness_env,
-    keep,
+    run_case,
     run_harness,
     runs_are_forked,
-    stock_cache,
+    section,
 )
 from mlp_offload import overlap
 
@@ -41,67 +41,6 @@ pytestmark = pytest.mark.deepspeed
 # Tests whose ranks share the work disk's device through node-wide admission run one after another, never
 # beside each other (`pytest -n`): one node-wide semaphore per device and user.
 ONE_NODE = pytest.mark.xdist_group("node-wide admission")
-
-
-def failed_runs(name: str, runs: list[HarnessRun], exits: list[int | None]) -> str:
-    """What the ranks of a failed case did: each one's exit, and the end of the log of each that did not
-    end well (a run that did not end in time wrote its threads' stacks there)."""
-    lines = []
-    for rank, (run, code) in enumerate(zip(runs, exits, strict=True)):
-        if code == 0:
-            lines.append(f"{name} rank {rank} ended well")
-            continue
-        what = "did not end in time" if code is None else f"failed ({code})"
-        log = run.log.read_text()[-8000:] if run.log.exists() else "(no log)"
-        lines.append(f"{name} rank {rank} {what}:\n{log}")
-    return "\n".join(lines)
-
-
-def run_case(
-    case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
-) -> dict[str, Any]:
-    """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
-    stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`. A stock run
-    that leaves nothing else to look at is run once per configuration and code (`stock_cache`)."""
-    kept = stock_cache(case, ranks) if cgroup is None else None
-    if kept is not None and kept.exists():
-        results: list[dict[str, Any]] = torch.load(kept, weights_only=False)
-        return {**results[0], "ranks": results} if ranks > 1 else results[0]
-    case = {**case, "port": free_port()}
-    spec = tmp_path / f"{name}.json"
-    spec.write_text(json.dumps(case))
-    # The machine's cores shared among the ranks.
-    # One node: the local world is the world, as torchrun and DeepSpeed's launcher say.
-    env = harness_env(
-        OMP_NUM_THREADS=str(max(1, 2 // ranks)), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)
-    )
-    runs = [
-        HarnessRun(
-            spec,
-            tmp_path / f"{name}.rank{rank}.pt",
-            tmp_path / f"{name}.rank{rank}.log",
-            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            cgroup,
-        )
-        for rank in range(ranks)
-    ]
-    exits = run_harness(runs)
-    if any(code != 0 for code in exits):
-        raise AssertionError(failed_runs(name, runs, exits))
-    results = []
-    for run in runs:
-        result: dict[str, Any] = torch.load(run.out, weights_only=False)
-        result["output"] = run.log.read_text()
-        results.append(result)
-    if kept is not None:
-        keep(results, kept)
-    if ranks > 1:
-        results[0]["ranks"] = results
-    return results[0]
-
-
-def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
-    return {"paths": [str(p) for p in paths], "weights": "equal", **extra}
 
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}

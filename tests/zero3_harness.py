@@ -38,7 +38,7 @@ default_environment()
 import torch  # noqa: E402
 
 from deepspeed_runs import STACKS_SIGNAL  # noqa: E402
-from mlp_offload.models import GPT, SIZES  # noqa: E402
+from mlp_offload.models import GPT, SIZES, llama  # noqa: E402
 
 VOCAB, SEQ = SIZES["tiny"][0], 16
 # DeepSpeed's AIO settings wherever a case puts something on NVMe (the optimizer or the parameters).
@@ -133,7 +133,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
     def make_engine(ours: bool, section: dict[str, Any] | None, seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)
-        model = GPT.from_size("tiny", max_seq=SEQ)
+        # The variants below change the tests' GPT (its `tok`, `head` and `blocks`).
+        model: Any = build_model(case.get("model", "gpt"))
         if frozen := case.get("frozen"):
             # Part of the model frozen, as a fine-tuning job has it: DeepSpeed leaves those parameters
             # out of the optimizer's groups.
@@ -218,6 +219,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             fill(case["fill"])
         if step == case.get("save_at"):
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt")
+        if step == case.get("sigkill_in_save_at"):
+            # Every rank saves a later checkpoint (under a tag of its own: the job resumes from the last
+            # whole one); one is killed in it, once one subgroup's state is read from the store.
+            if os.environ["RANK"] == str(case.get("sigkill_rank", 0)):
+                in_save(optimizer, after_subgroups=1, then=functools.partial(sigkill, optimizer, "in a save"))
+            engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt-killed")
         if step == case.get("set_params_apart_at"):
             set_params_apart(engine)
         if step == case.get("sigkill_in_update_at") and os.environ["RANK"] == str(
@@ -369,6 +376,65 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def build_model(name: str) -> torch.nn.Module:
+    """The case's model, whose `forward(tokens)` returns the next-token loss: `"gpt"`, the tests' GPT
+    (`mlp_offload.models.GPT`: plain `nn.Linear` layers, each used by its own module's forward);
+    `"attention"`, blocks of torch's `nn.TransformerEncoderLayer`, whose `nn.MultiheadAttention` reads its
+    `out_proj`'s parameters in its own forward (DeepSpeed fetches them for a module that does not own
+    them); `"llama"`, Hugging Face's `LlamaForCausalLM` built from its config."""
+    vocab, dim, layers, heads = SIZES["tiny"]
+    if name == "gpt":
+        return GPT.from_size("tiny", max_seq=SEQ)
+    if name == "attention":
+        return AttentionLM(vocab, dim, layers, heads)
+    if name == "llama":
+        return CausalLMLoss(llama("tiny", vocab=vocab, max_seq=SEQ))
+    raise ValueError(f"model: {name!r} is not one of gpt, attention, llama")
+
+
+class AttentionLM(torch.nn.Module):
+    """A causal decoder of torch's own `nn.TransformerEncoderLayer` blocks (pre-norm, no dropout)."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(SEQ, dim)
+        block = functools.partial(
+            torch.nn.TransformerEncoderLayer,
+            dim,
+            heads,
+            4 * dim,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = torch.nn.ModuleList(block() for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1] - 1
+        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(t, device=tokens.device))
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device, dtype=x.dtype)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        logits = self.head(self.ln(x)).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A Hugging Face causal language model whose `forward(tokens)` returns its own loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.model(input_ids=tokens, labels=tokens).loss
+        return loss
+
+
 class Checkpointed(torch.nn.Module):
     """A block whose activations are not kept: torch's activation checkpointing runs its forward again in
     backward."""
@@ -492,19 +558,20 @@ def set_params_apart(engine: Any) -> None:
             p.mul_(1.5).add_(0.01)
 
 
-def sigkill(optimizer: Any) -> None:
-    """SIGKILL to this process, saying first where the update was: in `step()` (on the caller's thread),
-    during backward (the update during backward, backward still running) or behind `step()` (on the
-    update thread, the next forward running)."""
+def sigkill(optimizer: Any, where: str | None = None) -> None:
+    """SIGKILL to this process, saying first where it was (`where`, else where the update was: in
+    `step()` (on the caller's thread), during backward (the update during backward, backward still
+    running) or behind `step()` (on the update thread, the next forward running))."""
     import threading
 
-    spec = getattr(optimizer, "_mlp_spec", None)
-    if threading.current_thread() is threading.main_thread():
-        where = "in step()"
-    elif spec is not None and spec.backward_end is None:
-        where = "during backward"
-    else:
-        where = "behind step()"
+    if where is None:
+        spec = getattr(optimizer, "_mlp_spec", None)
+        if threading.current_thread() is threading.main_thread():
+            where = "in step()"
+        elif spec is not None and spec.backward_end is None:
+            where = "during backward"
+        else:
+            where = "behind step()"
     print("killed", where, file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -540,10 +607,11 @@ def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> Non
     def killing_run_step(update: Any, **kwargs: Any) -> Any:
         done = 0
 
-        def update_then_maybe_die(chunk: int, view: torch.Tensor, *cuts: Any) -> Any:
+        def update_then_maybe_die(chunk: int, view: torch.Tensor, *cuts: Any, **kept: Any) -> Any:
             nonlocal done
-            # The fused update also takes and returns the chunk's checksums (`checksums_in_update`).
-            result = update(chunk, view, *cuts)
+            # The fused update also takes and returns the chunk's checksums (`checksums_in_update`), and
+            # during backward a cached chunk's kept copy.
+            result = update(chunk, view, *cuts, **kept)
             done += 1
             if done == after_chunks:
                 then()
@@ -552,6 +620,24 @@ def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> Non
         return run_step(update_then_maybe_die, **kwargs)
 
     pipeline.run_step = killing_run_step
+
+
+def in_save(optimizer: Any, after_subgroups: int, then: Callable[[], Any]) -> None:
+    """Makes the next checkpoint's save call `then()` once it has read `after_subgroups` subgroups' state
+    from the cache and the store (`ChunkedState.gather`)."""
+    state = optimizer._mlp_state
+    gather = state.gather
+    done = 0
+
+    def gather_then_maybe_die(i: int) -> torch.Tensor:
+        nonlocal done
+        whole: torch.Tensor = gather(i)
+        done += 1
+        if done == after_subgroups:
+            then()
+        return whole
+
+    state.gather = gather_then_maybe_die
 
 
 def fault_step(engine: Any, case: dict[str, Any], data: torch.Generator) -> dict[str, Any]:
@@ -631,6 +717,12 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
             except mlp_offload.CorruptObjectError as e:
                 readable[key] = f"{type(e).__name__}: {e}"
     return {"error": error, "readable": readable, "telemetry": optimizer.mlp_offload_telemetry}
+
+
+def preload() -> None:
+    """What `harness_server.py` imports once, before it forks the first run of this harness: Hugging
+    Face's LLaMA (`build_model("llama")`), 5 s of imports that each run would pay again."""
+    from transformers import LlamaForCausalLM  # noqa: F401
 
 
 def main(spec: str, out: str) -> None:
