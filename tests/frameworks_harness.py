@@ -9,8 +9,8 @@ after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments an
 `accelerate` or `lightning`), `paths` (storage paths for an `"mlp_offload"` section, or null for stock
 DeepSpeed) and `variant`, the same for both runs of a comparison: `clip`, the framework's gradient
 clipping instead of 1.0; `zero`, keys added to `zero_optimization`; `section`, keys added to our
-section. One process per run (DeepSpeed keeps process-wide state). The framework calls
-`deepspeed.initialize` itself: nothing here names our engine.
+section (the README's, `paths` alone, otherwise). One process per run (DeepSpeed keeps process-wide
+state). The framework calls `deepspeed.initialize` itself: nothing here names our engine.
 """
 
 from __future__ import annotations
@@ -77,11 +77,8 @@ def with_variant(config: dict[str, Any], paths: list[str] | None, variant: dict[
     """Our section where `paths` are given, and the variant's keys (the spec's `variant`) in `config`."""
     config["zero_optimization"].update(variant.get("zero", {}))
     if paths is not None:
-        # Equal weights, as in tests/test_zero3.py: "auto" would probe the two directories (on one disk)
-        # at start-up, 20-30 s of I/O here in each framework's test; the probe at start-up has tests of
-        # its own (test_zero3.py's ranks of a node, test_train.py's main job, test_cluster.py).
-        section = {"weights": "equal", **variant.get("section", {})}
-        config["mlp_offload"] = {"paths": paths, "host_memory": "16M", **section}
+        # The README's section (the paths alone) with the variant's keys.
+        config["mlp_offload"] = {"paths": paths, **variant.get("section", {})}
 
 
 def accelerate(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
@@ -139,12 +136,16 @@ def trainer(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
         "zero_optimization": {"stage": 3, "sub_group_size": 100_000, "offload_optimizer": {"device": "cpu"}},
     }
     with_variant(config, paths, variant)
+    # A job that saves a checkpoint every `save_steps` into `output_dir`, and one that resumes from one
+    # of them (`resume_from`, a folder there) in a new process, as a restarted job does.
+    save_steps = variant.get("save_steps")
+    output_dir = os.path.join(os.path.dirname(out), variant.get("output_dir", "trainer-output"))
     args = TrainingArguments(
-        output_dir=os.path.join(os.path.dirname(out), "trainer-output"),
+        output_dir=output_dir,
         deepspeed=config,
         use_cpu=True,  # the Trainer's own check refuses bf16 without a GPU otherwise
         bf16=True,
-        max_steps=6,
+        max_steps=variant.get("steps", 6),
         warmup_steps=2,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -153,7 +154,8 @@ def trainer(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
         max_grad_norm=variant.get("clip", 1.0),
         seed=1,
         report_to=[],
-        save_strategy="no",
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
         logging_steps=1,
         disable_tqdm=True,
     )
@@ -161,7 +163,10 @@ def trainer(paths: list[str] | None, out: str, variant: dict[str, Any]) -> None:
     hf_trainer = Trainer(
         model=llama("tiny", vocab=VOCAB, max_seq=SEQ), args=args, train_dataset=RandomTokens()
     )
-    hf_trainer.train()
+    resume_from = variant.get("resume_from")
+    hf_trainer.train(
+        resume_from_checkpoint=None if resume_from is None else os.path.join(output_dir, resume_from)
+    )
     losses = [h["loss"] for h in hf_trainer.state.log_history if "loss" in h]
     save(hf_trainer.model_wrapped, losses, out)
 

@@ -10,6 +10,8 @@ report, `make gpu-report`)."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +62,39 @@ def train(
 
 @pytest.mark.parametrize("framework", ["trainer", "accelerate", "lightning"])
 def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
-    framework: str, work_dirs: list[Path], tmp_path: Path
+    framework: str, probed_paths: Callable[[int], list[Path]], tmp_path: Path
 ) -> None:
     if framework == "lightning":
         pytest.importorskip("lightning")
     stock = train(framework, None, tmp_path, "stock")
-    ours = train(framework, work_dirs[:2], tmp_path, "ours")
+    paths = probed_paths(1)
+    started = time.time()
+    ours = train(framework, paths, tmp_path, "ours")
     assert stock["optimizer_class"].startswith("deepspeed.runtime.zero.stage3.")
     assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
     assert len(ours["losses"]) == 6
     assert_bit_equal(ours, stock)
-    assert all(any(p.rglob("*.mlpo")) for p in work_dirs[:2]), "the state is in the paths"
+    # The paths are this worker's for the README's section: an earlier test's files may be there too.
+    written = [[f for f in p.rglob("*.mlpo") if f.stat().st_mtime >= started] for p in paths]
+    assert all(written), "the state is in the paths"
+
+
+def test_the_trainer_resumes_its_checkpoint_in_a_new_process_as_stock_does(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """With the README's section, the Trainer saves its checkpoints every 3 of 8 steps (DeepSpeed's
+    inside); a new process resumes from the first (`resume_from_checkpoint`) and trains steps 4 to 8:
+    bit for bit what stock's resume from its own first checkpoint gives."""
+    resumed = {}
+    for name, paths in (("stock", None), ("ours", probed_paths(1))):
+        job = {"steps": 8, "save_steps": 3, "output_dir": f"{name}-output"}
+        train("trainer", paths, tmp_path, f"{name}-saves", job)
+        resumed[name] = train(
+            "trainer", paths, tmp_path, f"{name}-resumed", {**job, "resume_from": "checkpoint-3"}
+        )
+    assert resumed["ours"]["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    assert len(resumed["ours"]["losses"]) == 8
+    assert_bit_equal(resumed["ours"], resumed["stock"])
 
 
 # The streamed chunks updated during backward: a budget that streams most chunks, gradients reduced in
@@ -79,19 +103,24 @@ def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
 DURING_BACKWARD = {
     "clip": 0.0,
     "zero": {"reduce_bucket_size": 20_000},
-    "section": {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True},
+    "section": {
+        "host_memory": "200K",
+        "update_chunk": "24K",
+        "shadow_slots": True,
+        "overlap_backward": True,
+    },
 }
 
 
 @pytest.mark.parametrize("framework", ["trainer", "accelerate"])
 def test_the_update_during_backward_under_the_framework_matches_stock(
-    framework: str, work_dirs: list[Path], tmp_path: Path
+    framework: str, probed_paths: Callable[[int], list[Path]], tmp_path: Path
 ) -> None:
     """The framework's own loop (the Trainer's with accumulation 2 and its scheduler, Accelerate's with
     DeepSpeed's) with `overlap_backward`: bit for bit with stock DeepSpeed, and every step kept the
     streamed chunks it updated during backward."""
     stock = train(framework, None, tmp_path, "stock", DURING_BACKWARD)
-    ours = train(framework, work_dirs[:2], tmp_path, "ours", DURING_BACKWARD)
+    ours = train(framework, probed_paths(1), tmp_path, "ours", DURING_BACKWARD)
     assert_bit_equal(ours, stock)
     records = [r for r in ours["telemetry"] if r["event"] == "step"]
     assert len(records) == 6, [r["event"] for r in ours["telemetry"]]
