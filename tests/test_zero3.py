@@ -995,8 +995,32 @@ def test_a_deepspeed_nvme_config_plus_our_section_runs_as_it_is(
             r"offload_param: parameters on NVMe .* past offload_param\.max_in_cpu \(10,000 elements; "
             r"this rank's partitions hold 66,624",
         ),
+        # The optimizer state in half precision: bf16 master weights (10 bytes of state per parameter), also
+        # with bf16 moments (6 bytes), and fp16 master weights.
+        (
+            {"precision_options": {"bf16_master_weights_and_grads": True}},
+            r"bf16\.bf16_master_weights_and_grads: mlp_offload does not reproduce .* set it to false",
+        ),
+        (
+            {"precision_options": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+            r"bf16\.bf16_master_weights_and_grads and bf16\.bf16_optimizer_states: .* set them to false",
+        ),
+        (
+            {"fp16": True, "precision_options": {"fp16_master_weights_and_grads": True}},
+            r"fp16\.fp16_master_weights_and_grads: mlp_offload does not reproduce",
+        ),
     ],
-    ids=["SGD", "Adagrad", "amsgrad", "partial offload ratio", "SuperOffload", "parameters on NVMe"],
+    ids=[
+        "SGD",
+        "Adagrad",
+        "amsgrad",
+        "partial offload ratio",
+        "SuperOffload",
+        "parameters on NVMe",
+        "bf16 master weights",
+        "bf16 master weights and moments",
+        "fp16 master weights",
+    ],
 )
 def test_what_we_do_not_honour_is_refused_by_name(
     ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path

@@ -63,6 +63,10 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
     elif not case.get("fp32"):
         config["bf16"] = {"enabled": True}
+    for precision in ("fp16", "bf16"):
+        if precision in config:
+            # DeepSpeed's precision section's other keys (its master weights' and moments' precision).
+            config[precision].update(case.get("precision_options", {}))
     if "save_16bit" in case:
         # ZeRO-3 saves the 16-bit model only when asked to gather it.
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
