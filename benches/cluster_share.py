@@ -1,6 +1,6 @@
 """Each node's share of a shared tier: what the probe measures across nodes and plans with, against what
 the update gets when both nodes run it at once, on a GlusterFS volume both nodes of a two-node cluster on
-this machine mount (`tests/cluster.py`; root).
+this machine mount (`tests/support/cluster.py`; root).
 
     make bench-cluster                       # 130M wide model, 1 rank per node, 3 measured steps
 
@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable  # noqa: E402
 from deepspeed_runs import free_port, harness_env  # noqa: E402
-from mlp_offload.profiles import Profile  # noqa: E402
-from mlp_offload.tables import render_table  # noqa: E402
+from mlp_offload.app.tables import render_table  # noqa: E402
+from mlp_offload.engine.profiles import Profile  # noqa: E402
 
 E2E = ROOT / "benches" / "e2e.py"
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("probe, each node alone, then across nodes ...", file=sys.stderr, flush=True)
         probe_logs = root / "probe"
         probe_logs.mkdir()
-        probe = ["-m", "mlp_offload.cli", "probe", *args.probe.split(), "-q", str(state)]
+        probe = ["-m", "mlp_offload.app.cli", "probe", *args.probe.split(), "-q", str(state)]
         torchrun_all(cluster, 2, probe, env, probe_logs)
         saved = []
         hostnames = [node.hostname for node in cluster.nodes]

@@ -190,8 +190,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import mlp_offload
-    from mlp_offload.models import GPT, WideTables, llama
-    from mlp_offload.train import timed_iteration
+    from mlp_offload.app.models import GPT, WideTables, llama
+    from mlp_offload.app.train import timed_iteration
 
     def build() -> Any:
         if spec["model"] == "gpt":
@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="llama",
         help="llama; gpt; wide: embedding tables with little compute (models.WideTables)",
     )
-    parser.add_argument("--size", default="130M", help="model size, see mlp_offload.models (130M)")
+    parser.add_argument("--size", default="130M", help="model size, see mlp_offload.app.models (130M)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
@@ -731,7 +731,7 @@ def in_backward(record: dict[str, Any]) -> dict[str, float]:
     and how much of the update's time could have run before backward ended if each chunk were updated
     as soon as its gradient was final, one after another, each taking an equal part of the update's
     measured time (`update_secs` / chunks)."""
-    from mlp_offload.overlap import could_run_in_backward
+    from mlp_offload.engine.overlap import could_run_in_backward
 
     backward = record["grads_final"]["backward_secs"]
     leads = record["grads_final"]["lead_secs"]

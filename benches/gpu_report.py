@@ -6,10 +6,10 @@ there, `source .gpu/setup.sh` installs it and `make gpu-report` (or this script)
 
 Parts, in this order (all by default; name some to run only those, one call each if need be):
 
-- `bitexact`: the bit-exact table on CUDA (`tests/test_zero3.py`: bf16 and fp16, accumulation, clipping,
+- `bitexact`: the bit-exact table on CUDA (`tests/test_bitexact.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
-- `bitexact-backward`: the rows of the update during backward (`tests/test_zero3.py`) on CUDA, the
+- `bitexact-backward`: the rows of the update during backward (`tests/test_backward.py`) on CUDA, the
   planned ones among them, but the two-rank one (one GPU) and the one that forces the host scratch a GPU
   takes anyway;
 - `ds-suite`: DeepSpeed's own ZeRO-3 offload tests on CUDA, stock and with our engine, among them the
@@ -63,7 +63,7 @@ PART_TIMEOUT_SECS = 540
 # Bytes on disk per parameter of DeepSpeed's NVMe offload (fp32 weights, two moments, fp32 gradients),
 # the most of any contender.
 DISK_BYTES_PER_PARAM = 16
-# LLaMA sizes (mlp_offload.models.LLAMA_SIZES) by parameters with LLaMA's 32,000-token vocabulary.
+# LLaMA sizes (mlp_offload.app.models.LLAMA_SIZES) by parameters with LLaMA's 32,000-token vocabulary.
 LLAMA_PARAMS = {"130M": 134e6, "350M": 400e6, "1B": 1.2e9, "3B": 3.4e9, "7B": 6.7e9}
 
 
@@ -155,14 +155,14 @@ ON_CPU = {"MLP_OFFLOAD_TEST_ACCELERATOR": "cpu", "MLP_OFFLOAD_TEST_FORK": "1", "
 PARTS = {
     "bitexact": Part(
         "the bit-exact table on CUDA against stock DeepSpeed's device: cpu",
-        pytest_part("tests/test_zero3.py", "-k", "test_state_is_bit_equal_to_deepspeed_cpu_offload"),
+        pytest_part("tests/test_bitexact.py", "-k", "test_state_is_bit_equal_to_deepspeed_cpu_offload"),
         CUDA,
     ),
     "bitexact-backward": Part(
         "the update during backward on CUDA (gradients copied to the host on DeepSpeed's stream, norms "
         "summed on the device, parameters through a host scratch), kept or undone, against stock",
         pytest_part(
-            "tests/test_zero3.py",
+            "tests/test_backward.py",
             "-k",
             "test_the_update_during_backward_is_kept_or_undone_bit_for_bit and not scratch and not ranks",
         ),

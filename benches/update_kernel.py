@@ -39,7 +39,7 @@ os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.g
 import torch
 
 if TYPE_CHECKING:
-    from mlp_offload.kernel import FusedAdam
+    from mlp_offload.engine.fused_update import FusedAdam
 
 # Per element, bytes read and written by each pass (bf16 gradient and parameters, fp32 state):
 # widen (read 2, write 4 + the line's read 4), unscale (4 + 4), CPU Adam (16 + 12), the half copy
@@ -81,13 +81,14 @@ def main() -> int:
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from mlp_offload import _core, kernel
+    from mlp_offload import _core
+    from mlp_offload.engine import fused_update
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     n, threads = args.elements, torch.get_num_threads()
     param = torch.nn.Parameter(torch.zeros(4))
     ds = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01, adamw_mode=True)
-    fused, why = kernel.self_check(ds, dtype, dtype, simd=args.simd)
+    fused, why = fused_update.self_check(ds, dtype, dtype, simd=args.simd)
     if fused is None:
         raise SystemExit(f"the fused kernel cannot be used here: {why}")
     # Where the fused pass folds its checksums into the SIMD loop (VPCLMULQDQ), the same pass hashing
@@ -95,7 +96,7 @@ def main() -> int:
     blockwise = None
     unfolded = {"avx512-clmul": "avx512", "avx2-clmul": "avx2"}.get(fused.kernel.simd)
     if unfolded is not None:
-        blockwise, why = kernel.self_check(ds, dtype, dtype, simd=unfolded)
+        blockwise, why = fused_update.self_check(ds, dtype, dtype, simd=unfolded)
         if blockwise is None:
             raise SystemExit(f"the fused kernel without VPCLMULQDQ cannot be used here: {why}")
     group = ds.param_groups[0]
@@ -156,7 +157,7 @@ def main() -> int:
 
     def torch_check_then_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         # What the update during backward ran before the pass checked the parameters itself.
-        kernel.same_bits(half, state[:n].to(half.dtype))
+        fused_update.same_bits(half, state[:n].to(half.dtype))
         fused_pass_summing(state, grad, half)
 
     def pass_keeping(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:

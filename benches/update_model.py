@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlp_offload import ObjectStore, WeightTuner, profiles
-from mlp_offload.cli import parse_size
-from mlp_offload.pipeline import ChunkPipeline
-from mlp_offload.tables import render_table
+from mlp_offload import ObjectStore, WeightTuner
+from mlp_offload.app.cli import parse_size
+from mlp_offload.app.tables import render_table
+from mlp_offload.engine import profiles
+from mlp_offload.engine.pipeline import ChunkPipeline
 
 MiB = 1 << 20
 

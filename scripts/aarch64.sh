@@ -10,7 +10,7 @@
 #                   aarch64 wheel, where the wheel is installed and checked from outside the repository.
 #
 #   scripts/aarch64.sh wheel [DIR]    the aarch64 wheel into DIR (default dist/)
-#   scripts/aarch64.sh test [WHEEL]   install it into the emulated Python and run tests/aarch64_check.py
+#   scripts/aarch64.sh test [WHEEL]   install it into the emulated Python and run tests/support/aarch64_check.py
 #   scripts/aarch64.sh core-tests     the core crate's own tests, built for aarch64, run under qemu
 #   scripts/aarch64.sh run CMD...     CMD in the emulated aarch64 root (python is its venv's)
 #
@@ -183,11 +183,11 @@ test_wheel() {
     rm -rf "$ARM/check"
     mkdir -p "$ARM/check/wheels" "$ARM/check/work"
     cp "$wheel" "$ARM/check/wheels/"
-    cp "$ROOT/tests/aarch64_check.py" "$ARM/check/"
+    cp "$ROOT/tests/support/aarch64_check.py" "$ARM/check/"
     # What the update kernel gives on this x86-64 machine (its widest SIMD path), for the emulated one to
     # match bit for bit.
     [[ -x $ROOT/.venv/bin/python ]] || die "no .venv: run make setup first"
-    "$ROOT/.venv/bin/python" "$ROOT/tests/aarch64_check.py" --kernel-digests >"$ARM/check/x86_64-digests.json"
+    "$ROOT/.venv/bin/python" "$ROOT/tests/support/aarch64_check.py" --kernel-digests >"$ARM/check/x86_64-digests.json"
     say "installing $(basename "$wheel") and checking it under qemu-aarch64"
     # From /check/work: nothing of the repository is in the root, so the package is the wheel's.
     in_root "$ARM" bash -c '

@@ -17,9 +17,9 @@ command -v fio >/dev/null 2>&1 || missing+=(fio)
 command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(util-linux)
 [[ -e /usr/include/libaio.h ]] || missing+=(libaio-dev)
-# libfuse 3 and fusermount3: the fault tests' failing storage path (tests/faultfs.py).
+# libfuse 3 and fusermount3: the fault tests' failing storage path (tests/support/faultfs.py).
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
-# Network namespaces, a GlusterFS server and its FUSE client: the two-node tests (tests/cluster.py).
+# Network namespaces, a GlusterFS server and its FUSE client: the two-node tests (tests/support/cluster.py).
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v glusterd >/dev/null 2>&1 || missing+=(glusterfs-server)
 command -v mount.glusterfs >/dev/null 2>&1 || [[ -x /sbin/mount.glusterfs ]] || missing+=(glusterfs-client)

@@ -2,10 +2,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+# What the tests share (the harnesses, their server, the runs' comparison, the test cluster, the faulty file
+# system) is in support/, imported by its modules' names, as the harnesses import each other there.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # OpenMP's waiting threads sleep at once (libgomp spins first by default). Two pytest workers on two cores
 # each run torch and DeepSpeed's CPU Adam on two OpenMP threads: spinning, the waiting threads took the
@@ -17,6 +23,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import mlp_offload
 
 ENGINES = ["io_uring", "threads"]
+
+# Tests whose ranks share the work disk's device through node-wide admission run one after another, never
+# beside each other (`pytest -n`): one node-wide semaphore per device and user.
+ONE_NODE = pytest.mark.xdist_group("node-wide admission")
 
 
 @pytest.fixture(params=ENGINES)
@@ -96,6 +106,17 @@ def probed_paths(probed_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable
         return pair
 
     return paths
+
+
+@pytest.fixture(scope="module")
+def stock_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """DeepSpeed's own round trip: stock saves at step 5, a stock engine resumes and, at the end, saves
+    the 16-bit model (its directories under `"dir"`)."""
+    from deepspeed_runs import run_case
+
+    d = tmp_path_factory.mktemp("stock")
+    case = {"checkpoint_at": 5, "checkpoint_dir": str(d / "ckpt"), "save_16bit": str(d / "model16")}
+    return {**run_case(case, d, "stock-resumed"), "dir": d}
 
 
 def is_root() -> bool:

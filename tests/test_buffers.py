@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,18 @@ def test_host_buffer_is_aligned_and_shared_with_torch(nbytes: int, dtype: torch.
 
 
 def test_tensor_keeps_buffer_alive() -> None:
-    view = mlp_offload.as_tensor(mlp_offload.HostBuffer(1 << 16), torch.float32)
+    """A tensor viewing a buffer holds a reference to it for as long as the tensor lives, and only so long
+    (the buffer's reference count says so: freed memory that is still mapped would not)."""
+    buf = mlp_offload.HostBuffer(1 << 16)
+    alone = sys.getrefcount(buf)
+    view = mlp_offload.as_tensor(buf, torch.float32)
     gc.collect()
-    view.fill_(3.0)  # would crash or corrupt if the buffer had been freed
+    assert sys.getrefcount(buf) == alone + 1, "the view holds the buffer"
+    view.fill_(3.0)
     assert float(view.sum()) == 3.0 * view.numel()
+    del view
+    gc.collect()
+    assert sys.getrefcount(buf) == alone, "the view let the buffer go with it"
 
 
 def test_pool_recycles_buffers_when_views_die() -> None:

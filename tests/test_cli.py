@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from mlp_offload import _core
-from mlp_offload.cli import parse_size
+from mlp_offload.app.cli import parse_size
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mlp_offload.cli", *args],
+        [sys.executable, "-m", "mlp_offload.app.cli", *args],
         capture_output=True,
         text=True,
         check=check,
@@ -27,7 +27,7 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 PROBE = [
     sys.executable,
     "-m",
-    "mlp_offload.cli",
+    "mlp_offload.app.cli",
     "probe",
     "--bytes",
     "16M",
@@ -116,7 +116,7 @@ SHARING_CHOICES = [
 def test_the_model_limits_the_node_only_where_the_probe_measured_it_faster(
     rates: tuple[int | None, int, int], limits: bool, way: str
 ) -> None:
-    from mlp_offload import profiles
+    from mlp_offload.engine import profiles
 
     free, shared, turns = rates
     sharing = {"streams": 4, "limit": 8, "shared_bytes_per_s": shared * MiB, "turns_bytes_per_s": turns * MiB}
@@ -169,7 +169,7 @@ def test_each_rank_is_planned_with_its_part_of_a_shared_device(
     """The model plans each of the node's ranks with the device's total for that many ranks, measured
     by the probe the way they share it, divided among them; and the predicted update of an I/O-bound
     plan grows as the part shrinks."""
-    from mlp_offload import profiles
+    from mlp_offload.engine import profiles
 
     def figures(device: str) -> dict[str, Any] | None:
         rates = sharing[device]
@@ -272,7 +272,7 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
 ) -> None:
     """The nodes share equally what the shared path moved with all of them at once, each at most what
     it moved alone in the same measurement; node-local paths are each node's own. This node is node0."""
-    from mlp_offload import profiles
+    from mlp_offload.engine import profiles
 
     probes = [
         {
@@ -314,7 +314,7 @@ def test_each_node_is_planned_with_its_part_of_a_shared_path(
 ACROSS_NODES = """
 import json, sys, types
 import torch.distributed as dist
-from mlp_offload import profiles
+from mlp_offload.engine import profiles
 rank, port, directory, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 profiles.socket = types.SimpleNamespace(gethostname=lambda: f"node{rank}")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -387,7 +387,7 @@ MOUNTS = [
 def test_a_saved_profile_holds_while_its_paths_sit_on_the_same_mounts(
     before: tuple[str, str, str, str], now: tuple[str, str], holds: bool
 ) -> None:
-    from mlp_offload import profiles
+    from mlp_offload.engine import profiles
 
     locality, fs_type, source, device = before
     probed = {"locality": locality, "fs_type": fs_type, "mount_source": source, "device_id": device}

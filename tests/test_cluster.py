@@ -22,7 +22,7 @@ import torch
 from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable
 from conftest import is_root
 from deepspeed_runs import HARNESS, assert_bit_equal, free_port, harness_env
-from mlp_offload.profiles import ProbeOptions
+from mlp_offload.engine.profiles import ProbeOptions
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -144,7 +144,9 @@ def probe_across_nodes(cluster: TwoNodeCluster, paths: list[str], profiles: Path
     procs = []
     for k in range(2):
         env = harness_env(OMP_NUM_THREADS="1", **cluster.env(k))
-        argv = cluster.torchrun(k, ["-m", "mlp_offload.cli", "probe", *SMALL_PROBE, "-q", *paths], port, 1)
+        argv = cluster.torchrun(
+            k, ["-m", "mlp_offload.app.cli", "probe", *SMALL_PROBE, "-q", *paths], port, 1
+        )
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env))
     try:
         # Well within the test's own timeout, so that a probe that hangs is named with its output.
@@ -190,7 +192,7 @@ def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volum
         runs[name] = run_on(cluster, 1, full, name)
     assert len({json.dumps(r["losses"]) for r in runs["stock"]}) == RANKS, "each rank has its own data"
     for rank, (a, b) in enumerate(zip(runs["ours"], runs["stock"], strict=True)):
-        assert a["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3", rank
+        assert a["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3", rank
         assert_bit_equal(a, b)
         start = next(r for r in a["telemetry"] if r["event"] == "start")
         assert start["cached_chunks"] < start["chunks"], "the state streams through both paths"

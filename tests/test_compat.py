@@ -9,8 +9,8 @@ import deepspeed
 import pytest
 
 import mlp_offload
-from mlp_offload import compat
-from mlp_offload.zero3 import MLPOffloadStage3
+from mlp_offload.adapter import compat
+from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
 STAGE3 = compat.STAGE3
 
@@ -19,9 +19,11 @@ def test_the_deepspeed_code_the_engine_relies_on_is_the_code_it_was_tested_with(
     # Run on every DeepSpeed: a release that changes any of them fails here, naming each.
     differ = compat.differences(MLPOffloadStage3)
     assert not differ, (
-        f"DeepSpeed {deepspeed.__version__} differs from the fingerprints in mlp_offload/compat.py in "
+        f"DeepSpeed {deepspeed.__version__} differs from the fingerprints in mlp_offload/adapter/compat.py "
+        "in "
         + ", ".join(f"{name} ({why})" for name, why in sorted(differ.items()))
-        + ": review the engine against each, then regenerate the table with `python -m mlp_offload.compat`"
+        + ": review the engine against each, then regenerate the table with "
+        "`python -m mlp_offload.adapter.compat`"
     )
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from mlp_offload.config import from_ds_config, migrate_nvme_offload
+from mlp_offload.common.config import from_ds_config, migrate_nvme_offload
 
 NVME = {
     "device": "nvme",

@@ -71,7 +71,7 @@ def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
     started = time.time()
     ours = train(framework, paths, tmp_path, "ours")
     assert stock["optimizer_class"].startswith("deepspeed.runtime.zero.stage3.")
-    assert ours["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    assert ours["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
     assert len(ours["losses"]) == 6
     assert_bit_equal(ours, stock)
     # The paths are this worker's for the README's section: an earlier test's files may be there too.
@@ -92,7 +92,7 @@ def test_the_trainer_resumes_its_checkpoint_in_a_new_process_as_stock_does(
         resumed[name] = train(
             "trainer", paths, tmp_path, f"{name}-resumed", {**job, "resume_from": "checkpoint-3"}
         )
-    assert resumed["ours"]["optimizer_class"] == "mlp_offload.zero3.MLPOffloadStage3"
+    assert resumed["ours"]["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
     assert len(resumed["ours"]["losses"]) == 8
     assert_bit_equal(resumed["ours"], resumed["stock"])
 

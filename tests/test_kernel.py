@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from mlp_offload import _core, kernel
+from mlp_offload import _core
 
 # DeepSpeed builds its CPU Adam just in time, once, into target/ (as the harness's runs do).
+from mlp_offload.engine import fused_update
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions")
@@ -79,7 +81,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: str) -> None:
     dtype = HALF[half]
     ds = optimizer(**settings)
-    fused, why = kernel.self_check(ds, dtype, dtype)
+    fused, why = fused_update.self_check(ds, dtype, dtype)
     assert fused is not None, why
     group = ds.param_groups[0]
     beta1, beta2 = group["betas"]
@@ -114,12 +116,12 @@ def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: 
 def test_the_check_names_what_it_cannot_fuse() -> None:
     param = torch.nn.Parameter(torch.zeros(4))
     torch_adam = torch.optim.AdamW([param])
-    fused, why = kernel.self_check(torch_adam, torch.bfloat16, torch.bfloat16)
+    fused, why = fused_update.self_check(torch_adam, torch.bfloat16, torch.bfloat16)
     assert fused is None and "AdamW" in why
-    assert kernel.choose("auto", torch_adam, torch.bfloat16, torch.bfloat16)[0] is None
+    assert fused_update.choose_update_kernel("auto", torch_adam, torch.bfloat16, torch.bfloat16)[0] is None
     with pytest.raises(ValueError, match=r"mlp_offload\.update_kernel.*AdamW"):
-        kernel.choose("fused", torch_adam, torch.bfloat16, torch.bfloat16)
-    fused, why = kernel.choose("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
+        fused_update.choose_update_kernel("fused", torch_adam, torch.bfloat16, torch.bfloat16)
+    fused, why = fused_update.choose_update_kernel("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
     assert fused is None and why == "configured"
 
 
@@ -127,14 +129,14 @@ def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
     """The check fails, naming the output, for an arithmetic DeepSpeed's build does not have: so a CPU or
     compiler whose DeepSpeed differs gets DeepSpeed's kernel, not wrong bits."""
     ds = optimizer(adamw_mode=True, weight_decay=0.01)
-    fused, _ = kernel.self_check(ds, torch.bfloat16, torch.bfloat16)
+    fused, _ = fused_update.self_check(ds, torch.bfloat16, torch.bfloat16)
     assert fused is not None
     found = fused.kernel.arith
     for wrong in (
         {**found, "others": not found["others"]},
         {**found, "vector_width": 8 if found["vector_width"] != 8 else 16},
     ):
-        calls = kernel._deepspeed_reference(
+        calls = fused_update._deepspeed_reference(
             ds.ds_opt_adam,
             ds.param_groups[0],
             True,
@@ -143,8 +145,8 @@ def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
             torch.bfloat16,
             torch.Generator().manual_seed(1),
         )
-        bad = kernel.FusedAdam(_core.AdamKernel(*ds.defaults["betas"], **wrong), adamw=True, threads=1)
-        difference = kernel._first_difference(calls, bad, ds.param_groups[0], 0.5)
+        bad = fused_update.FusedAdam(_core.AdamKernel(*ds.defaults["betas"], **wrong), adamw=True, threads=1)
+        difference = fused_update._first_difference(calls, bad, ds.param_groups[0], 0.5)
         assert difference is not None and "differ from DeepSpeed's" in difference, wrong
 
 
@@ -163,7 +165,7 @@ def test_bad_kernel_settings_are_named(kwargs: dict[str, Any], key: str) -> None
 
 
 def test_bad_tensors_are_named() -> None:
-    fused = kernel.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=1)
+    fused = fused_update.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=1)
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     state, grad = torch.zeros(30), torch.zeros(10, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"state: .* 30 elements|state.*30"):
@@ -180,7 +182,7 @@ def test_a_process_forked_after_a_pass_starts_its_own_threads() -> None:
     """The pass's worker threads are kept between passes, in the process that started them: a child
     forked after a pass (a data loader's worker, a framework's helper process) has none of them, and its
     passes start their own, end, and compute what the parent's did."""
-    fused = kernel.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=3)
+    fused = fused_update.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=3)
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     n = 1 << 16
     state, grad = inputs(n, torch.bfloat16, torch.Generator().manual_seed(3), specials=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlp_offload import memory
+from mlp_offload.engine import memory
 
 MiB = 1 << 20
 

@@ -84,9 +84,9 @@ HOST_PAGES = [
 def test_host_pages_follow_the_setting_or_the_probe(
     name: str, setting: HostPages, figures: list[dict] | None, pages: str, why: str, tmp_path: Path
 ) -> None:
-    from mlp_offload import profiles
-    from mlp_offload.config import MLPOffloadConfig
-    from mlp_offload.planning import UpdatePlanner
+    from mlp_offload.common.config import MLPOffloadConfig
+    from mlp_offload.engine import profiles
+    from mlp_offload.engine.planning import UpdatePlanner
 
     paths = [str(tmp_path / f"p{i}") for i in range(len(figures) if figures else 1)]
     planner = UpdatePlanner(MLPOffloadConfig(paths=paths, host_pages=setting, weights="equal"), rank=0)
@@ -146,9 +146,9 @@ def test_requests_in_flight_follow_the_config_or_the_probe(
     expected: tuple[int, str],
     tmp_path: Path,
 ) -> None:
-    from mlp_offload import profiles
-    from mlp_offload.config import MLPOffloadConfig
-    from mlp_offload.planning import UpdatePlanner
+    from mlp_offload.common.config import MLPOffloadConfig
+    from mlp_offload.engine import profiles
+    from mlp_offload.engine.planning import UpdatePlanner
 
     paths = [str(tmp_path / f"p{i}") for i in range(len(probed) if probed else 1)]
     config = MLPOffloadConfig(paths=paths, max_inflight=configured, weights="equal")
@@ -176,7 +176,7 @@ def test_requests_in_flight_follow_the_config_or_the_probe(
     ],
 )
 def test_the_start_up_line_says_what_pages_the_kernel_gave(report: dict, words: str) -> None:
-    from mlp_offload.memory import describe_pages
+    from mlp_offload.engine.memory import describe_pages
 
     assert words in describe_pages("huge", "configured", report)
     assert describe_pages("small", "configured", report) == "host buffers in 4 KiB pages (configured)"

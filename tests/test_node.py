@@ -11,12 +11,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import mlp_offload
-from mlp_offload import profiles
+from deepspeed_runs import assert_bit_equal, run_case, section
+from mlp_offload.engine import profiles
 
 # Node-wide admission on the work disk's device: one semaphore per device and user, so these run one after
 # another and never beside the other tests that use it (`pytest -n`).
@@ -34,7 +36,7 @@ def test_one_rank_of_a_node_probes_and_the_others_reuse_its_profile(work_dirs: l
     script = textwrap.dedent(
         f"""
         import json, sys
-        from mlp_offload.profiles import ProbeOptions, load_or_probe
+        from mlp_offload.engine.profiles import ProbeOptions, load_or_probe
         profile, source = load_or_probe(sys.argv[1:], {SMALL_PROBE})
         print(json.dumps({{"source": source, "probed_at": profile.probed_at, "devices": profile.devices}}))
         """
@@ -60,7 +62,7 @@ def test_a_rank_waiting_for_the_probe_lock_still_takes_signals() -> None:
     script = textwrap.dedent(
         """
         import time
-        from mlp_offload.profiles import node_probe_lock
+        from mlp_offload.engine.profiles import node_probe_lock
         with node_probe_lock():
             print("held", flush=True)
             time.sleep(60)
@@ -143,3 +145,76 @@ def test_a_rank_killed_while_it_holds_the_device_does_not_block_the_others(work_
             holder.wait()
         if holder.stdout is not None:
             holder.stdout.close()
+
+
+def save_stale_profile(paths: list[Path], ranks: int) -> dict[str, Any]:
+    """A real probe of `paths` (a small one) for a node of `ranks`, saved as the engine's profile of them,
+    in which the first path claims 8 times what it gives, as a profile saved before its device slowed
+    would: the plan then loads it with most of the state, and the tuners must move the split back.
+    Returns the probe's measurement of how the ranks share the device."""
+    from dataclasses import asdict
+
+    from mlp_offload.engine import profiles
+
+    small = profiles.ProbeOptions(
+        bytes=16 << 20,
+        sustained_bytes=32 << 20,
+        chunk_sizes=[1 << 20],
+        depths=[2, 8],
+        together_secs=0.3,
+        ranks=ranks,
+    )
+    profile = profiles.probe([str(p) for p in paths], small)
+    for key in ("read_bytes_per_s", "write_bytes_per_s", "mixed_bytes_per_s", "concurrent_bytes_per_s"):
+        if profile.probes[0].get(key):
+            profile.probes[0][key] *= 8
+    profile.options = asdict(profiles.ProbeOptions(ranks=ranks))
+    profiles.save_profile(profile)
+    sharing: dict[str, Any] = profile.probes[0]["sharing"]
+    return sharing
+
+
+# ranks, device_sharing
+NODES = [(2, "auto"), (4, "turns")]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(("ranks", "sharing"), NODES, ids=[f"{r} ranks, {s}" for r, s in NODES])
+def test_the_ranks_of_a_node_share_each_device_and_agree_on_the_split(
+    ranks: int, sharing: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """N ranks of one node (gloo) on the same two paths, under node-wide admission of 2 requests per
+    device while each rank may put 8 in flight, adapting the split from a stale profile: every rank's
+    state equals stock DeepSpeed's N-rank run bit for bit; no rank put more than 2 requests in flight,
+    and none saw more than 2 in flight on the device, all ranks together; every rank's tuner made the
+    same moves at the same steps, so all hold the same split throughout; and the device is shared as
+    asked, or ("auto") as the probe measured faster."""
+    from mlp_offload.engine import profiles
+
+    measured = save_stale_profile(work_dirs[:2], ranks)
+    stock = run_case({}, tmp_path, "stock", ranks=ranks)
+    extra = {
+        "weights": "auto",
+        "host_memory": "200K",
+        "update_chunk": "24K",
+        "device_inflight": 2,
+        "device_sharing": sharing,
+    }
+    ours = run_case({"mlp_offload": section(work_dirs[:2], **extra)}, tmp_path, "ours", ranks=ranks)
+    for a, b in zip(ours["ranks"], stock["ranks"], strict=True):
+        assert_bit_equal(a, b)
+    way = profiles.sharing_choice(measured) if sharing == "auto" else sharing
+    moves = []
+    for rank, result in enumerate(ours["ranks"]):
+        start = next(r for r in result["telemetry"] if r["event"] == "start")
+        assert start["device_inflight"] == [2, 2], rank
+        assert start["device_sharing"] == [way, way], rank
+        steps = [r for r in result["telemetry"] if r["event"] == "step"]
+        for r in steps:
+            for p in r["paths"]:
+                assert p["device_inflight"] == 2
+                assert 1 <= p["inflight_max"] <= 2, (rank, r["step"], p)
+                assert 1 <= p["node_inflight_max"] <= 2, (rank, r["step"], p)
+        moves.append([r["weights_next"] for r in steps])
+    assert any(m is not None for m in moves[0]), "the stale profile's split was never moved"
+    assert all(m == moves[0] for m in moves), "the ranks' tuners moved differently"

@@ -17,14 +17,15 @@ import pytest
 import torch
 
 from conftest import mounted_tmpfs
-from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core, memory, overlap, profiles
-from mlp_offload import pipeline as pipeline_module
-from mlp_offload import state as state_module
-from mlp_offload.config import MLPOffloadConfig
-from mlp_offload.overlap import UpdateInFlight, update_thread
-from mlp_offload.pipeline import ChunkPipeline, KeptCopy, next_order
-from mlp_offload.planning import UpdatePlanner
-from mlp_offload.state import ChunkedState
+from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core
+from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.engine import memory, overlap, profiles
+from mlp_offload.engine import pipeline as pipeline_module
+from mlp_offload.engine import state as state_module
+from mlp_offload.engine.overlap import UpdateInFlight, update_thread
+from mlp_offload.engine.pipeline import ChunkPipeline, KeptCopy, next_order
+from mlp_offload.engine.planning import UpdatePlanner
+from mlp_offload.engine.state import ChunkedState
 
 
 class Bumps:
@@ -356,8 +357,8 @@ def test_while_a_step_runs_on_another_thread_the_pipeline_refuses_the_rest(work_
 def test_overlap_runs_where_the_fused_pass_does_and_by_default_where_nothing_streams(
     setting: bool | str, fused: bool, every_chunk_cached: bool, on: bool, why: str
 ) -> None:
-    assert overlap.choose(setting, fused, every_chunk_cached)[0] == on
-    assert why in overlap.choose(setting, fused, every_chunk_cached)[1]
+    assert overlap.choose_overlap(setting, fused, every_chunk_cached)[0] == on
+    assert why in overlap.choose_overlap(setting, fused, every_chunk_cached)[1]
 
 
 # Two subgroups: 0 in chunks of 10, 10 and 5 elements, 1 in one chunk of 8. Parameters: (id, subgroup,
@@ -560,7 +561,7 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
 def test_the_update_during_backward_runs_where_it_can_be_undone(
     setting: bool | str, fused: bool, streams: bool, on_host: bool, kept: int, why: str
 ) -> None:
-    on, said = overlap.choose_backward(setting, fused, streams, on_host, kept)
+    on, said = overlap.choose_overlap_backward(setting, fused, streams, on_host, kept)
     assert on == (not said.startswith("off")) and why in said
 
 

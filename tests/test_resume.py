@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from conftest import ONE_NODE
 from deepspeed_runs import assert_bit_equal, keep, run_case, stock_cache
 
 SAVE_AT = 3
@@ -172,15 +173,10 @@ def run_until_the_restart(row: dict[str, Any], case: dict[str, Any], tmp_path: P
     assert f"killed {row['kill']}" in log, (str(failed.value)[-2000:], log[-2000:])
 
 
-# Two ranks' rows with the other tests whose ranks share the work disk's device through node-wide
-# admission (`test_zero3.py`), one after another.
-TWO_RANKS = pytest.mark.xdist_group("node-wide admission")
-
-
 @pytest.mark.deepspeed
 @pytest.mark.parametrize(
     "row",
-    [pytest.param(row, marks=[TWO_RANKS] if row["ranks"] > 1 else []) for row in MATRIX],
+    [pytest.param(row, marks=[ONE_NODE] if row["ranks"] > 1 else []) for row in MATRIX],
     ids=[row_id(row) for row in MATRIX],
 )
 def test_a_job_restarted_from_its_checkpoint_trains_on_as_stock_resumes(
@@ -227,6 +223,6 @@ def test_a_checkpoint_resumes_across_stock_and_ours_in_a_new_process(
     run_case(saving, tmp_path, "saves")
     resuming = {**ds_case, **ckpt, "resume_at": SAVE_AT, **engines[resumes]}
     resumed = run_case(resuming, tmp_path, "resumed")
-    engine = "mlp_offload.zero3." if resumes == "ours" else "deepspeed.runtime.zero.stage3."
+    engine = "mlp_offload.adapter.zero3." if resumes == "ours" else "deepspeed.runtime.zero.stage3."
     assert resumed["optimizer_class"].startswith(engine), resumed["optimizer_class"]
     assert_bit_equal(resumed, stock_resume(ds_case, 1, tmp_path)[0])

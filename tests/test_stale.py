@@ -1,14 +1,14 @@
-"""`mlp_offload.stale`: the factors a gradient without a new one goes through, step by step, as stock
-DeepSpeed's in-place products of its fp32 buffer apply them (the bit-exact rows with a block dropped
-from some steps check it against DeepSpeed itself)."""
+"""`mlp_offload.adapter.stale_gradients`: the factors a gradient without a new one goes through, step by
+step, as stock DeepSpeed's in-place products of its fp32 buffer apply them (the bit-exact rows with a
+block dropped from some steps check it against DeepSpeed itself)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mlp_offload import stale
-from mlp_offload.stale import StaleRange
+from mlp_offload.adapter import stale_gradients
+from mlp_offload.adapter.stale_gradients import StaleRange
 
 # Two parameters of subgroup 0 (elements 0-9, 10-29) and one of subgroup 1 (0-4).
 PARAMS = [(1, 0, 0, 10), (2, 0, 10, 20), (3, 1, 0, 5)]
@@ -55,8 +55,8 @@ CASES = [
 def test_the_ranges_without_a_new_gradient_carry_the_factors_since_their_last(
     name: str, steps: list[tuple[set[int], float | None]], expected: list[tuple[int, int, int, list[float]]]
 ) -> None:
-    gradients = stale.StaleGradients()
-    ranges: stale.StaleRanges = {}
+    gradients = stale_gradients.StaleGradients()
+    ranges: stale_gradients.StaleRanges = {}
     for reduced, factor in steps:
         for pid in reduced:
             gradients.reduced(pid)
@@ -73,8 +73,8 @@ def test_a_gradient_long_without_a_new_one_is_kept_and_takes_one_product_a_step(
     one after another; from then on each step multiplies it once; a new gradient drops it. Between
     backward and each step, `held` gives it as DeepSpeed's buffer holds it then (through the factors
     before that step), and changes nothing."""
-    gradients = stale.StaleGradients()
-    factors = [0.9 - 0.01 * k for k in range(stale.KEEP_AFTER + 3)]
+    gradients = stale_gradients.StaleGradients()
+    factors = [0.9 - 0.01 * k for k in range(stale_gradients.KEEP_AFTER + 3)]
     for pid in (1, 2, 3):
         gradients.reduced(pid)
     gradients.taken(factors[0], PARAMS, half_gradient)
@@ -86,17 +86,17 @@ def test_a_gradient_long_without_a_new_one_is_kept_and_takes_one_product_a_step(
         held = gradients.held(PARAMS)
         assert list(held) == [0], held
         now = HALF[2].float()
-        stale.apply(now, 10, held[0])
+        stale_gradients.apply(now, 10, held[0])
         assert torch.equal(now, expected), k
         ranges = gradients.taken(factors[k], PARAMS, half_gradient)
         (r,) = ranges[0]
-        if k < stale.KEEP_AFTER:
+        if k < stale_gradients.KEEP_AFTER:
             assert r.kept is None and len(r.factors) == k
         else:
             assert r.kept is not None and r.factors == [] and torch.equal(r.kept, expected), k
             assert gradients.kept_bytes() == 4 * NUMELS[2]
         grad = HALF[2].float()
-        stale.apply(grad, 10, [r])
+        stale_gradients.apply(grad, 10, [r])
         assert torch.equal(grad, expected), k
         expected.mul_(factors[k])
     for pid in (1, 2, 3):
@@ -105,7 +105,7 @@ def test_a_gradient_long_without_a_new_one_is_kept_and_takes_one_product_a_step(
 
 
 def test_gradients_of_earlier_micro_steps_alone_are_the_buffers_and_named() -> None:
-    gradients = stale.StaleGradients()
+    gradients = stale_gradients.StaleGradients()
     for pid in (1, 2, 3):
         gradients.reduced(pid)
     gradients.taken(0.5, PARAMS, half_gradient)
@@ -126,7 +126,7 @@ def test_gradients_of_earlier_micro_steps_alone_are_the_buffers_and_named() -> N
 
 
 def test_pending_names_a_parameter_whose_old_gradient_was_scaled() -> None:
-    gradients = stale.StaleGradients()
+    gradients = stale_gradients.StaleGradients()
     for pid in (1, 2):
         gradients.reduced(pid)
     gradients.taken(0.5, PARAMS, half_gradient)
@@ -138,12 +138,14 @@ def test_pending_names_a_parameter_whose_old_gradient_was_scaled() -> None:
 def test_apply_multiplies_in_order_within_the_window() -> None:
     grad = torch.full((8,), 3.0)
     # The window holds elements 4-11 of the subgroup; the range 2-6 overlaps its first three.
-    stale.apply(grad, 4, [StaleRange(2, 5, [0.1, 0.7])])
+    stale_gradients.apply(grad, 4, [StaleRange(2, 5, [0.1, 0.7])])
     expected = torch.full((3,), 3.0)
     expected.mul_(0.1)
     expected.mul_(0.7)
     assert torch.equal(grad[:3], expected) and torch.equal(grad[3:], torch.full((5,), 3.0))
     kept = torch.arange(5, dtype=torch.float32)
-    stale.apply(grad, 4, [StaleRange(2, 5, kept=kept)])
+    stale_gradients.apply(grad, 4, [StaleRange(2, 5, kept=kept)])
     assert torch.equal(grad[:3], kept[2:])
-    assert stale.touches(4, 8, [StaleRange(2, 5)]) and not stale.touches(7, 8, [StaleRange(2, 5)])
+    assert stale_gradients.touches(4, 8, [StaleRange(2, 5)]) and not stale_gradients.touches(
+        7, 8, [StaleRange(2, 5)]
+    )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -275,11 +277,19 @@ def test_handles_poll_and_time_out(engine: str, work_dirs: list[Path]) -> None:
 
 
 def test_buffers_outlive_the_callers_reference(engine: str, work_dirs: list[Path]) -> None:
-    """The store keeps the source alive until the kernel is done with it, even if the caller drops it."""
+    """The store holds the source while the kernel writes it, the caller's reference dropped, and lets it
+    go once the write is done (a weak reference to it says so: freed memory that is still mapped would
+    read back right too). 64 MiB: the write cannot be done before `write` returns."""
     with ObjectStore(work_dirs[:1], engine=engine) as store:
-        expected = random_tensor(8 << 20, 6)
-        handle = store.write("big", expected.clone())  # the clone's only reference is the store's
+        expected = random_tensor(64 << 20, 6)
+        source = expected.clone()
+        alive = weakref.ref(source)
+        handle = store.write("big", source)
+        del source
+        assert alive() is not None, "the store holds the source while its write is in flight"
         handle.wait()
+        gc.collect()
+        assert alive() is None, "the store let the source go once its write was done"
         back = torch.empty_like(expected)
         store.read("big", back).wait()
         assert torch.equal(back, expected)

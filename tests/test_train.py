@@ -85,7 +85,7 @@ def test_the_compute_dtype_follows_the_cpu(
 ) -> None:
     import torch
 
-    from mlp_offload import train as job
+    from mlp_offload.app import train as job
 
     measured = {torch.bfloat16: secs[0], torch.float32: secs[1]} if secs else {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -99,7 +99,7 @@ def test_the_compute_dtype_follows_the_cpu(
 
 
 def job_args() -> argparse.Namespace:
-    from mlp_offload import train as job
+    from mlp_offload.app import train as job
 
     parser = argparse.ArgumentParser()
     job.add_arguments(parser)

@@ -16,9 +16,9 @@ from mlp_offload._core import (
     probe_bandwidth,
     probe_directory,
 )
-from mlp_offload.buffers import PinnedBufferPool, as_tensor, register_with_cuda
-from mlp_offload.integration import initialize, install
-from mlp_offload.store import ObjectStore
+from mlp_offload.adapter.integration import initialize, install
+from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor, register_with_cuda
+from mlp_offload.engine.store import ObjectStore
 
 __all__ = [
     "CorruptObjectError",

@@ -78,7 +78,8 @@ class HostBufferPool:
 @final
 class AdamKernel:
     """DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
-    the half-precision copy (see `mlp_offload.kernel`), keeping DeepSpeed's per-optimizer bias state."""
+    the half-precision copy (see `mlp_offload.engine.fused_update`), keeping DeepSpeed's per-optimizer
+    bias state."""
 
     def __new__(
         cls,

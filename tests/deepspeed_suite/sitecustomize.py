@@ -85,7 +85,7 @@ def _patch_engine(deepspeed: ModuleType) -> None:
         if stage3_offload:
             ours = False
             if MODE == "ours":
-                from mlp_offload.zero3 import MLPOffloadStage3
+                from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
                 ours = isinstance(built, MLPOffloadStage3)
             _record({"device": device, "swapped": swapped, "optimizer": type(built).__name__, "ours": ours})

@@ -1,8 +1,8 @@
 """Imported once, by the forkserver that DeepSpeed's `DistributedTest` forks every rank process from
 (`suite_plugin` names it there, with DeepSpeed's CPU accelerator): torch, DeepSpeed's ZeRO-3 and CPU
 Adam modules, our package (in the `ours` mode, through `sitecustomize`), and DeepSpeed's JIT ops. Each
-rank then starts with them loaded, as `tests/harness_server.py` does for our own runs, instead of paying
-3-4 s of imports and op loading per rank per case. A rank is still a process of its own, forked from
+rank then starts with them loaded, as `tests/support/harness_server.py` does for our own runs, instead of
+paying 3-4 s of imports and op loading per rank per case. A rank is still a process of its own, forked from
 the forkserver's state, not from an earlier case's. Nothing is preloaded on a GPU: forking after CUDA's
 libraries initialised is not safe.
 
@@ -16,8 +16,8 @@ import traceback
 
 def preload() -> None:
     # torch._dynamo and DeepSpeed's Muon (through its torch.compile decorators, torch._inductor) are
-    # imported by DeepSpeed only once a rank builds an engine, as in `tests/harness_server.py`: 2.5-4.5 s
-    # of every rank's start here.
+    # imported by DeepSpeed only once a rank builds an engine, as in `tests/support/harness_server.py`:
+    # 2.5-4.5 s of every rank's start here.
     import deepspeed  # noqa: F401
     import torch._dynamo  # noqa: F401
     from deepspeed.accelerator import get_accelerator

@@ -297,7 +297,7 @@ type ChunkSumsPy = (
 );
 
 /// DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
-/// the half-precision copy (see `mlp_offload.kernel`), keeping DeepSpeed's per-optimizer bias state.
+/// the half-precision copy (see `mlp_offload.engine.fused_update`), keeping DeepSpeed's per-optimizer bias state.
 #[pyclass(module = "mlp_offload._core", frozen)]
 struct AdamKernel {
     bias: std::sync::Mutex<AdamBias>,
@@ -433,7 +433,7 @@ impl AdamKernel {
         };
         let sums = py
             .detach(|| {
-                // SAFETY: `mlp_offload.kernel.FusedAdam.update` passes the data pointers of contiguous CPU
+                // SAFETY: `mlp_offload.engine.fused_update.FusedAdam.update` passes the data pointers of contiguous CPU
                 // tensors of these lengths and dtypes, which it holds for the whole call; the state buffer,
                 // the gradient, the half-precision partition and the kept state's buffer are distinct
                 // tensors.

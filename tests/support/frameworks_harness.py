@@ -4,7 +4,7 @@ after `mlp_offload.install()`, and saves the final fp32 weights, Adam moments an
 `Accelerator` with a `DeepSpeedPlugin` in a loop of the user's own, and PyTorch Lightning's
 `DeepSpeedStrategy` (on CUDA where `DS_ACCELERATOR` is `cuda`).
 
-`python tests/frameworks_harness.py SPEC.json OUT.pt`, or forked from `harness_server.py`
+`python tests/support/frameworks_harness.py SPEC.json OUT.pt`, or forked from `harness_server.py`
 (`deepspeed_runs.HarnessRun(harness="frameworks_harness")`). SPEC holds `framework` (`trainer`,
 `accelerate` or `lightning`), `paths` (storage paths for an `"mlp_offload"` section, or null for stock
 DeepSpeed) and `variant`, the same for both runs of a comparison: `clip`, the framework's gradient
@@ -31,7 +31,7 @@ import torch
 
 import mlp_offload
 from deepspeed_runs import STACKS_SIGNAL
-from mlp_offload.models import llama
+from mlp_offload.app.models import llama
 
 VOCAB, SEQ = 256, 32
 

@@ -257,7 +257,7 @@ def zero3_run(ours: bool, out: Path, paths: list[str]) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import mlp_offload
-    from mlp_offload.models import GPT, SIZES
+    from mlp_offload.app.models import GPT, SIZES
 
     torch.manual_seed(1234)
     model = GPT.from_size("tiny", max_seq=16)

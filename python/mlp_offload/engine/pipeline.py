@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from mlp_offload import _core
-from mlp_offload.buffers import PinnedBufferPool, as_tensor
-from mlp_offload.memory import PIPELINE_BUFFERS, spare_host_memory, stream_buffers
-from mlp_offload.store import ObjectStore
+from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
+from mlp_offload.engine.memory import PIPELINE_BUFFERS, spare_host_memory, stream_buffers
+from mlp_offload.engine.store import ObjectStore
 
 # Boundaries in a row that want fewer kept copies than are held before the idle ones go back.
 KEPT_IDLE_BOUNDARIES = 4

@@ -4,7 +4,7 @@ over a directory, whose reads or writes fail with EIO while a switch file exists
 killed. The faults come through the kernel as a failing device's would: the store sees them as the
 results of its own system calls.
 
-    python tests/faultfs.py BACKING MOUNTPOINT
+    python tests/support/faultfs.py BACKING MOUNTPOINT
 
 prints "mounted" once the mount is up. `BACKING/.fail-reads` or `BACKING/.fail-writes` switches the
 faults on (the switches themselves are not in the file system's listing).

@@ -11,8 +11,8 @@ import torch
 from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
-from mlp_offload import stale
-from mlp_offload.state import FP32, STATE_TENSORS
+from mlp_offload.adapter import stale_gradients
+from mlp_offload.engine.state import FP32, STATE_TENSORS
 
 # DeepSpeed's own class (`install()` leaves the name bound to it).
 DeepSpeedZeroOptimizer_Stage3: Any = stage3.DeepSpeedZeroOptimizer_Stage3
@@ -115,7 +115,7 @@ class StateSwapper:
         grad = opt._mlp_gradient(i).to(FP32, copy=True)
         if i not in opt._mlp_fp32_grads:
             held = opt._mlp_stale.held(r for r in opt._mlp_param_ranges if r[1] == i)
-            stale.apply(grad, 0, held.get(i, []))
+            stale_gradients.apply(grad, 0, held.get(i, []))
         parameter.grad = grad
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:

@@ -27,7 +27,7 @@ def harness_env(**overrides: str) -> dict[str, str]:
     accelerator that `MLP_OFFLOAD_TEST_ACCELERATOR` names (`cuda` in the GPU report)."""
     return {
         # DeepSpeed's just-in-time ops (cpu_adam, shm comm) build once into target/, not per run.
-        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": str(Path(__file__).resolve().parents[2] / "target" / "torch_extensions"),
         **os.environ,
         "DS_ACCELERATOR": os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR", "cpu"),
         "OMP_NUM_THREADS": "2",
@@ -228,7 +228,7 @@ def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None
 
 
 # Where stock runs are kept between tests (and between sessions, until anything they depend on changes).
-STOCK_RUNS = Path(__file__).resolve().parent.parent / "target" / "stock-runs"
+STOCK_RUNS = Path(__file__).resolve().parents[2] / "target" / "stock-runs"
 # Case keys whose runs leave what a test looks at besides the result (checkpoint files, a fault, a file
 # system filled up, a killed process, resource samples), or name a path: such runs are never reused.
 UNCACHED_KEYS = {
@@ -256,7 +256,7 @@ UNCACHED_KEYS = {
 def code_digest() -> str:
     """A digest of the code a stock run executes besides DeepSpeed and torch: the harness and the
     mlp_offload package (its models; `install()` where a case asks for it), native module included."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     files = sorted([HARNESS, *Path(root, "python", "mlp_offload").rglob("*.py")])
     files += sorted(Path(root, "python", "mlp_offload").glob("_core*.so"))
     digest = hashlib.sha256()
@@ -396,6 +396,32 @@ def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
     """An `"mlp_offload"` section on `paths` with `extra` keys, its weights equal: without the probe that
     the README's section (`weights: "auto"`) runs on new paths first."""
     return {"paths": [str(p) for p in paths], "weights": "equal", **extra}
+
+
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}
+
+
+def stock_side(case: dict[str, Any]) -> dict[str, Any]:
+    """A row's case for the stock run: what only our engine has a path for (the parameters through the
+    host scratch) left out, so the stock run is another row's, kept once (`stock_cache`)."""
+    return {k: v for k, v in case.items() if k != "params_through_scratch"}
+
+
+def check_chunk_counts(start: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+    """Every chunk is read, cached or still in its buffer from the last step's write-back, and written
+    or kept in the step's cache, once a step: by the update during backward where step() kept it, else
+    by the update after it (an update during backward that step() undid is in the step's figures too,
+    its part said in its record)."""
+    for r in steps:
+        spec = r["speculation"]
+        undone = dict.fromkeys(("reads", "reads_dropped", "cached", "retained", "writes"), 0)
+        if spec is not None and not spec["kept"] and spec["figures"] is not None:
+            undone = spec["figures"]
+        # A read ahead of a part that ended before its chunk (`reads_dropped`) is read again.
+        taken = sum(r[k] - undone[k] for k in ("reads", "cached", "retained"))
+        taken -= r["reads_dropped"] - undone["reads_dropped"]
+        assert taken == start["chunks"], (r, spec)
+        assert r["writes"] - undone["writes"] + r["cached_chunks"] == start["chunks"], (r, spec)
 
 
 def from_step(run: dict[str, Any], step: int) -> dict[str, Any]:

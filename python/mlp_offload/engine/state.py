@@ -12,9 +12,9 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from mlp_offload import memory
-from mlp_offload.pipeline import ChunkPipeline
-from mlp_offload.store import ObjectStore
+from mlp_offload.engine import memory
+from mlp_offload.engine.pipeline import ChunkPipeline
+from mlp_offload.engine.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
 

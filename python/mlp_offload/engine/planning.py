@@ -15,11 +15,12 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as torch_dist
 
-from mlp_offload import _core, memory, profiles
-from mlp_offload.config import MLPOffloadConfig
-from mlp_offload.overlap import chunks_backward_may_take, could_run_in_backward
-from mlp_offload.pipeline import ChunkPipeline, StepStats
-from mlp_offload.store import ObjectStore
+from mlp_offload import _core
+from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.engine import memory, profiles
+from mlp_offload.engine.overlap import chunks_backward_may_take, could_run_in_backward
+from mlp_offload.engine.pipeline import ChunkPipeline, StepStats
+from mlp_offload.engine.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
 
@@ -333,7 +334,7 @@ class UpdatePlanner:
         the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
         chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
         `speculation`: the update during backward, and whether it was kept. `stale`: the parameters this
-        boundary gave no gradient, updated with an earlier one (`mlp_offload.stale`)."""
+        boundary gave no gradient, updated with an earlier one (`mlp_offload.adapter.stale_gradients`)."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.

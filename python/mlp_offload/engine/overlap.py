@@ -22,8 +22,8 @@ from typing import Generic, Protocol, TypeVar
 __all__ = [
     "GradsFinal",
     "UpdateInFlight",
-    "choose",
-    "choose_backward",
+    "choose_overlap",
+    "choose_overlap_backward",
     "chunk_order_pays",
     "chunks_for_backward",
     "could_run_in_backward",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
+def choose_overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
     """Whether the update runs behind `step()` (`MLPOffloadConfig.overlap`), and why, in words for the
     start-up line."""
     if setting is False:
@@ -50,7 +50,7 @@ def choose(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[
     return False, "off: the state streams (overlap: true runs it behind step() all the same)"
 
 
-def choose_backward(
+def choose_overlap_backward(
     setting: bool | str, fused: bool, streams: bool, params_on_host: bool = True, kept_copies: int = 0
 ) -> tuple[bool, str]:
     """Whether chunks are updated during backward (`MLPOffloadConfig.overlap_backward`), and why, in

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from mlp_offload import units
+from mlp_offload.common import units
 
 SECTION = "mlp_offload"
 

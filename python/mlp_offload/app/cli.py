@@ -12,13 +12,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mlp_offload import memory, profiles, units
-from mlp_offload import train as train_job
-from mlp_offload.tables import render_table
+from mlp_offload.app import train as train_job
+from mlp_offload.app.tables import render_table
+from mlp_offload.common import units
+from mlp_offload.engine import memory, profiles
 
 
 def parse_size(text: str) -> int:
-    """`"512M"` -> 536870912 (see `mlp_offload.units`), as an argparse type."""
+    """`"512M"` -> 536870912 (see `mlp_offload.common.units`), as an argparse type."""
     try:
         return units.parse_size(text)
     except ValueError as e:
@@ -158,7 +159,7 @@ def _across_nodes() -> Iterator[int]:
 
 
 def parse_count(text: str) -> int:
-    """`"1.3e9"`, `"130M"` -> a count (see `mlp_offload.units`), as an argparse type."""
+    """`"1.3e9"`, `"130M"` -> a count (see `mlp_offload.common.units`), as an argparse type."""
     try:
         return units.parse_count(text)
     except ValueError as e:

@@ -280,7 +280,7 @@ def self_check(
     return None, why
 
 
-def choose(
+def choose_update_kernel(
     setting: str,
     optimizer: Any,
     grad_dtype: torch.dtype,

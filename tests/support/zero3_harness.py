@@ -1,7 +1,7 @@
 """Trains a small GPT-style model with real DeepSpeed ZeRO-3 on the CPU, stock or with mlp-offload, and
 returns the fp32 master weights and both Adam moments of every parameter, for bit-for-bit comparisons.
 
-Run in its own process per case (`python tests/zero3_harness.py CASE.json OUT.pt`, or forked by
+Run in its own process per case (`python tests/support/zero3_harness.py CASE.json OUT.pt`, or forked by
 `harness_server.py` from a process that has imported everything already): DeepSpeed keeps process-wide
 state (patched modules, the process group), so each engine gets a fresh process. With several ranks, one
 process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own OUT.
@@ -38,7 +38,7 @@ default_environment()
 import torch  # noqa: E402
 
 from deepspeed_runs import STACKS_SIGNAL  # noqa: E402
-from mlp_offload.models import GPT, SIZES, llama  # noqa: E402
+from mlp_offload.app.models import GPT, SIZES, llama  # noqa: E402
 
 VOCAB, SEQ = SIZES["tiny"][0], 16
 # DeepSpeed's AIO settings wherever a case puts something on NVMe (the optimizer or the parameters).
@@ -382,7 +382,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
 def build_model(name: str) -> torch.nn.Module:
     """The case's model, whose `forward(tokens)` returns the next-token loss: `"gpt"`, the tests' GPT
-    (`mlp_offload.models.GPT`: plain `nn.Linear` layers, each used by its own module's forward);
+    (`mlp_offload.app.models.GPT`: plain `nn.Linear` layers, each used by its own module's forward);
     `"attention"`, blocks of torch's `nn.TransformerEncoderLayer`, whose `nn.MultiheadAttention` reads its
     `out_proj`'s parameters in its own forward (DeepSpeed fetches them for a module that does not own
     them); `"llama"`, Hugging Face's `LlamaForCausalLM` built from its config."""

@@ -13,8 +13,8 @@ import functools
 import os
 from typing import Any
 
-from mlp_offload import compat
-from mlp_offload.config import SECTION, migrate_nvme_offload
+from mlp_offload.adapter import compat
+from mlp_offload.common.config import SECTION, migrate_nvme_offload
 
 
 def install() -> None:
@@ -28,7 +28,7 @@ def install() -> None:
         )
     from deepspeed.runtime.zero import stage3
 
-    from mlp_offload.zero3 import MLPOffloadStage3
+    from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
     # A patch release we did not test: say so, naming what changed in the code the engine relies on.
     compat.check_deepspeed(deepspeed.__version__, MLPOffloadStage3)

@@ -18,7 +18,7 @@ which file to read when they do.)
 `tests/test_compat.py` fails naming each function whose source differs from `FINGERPRINTS`, and each
 function that became coupled or stopped existing. `install()` warns once, naming the tested versions
 and what changed, when the installed DeepSpeed is not one of them. After reviewing a new release
-against the engine, `python -m mlp_offload.compat` prints the table for it.
+against the engine, `python -m mlp_offload.adapter.compat` prints the table for it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ CALLED = (
     "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict.__getitem__",
 )
 
-# Source digests (`source_digest`) in DeepSpeed 0.19.8 by module or class: `python -m mlp_offload.compat`.
+# Source digests (`source_digest`) in DeepSpeed 0.19.8 by module or class:
+# `python -m mlp_offload.adapter.compat`.
 FINGERPRINTS: dict[str, dict[str, str]] = {
     "deepspeed": {
         "initialize": "82505af39fb2e68e",
@@ -338,7 +339,7 @@ _warned = False
 
 def main() -> None:
     """Prints `FINGERPRINTS` for the installed DeepSpeed."""
-    from mlp_offload.zero3 import MLPOffloadStage3
+    from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
     print("FINGERPRINTS: dict[str, dict[str, str]] = {")
     owner = None

@@ -3,7 +3,7 @@ mlp-offload's store, and show where the time went.
 
 `mlp-offload train` (what `make run` starts) trains a byte-level `LlamaForCausalLM` (random init, bf16,
 DeepSpeed ZeRO-3 with `offload_optimizer: cpu` and an `mlp_offload` section) on
-`mlp_offload/data/corpus.txt`. A progress bar shows loss and per-phase times; at the end a summary table
+`mlp_offload/app/data/corpus.txt`. A progress bar shows loss and per-phase times; at the end a summary table
 gives the phase times, the bytes each tier moved, and the update time the performance model predicted
 against the measured one; the chart, the telemetry (JSON lines) and the summary (JSON) go to `--out`.
 
@@ -23,8 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mlp_offload.tables import render_table
-from mlp_offload.units import parse_count, parse_size
+from mlp_offload.app.tables import render_table
+from mlp_offload.common.units import parse_count, parse_size
 
 # Steps left out of the medians: the first update writes every object and finds no cache.
 WARMUP_STEPS = 2
@@ -114,7 +114,7 @@ def compute_dtype(choice: str, size: str, rows: int) -> tuple[str, str]:
     fp32, then fp32."""
     import torch
 
-    from mlp_offload.models import LLAMA_SIZES
+    from mlp_offload.app.models import LLAMA_SIZES
 
     if choice != "auto":
         return choice, "--dtype"
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import mlp_offload
-    from mlp_offload.models import llama
+    from mlp_offload.app.models import llama
 
     if args.steps <= WARMUP_STEPS:
         raise ValueError(f"--steps: {args.steps}; give more than the {WARMUP_STEPS} warm-up steps")
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     telemetry = args.out / "telemetry.jsonl"
     telemetry.unlink(missing_ok=True)
 
-    text = resources.files("mlp_offload").joinpath("data/corpus.txt").read_bytes()
+    text = resources.files("mlp_offload.app").joinpath("data/corpus.txt").read_bytes()
     corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     torch.manual_seed(args.seed)
     model = llama(args.size, vocab=256, max_seq=args.seq)

@@ -29,9 +29,9 @@ same operations: each is elementwise; chunk lengths are multiples of CPU Adam's 
 element takes the same code path as in a whole-subgroup call; and DeepSpeed 0.19.8's CPU Adam keeps its
 bias correction per step, not per call, so neither the order nor the number of calls changes a result.
 
-This module holds DeepSpeed's hooks and the step; the rest sits beside it: `state.py` (the chunks and
-their objects), `planning.py` (budget, plan, tuner, telemetry), `checkpoint.py` (DeepSpeed's checkpoints
-and its swapper protocol).
+This module holds DeepSpeed's hooks and the step; the rest is the engine's (`engine.state`: the chunks
+and their objects; `engine.planning`: budget, plan, tuner, telemetry) and the adapter's
+(`adapter.checkpoint`: DeepSpeed's checkpoints and its swapper protocol).
 """
 
 from __future__ import annotations
@@ -56,21 +56,22 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from mlp_offload import checkpoint, kernel, memory, overlap, stale
-from mlp_offload.buffers import PinnedBufferPool, as_tensor
-from mlp_offload.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
-from mlp_offload.config import MLPOffloadConfig, from_ds_config
-from mlp_offload.overlap import UpdateInFlight, update_thread
-from mlp_offload.pipeline import KeptCopy, StepStats
-from mlp_offload.planning import (
+from mlp_offload.adapter import checkpoint, stale_gradients
+from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
+from mlp_offload.common.config import MLPOffloadConfig, from_ds_config
+from mlp_offload.engine import fused_update, memory, overlap
+from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
+from mlp_offload.engine.overlap import UpdateInFlight, update_thread
+from mlp_offload.engine.pipeline import KeptCopy, StepStats
+from mlp_offload.engine.planning import (
     UpdatePlanner,
     cache_chunks,
     host_memory_budget,
     kept_copies_room,
     update_chunk,
 )
-from mlp_offload.state import FP32, ChunkedState
-from mlp_offload.store import ObjectStore
+from mlp_offload.engine.state import FP32, ChunkedState
+from mlp_offload.engine.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
 
@@ -328,7 +329,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_half_grads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Which parameters' gradients each boundary reduced, and the factors the steps since applied to
         # the others' (`stale`): a parameter without a gradient is updated as stock DeepSpeed updates it.
-        self._mlp_stale = stale.StaleGradients()
+        self._mlp_stale = stale_gradients.StaleGradients()
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
 
@@ -506,7 +507,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The pass writes the half-precision parameters: into the partition where it is in host memory,
         # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
         self._mlp_params_on_host = first_half.device.type == "cpu"
-        self._mlp_fused, kernel_why = kernel.choose(
+        self._mlp_fused, kernel_why = fused_update.choose_update_kernel(
             config.update_kernel,
             self.optimizer,
             first_half.dtype,
@@ -519,14 +520,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             None if get_accelerator().is_synchronized_device() else get_accelerator().Stream()
         )
         try:
-            self._mlp_overlap, overlap_why = overlap.choose(
+            self._mlp_overlap, overlap_why = overlap.choose_overlap(
                 config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
             )
             every_cached = cache_slots == len(layout.chunks)
             kept_copies = 0
             if every_cached and config.overlap_backward is not False and self._mlp_fused is not None:
                 kept_copies = kept_copies_room(config, host_memory, layout)
-            self._mlp_spec_on, spec_why = overlap.choose_backward(
+            self._mlp_spec_on, spec_why = overlap.choose_overlap_backward(
                 config.overlap_backward,
                 self._mlp_fused is not None,
                 not every_cached,
@@ -699,7 +700,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         adam["exp_avg_sq"] = state[2 * n : 3 * n]
 
     def _mlp_bind_chunk(
-        self, chunk: int, state_bytes: torch.Tensor, step: int, stale_ranges: stale.StaleRanges
+        self, chunk: int, state_bytes: torch.Tensor, step: int, stale_ranges: stale_gradients.StaleRanges
     ) -> None:
         """Points DeepSpeed's fp32 tensor of the chunk's subgroup, its Adam state and its gradient at the
         chunk's elements, as if they were the whole subgroup, with the Adam step the subgroup had before
@@ -718,7 +719,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # unless a gradient setter left an fp32 gradient for the subgroup.
         grad.copy_(self._mlp_gradient(i)[first : first + count])
         if ranges := stale_ranges.get(i):
-            stale.apply(grad, first, ranges)
+            stale_gradients.apply(grad, first, ranges)
         fp32.grad = grad
 
     def _mlp_unbind(self, i: int) -> None:
@@ -755,9 +756,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         write_cuts: list[int] | None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
         kept_state: KeptCopy | None = None,
-        stale_ranges: stale.StaleRanges | None = None,
+        stale_ranges: stale_gradients.StaleRanges | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
-        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`kernel.FusedAdam`): the same
+        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`fused_update.FusedAdam`): the same
         bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
         the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
@@ -770,13 +771,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
         ranges = None if stale_ranges is None else stale_ranges.get(i)
-        if ranges and stale.touches(first, count, ranges):
+        if ranges and stale_gradients.touches(first, count, ranges):
             # Parameters of the chunk got no gradient at this boundary: its gradient in fp32, those
             # parameters' through the factors since theirs. In the chunk's fp32 gradient buffer of the
             # budget, where the parameters are on the host (it is unused then); else a buffer of its own.
             widened = self._mlp_grad[:count] if self._mlp_params_on_host else torch.empty(count, dtype=FP32)
             widened.copy_(grad)
-            stale.apply(widened, first, ranges)
+            stale_gradients.apply(widened, first, ranges)
             grad = widened
         state = state_bytes.view(FP32)
         params = half
@@ -786,7 +787,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # host scratch (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use),
             # copied over after it as they are, on this thread's stream, while the next chunk's pass
             # writes the other slot (half-precision parameters; fp32 ones have one slot). Its narrowing
-            # is the one DeepSpeed's copy does on the host before that copy (`kernel.self_check`).
+            # is the one DeepSpeed's copy does on the host before that copy (`fused_update.self_check`).
             # Where the pass is to keep what it overwrites, it first gets the parameters as they are.
             self._mlp_scratch_next = (slot + 1) % self._mlp_scratch_slots
             self._mlp_wait_for_scratch(slot)

@@ -1,0 +1,5 @@
+"""The DeepSpeed adapter: what DeepSpeed sees of mlp-offload. `install` and `initialize` (integration),
+the check of the DeepSpeed release against the code the engine relies on (compat), the ZeRO-3 optimizer
+over the engine's chunks (zero3), DeepSpeed's checkpoints and swapper protocol (checkpoint), and the
+parameters without a gradient at a boundary (stale_gradients). Imports the engine and the common base,
+never the application."""

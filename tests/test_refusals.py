@@ -1,0 +1,122 @@
+"""What the engine does not honour fails at start, naming it: bad sections, DeepSpeed settings and
+optimizers it does not reproduce bit for bit, a missing path; a path that refuses O_DIRECT is named in a
+warning."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deepspeed_runs import (
+    assert_bit_equal,
+    run_case,
+    section,
+)
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.deepspeed
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"bogus": 1}, r"mlp_offload\.bogus"),
+        ({"host_memory": "1K"}, r"mlp_offload\.host_memory"),
+        # 3 buffers of 24 KiB chunks, all 3 asked to cache: none left to stream the other chunks through.
+        ({"host_memory": "100K", "update_chunk": "24K", "cache_chunks": 3}, r"mlp_offload\.cache_chunks"),
+        ({"weights": [1.0, 2.0]}, r"mlp_offload\.weights"),
+        ({"paths": []}, r"mlp_offload\.paths"),
+    ],
+)
+def test_bad_sections_are_named_before_the_first_step(
+    extra: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    case = {"mlp_offload": {**section(work_dirs[:1]), **extra}, "steps": 1}
+    with pytest.raises(AssertionError, match=message):
+        run_case(case, tmp_path, "bad")
+
+
+def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
+    missing = work_dirs[0] / "not-there"
+    with pytest.raises(AssertionError, match=str(missing)):
+        run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "message"),
+    [
+        ({"client_optimizer": "SGD"}, r"optimizer is torch\.optim\.sgd\.SGD"),
+        ({"client_optimizer": "Adagrad"}, r"optimizer is torch\.optim\.adagrad\.Adagrad"),
+        ({"client_optimizer": "Adam", "client_options": {"amsgrad": True}}, r"'amsgrad'"),
+        ({"offload_ratio": 0.5}, r"offload_optimizer\.ratio: 0\.5"),
+        (
+            {"super_offload": True},
+            r"SuperOffloadOptimizer_Stage3 \(set by zero_optimization\.offload_optimizer\.super_offload",
+        ),
+        (
+            {"offload_param": "nvme", "param_max_in_cpu": 10_000},
+            r"offload_param: parameters on NVMe .* past offload_param\.max_in_cpu \(10,000 elements; "
+            r"this rank's partitions hold 66,624",
+        ),
+        # The optimizer state in half precision: bf16 master weights (10 bytes of state per parameter), also
+        # with bf16 moments (6 bytes), and fp16 master weights.
+        (
+            {"precision_options": {"bf16_master_weights_and_grads": True}},
+            r"bf16\.bf16_master_weights_and_grads: mlp_offload does not reproduce .* set it to false",
+        ),
+        (
+            {"precision_options": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}},
+            r"bf16\.bf16_master_weights_and_grads and bf16\.bf16_optimizer_states: .* set them to false",
+        ),
+        (
+            {"fp16": True, "precision_options": {"fp16_master_weights_and_grads": True}},
+            r"fp16\.fp16_master_weights_and_grads: mlp_offload does not reproduce",
+        ),
+    ],
+    ids=[
+        "SGD",
+        "Adagrad",
+        "amsgrad",
+        "partial offload ratio",
+        "SuperOffload",
+        "parameters on NVMe",
+        "bf16 master weights",
+        "bf16 master weights and moments",
+        "fp16 master weights",
+    ],
+)
+def test_what_we_do_not_honour_is_refused_by_name(
+    ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Optimizers whose state is not exp_avg and exp_avg_sq per element, and DeepSpeed settings the
+    engine does not honour, fail at start with an error naming them, never silently."""
+    case = {**ds_case, "mlp_offload": section(work_dirs[:1]), "steps": 1}
+    if ds_case.get("offload_param") == "nvme":
+        case["param_nvme_path"] = str(tmp_path / "params")
+    with pytest.raises(AssertionError, match=message):
+        run_case(case, tmp_path, "refused")
+
+
+def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a ramfs needs root")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    # ramfs has no O_DIRECT (tmpfs has it since Linux 6.6): the store falls back to buffered I/O on
+    # that path and says so.
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], check=True)
+    try:
+        ours = run_case({"steps": 2, "mlp_offload": section([mnt])}, tmp_path, "ramfs")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    warning = [line for line in ours["output"].splitlines() if "refuses O_DIRECT" in line]
+    assert warning and str(mnt) in warning[0], ours["output"][-2000:]
+    stock = run_case({"steps": 2}, tmp_path, "stock")
+    assert_bit_equal(ours, stock)
