@@ -159,8 +159,7 @@ REFUSALS: list[tuple[str, str, str]] = [
     ),
     (
         r"test_bf16\.py::TestBF16MasterWeightsGradients::.*cpu_offload",
-        r"bf16\.bf16_master_weights_and_grads( and bf16\.bf16_optimizer_states)?: mlp_offload does not "
-        r"reproduce",
+        r"bf16\.bf16_master_weights_and_grads: True: the optimizer state in half precision",
         "the optimizer state in half precision (bf16 master weights, also with bf16 moments): the store "
         "keeps fp32 master weights and moments, so training would differ from stock; refused by name "
         "until the fused pass reproduces the mode bit for bit",

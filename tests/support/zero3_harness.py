@@ -63,10 +63,6 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
     elif not case.get("fp32"):
         config["bf16"] = {"enabled": True}
-    for precision in ("fp16", "bf16"):
-        if precision in config:
-            # DeepSpeed's precision section's other keys (its master weights' and moments' precision).
-            config[precision].update(case.get("precision_options", {}))
     if "save_16bit" in case:
         # ZeRO-3 saves the 16-bit model only when asked to gather it.
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
@@ -110,10 +106,20 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("pipeline_loading"):
         # Ranks load a checkpoint one after another, each told by the one before (DeepSpeed's load_serial).
         config["zero_optimization"]["pipeline_loading_checkpoint"] = True
-    if case.get("super_offload"):
-        config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
-    if "offload_ratio" in case:
-        config["zero_optimization"]["offload_optimizer"]["ratio"] = case["offload_ratio"]
+    for key, value in case.get("ds_options", {}).items():
+        # One DeepSpeed option by its dotted key (the option table's rows), set last, over the above.
+        *sections, name = key.split(".")
+        where = config
+        for part in sections:
+            where = where.setdefault(part, {})
+        where[name] = value
+    for key in case.get("ds_unset", []):
+        # An option taken out (a row's deprecated key in place of its new one).
+        *sections, name = key.split(".")
+        where = config
+        for part in sections:
+            where = where[part]
+        del where[name]
     if "mlp_offload" in case:
         config["mlp_offload"] = case["mlp_offload"]
     return config
@@ -170,7 +176,12 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         if name := case.get("client_optimizer"):
             params = list(params)
             options = {"lr": 3e-3, "weight_decay": 0.01, **case.get("client_options", {})}
-            client = getattr(torch.optim, name)(params, **options)
+            if name == "DeepSpeedCPUAdam":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                client = DeepSpeedCPUAdam(params, **options)
+            else:
+                client = getattr(torch.optim, name)(params, **options)
         if file := case.get("config_file"):
             # The config as a file named on the command line (`--deepspeed_config`).
             import argparse

@@ -13,7 +13,7 @@ import functools
 import os
 from typing import Any
 
-from mlp_offload.adapter import compat
+from mlp_offload.adapter import compat, options
 from mlp_offload.common.config import SECTION, migrate_nvme_offload
 
 
@@ -43,6 +43,8 @@ def install() -> None:
         subclass). The object is returned uninitialised: Python then runs the `__init__` of its type."""
         ds_config = kwargs.get("ds_config", args[4] if len(args) > 4 else None)
         if isinstance(ds_config, dict) and SECTION in ds_config:
+            # Checked where `initialize` started too (once per config), unless bound before install().
+            options.check(ds_config)
             if cls is stock:
                 return object.__new__(MLPOffloadStage3)
             if not issubclass(cls, MLPOffloadStage3):
@@ -76,6 +78,7 @@ def install() -> None:
         # A config file named by the command line (`--deepspeed_config`), when no config is given.
         cli: Any = kwargs["args"] if "args" in kwargs else (args[0] if args else None)
         path = getattr(cli, "deepspeed_config", None)
+        from_file = None
         if path is not None and kwargs.get("config") is None and kwargs.get("config_params") is None:
             loaded = load_ds_config(str(path))
             migrated = migrate_nvme_offload(loaded)
@@ -88,6 +91,12 @@ def install() -> None:
                 else:
                     args = (cli, *args[1:])
                 kwargs["config"] = migrated
+            from_file = migrated
+        for config in (kwargs.get("config"), kwargs.get("config_params"), from_file):
+            if isinstance(config, dict) and SECTION in config:
+                # Before DeepSpeed reads any of it: some options fail inside DeepSpeed before the
+                # optimizer is built, and under another stage than 3 it would build none of ours.
+                options.check(config)
         return ds_initialize(*args, **kwargs)
 
     deepspeed.initialize = initialize_with_migration

@@ -104,28 +104,6 @@ def _check_optimizer(optimizer: Any) -> None:
             )
 
 
-# DeepSpeed's settings that keep the master weights, or the master weights and both moments, in half
-# precision (the engine's keyword argument, the config key): the store keeps them in fp32, 12 bytes per
-# parameter, and the run would train differently from stock's. Refused until reproduced bit for bit.
-HALF_PRECISION_STATE = {
-    "bf16_master_weights_and_gradients": "bf16.bf16_master_weights_and_grads",
-    "bf16_optimizer_states": "bf16.bf16_optimizer_states",
-    "fp16_master_weights_and_gradients": "fp16.fp16_master_weights_and_grads",
-}
-
-
-def _check_state_precision(kwargs: dict[str, Any]) -> None:
-    """Refuses, naming each config key that asks for it, optimizer state kept in half precision."""
-    asked = [key for kwarg, key in HALF_PRECISION_STATE.items() if kwargs.get(kwarg)]
-    if asked:
-        raise ValueError(
-            f"{' and '.join(asked)}: mlp_offload does not reproduce DeepSpeed's optimizer state in half "
-            "precision (it keeps the master weights and both moments in fp32: the run would train "
-            f"differently from stock DeepSpeed's); set {'them' if len(asked) > 1 else 'it'} to false, or "
-            "leave the 'mlp_offload' section out to run DeepSpeed's own offload in this mode"
-        )
-
-
 def _offload_device(offload: Any) -> str:
     """The device of a DeepSpeed offload section (`offload_optimizer` or `offload_param`, a pydantic
     model whose `device` is an enum or its string)."""
@@ -251,14 +229,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 'memory); it replaces the NVMe swapping itself. An "nvme" section is rewritten for it by '
                 "mlp_offload.initialize, and by deepspeed.initialize after mlp_offload.install()"
             )
-        ratio = kwargs.get("offload_ratio", 1.0)
-        if ratio is not None and float(ratio) != 1.0:
-            raise ValueError(
-                f"zero_optimization.offload_optimizer.ratio: {ratio} (partial offload, part of the state "
-                "updated on the accelerator) is not supported with mlp_offload; leave it at 1.0"
-            )
+        # DeepSpeed's options are checked before this (`adapter.options`); the objects here.
         _check_optimizer(init_optimizer)
-        _check_state_precision(kwargs)
         _check_params_offload(
             kwargs.get("offload_param_config"),
             init_optimizer.param_groups,
