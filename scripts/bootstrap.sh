@@ -67,13 +67,12 @@ make --no-print-directory build-dev
 # DeepSpeed builds its CPU ops on first use (minutes on two cores). Built here, once, they cost no test its
 # time limit: in CI the first run of a worker's harness waited out both builds, 4 minutes of its 5.
 extensions=${TORCH_EXTENSIONS_DIR:-$PWD/target/torch_extensions}
-say "building DeepSpeed's CPU Adam, shared-memory collectives and async I/O into $extensions (once: a few minutes)"
+say "building DeepSpeed's CPU Adam and shared-memory collectives into $extensions (once: a few minutes)"
 # ninja, which the builds run, is in .venv/bin.
 PATH="$PWD/.venv/bin:$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$extensions .venv/bin/python - <<'PY'
 from deepspeed.accelerator import get_accelerator
 
-# Async I/O: DeepSpeed's NVMe offload, the stock side of the option table's NVMe rows and of its suite.
-for name in ("CPUAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder"):
+for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
     builder = get_accelerator().create_op_builder(name)
     if builder is not None:
         builder.load(verbose=False)

@@ -10,7 +10,7 @@ tested. A function counts as coupled when
   the gradient partitions we read in half precision), or
 - the engine calls or wraps it (`CALLED`).
 
-The fused update kernel (`crates/mlp-offload-core/src/kernel.rs`) mirrors DeepSpeed's C++ CPU Adam, so
+The fused update kernel (`crates/mlp-offload-core/src/kernel/`) mirrors DeepSpeed's C++ CPU Adam, so
 the files it was written from are fingerprinted too (`MIRRORED_SOURCES`). (Its start-up check compares
 its bits with DeepSpeed's kernel on every run, and falls back to DeepSpeed's when they differ; this says
 which file to read when they do.)

@@ -1,4 +1,4 @@
-"""The update's per-chunk work in one pass: `_core.AdamKernel` (`crates/mlp-offload-core/src/kernel.rs`)
+"""The update's per-chunk work in one pass: `_core.AdamKernel` (`crates/mlp-offload-core/src/kernel/`)
 in place of DeepSpeed's four passes (the cast of the half-precision gradient, `unscale_and_clip_grads`,
 CPU Adam, the copy into the half-precision partition), bit for bit the same.
 

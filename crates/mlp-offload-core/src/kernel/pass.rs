@@ -1,0 +1,608 @@
+//! The chunk's pass: its arguments checked, the chunk cut into one range per thread (whole cache
+//! lines apart), each range updated block by block while the block is in the core's cache.
+
+use super::adam::{adam_element, AdamConstants, DeepSpeedArith, TailFma};
+use super::crc::{check_cuts, finish_pieces, hash_block, pieces, stripe_sums, Piece};
+#[cfg(target_arch = "x86_64")]
+use super::crc::{fold_splits, run_part_folding};
+use super::dispatch::Simd;
+use super::elem::{Bf16, Elem, Kind, F16};
+use super::pool::run_on_workers;
+#[cfg(target_arch = "x86_64")]
+use super::x86;
+use crate::error::{Error, Result};
+
+/// One chunk's memory for a fused update: `state` is `[params | exp_avg | exp_avg_sq]` (fp32, `3 n`),
+/// `grad` the chunk's gradient (`n`), `params` where the new half-precision parameters go (`n`), if
+/// anywhere.
+pub struct Chunk<'a, G: Elem, P: Elem> {
+    pub state: &'a mut [f32],
+    pub grad: &'a [G],
+    pub params: Option<&'a mut [P]>,
+    /// Keep the parameters as they were before the pass wherever they are not the old weights
+    /// narrowed ([`ChunkSums::kept_params`]), so that an update that is undone can give them back
+    /// (the old weights alone give back the rest). Needs `params`.
+    pub keep_params: bool,
+    /// Where the state as it was before the pass goes (`3 n` fp32, laid out as `state`), copied a block
+    /// at a time in the pass itself, while the block is in the core's cache for its update: an update
+    /// of state kept nowhere else (a chunk cached in host memory) that may be undone gives it back from
+    /// here, at the cost of this write alone (no second read of the state).
+    pub keep_state: Option<&'a mut [f32]>,
+}
+
+/// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
+/// threads write one line.
+const SHARE_ALIGN: usize = 64;
+
+/// Elements per block of a thread's range: its state, gradient and parameters (128 KiB in bf16) stay in
+/// the core's own cache between the read's checksum, the update and the write's checksum. A multiple of
+/// every SIMD width.
+pub(super) const BLOCK: usize = 8192;
+
+/// Where to cut the checksums of a chunk's state (`[params | exp_avg | exp_avg_sq]`, `12 n` bytes), as
+/// the store cuts the object into stripes: each stripe's first byte, ascending from 0 (the store's
+/// `read_check().starts()` for the state as read, `write_cuts()` for it as written). `None`: not summed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cuts<'a> {
+    pub read: Option<&'a [u64]>,
+    pub write: Option<&'a [u64]>,
+}
+
+/// The CRC32C of each stripe of the state as read and as written, where [`Cuts`] asked for them; and,
+/// where [`Chunk::keep_params`] asked, the parameters before the pass that were not the old weights
+/// narrowed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChunkSums {
+    pub read: Option<Vec<u32>>,
+    pub write: Option<Vec<u32>>,
+    pub kept_params: Option<Vec<KeptParams>>,
+}
+
+/// Parameters as they were before a pass, from element `first` of the chunk on: their bytes, each
+/// element's `Kind::size()` bytes little-endian. Kept a block ([`BLOCK`] elements, or the block's share
+/// of a thread's range) at a time where any of its elements was not its old weight narrowed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptParams {
+    pub first: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// Whether `params` are the fp32 `weights` narrowed ([`Elem::narrow`]), bit for bit: a -0.0 is not a
+/// 0.0, a NaN only the NaN the narrowing writes. In SIMD where `simd` says (the same narrowing as the
+/// pass's stores), the rest element by element.
+pub fn narrows_to<P: Elem>(weights: &[f32], params: &[P], simd: Simd) -> bool {
+    assert_eq!(
+        weights.len(),
+        params.len(),
+        "weights and params of one length"
+    );
+    let lanes = simd.lanes();
+    let vectors = if lanes > 1 {
+        weights.len() / lanes * lanes
+    } else {
+        0
+    };
+    #[cfg(target_arch = "x86_64")]
+    if vectors > 0 {
+        let (p, o) = (weights.as_ptr(), params.as_ptr().cast::<u8>());
+        // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; both
+        // slices hold `vectors` elements, a multiple of the lanes.
+        let same = unsafe {
+            match simd {
+                Simd::Avx512 | Simd::Avx512Clmul => x86::avx512_narrows_to(P::KIND, p, o, vectors),
+                Simd::Avx2 | Simd::Avx2Clmul => x86::avx2_narrows_to(P::KIND, p, o, vectors),
+                Simd::Scalar => unreachable!("the scalar path has one lane"),
+            }
+        };
+        if !same {
+            return false;
+        }
+    }
+    weights[vectors..]
+        .iter()
+        .zip(&params[vectors..])
+        .all(|(&w, &h)| P::narrow(w).bits() == h.bits())
+}
+
+/// Each element's `Kind::size()` bytes, little-endian.
+pub(super) fn elem_bytes<P: Elem>(x: &[P]) -> Vec<u8> {
+    let size = P::KIND.size();
+    x.iter()
+        .flat_map(|e| e.bits().to_le_bytes().into_iter().take(size))
+        .collect()
+}
+
+/// Updates `chunk` in one pass: each gradient element widened and multiplied by `grad_scale`, Adam with
+/// `k` as DeepSpeed computes it (its last `n % arith.vector_width` elements with `arith.tail`'s
+/// arithmetic), the new parameters narrowed into `chunk.params`, and the state's checksums where `cuts`
+/// asks for them. Runs on `threads` threads (the caller's among them), each over its own range.
+#[allow(clippy::too_many_arguments)]
+pub fn update<G: Elem, P: Elem>(
+    chunk: Chunk<'_, G, P>,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    check_chunk(&chunk, arith, cuts)?;
+    let keep_params = chunk.keep_params;
+    let parts = cut_into_parts(chunk, arith.vector_width, threads, cuts);
+    let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
+    let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = run_on_workers(parts, run)?;
+    let [read, write] = [0, 1].map(|d| {
+        [cuts.read, cuts.write][d].map(|c| {
+            let pieces = done
+                .iter()
+                .flat_map(|(h, _)| h[d].iter().flatten().copied())
+                .collect();
+            stripe_sums(c, pieces)
+        })
+    });
+    // The parts in order, each's blocks in order.
+    let kept_params = keep_params.then(|| {
+        done.into_iter()
+            .flat_map(|(_, k)| k.unwrap_or_default())
+            .collect()
+    });
+    Ok(ChunkSums {
+        read,
+        write,
+        kept_params,
+    })
+}
+
+/// The chunk's arrays of the lengths its gradient asks for, and the cuts within its state: an error
+/// naming the argument otherwise.
+fn check_chunk<G: Elem, P: Elem>(
+    chunk: &Chunk<'_, G, P>,
+    arith: &DeepSpeedArith,
+    cuts: Cuts<'_>,
+) -> Result<()> {
+    let n = chunk.grad.len();
+    if chunk.state.len() != 3 * n {
+        return Err(Error::config(
+            "state",
+            format!(
+                "{} fp32 elements for a gradient of {n}: [params | exp_avg | exp_avg_sq] needs {}",
+                chunk.state.len(),
+                3 * n
+            ),
+        ));
+    }
+    if let Some(params) = &chunk.params {
+        if params.len() != n {
+            return Err(Error::config(
+                "params",
+                format!("{} elements for a gradient of {n}", params.len()),
+            ));
+        }
+    }
+    if chunk.keep_params && chunk.params.is_none() {
+        return Err(Error::config(
+            "keep_params",
+            "keeps the parameters before the pass, and no params were given",
+        ));
+    }
+    if let Some(kept) = &chunk.keep_state {
+        if kept.len() != 3 * n {
+            return Err(Error::config(
+                "keep_state",
+                format!("{} fp32 elements to keep a state of {}", kept.len(), 3 * n),
+            ));
+        }
+    }
+    if arith.vector_width == 0 {
+        return Err(Error::config("vector_width", "must be at least 1"));
+    }
+    let total = 12 * n as u64;
+    for (name, c) in [("read_cuts", cuts.read), ("write_cuts", cuts.write)] {
+        if let Some(c) = c {
+            check_cuts(name, c, total)?;
+        }
+    }
+    Ok(())
+}
+
+/// The chunk cut into one range per thread (at most `threads`, each a multiple of [`SHARE_ALIGN`]
+/// elements but the last), each with its arrays, its elements below the vector arithmetic's end
+/// (`n - n % vector_width`), and its checksum pieces.
+fn cut_into_parts<'a, G: Elem, P: Elem>(
+    chunk: Chunk<'a, G, P>,
+    vector_width: usize,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Vec<Part<'a, G, P>> {
+    let n = chunk.grad.len();
+    let (p, rest) = chunk.state.split_at_mut(n);
+    let (m, v) = rest.split_at_mut(n);
+    // Elements below `body` get DeepSpeed's vector arithmetic, the rest its scalar loop's.
+    let body = n - n % vector_width;
+    let threads = threads.clamp(1, n.div_ceil(SHARE_ALIGN).max(1));
+    let share = (n / threads).next_multiple_of(SHARE_ALIGN);
+    let mut parts = Vec::with_capacity(threads);
+    let (mut p, mut m, mut v, mut g) = (p, m, v, chunk.grad);
+    let mut out = chunk.params;
+    let mut keep = chunk.keep_state.map(|kept| {
+        let (kp, rest) = kept.split_at_mut(n);
+        let (km, kv) = rest.split_at_mut(n);
+        [kp, km, kv]
+    });
+    let mut first = 0;
+    while first < n {
+        let len = if parts.len() + 1 == threads {
+            n - first
+        } else {
+            share.min(n - first)
+        };
+        let (p0, p1) = p.split_at_mut(len);
+        let (m0, m1) = m.split_at_mut(len);
+        let (v0, v1) = v.split_at_mut(len);
+        let (g0, g1) = g.split_at(len);
+        let o0 = match out.take() {
+            Some(o) => {
+                let (o0, o1) = o.split_at_mut(len);
+                out = Some(o1);
+                Some(o0)
+            }
+            None => None,
+        };
+        let ks = keep.take().map(|[kp, km, kv]| {
+            let (kp0, kp1) = kp.split_at_mut(len);
+            let (km0, km1) = km.split_at_mut(len);
+            let (kv0, kv1) = kv.split_at_mut(len);
+            keep = Some([kp1, km1, kv1]);
+            [kp0, km0, kv0]
+        });
+        // Of this part, how much lies below `body` (vector arithmetic).
+        let vector = body.saturating_sub(first).min(len);
+        let sums = [cuts.read, cuts.write].map(|c| c.map(|c| pieces(c, n, first, len)));
+        parts.push(Part {
+            p: p0,
+            m: m0,
+            v: v0,
+            g: g0,
+            o: o0,
+            vector,
+            offsets: [4 * first, 4 * (n + first), 4 * (2 * n + first)],
+            sums,
+            kept: chunk.keep_params.then(Vec::new),
+            kept_state: ks,
+        });
+        (p, m, v, g) = (p1, m1, v1, g1);
+        first += len;
+    }
+    parts
+}
+
+/// [`update`] over raw memory: `state` holds `3 count` fp32 elements, `grad` `count` of its kind,
+/// `params` (if given) `count` of its kind, kept where they are not the weights narrowed with
+/// `keep_params` ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
+///
+/// # Safety
+/// Every address must point to live memory of that many elements, which nothing else reads or writes
+/// until this returns, and no two ranges may overlap.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn update_at(
+    state: usize,
+    grad: (usize, Kind),
+    params: Option<(usize, Kind)>,
+    keep_params: bool,
+    keep_state: Option<usize>,
+    count: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    for (name, address, kind) in [("state", state, Kind::F32), ("grad", grad.0, grad.1)]
+        .into_iter()
+        .chain(params.map(|(a, kind)| ("params", a, kind)))
+        .chain(keep_state.map(|a| ("keep_state", a, Kind::F32)))
+    {
+        if address == 0 || address % kind.size() != 0 {
+            return Err(Error::config(
+                name,
+                format!("address {address:#x} is not aligned for {kind:?} elements"),
+            ));
+        }
+    }
+    // SAFETY: the caller's promise, and the alignment checked above.
+    let state = unsafe { std::slice::from_raw_parts_mut(state as *mut f32, 3 * count) };
+    // SAFETY: as above.
+    let keep_state = keep_state.map(|a| unsafe { slice_mut::<f32>(a, 3 * count) });
+    // SAFETY: as above.
+    unsafe {
+        match grad.1 {
+            Kind::F32 => update_with_params(
+                state,
+                slice::<f32>(grad.0, count),
+                params,
+                keep_params,
+                keep_state,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Kind::Bf16 => update_with_params(
+                state,
+                slice::<Bf16>(grad.0, count),
+                params,
+                keep_params,
+                keep_state,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Kind::F16 => update_with_params(
+                state,
+                slice::<F16>(grad.0, count),
+                params,
+                keep_params,
+                keep_state,
+                count,
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+        }
+    }
+}
+
+/// # Safety
+/// As [`update_at`]: `count` live, aligned elements of `T` at `address`.
+unsafe fn slice<'a, T>(address: usize, count: usize) -> &'a [T] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(address as *const T, count) }
+}
+
+/// # Safety
+/// As [`update_at`]: `count` live, aligned elements of `T` at `address`, used by nothing else.
+unsafe fn slice_mut<'a, T>(address: usize, count: usize) -> &'a mut [T] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts_mut(address as *mut T, count) }
+}
+
+/// # Safety
+/// As [`update_at`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn update_with_params<G: Elem>(
+    state: &mut [f32],
+    grad: &[G],
+    params: Option<(usize, Kind)>,
+    keep_params: bool,
+    keep_state: Option<&mut [f32]>,
+    count: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'_>,
+) -> Result<ChunkSums> {
+    // SAFETY: the caller's promise for `params`.
+    unsafe {
+        match params {
+            None => update::<G, f32>(
+                Chunk {
+                    state,
+                    grad,
+                    params: None,
+                    keep_params,
+                    keep_state,
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::F32)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<f32>(a, count)),
+                    keep_params,
+                    keep_state,
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::Bf16)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<Bf16>(a, count)),
+                    keep_params,
+                    keep_state,
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+            Some((a, Kind::F16)) => update(
+                Chunk {
+                    state,
+                    grad,
+                    params: Some(slice_mut::<F16>(a, count)),
+                    keep_params,
+                    keep_state,
+                },
+                grad_scale,
+                k,
+                arith,
+                simd,
+                threads,
+                cuts,
+            ),
+        }
+    }
+}
+
+/// A thread's checksum pieces, `(start, len, crc)`, of the state as read and as written.
+pub(super) type Hashed = [Option<Vec<(u64, u64, u32)>>; 2];
+
+/// One thread's range of a chunk: its arrays, how many of its first elements take the vector
+/// arithmetic, each array's first byte in the state, and its checksum pieces (as read, as written).
+pub(super) struct Part<'a, G, P> {
+    pub(super) p: &'a mut [f32],
+    pub(super) m: &'a mut [f32],
+    pub(super) v: &'a mut [f32],
+    pub(super) g: &'a [G],
+    pub(super) o: Option<&'a mut [P]>,
+    pub(super) vector: usize,
+    pub(super) offsets: [usize; 3],
+    pub(super) sums: [Option<[Vec<Piece>; 3]>; 2],
+    /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
+    pub(super) kept: Option<Vec<KeptParams>>,
+    /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
+    /// exp_avg and exp_avg_sq.
+    pub(super) kept_state: Option<[&'a mut [f32]; 3]>,
+}
+
+impl<G: Elem, P: Elem> Part<'_, G, P> {
+    /// Elements `b0..b1` of every array, for a SIMD pass.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn lanes(&mut self, b0: usize, b1: usize) -> x86::Lanes {
+        x86::Lanes {
+            p: self.p[b0..b1].as_mut_ptr(),
+            m: self.m[b0..b1].as_mut_ptr(),
+            v: self.v[b0..b1].as_mut_ptr(),
+            g: (G::KIND, self.g[b0..b1].as_ptr().cast()),
+            o: self
+                .o
+                .as_deref_mut()
+                .map(|o| (P::KIND, o[b0..b1].as_mut_ptr().cast())),
+            len: b1 - b0,
+        }
+    }
+}
+
+/// One thread's range, block by block: the block's state hashed as read, updated (its elements below
+/// `vector` with DeepSpeed's vector arithmetic, in SIMD where `simd` says, the rest with `tail`'s), and
+/// hashed as written. Returns the pieces' `(start, len, crc)`, as read and as written.
+fn run_part<G: Elem, P: Elem>(
+    mut part: Part<'_, G, P>,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+    simd: Simd,
+) -> (Hashed, Option<Vec<KeptParams>>) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(simd, Simd::Avx512Clmul | Simd::Avx2Clmul) {
+        if let Some(splits) = fold_splits(&part, simd.lanes()) {
+            return run_part_folding(part, splits, grad_scale, k, tail, simd);
+        }
+    }
+    let len = part.g.len();
+    for b0 in (0..len).step_by(BLOCK) {
+        let b1 = (b0 + BLOCK).min(len);
+        keep_block(&mut part, b0, b1, simd);
+        hash_block(&mut part, 0, b0, b1);
+        run_block(&mut part, b0, b1, grad_scale, k, tail, simd);
+        hash_block(&mut part, 1, b0, b1);
+    }
+    (finish_pieces(part.sums), part.kept)
+}
+
+/// Keeps elements `b0..b1` as they are before the block is updated (in the core's cache for it): their
+/// state where [`Chunk::keep_state`] asked, and their parameters where [`Chunk::keep_params`] asked and
+/// any of them is not its weight narrowed.
+pub(super) fn keep_block<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    b0: usize,
+    b1: usize,
+    simd: Simd,
+) {
+    if let Some(to) = part.kept_state.as_mut() {
+        for (to, from) in to.iter_mut().zip([&*part.p, &*part.m, &*part.v]) {
+            let (to, from) = (&mut to[b0..b1], &from[b0..b1]);
+            #[cfg(target_arch = "x86_64")]
+            if simd != Simd::Scalar {
+                // SAFETY: every SIMD but the scalar one needs AVX (`Simd::available`).
+                unsafe { x86::copy_streaming(to, from) };
+                continue;
+            }
+            to.copy_from_slice(from);
+        }
+    }
+    let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
+        return;
+    };
+    if !narrows_to(&part.p[b0..b1], &o[b0..b1], simd) {
+        kept.push(KeptParams {
+            first: part.offsets[0] / 4 + b0,
+            bytes: elem_bytes(&o[b0..b1]),
+        });
+    }
+}
+
+/// Elements `b0..b1` of a thread's range (see [`run_part`]).
+pub(super) fn run_block<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    b0: usize,
+    b1: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+    simd: Simd,
+) {
+    let lanes = simd.lanes();
+    // The SIMD stretch: from the block's start (a multiple of every width) up to its vector elements.
+    let simd_end = if lanes > 1 {
+        let vector_end = part.vector.clamp(b0, b1);
+        b0 + (vector_end - b0) / lanes * lanes
+    } else {
+        b0
+    };
+    if simd_end > b0 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let at = part.lanes(b0, simd_end);
+            match simd {
+                // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; the
+                // slices are distinct, each at least `simd_end` long, the stretch a multiple of the lanes.
+                Simd::Avx512 | Simd::Avx512Clmul => unsafe { x86::avx512(&at, grad_scale, k) },
+                // SAFETY: as above.
+                Simd::Avx2 | Simd::Avx2Clmul => unsafe { x86::avx2(&at, grad_scale, k) },
+                Simd::Scalar => unreachable!("the scalar path has one lane"),
+            }
+        }
+    }
+    let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
+    for i in simd_end..b1 {
+        let how = if i < part.vector {
+            TailFma::VECTOR
+        } else {
+            tail
+        };
+        let grad = g[i].widen() * grad_scale;
+        let (param, exp_avg, exp_avg_sq) = adam_element(p[i], grad, m[i], v[i], k, how);
+        (p[i], m[i], v[i]) = (param, exp_avg, exp_avg_sq);
+        if let Some(o) = part.o.as_deref_mut() {
+            o[i] = P::narrow(param);
+        }
+    }
+}

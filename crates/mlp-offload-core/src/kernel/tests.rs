@@ -1,0 +1,856 @@
+use super::crc::as_bytes;
+use super::pass::{elem_bytes, BLOCK};
+use super::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The same bits, or both NaN (x86 picks a NaN operand's payload by instruction form, which a
+/// compiler chooses; torch's bf16 copy makes every NaN 0xffff anyway).
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+#[test]
+fn bf16_conversions_are_torchs() {
+    // value, the bits torch 2.15's copy_ writes on x86-64 (read off it)
+    let cases: &[(f32, u16)] = &[
+        (f32::NAN, 0xffff),
+        (-f32::NAN, 0xffff),
+        (f32::from_bits(0x7f80_0001), 0xffff),
+        (f32::INFINITY, 0x7f80),
+        (f32::NEG_INFINITY, 0xff80),
+        (1e-40, 0x0001),
+        (-1e-40, 0x8001),
+        (1.17e-38, 0x007f),
+        (3.0e-39, 0x0021),
+        (65504.0, 0x4780),
+        (65520.0, 0x4780),
+        (1e-8, 0x322c),
+        (6e-8, 0x3381),
+        (2.98e-8, 0x3300),
+        (1.0000001, 0x3f80),
+        // Ties go to even.
+        (f32::from_bits(0x3f80_8000), 0x3f80),
+        (f32::from_bits(0x3f81_8000), 0x3f82),
+        // Rounding into the next exponent, and up to infinity.
+        (f32::from_bits(0x3fff_ffff), 0x4000),
+        (f32::MAX, 0x7f80),
+    ];
+    for &(x, bits) in cases {
+        assert_eq!(Bf16::narrow(x).0, bits, "{x:e}");
+        if !x.is_nan() {
+            assert_eq!(Bf16(bits).widen().to_bits(), u32::from(bits) << 16);
+        }
+    }
+}
+
+/// f32 bit patterns that reach every rounding case of a conversion to half: per exponent, mantissas
+/// at and around each halfway point, plus random ones.
+#[cfg(target_arch = "x86_64")]
+fn f32_patterns() -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut out = Vec::new();
+    for sign in [0u32, 1 << 31] {
+        for exp in 0u32..256 {
+            let mut mantissas = vec![0, 1, 0x7f_ffff, 0x7f_fffe, 0x40_0000];
+            for drop in 13..=24u32 {
+                let half = 1u32 << (drop - 1);
+                for base in [0, 1 << drop, 3 << drop] {
+                    for delta in [-1i64, 0, 1] {
+                        let m = i64::from(base | half) + delta;
+                        if (0..0x80_0000).contains(&m) {
+                            mantissas.push(m as u32);
+                        }
+                    }
+                }
+            }
+            mantissas.extend((0..64).map(|_| rng.random_range(0..0x80_0000)));
+            out.extend(mantissas.into_iter().map(|m| sign | (exp << 23) | m));
+        }
+    }
+    out
+}
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn f16_conversions_are_f16cs() {
+    use std::arch::x86_64::*;
+    if !is_x86_feature_detected!("f16c") {
+        return;
+    }
+    for bits in f32_patterns() {
+        let x = f32::from_bits(bits);
+        // SAFETY: F16C is available (checked above).
+        let hw = unsafe {
+            #[target_feature(enable = "f16c")]
+            unsafe fn narrow(x: f32) -> u16 {
+                _mm_extract_epi16::<0>(_mm_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(_mm_set1_ps(
+                    x,
+                ))) as u16
+            }
+            narrow(x)
+        };
+        assert_eq!(F16::narrow(x).0, hw, "{bits:#010x} ({x:e})");
+    }
+    for h in 0..=u16::MAX {
+        // SAFETY: as above.
+        let hw = unsafe {
+            #[target_feature(enable = "f16c")]
+            unsafe fn widen(h: u16) -> u32 {
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(h as i16))).to_bits()
+            }
+            widen(h)
+        };
+        assert_eq!(F16(h).widen().to_bits(), hw, "{h:#06x}");
+    }
+}
+
+fn hyper(lr: f32, weight_decay: f32, adamw: bool, bias_correction: bool) -> AdamHyper {
+    AdamHyper {
+        lr,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay,
+        bias_correction,
+        adamw,
+    }
+}
+
+/// A buffer of at least `n` elements of `P` and where in it `n` start: on a 64-byte boundary
+/// shifted by `shift` elements. Aligned, the SIMD passes write the parameters with stores that bypass
+/// the cache; shifted by one, with plain ones.
+fn placed_params<P: Elem>(n: usize, shift: usize) -> (Vec<P>, usize) {
+    let size = std::mem::size_of::<P>();
+    let buf = vec![P::narrow(0.0); n + 64 / size + shift];
+    let start = buf.as_ptr().align_offset(64).min(64 / size) + shift;
+    assert_eq!((buf.as_ptr() as usize + start * size) % 64, shift * size);
+    (buf, start)
+}
+
+/// Random state and gradient with the values that trip arithmetic up sprinkled in: infinities, NaN,
+/// subnormals, zeros of both signs, huge and tiny magnitudes.
+fn inputs(n: usize, rng: &mut StdRng) -> (Vec<f32>, Vec<f32>) {
+    let specials = [
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1e-40,
+        -3e-42,
+        0.0,
+        -0.0,
+        3e38,
+        1e-30,
+    ];
+    let mut pick = |scale: f32, positive: bool| {
+        if rng.random_range(0..17) == 0 {
+            specials[rng.random_range(0..specials.len())]
+        } else {
+            let x = (rng.random::<f32>() - 0.5) * 2.0 * scale;
+            if positive {
+                x.abs()
+            } else {
+                x
+            }
+        }
+    };
+    let mut state = Vec::with_capacity(3 * n);
+    state.extend((0..n).map(|_| pick(0.1, false)));
+    state.extend((0..n).map(|_| pick(1e-3, false)));
+    state.extend((0..n).map(|_| pick(1e-6, true)));
+    let grad = (0..n).map(|_| pick(1e-2, false)).collect();
+    (state, grad)
+}
+
+/// The specification run element by element, as `update` must produce it.
+fn reference<G: Elem, P: Elem>(
+    state: &mut [f32],
+    grad: &[G],
+    params: &mut [P],
+    scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+) {
+    let n = grad.len();
+    let body = n - n % arith.vector_width;
+    for i in 0..n {
+        let how = if i < body {
+            TailFma::VECTOR
+        } else {
+            arith.tail
+        };
+        let (p, m, v) = adam_element(
+            state[i],
+            grad[i].widen() * scale,
+            state[n + i],
+            state[2 * n + i],
+            k,
+            how,
+        );
+        (state[i], state[n + i], state[2 * n + i]) = (p, m, v);
+        params[i] = P::narrow(p);
+    }
+}
+
+/// A 16-wide build whose scalar tail fuses as its vectors do.
+fn vector_arith() -> DeepSpeedArith {
+    DeepSpeedArith {
+        vector_width: 16,
+        tail: TailFma::VECTOR,
+        bias_sqrt: BiasSqrt::Float,
+    }
+}
+
+fn simds() -> Vec<Simd> {
+    [
+        Simd::Avx512Clmul,
+        Simd::Avx512,
+        Simd::Avx2Clmul,
+        Simd::Avx2,
+        Simd::Scalar,
+    ]
+    .into_iter()
+    .filter(|s| Simd::parse("simd", s.name()).is_ok())
+    .collect()
+}
+
+/// Every SIMD path this CPU runs, each without checksums and with one stripe's as read and as written
+/// (`Avx512Clmul` and `Avx2Clmul` then run their folding loops).
+fn simds_with_and_without_sums() -> Vec<(Simd, Cuts<'static>)> {
+    const ONE_STRIPE: &[u64] = &[0];
+    let summed = Cuts {
+        read: Some(ONE_STRIPE),
+        write: Some(ONE_STRIPE),
+    };
+    simds()
+        .into_iter()
+        .flat_map(|simd| [(simd, Cuts::default()), (simd, summed)])
+        .collect()
+}
+
+fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
+    let arith = DeepSpeedArith {
+        vector_width: 16,
+        tail: TailFma {
+            momentum: MomentFma::Old,
+            variance: MomentFma::Separate,
+            others: false,
+        },
+        bias_sqrt: BiasSqrt::Float,
+    };
+    // Sizes: empty, within one vector, every tail length, several vectors, a thread split's edges.
+    let sizes = [
+        0,
+        1,
+        7,
+        8,
+        15,
+        16,
+        17,
+        31,
+        33,
+        63,
+        64,
+        65,
+        100,
+        129,
+        1000,
+        1024 + 15,
+        4099,
+    ];
+    // weight decay, AdamW, bias correction
+    let modes = [
+        (0.0, true, true),
+        (0.01, true, true),
+        (0.01, false, true),
+        (-0.5, true, true),
+        (0.0, true, false),
+    ];
+    for &n in &sizes {
+        for &(decay, adamw, bias) in &modes {
+            let mut bias_state = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+            let k = bias_state.constants(3, &hyper(1e-3, decay, adamw, bias));
+            let (state, grad32) = inputs(n, rng);
+            let grad: Vec<G> = grad32.iter().map(|&g| to_grad(g)).collect();
+            let mut want_state = state.clone();
+            let mut want_params = vec![P::narrow(0.0); n];
+            reference(&mut want_state, &grad, &mut want_params, 0.75, &k, &arith);
+            let placements = [(1, 0), (3, 0), (1, 1), (3, 1)];
+            for (simd, cuts) in simds_with_and_without_sums() {
+                for (threads, shift) in placements {
+                    let mut got_state = state.clone();
+                    let (mut buf, start) = placed_params::<P>(n, shift);
+                    let got_params = &mut buf[start..start + n];
+                    let sums = update(
+                        Chunk {
+                            state: &mut got_state,
+                            grad: &grad,
+                            params: Some(&mut *got_params),
+                            keep_params: false,
+                            keep_state: None,
+                        },
+                        0.75,
+                        &k,
+                        &arith,
+                        simd,
+                        threads,
+                        cuts,
+                    )
+                    .unwrap();
+                    if cuts.read.is_some() && n > 0 {
+                        let crc = |x: &[f32]| vec![crate::checksum::crc32c(as_bytes(x))];
+                        assert_eq!(
+                            sums,
+                            ChunkSums {
+                                read: Some(crc(&state)),
+                                write: Some(crc(&got_state)),
+                                kept_params: None,
+                            },
+                            "{simd:?} n {n}: checksums"
+                        );
+                    }
+                    for i in 0..3 * n {
+                        assert!(
+                            same(got_state[i], want_state[i]),
+                            "{simd:?} n {n} {:?} decay {decay} adamw {adamw} threads {threads}: state[{i}] {} vs {}",
+                            G::KIND,
+                            got_state[i],
+                            want_state[i]
+                        );
+                    }
+                    for i in 0..n {
+                        assert!(
+                            same(got_params[i].widen(), want_params[i].widen()),
+                            "{simd:?} n {n} threads {threads} shift {shift}: params[{i}] as {:?}",
+                            P::KIND
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_paths_are_the_specification_for_every_type_size_and_mode() {
+    let mut rng = StdRng::seed_from_u64(11);
+    check_paths::<Bf16, Bf16>(Bf16::narrow, &mut rng);
+    check_paths::<F16, F16>(F16::narrow, &mut rng);
+    check_paths::<f32, f32>(|x| x, &mut rng);
+    check_paths::<Bf16, f32>(Bf16::narrow, &mut rng);
+    check_paths::<f32, Bf16>(|x| x, &mut rng);
+}
+
+/// Passes that run at once on the same count of threads share that count's workers, and passes on
+/// another count have their own: each is still the specification's, round after round.
+#[test]
+fn passes_at_once_share_the_workers_and_each_is_exact() {
+    let arith = vector_arith();
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
+    let n = 3 * BLOCK + 100;
+    let mut rng = StdRng::seed_from_u64(5);
+    let callers: Vec<_> = [3, 3, 3, 5]
+        .into_iter()
+        .map(|threads| {
+            let (state, grad32) = inputs(n, &mut rng);
+            let grad: Vec<Bf16> = grad32.iter().map(|&g| Bf16::narrow(g)).collect();
+            let mut want_state = state.clone();
+            let mut want_params = vec![Bf16::default(); n];
+            reference(&mut want_state, &grad, &mut want_params, 0.5, &k, &arith);
+            (threads, state, grad, want_state, want_params)
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        for (caller, (threads, state, grad, want_state, want_params)) in callers.iter().enumerate()
+        {
+            let (arith, k) = (&arith, &k);
+            scope.spawn(move || {
+                for round in 0..20 {
+                    let mut got_state = state.clone();
+                    let mut got_params = vec![Bf16::default(); n];
+                    let chunk = Chunk {
+                        state: &mut got_state,
+                        grad,
+                        params: Some(&mut got_params),
+                        keep_params: false,
+                        keep_state: None,
+                    };
+                    update(chunk, 0.5, k, arith, Simd::detect(), *threads, Cuts::default()).unwrap();
+                    assert!(
+                        got_state.iter().zip(want_state).all(|(&a, &b)| same(a, b))
+                            && got_params == *want_params,
+                        "caller {caller} ({threads} threads), round {round}: not the specification's"
+                    );
+                }
+            });
+        }
+    });
+}
+
+/// Weights of every kind the narrowing treats apart (zeros of both signs, subnormals, infinities,
+/// NaN, halfway cases of bf16, fp16's overflow and subnormal range) among ordinary ones.
+fn awkward_weights(n: usize, rng: &mut StdRng) -> Vec<f32> {
+    let specials = [
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        1e-40,
+        -1e-45,
+        3e-6,
+        65520.0,
+        3e38,
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+    ];
+    (0..n)
+        .map(|i| match i % 5 {
+            3 => specials[rng.random_range(0..specials.len())],
+            _ => rng.random_range(-2.0f32..2.0),
+        })
+        .collect()
+}
+
+/// A value whose bits differ from `x`'s in `P` (another value, or the other zero or NaN).
+fn other<P: Elem>(x: P) -> P {
+    let bits = x.bits();
+    P::narrow(match bits {
+        0 => -0.0,
+        _ => 1.5 + x.widen().abs().min(1.0),
+    })
+}
+
+fn check_narrows_to<P: Elem>(rng: &mut StdRng) {
+    for n in [0, 1, 7, 8, 9, 15, 16, 17, 33, 100, 8192 + 5] {
+        let weights = awkward_weights(n, rng);
+        let params: Vec<P> = weights.iter().map(|&w| P::narrow(w)).collect();
+        for simd in simds() {
+            assert!(
+                narrows_to(&weights, &params, simd),
+                "{simd:?} n {n} {:?}",
+                P::KIND
+            );
+            // One element different, anywhere: in a vector, in the tail, first, last.
+            for at in [0, n / 2, n.saturating_sub(1), n.saturating_sub(9)] {
+                if at >= n {
+                    continue;
+                }
+                let mut changed = params.clone();
+                changed[at] = other(changed[at]);
+                assert_ne!(changed[at].bits(), params[at].bits());
+                assert!(
+                    !narrows_to(&weights, &changed, simd),
+                    "{simd:?} n {n} {:?}: element {at} ({:#x} for weight {:?}) not seen",
+                    P::KIND,
+                    changed[at].bits(),
+                    weights[at]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn narrows_to_is_bit_equality_with_the_weights_narrowed_on_every_simd() {
+    let mut rng = StdRng::seed_from_u64(17);
+    check_narrows_to::<Bf16>(&mut rng);
+    check_narrows_to::<F16>(&mut rng);
+    check_narrows_to::<f32>(&mut rng);
+    // -0.0 is not 0.0, and a NaN is the narrowing's NaN only (bf16: 0xffff).
+    let simd = Simd::detect();
+    assert!(!narrows_to(&[0.0; 16], &[Bf16(0x8000); 16], simd));
+    assert!(narrows_to(&[f32::NAN; 16], &[Bf16(0xffff); 16], simd));
+    assert!(!narrows_to(&[f32::NAN; 16], &[Bf16(0x7fc0); 16], simd));
+}
+
+fn check_kept_params<P: Elem>(rng: &mut StdRng) {
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
+    let arith = vector_arith();
+    // One block, several blocks with a short last one, a thread split inside a block.
+    for n in [33, 3 * BLOCK + 100, BLOCK + 64 * 3 + 5] {
+        let (mut state, grad32) = inputs(n, rng);
+        state[..n].copy_from_slice(&awkward_weights(n, rng));
+        let grad: Vec<Bf16> = grad32.iter().map(|&g| Bf16::narrow(g)).collect();
+        let mut before: Vec<P> = state[..n].iter().map(|&w| P::narrow(w)).collect();
+        // Parameters set apart from their weights: a few, and a block of them.
+        let apart: Vec<usize> = [1, n / 2, n - 1]
+            .into_iter()
+            .chain(n.min(BLOCK + 40)..n.min(BLOCK + 60))
+            .collect();
+        for &i in &apart {
+            before[i] = other(before[i]);
+        }
+        for (simd, cuts) in simds_with_and_without_sums() {
+            for threads in [1, 3] {
+                // Keeping the parameters, and the state too (`keep`).
+                let run = |keep: bool| {
+                    let (mut s, mut params) = (state.clone(), before.clone());
+                    // NaN-filled: a block the pass did not copy shows.
+                    let mut kept_state = vec![f32::NAN; 3 * n];
+                    let out = update(
+                        Chunk {
+                            state: &mut s,
+                            grad: &grad,
+                            params: Some(&mut params),
+                            keep_params: keep,
+                            keep_state: keep.then_some(&mut kept_state[..]),
+                        },
+                        0.5,
+                        &k,
+                        &arith,
+                        simd,
+                        threads,
+                        cuts,
+                    )
+                    .unwrap();
+                    (s, params, out, kept_state)
+                };
+                let (s0, p0, plain, _) = run(false);
+                let (s1, p1, kept, kept_state) = run(true);
+                let what = format!("{simd:?} n {n} threads {threads} {:?}", P::KIND);
+                // Keeping changes nothing else the pass does, and keeps the state as it was.
+                assert!(s0.iter().zip(&s1).all(|(a, b)| same(*a, *b)), "{what}");
+                assert!(
+                    kept_state
+                        .iter()
+                        .zip(&state)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: the kept state is not the state before the pass"
+                );
+                assert!(
+                    p0.iter().zip(&p1).all(|(a, b)| a.bits() == b.bits()),
+                    "{what}"
+                );
+                assert_eq!((plain.read, plain.write), (kept.read, kept.write), "{what}");
+                assert_eq!(plain.kept_params, None);
+                // Each kept stretch is the parameters as they were, holds one set apart, and
+                // every one set apart is in one; in order, apart from each other.
+                let kept = kept.kept_params.expect("asked for");
+                let size = P::KIND.size();
+                let mut end = 0;
+                for KeptParams { first, bytes } in &kept {
+                    let len = bytes.len() / size;
+                    assert!(*first >= end && len > 0, "{what}: {first} after {end}");
+                    end = first + len;
+                    assert_eq!(
+                        *bytes,
+                        elem_bytes(&before[*first..end]),
+                        "{what} at {first}"
+                    );
+                    assert!(
+                        apart.iter().any(|&i| (*first..end).contains(&i)),
+                        "{what} at {first}"
+                    );
+                }
+                for &i in &apart {
+                    assert!(
+                        kept.iter()
+                            .any(|k| (k.first..k.first + k.bytes.len() / size).contains(&i)),
+                        "{what}: element {i} set apart, not kept"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kept_params_and_state_are_what_the_pass_found_and_nothing_else_changes() {
+    let mut rng = StdRng::seed_from_u64(19);
+    check_kept_params::<Bf16>(&mut rng);
+    check_kept_params::<F16>(&mut rng);
+    check_kept_params::<f32>(&mut rng);
+}
+
+#[test]
+fn without_params_only_the_state_is_written() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (state, grad) = inputs(100, &mut rng);
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+    let arith = vector_arith();
+    let (mut with, mut without) = (state.clone(), state);
+    let mut params = vec![0.0f32; 100];
+    update(
+        Chunk {
+            state: &mut with,
+            grad: &grad,
+            params: Some(&mut params),
+            keep_params: false,
+            keep_state: None,
+        },
+        1.0,
+        &k,
+        &arith,
+        Simd::detect(),
+        2,
+        Cuts::default(),
+    )
+    .unwrap();
+    update::<f32, f32>(
+        Chunk {
+            state: &mut without,
+            grad: &grad,
+            params: None,
+            keep_params: false,
+            keep_state: None,
+        },
+        1.0,
+        &k,
+        &arith,
+        Simd::detect(),
+        2,
+        Cuts::default(),
+    )
+    .unwrap();
+    assert!(with.iter().zip(&without).all(|(a, b)| same(*a, *b)));
+}
+
+#[test]
+fn the_bias_state_follows_deepspeeds_history() {
+    let h = hyper(1e-3, 0.0, true, true);
+    let other = AdamHyper {
+        beta1: 0.8,
+        beta2: 0.99,
+        ..h
+    };
+    let pow = |b: f32, s: u64| (f64::from(b).powf(s as f64)) as f32;
+    let mut bias = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+    // call: (step, hyper); expected beta1^t after it
+    let calls: Vec<(u64, AdamHyper, f32)> = vec![
+        (1, h, 0.9),
+        // The same step again (the next chunk of a subgroup): nothing moves.
+        (1, h, 0.9),
+        // The next step multiplies on, in float.
+        (2, h, 0.9f32 * 0.9f32),
+        (3, h, 0.9f32 * 0.9f32 * 0.9f32),
+        // A jump: pow.
+        (10, h, pow(0.9, 10)),
+        // Other betas: pow with them, from that step.
+        (10, other, pow(0.8, 10)),
+        (11, other, pow(0.8, 10) * 0.8),
+        // Back: pow again.
+        (11, h, pow(0.9, 11)),
+    ];
+    for (i, (step, hyper, beta1_t)) in calls.into_iter().enumerate() {
+        let k = bias.constants(step, &hyper);
+        assert_eq!(bias.beta1_t.to_bits(), beta1_t.to_bits(), "call {i}");
+        assert_eq!(k.step_size, -hyper.lr / (1.0 - beta1_t), "call {i}");
+    }
+    // Without bias correction both corrections are 1.
+    let k = bias.constants(
+        12,
+        &AdamHyper {
+            bias_correction: false,
+            ..h
+        },
+    );
+    assert_eq!((k.step_size, k.bias_correction2), (-1e-3, 1.0));
+    // The double square root rounds once, from double.
+    let mut float = AdamBias::new(0.9, 0.999, BiasSqrt::Float);
+    let mut double = AdamBias::new(0.9, 0.999, BiasSqrt::Double);
+    let differ = (1..5000).any(|s| {
+        float.constants(s, &h).bias_correction2 != double.constants(s, &h).bias_correction2
+    });
+    assert!(
+        differ,
+        "the two square roots must be told apart at some step"
+    );
+    let witness = AdamBias::sqrt_witness(0.999).expect("a step that tells them apart");
+    let at = |sqrt| {
+        AdamBias::new(0.9, 0.999, sqrt)
+            .constants(witness, &h)
+            .bias_correction2
+    };
+    assert_ne!(at(BiasSqrt::Float), at(BiasSqrt::Double));
+}
+
+#[test]
+fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let arith = vector_arith();
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
+    let bytes = |x: &[f32]| as_bytes(x).to_vec();
+    let run = |state: &mut [f32], grad: &[f32], simd: Simd, threads: usize, cuts: Cuts<'_>| {
+        let params = None;
+        update::<f32, f32>(
+            Chunk {
+                state,
+                grad,
+                params,
+                keep_params: false,
+                keep_state: None,
+            },
+            1.0,
+            &k,
+            &arith,
+            simd,
+            threads,
+            cuts,
+        )
+    };
+    // Sizes: within one vector, a tail after whole vectors, whole vectors in one and several blocks
+    // (so every array's edge is a vector's, as folding in the SIMD loop needs), a tail after blocks.
+    for n in [1, 100, 4096, 2 * BLOCK + 1024, 3 * BLOCK + 77] {
+        let total = 12 * n as u64;
+        let n4 = 4 * n as u64;
+        // name, stripe starts
+        let cases: Vec<(&str, Vec<u64>)> = vec![
+            ("one stripe", vec![0]),
+            ("two, cut inside params", vec![0, 4 * (n as u64 / 2).max(1)]),
+            ("on the arrays' edges", vec![0, n4, 2 * n4]),
+            (
+                "many small ones",
+                (0..total).step_by((total as usize / 7).max(4)).collect(),
+            ),
+            (
+                "4 KiB apart, from the last array's edge",
+                std::iter::once(0)
+                    .chain((2 * n4..total).step_by(4096).filter(|&c| c > 0))
+                    .collect(),
+            ),
+            ("one unaligned", vec![0, n4 + 6]),
+        ];
+        for ((name, cuts), simd) in cases
+            .iter()
+            .flat_map(|case| simds().into_iter().map(move |simd| (case, simd)))
+        {
+            for threads in [1, 3] {
+                let (state, grad) = inputs(n, &mut rng);
+                let before = bytes(&state);
+                let mut after = state.clone();
+                let sums = run(
+                    &mut after,
+                    &grad,
+                    simd,
+                    threads,
+                    Cuts {
+                        read: Some(cuts),
+                        write: Some(cuts),
+                    },
+                )
+                .unwrap();
+                let after = bytes(&after);
+                let expected = |all: &[u8]| -> Vec<u32> {
+                    let mut ends = cuts[1..].to_vec();
+                    ends.push(total);
+                    cuts.iter()
+                        .zip(&ends)
+                        .map(|(&a, &b)| crate::checksum::crc32c(&all[a as usize..b as usize]))
+                        .collect()
+                };
+                assert_eq!(
+                    sums.read,
+                    Some(expected(&before)),
+                    "{name}, n {n}, {simd:?}, {threads} threads: read"
+                );
+                assert_eq!(
+                    sums.write,
+                    Some(expected(&after)),
+                    "{name}, n {n}, {simd:?}, {threads} threads: write"
+                );
+            }
+        }
+    }
+    // Only what was asked for, and that right.
+    for simd in simds() {
+        let (mut state, grad) = inputs(4096, &mut rng);
+        let sums = run(
+            &mut state,
+            &grad,
+            simd,
+            1,
+            Cuts {
+                read: None,
+                write: Some(&[0]),
+            },
+        )
+        .unwrap();
+        let written = crate::checksum::crc32c(&bytes(&state));
+        assert_eq!(
+            sums,
+            ChunkSums {
+                read: None,
+                write: Some(vec![written]),
+                kept_params: None,
+            },
+            "{simd:?}"
+        );
+    }
+    let (mut state, grad) = inputs(10, &mut rng);
+    // Cuts that do not ascend from 0 inside the state are named.
+    for cuts in [vec![4u64], vec![0, 8, 8], vec![0, 120]] {
+        let err = run(
+            &mut state,
+            &grad,
+            Simd::detect(),
+            1,
+            Cuts {
+                read: Some(&cuts),
+                write: None,
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("read_cuts"), "{cuts:?}: {err}");
+    }
+}
+
+#[test]
+fn bad_lengths_and_addresses_are_named() {
+    let arith = vector_arith();
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+    let grad = vec![0.0f32; 10];
+    // Each wrong input (a gradient of 10 elements) is an error naming the key, and the length given.
+    let cases: [(&str, &[&str]); 4] = [
+        ("a state of 29", &["state", "29"]),
+        ("keep_params without params", &["keep_params"]),
+        ("a kept state of 29", &["keep_state", "29"]),
+        ("params of 9", &["params", "9"]),
+    ];
+    for (case, words) in cases {
+        let mut state = vec![0.0f32; if case == "a state of 29" { 29 } else { 30 }];
+        let (mut kept_state, mut params) = (vec![0.0f32; 29], vec![0.0f32; 9]);
+        let chunk = Chunk {
+            state: &mut state,
+            grad: &grad,
+            params: (case == "params of 9").then_some(&mut params[..]),
+            keep_params: case == "keep_params without params",
+            keep_state: (case == "a kept state of 29").then_some(&mut kept_state[..]),
+        };
+        let err = update(chunk, 1.0, &k, &arith, Simd::Scalar, 1, Cuts::default())
+            .unwrap_err()
+            .to_string();
+        assert!(words.iter().all(|w| err.contains(w)), "{case}: {err}");
+    }
+    let bytes = [0u8; 64];
+    // SAFETY: the call fails on the misaligned address before touching memory.
+    let err = unsafe {
+        update_at(
+            bytes.as_ptr() as usize + 1,
+            (bytes.as_ptr() as usize, Kind::Bf16),
+            None,
+            false,
+            None,
+            1,
+            1.0,
+            &k,
+            &arith,
+            Simd::Scalar,
+            1,
+            Cuts::default(),
+        )
+    }
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("state") && err.contains("aligned"), "{err}");
+    assert!(Simd::parse("simd", "sse9")
+        .unwrap_err()
+        .to_string()
+        .contains("sse9"));
+    assert!(Kind::parse("grad_dtype", "int8")
+        .unwrap_err()
+        .to_string()
+        .contains("grad_dtype"));
+}
