@@ -85,6 +85,12 @@ test-python-quick: ## the Python tests that start no DeepSpeed (pytest -m "not d
 soak: setup ## 500 steps of the main job, its memory, open files and threads sampled each step (about 13 minutes)
 	MLP_OFFLOAD_SOAK=1 $(PY) -m pytest -q -s tests/test_train.py -k 500_steps
 
+.PHONY: deepspeed-aio
+deepspeed-aio: setup ## build DeepSpeed's async I/O op (its NVMe offload; 7-8 minutes on two cores, so not in `make test`), then run the option table's rows of parameters on NVMe, which need it
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
+	  $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+	$(PY) -m pytest -q tests/test_options.py -k offload_param
+
 .PHONY: test-deepspeed
 test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engine swapped in (DEEPSPEED_TESTS=checkout or tests dir; else ../shared/deepspeed-tests; skips, saying so, when neither is there)
 	$(PY) tests/deepspeed_suite/run.py
