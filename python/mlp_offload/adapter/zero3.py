@@ -291,10 +291,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`). Kept from
         # one boundary to the next (8 bytes per element of the largest partition): freed in each step()
-        # and touched afresh in the next backward, it cost the 134M wide model's iteration 0.2-0.3 s of
-        # 1.1 s (freeing 512 MiB, then its page faults); kept, the peak grew by 0.25 GiB, to 4.09 GiB
-        # against DeepSpeed's 4.29 (docs/results.md). Never allocated where the gradients are on an
-        # accelerator: their norms are DeepSpeed's there.
+        # and touched afresh in the next backward, its freeing and page faults cost a large share of a
+        # wide model's iteration; kept, the peak stays below DeepSpeed's (docs/results.md, "The update
+        # behind the next forward"). Never allocated where the gradients are on an accelerator: their
+        # norms are DeepSpeed's there.
         self._mlp_norm_scratch: torch.Tensor | None = None
         # Per subgroup, DeepSpeed's first and last gradient slices and the range they span
         # (`_mlp_half_grad`).

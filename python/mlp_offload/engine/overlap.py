@@ -46,7 +46,7 @@ def choose_overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -
         return True, "on: every chunk stays in host memory"
     # In chunk order the cache keeps the stream's buffers fewer chunks, and the chunks the last writes
     # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
-    # forward is long (docs/results.md, issue 30).
+    # forward is long (docs/results.md, "The update behind the next forward").
     return False, "off: the state streams (overlap: true runs it behind step() all the same)"
 
 
@@ -77,8 +77,8 @@ def choose_overlap_backward(
             return True, f"on (the config): {how}"
         if params_on_host:
             # The update is the CPU's work and backward's compute is too, on the same cores; and the
-            # kept copies take memory the job may want (at 940M on 2 cores `true` took 3.5 GiB of them
-            # and gave 0.92x the iteration, docs/results.md).
+            # kept copies take memory the job may want, for no gain measured on a CPU (docs/results.md,
+            # "Every chunk in memory: the cached chunks updated during backward").
             return False, (
                 "off: every chunk stays in host memory, and backward's compute runs on the cores the "
                 "update would (true turns it on)"
