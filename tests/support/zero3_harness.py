@@ -45,6 +45,14 @@ VOCAB, SEQ = SIZES["tiny"][0], 16
 DEEPSPEED_AIO = {"block_size": 1 << 20, "queue_depth": 16}
 
 
+def _dotted(config: dict[str, Any], key: str) -> tuple[dict[str, Any], str]:
+    """The section of `config` that a dotted key's last part names a key of (made where missing)."""
+    *sections, name = key.split(".")
+    for part in sections:
+        config = config.setdefault(part, {})
+    return config, name
+
+
 def ds_config(case: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
@@ -108,17 +116,11 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["zero_optimization"]["pipeline_loading_checkpoint"] = True
     for key, value in case.get("ds_options", {}).items():
         # One DeepSpeed option by its dotted key (the option table's rows), set last, over the above.
-        *sections, name = key.split(".")
-        where = config
-        for part in sections:
-            where = where.setdefault(part, {})
+        where, name = _dotted(config, key)
         where[name] = value
     for key in case.get("ds_unset", []):
         # An option taken out (a row's deprecated key in place of its new one).
-        *sections, name = key.split(".")
-        where = config
-        for part in sections:
-            where = where[part]
+        where, name = _dotted(config, key)
         del where[name]
     if "mlp_offload" in case:
         config["mlp_offload"] = case["mlp_offload"]

@@ -48,11 +48,11 @@ def install() -> None:
             if cls is stock:
                 return object.__new__(MLPOffloadStage3)
             if not issubclass(cls, MLPOffloadStage3):
-                # DeepSpeed picked another optimizer of its own (SuperOffload): never ignore our section.
+                # Another optimizer of DeepSpeed's own that no option of the table names (the one known,
+                # SuperOffload, is refused by its key above): never ignore our section.
                 raise ValueError(
-                    f"{SECTION}: this config makes DeepSpeed build {cls.__name__} (set by "
-                    "zero_optimization.offload_optimizer.super_offload), whose optimizer state mlp_offload "
-                    f"does not hold; remove super_offload or the {SECTION!r} section"
+                    f"{SECTION}: this config makes DeepSpeed build {cls.__name__}, whose optimizer state "
+                    f"mlp_offload does not hold; remove what selects it or the {SECTION!r} section"
                 )
         return object.__new__(cls)
 
@@ -91,7 +91,8 @@ def install() -> None:
                 else:
                     args = (cli, *args[1:])
                 kwargs["config"] = migrated
-            from_file = migrated
+            else:
+                from_file = loaded
         for config in (kwargs.get("config"), kwargs.get("config_params"), from_file):
             if isinstance(config, dict) and SECTION in config:
                 # Before DeepSpeed reads any of it: some options fail inside DeepSpeed before the
