@@ -107,6 +107,32 @@ class AdamKernel:
     @property
     def arith(self) -> dict[str, Any]:
         """The DeepSpeed arithmetic it matches, as `candidates()` gives it."""
+    def witness(
+        self,
+        other: AdamKernel,
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        adamw: bool,
+        grad_scale: float,
+        master_dtype: str,
+        moments_dtype: str,
+        seed: int,
+        vector: bool = False,
+        other_vector: bool = False,
+    ) -> tuple[float, float, float, int] | None:
+        """One element's inputs `(param, exp_avg, exp_avg_sq, grad_bits)` whose outputs with this
+        kernel's arithmetic (its vector code's with `vector`, else its scalar loop's) differ from
+        `other`'s at Adam step `step` (the bias state not advanced), the state in these dtypes; None if
+        no random element from `seed` does."""
+    def vector_width_for(self, master_dtype: str, moments_dtype: str) -> int:
+        """The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every
+        element takes the scalar loop)."""
     def update(
         self,
         state: int,
@@ -130,13 +156,17 @@ class AdamKernel:
         write_cuts: list[int] | None = None,
         keep_params: bool = False,
         keep_state: int | None = None,
+        master_dtype: str = "float32",
+        moments_dtype: str = "float32",
     ) -> tuple[list[int] | None, list[int] | None, list[tuple[int, bytes]] | None]:
         """One chunk in place at these addresses (GIL released): `state` `3 count` fp32, `grad` and
         `params` `count` of their dtypes; the bias correction advances as DeepSpeed's would at `step`.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
         (stripe starts), where given; and with `keep_params`, the parameters before the pass that were
         not the old weights narrowed, a block at a time: (first element, their bytes). With `keep_state`
-        (address of `3 count` fp32), the state before the pass is copied there in the pass."""
+        (address of `3 count` fp32), the state before the pass is copied there in the pass.
+        `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the state in (each fp32 value
+        rounded to them as its CPU Adam stores it; `grad` and `params` then of the master's dtype)."""
 
 @final
 class ObjectStore:

@@ -8,7 +8,8 @@ use std::time::Duration;
 use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
 use mlp_offload_core::kernel::{
-    update_at, AdamBias, AdamHyper, BiasSqrt, Cuts, DeepSpeedArith, Kind, MomentFma, Simd, TailFma,
+    update_at, witness, AdamBias, AdamHyper, BiasSqrt, Cuts, DeepSpeedArith, Kind, MomentFma, Simd,
+    StateKinds, TailFma,
 };
 use mlp_offload_core::model::{
     pages_choice as choose_pages, plan_split, PageRates, PathProfile, PathSample, UpdateWorkload,
@@ -367,6 +368,76 @@ impl AdamKernel {
         AdamBias::sqrt_witness(beta2)
     }
 
+    /// One element's inputs `(param, exp_avg, exp_avg_sq, grad_bits)` whose outputs with this kernel's
+    /// arithmetic differ from `other`'s, for a call at Adam step `step` after this kernel's calls so far
+    /// (its bias state is not advanced) with the state in `master_dtype` and `moments_dtype`; None if
+    /// none of `witness.TRIES` random elements from `seed` does. `vector`, `other_vector`: each side's
+    /// arithmetic is DeepSpeed's vector code's (else its scalar loop's). The values are exact in their
+    /// dtypes, the gradient's bits of the master weights' dtype where that is half precision, else
+    /// fp32's. Runs without the GIL.
+    #[pyo3(signature = (other, *, step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw,
+                        grad_scale, master_dtype, moments_dtype, seed, vector=false, other_vector=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn witness(
+        &self,
+        py: Python<'_>,
+        other: &AdamKernel,
+        step: u64,
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        bias_correction: bool,
+        adamw: bool,
+        grad_scale: f32,
+        master_dtype: &str,
+        moments_dtype: &str,
+        seed: u64,
+        vector: bool,
+        other_vector: bool,
+    ) -> PyResult<Option<(f32, f32, f32, u32)>> {
+        let kinds = StateKinds {
+            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
+            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
+        };
+        let hyper = AdamHyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            bias_correction,
+            adamw,
+        };
+        let k = self
+            .bias
+            .lock()
+            .expect("bias lock")
+            .clone()
+            .constants(step, &hyper);
+        let how = |vector: bool, kernel: &AdamKernel| {
+            if vector {
+                TailFma::VECTOR
+            } else {
+                kernel.arith.tail
+            }
+        };
+        let (a, b) = (how(vector, self), how(other_vector, other));
+        let found = py.detach(|| witness(a, b, &k, grad_scale, kinds, seed));
+        Ok(found.map(|w| (w.param, w.exp_avg, w.exp_avg_sq, w.grad_bits)))
+    }
+
+    /// The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every element
+    /// takes the scalar loop; an AVX2 build's for bf16).
+    fn vector_width_for(&self, master_dtype: &str, moments_dtype: &str) -> PyResult<usize> {
+        let kinds = StateKinds {
+            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
+            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
+        };
+        Ok(self.arith.vector_width_for(kinds))
+    }
+
     /// The SIMD instructions the pass uses: `"avx512-clmul"`, `"avx512"`, `"avx2-clmul"`, `"avx2"` or
     /// `"scalar"`.
     #[getter]
@@ -385,10 +456,13 @@ impl AdamKernel {
     /// advances as DeepSpeed's would for a call at Adam step `step`. With `keep_params`, the parameters
     /// before the pass that were not the old weights narrowed come back, a block at a time, as (first
     /// element, bytes). With `keep_state` (address of `3 count` fp32), the state before the pass is
-    /// copied there in the pass. Runs without the GIL.
+    /// copied there in the pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the
+    /// state in (each value of `state` rounded to them as its CPU Adam stores it; the gradient and the
+    /// parameters in the master weights' dtype where that is half precision). Runs without the GIL.
     #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
                         beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
-                        read_cuts=None, write_cuts=None, keep_params=false, keep_state=None))]
+                        read_cuts=None, write_cuts=None, keep_params=false, keep_state=None,
+                        master_dtype="float32", moments_dtype="float32"))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
@@ -413,8 +487,14 @@ impl AdamKernel {
         write_cuts: Option<Vec<u64>>,
         keep_params: bool,
         keep_state: Option<usize>,
+        master_dtype: &str,
+        moments_dtype: &str,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
+        let kinds = StateKinds {
+            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
+            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
+        };
         let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
         let hyper = AdamHyper {
             lr,
@@ -444,6 +524,7 @@ impl AdamKernel {
                         params.map(|a| (a, params_kind)),
                         keep_params,
                         keep_state,
+                        kinds,
                         count,
                         grad_scale,
                         &k,

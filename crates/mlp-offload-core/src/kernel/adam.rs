@@ -2,6 +2,8 @@
 //! machine, the two things DeepSpeed's build decides (vector width, fused multiply-adds), and the
 //! specification every SIMD path is tested against ([`adam_element`]).
 
+use super::elem::{Kind, StateKinds};
+
 /// How weight decay enters, as DeepSpeed's CPU Adam applies it (only for a decay above 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Decay {
@@ -191,6 +193,18 @@ pub struct DeepSpeedArith {
 }
 
 impl DeepSpeedArith {
+    /// The vector width of DeepSpeed's build for a state in `kinds`' dtypes: its `Step_AVX` takes bf16
+    /// weights or moments only with AVX-512 or NEON (16 or 4 lanes); an AVX2 build's runs every element
+    /// of them through its scalar loop.
+    pub fn vector_width_for(&self, kinds: StateKinds) -> usize {
+        let bf16 = kinds.master == Kind::Bf16 || kinds.moments == Kind::Bf16;
+        if bf16 && self.vector_width == 8 {
+            1
+        } else {
+            self.vector_width
+        }
+    }
+
     /// Every combination a start-up check may try, the likeliest first.
     pub fn candidates() -> Vec<DeepSpeedArith> {
         let moments = [MomentFma::Gradient, MomentFma::Old, MomentFma::Separate];

@@ -1,6 +1,7 @@
 //! The element types of the state, the gradients and the parameters, and their conversions: widening
 //! and narrowing exactly as torch's copies do (nearest-even to bf16 and fp16, NaN, inf and subnormals
-//! included).
+//! included), and as DeepSpeed's CPU Adam stores its results ([`Elem::narrow_as_cpu_adam`]); the dtypes
+//! DeepSpeed keeps the optimizer state in ([`StateKinds`]).
 
 use crate::error::{Error, Result};
 
@@ -51,6 +52,11 @@ pub trait Elem: Copy + Send + Sync + 'static {
     const KIND: Kind;
     fn widen(self) -> f32;
     fn narrow(x: f32) -> Self;
+    /// Narrowed as DeepSpeed's CPU Adam stores a result in this type (c10's conversions, which its
+    /// SIMD stores match): as [`Elem::narrow`] but where a type says otherwise.
+    fn narrow_as_cpu_adam(x: f32) -> Self {
+        Self::narrow(x)
+    }
     /// The element's bits (in the low `KIND.size()` bytes).
     fn bits(self) -> u32;
 }
@@ -82,6 +88,14 @@ impl Elem for Bf16 {
         let bits = x.to_bits();
         let rounding = ((bits >> 16) & 1) + 0x7fff;
         Bf16((bits.wrapping_add(rounding) >> 16) as u16)
+    }
+    /// c10's `round_to_nearest_even`: every NaN becomes 0x7fc0 (DeepSpeed's AVX-512 and NEON stores
+    /// write the same).
+    fn narrow_as_cpu_adam(x: f32) -> Self {
+        if x.is_nan() {
+            return Bf16(0x7fc0);
+        }
+        Self::narrow(x)
     }
     fn bits(self) -> u32 {
         u32::from(self.0)
@@ -155,5 +169,71 @@ impl Elem for F16 {
     }
     fn bits(self) -> u32 {
         u32::from(self.0)
+    }
+}
+
+impl Kind {
+    /// `x` as DeepSpeed's CPU Adam stores it in this type, widened back (exactly) to fp32.
+    pub fn round_as_cpu_adam(self, x: f32) -> f32 {
+        match self {
+            Kind::F32 => x,
+            Kind::Bf16 => Bf16::narrow_as_cpu_adam(x).widen(),
+            Kind::F16 => F16::narrow_as_cpu_adam(x).widen(),
+        }
+    }
+}
+
+/// The dtypes DeepSpeed keeps a subgroup's optimizer state in: its master weights (with their
+/// gradients) and its Adam moments. fp32 and fp32 but for DeepSpeed's `bf16_master_weights_and_grads`
+/// (bf16 weights), `bf16_optimizer_states` (and bf16 moments) and `fp16_master_weights_and_grads` (fp16
+/// weights). The pass holds every value in an fp32 element of the state, each rounded to its dtype as
+/// DeepSpeed's CPU Adam stores it, so a value is exactly the one DeepSpeed's state holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateKinds {
+    pub master: Kind,
+    pub moments: Kind,
+}
+
+impl StateKinds {
+    /// fp32 weights and moments.
+    pub const FP32: StateKinds = StateKinds {
+        master: Kind::F32,
+        moments: Kind::F32,
+    };
+
+    pub fn is_fp32(self) -> bool {
+        self == Self::FP32
+    }
+
+    /// As DeepSpeed takes them: the moments in fp32 or in the master weights' dtype; the gradient, and
+    /// the parameters written (if any), in the master weights' dtype where that is half precision; an
+    /// error naming the argument otherwise.
+    pub fn check(self, grad: Kind, params: Option<Kind>) -> Result<()> {
+        if self.moments != Kind::F32 && self.moments != self.master {
+            return Err(Error::config(
+                "moments_dtype",
+                format!(
+                    "{:?} moments with {:?} master weights: DeepSpeed's CPU Adam keeps them in fp32 \
+                     or in the master weights' dtype",
+                    self.moments, self.master
+                ),
+            ));
+        }
+        if self.master == Kind::F32 {
+            return Ok(());
+        }
+        for (name, kind) in [("grad", Some(grad)), ("params", params)] {
+            if let Some(kind) = kind.filter(|&k| k != self.master) {
+                return Err(Error::config(
+                    name,
+                    format!(
+                        "{kind:?} elements, where the master weights are {:?}: DeepSpeed keeps the \
+                         gradients and the parameters in the master weights' dtype",
+                        self.master
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }

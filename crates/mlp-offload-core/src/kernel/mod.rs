@@ -30,6 +30,7 @@
 //! - [`pass`]: the chunk's pass ([`update`], [`update_at`]): its arguments, the threads' ranges and
 //!   their blocks;
 //! - [`pool`]: the pass's worker threads;
+//! - [`witness`]: inputs that tell two arithmetics apart, for the start-up check;
 //! - [`crc`]: the state's checksums, cut as the store cuts its stripes, hashed or folded in the pass;
 //! - `x86`: the vector arithmetic and the folded checksums with x86-64's intrinsics.
 
@@ -39,6 +40,7 @@ pub mod dispatch;
 pub mod elem;
 pub mod pass;
 pub mod pool;
+pub mod witness;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -47,8 +49,9 @@ pub use adam::{
     TailFma,
 };
 pub use dispatch::Simd;
-pub use elem::{Bf16, Elem, Kind, F16};
+pub use elem::{Bf16, Elem, Kind, StateKinds, F16};
 pub use pass::{narrows_to, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
+pub use witness::{witness, Witness};
 
 #[cfg(test)]
 mod tests;

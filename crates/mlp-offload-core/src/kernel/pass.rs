@@ -6,7 +6,7 @@ use super::crc::{check_cuts, finish_pieces, hash_block, pieces, stripe_sums, Pie
 #[cfg(target_arch = "x86_64")]
 use super::crc::{fold_splits, run_part_folding};
 use super::dispatch::Simd;
-use super::elem::{Bf16, Elem, Kind, F16};
+use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
 use super::pool::run_on_workers;
 #[cfg(target_arch = "x86_64")]
 use super::x86;
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 
 /// One chunk's memory for a fused update: `state` is `[params | exp_avg | exp_avg_sq]` (fp32, `3 n`),
 /// `grad` the chunk's gradient (`n`), `params` where the new half-precision parameters go (`n`), if
-/// anywhere.
+/// anywhere; `kinds` the dtypes DeepSpeed keeps the state in, to which each value of `state` is rounded.
 pub struct Chunk<'a, G: Elem, P: Elem> {
     pub state: &'a mut [f32],
     pub grad: &'a [G],
@@ -28,6 +28,7 @@ pub struct Chunk<'a, G: Elem, P: Elem> {
     /// of state kept nowhere else (a chunk cached in host memory) that may be undone gives it back from
     /// here, at the cost of this write alone (no second read of the state).
     pub keep_state: Option<&'a mut [f32]>,
+    pub kinds: StateKinds,
 }
 
 /// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
@@ -116,6 +117,12 @@ pub(super) fn elem_bytes<P: Elem>(x: &[P]) -> Vec<u8> {
 /// `k` as DeepSpeed computes it (its last `n % arith.vector_width` elements with `arith.tail`'s
 /// arithmetic), the new parameters narrowed into `chunk.params`, and the state's checksums where `cuts`
 /// asks for them. Runs on `threads` threads (the caller's among them), each over its own range.
+///
+/// With a state in half precision (`chunk.kinds`), as DeepSpeed's CPU Adam runs it: the gradient
+/// multiplied in its own dtype (DeepSpeed's `mul_` of its half-precision gradient), each result
+/// rounded to its dtype as CPU Adam stores it, the parameters written being the master weights' bits,
+/// and the vector arithmetic only where DeepSpeed's build has it for those dtypes
+/// ([`DeepSpeedArith::vector_width_for`]). That pass runs element by element.
 #[allow(clippy::too_many_arguments)]
 pub fn update<G: Elem, P: Elem>(
     chunk: Chunk<'_, G, P>,
@@ -128,7 +135,8 @@ pub fn update<G: Elem, P: Elem>(
 ) -> Result<ChunkSums> {
     check_chunk(&chunk, arith, cuts)?;
     let keep_params = chunk.keep_params;
-    let parts = cut_into_parts(chunk, arith.vector_width, threads, cuts);
+    let vector_width = arith.vector_width_for(chunk.kinds);
+    let parts = cut_into_parts(chunk, vector_width, threads, cuts);
     let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
     let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = run_on_workers(parts, run)?;
     let [read, write] = [0, 1].map(|d| {
@@ -196,6 +204,9 @@ fn check_chunk<G: Elem, P: Elem>(
     if arith.vector_width == 0 {
         return Err(Error::config("vector_width", "must be at least 1"));
     }
+    chunk
+        .kinds
+        .check(G::KIND, chunk.params.as_ref().map(|_| P::KIND))?;
     let total = 12 * n as u64;
     for (name, c) in [("read_cuts", cuts.read), ("write_cuts", cuts.write)] {
         if let Some(c) = c {
@@ -217,8 +228,13 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     let n = chunk.grad.len();
     let (p, rest) = chunk.state.split_at_mut(n);
     let (m, v) = rest.split_at_mut(n);
-    // Elements below `body` get DeepSpeed's vector arithmetic, the rest its scalar loop's.
-    let body = n - n % vector_width;
+    // Elements below `body` get DeepSpeed's vector arithmetic, the rest its scalar loop's (every one for
+    // a build without SIMD, width 1).
+    let body = if vector_width > 1 {
+        n - n % vector_width
+    } else {
+        0
+    };
     let threads = threads.clamp(1, n.div_ceil(SHARE_ALIGN).max(1));
     let share = (n / threads).next_multiple_of(SHARE_ALIGN);
     let mut parts = Vec::with_capacity(threads);
@@ -269,6 +285,7 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
             sums,
             kept: chunk.keep_params.then(Vec::new),
             kept_state: ks,
+            kinds: chunk.kinds,
         });
         (p, m, v, g) = (p1, m1, v1, g1);
         first += len;
@@ -276,9 +293,9 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     parts
 }
 
-/// [`update`] over raw memory: `state` holds `3 count` fp32 elements, `grad` `count` of its kind,
-/// `params` (if given) `count` of its kind, kept where they are not the weights narrowed with
-/// `keep_params` ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
+/// [`update`] over raw memory: `state` holds `3 count` fp32 elements (in `kinds`' dtypes, [`Chunk::kinds`]),
+/// `grad` `count` of its kind, `params` (if given) `count` of its kind, kept where they are not the
+/// weights narrowed with `keep_params` ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
 ///
 /// # Safety
 /// Every address must point to live memory of that many elements, which nothing else reads or writes
@@ -290,6 +307,7 @@ pub unsafe fn update_at(
     params: Option<(usize, Kind)>,
     keep_params: bool,
     keep_state: Option<usize>,
+    kinds: StateKinds,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -323,6 +341,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                kinds,
                 count,
                 grad_scale,
                 k,
@@ -337,6 +356,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                kinds,
                 count,
                 grad_scale,
                 k,
@@ -351,6 +371,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                kinds,
                 count,
                 grad_scale,
                 k,
@@ -386,6 +407,7 @@ unsafe fn update_with_params<G: Elem>(
     params: Option<(usize, Kind)>,
     keep_params: bool,
     keep_state: Option<&mut [f32]>,
+    kinds: StateKinds,
     count: usize,
     grad_scale: f32,
     k: &AdamConstants,
@@ -404,6 +426,7 @@ unsafe fn update_with_params<G: Elem>(
                     params: None,
                     keep_params,
                     keep_state,
+                    kinds,
                 },
                 grad_scale,
                 k,
@@ -419,6 +442,7 @@ unsafe fn update_with_params<G: Elem>(
                     params: Some(slice_mut::<f32>(a, count)),
                     keep_params,
                     keep_state,
+                    kinds,
                 },
                 grad_scale,
                 k,
@@ -434,6 +458,7 @@ unsafe fn update_with_params<G: Elem>(
                     params: Some(slice_mut::<Bf16>(a, count)),
                     keep_params,
                     keep_state,
+                    kinds,
                 },
                 grad_scale,
                 k,
@@ -449,6 +474,7 @@ unsafe fn update_with_params<G: Elem>(
                     params: Some(slice_mut::<F16>(a, count)),
                     keep_params,
                     keep_state,
+                    kinds,
                 },
                 grad_scale,
                 k,
@@ -480,6 +506,7 @@ pub(super) struct Part<'a, G, P> {
     /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
     /// exp_avg and exp_avg_sq.
     pub(super) kept_state: Option<[&'a mut [f32]; 3]>,
+    pub(super) kinds: StateKinds,
 }
 
 impl<G: Elem, P: Elem> Part<'_, G, P> {
@@ -511,7 +538,7 @@ fn run_part<G: Elem, P: Elem>(
     simd: Simd,
 ) -> (Hashed, Option<Vec<KeptParams>>) {
     #[cfg(target_arch = "x86_64")]
-    if matches!(simd, Simd::Avx512Clmul | Simd::Avx2Clmul) {
+    if part.kinds.is_fp32() && matches!(simd, Simd::Avx512Clmul | Simd::Avx2Clmul) {
         if let Some(splits) = fold_splits(&part, simd.lanes()) {
             return run_part_folding(part, splits, grad_scale, k, tail, simd);
         }
@@ -569,6 +596,19 @@ pub(super) fn run_block<G: Elem, P: Elem>(
     tail: TailFma,
     simd: Simd,
 ) {
+    if !part.kinds.is_fp32() {
+        #[cfg(target_arch = "x86_64")]
+        if simd != Simd::Scalar
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU has both, just checked.
+            unsafe { rounded_elements_fma(part, b0, b1, grad_scale, k, tail) };
+            return;
+        }
+        rounded_elements(part, b0, b1, grad_scale, k, tail);
+        return;
+    }
     let lanes = simd.lanes();
     // The SIMD stretch: from the block's start (a multiple of every width) up to its vector elements.
     let simd_end = if lanes > 1 {
@@ -605,4 +645,140 @@ pub(super) fn run_block<G: Elem, P: Elem>(
             o[i] = P::narrow(param);
         }
     }
+}
+
+/// [`rounded_elements`] compiled with FMA instructions, which the specification's fused multiply-adds
+/// then are (without them each is a call of the C library's `fmaf`).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rounded_elements_fma<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    b0: usize,
+    b1: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+) {
+    rounded_elements(part, b0, b1, grad_scale, k, tail);
+}
+
+/// Elements `b0..b1` of a range whose state is in half precision ([`Chunk::kinds`]), one at a time, as
+/// DeepSpeed's CPU Adam computes them (see [`update`]): a loop per arithmetic and per pair of dtypes,
+/// each without branches the compiler cannot turn into vector selects.
+#[inline(always)]
+fn rounded_elements<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    b0: usize,
+    b1: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    tail: TailFma,
+) {
+    let vector_end = part.vector.clamp(b0, b1);
+    for (from, to, how) in [(b0, vector_end, TailFma::VECTOR), (vector_end, b1, tail)] {
+        if from == to {
+            continue;
+        }
+        match (part.kinds.master, part.kinds.moments) {
+            (Kind::Bf16, Kind::F32) => {
+                rounded_run::<G, P, Bf16, f32>(part, from, to, grad_scale, k, how)
+            }
+            (Kind::Bf16, Kind::Bf16) => {
+                rounded_run::<G, P, Bf16, Bf16>(part, from, to, grad_scale, k, how)
+            }
+            (Kind::F16, Kind::F32) => {
+                rounded_run::<G, P, F16, f32>(part, from, to, grad_scale, k, how)
+            }
+            (Kind::F16, Kind::F16) => {
+                rounded_run::<G, P, F16, F16>(part, from, to, grad_scale, k, how)
+            }
+            _ => {
+                for i in from..to {
+                    rounded_at(part, i, grad_scale, k, how);
+                }
+            }
+        }
+    }
+}
+
+/// Elements `from..to`, the master weights in `W`, the moments in `S` (which `part.kinds` names), all with
+/// `how`'s arithmetic. (No closures: they would not take the caller's target features.)
+#[inline(always)]
+fn rounded_run<G: Elem, P: Elem, W: Elem, S: Elem>(
+    part: &mut Part<'_, G, P>,
+    from: usize,
+    to: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    how: TailFma,
+) {
+    let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
+    let mut o = part.o.as_deref_mut();
+    for i in from..to {
+        // DeepSpeed's `mul_` of its gradient in the master weights' dtype: torch rounds the product.
+        let grad = G::narrow(g[i].widen() * grad_scale).widen();
+        let (param, exp_avg, exp_avg_sq) = adam_element(p[i], grad, m[i], v[i], k, how);
+        let master = W::narrow_as_cpu_adam(param);
+        p[i] = master.widen();
+        m[i] = S::narrow_as_cpu_adam(exp_avg).widen();
+        v[i] = S::narrow_as_cpu_adam(exp_avg_sq).widen();
+        if let Some(o) = o.as_deref_mut() {
+            // The master weights' own bits (`StateKinds::check`: the same dtype), as DeepSpeed's copy
+            // of them into its partition leaves them: exact.
+            o[i] = P::narrow_as_cpu_adam(p[i]);
+        }
+    }
+}
+
+/// Element `i`, by [`rounded_element`] (the dtypes no specialised loop has).
+fn rounded_at<G: Elem, P: Elem>(
+    part: &mut Part<'_, G, P>,
+    i: usize,
+    grad_scale: f32,
+    k: &AdamConstants,
+    how: TailFma,
+) {
+    let (param, exp_avg, exp_avg_sq) = rounded_element(
+        part.p[i], part.m[i], part.v[i], part.g[i], grad_scale, k, how, part.kinds,
+    );
+    (part.p[i], part.m[i], part.v[i]) = (param, exp_avg, exp_avg_sq);
+    if let Some(o) = part.o.as_deref_mut() {
+        o[i] = if part.kinds.master == Kind::F32 {
+            P::narrow(param)
+        } else {
+            P::narrow_as_cpu_adam(param)
+        };
+    }
+}
+
+/// One element of a state in `kinds`' dtypes, as DeepSpeed's CPU Adam computes it with `how`'s
+/// arithmetic: the gradient multiplied by `grad_scale` in its own dtype where the master weights are
+/// in half precision (DeepSpeed's `mul_` of its gradient: torch rounds the product), Adam, and each
+/// result rounded to its dtype as CPU Adam stores it. Returns the new parameter, `exp_avg` and
+/// `exp_avg_sq`, each exact in fp32.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn rounded_element<G: Elem>(
+    param: f32,
+    exp_avg: f32,
+    exp_avg_sq: f32,
+    g: G,
+    grad_scale: f32,
+    k: &AdamConstants,
+    how: TailFma,
+    kinds: StateKinds,
+) -> (f32, f32, f32) {
+    let mut grad = g.widen() * grad_scale;
+    if kinds.master != Kind::F32 {
+        grad = G::narrow(grad).widen();
+    }
+    let (param, exp_avg, exp_avg_sq) = adam_element(param, grad, exp_avg, exp_avg_sq, k, how);
+    (
+        kinds.master.round_as_cpu_adam(param),
+        kinds.moments.round_as_cpu_adam(exp_avg),
+        kinds.moments.round_as_cpu_adam(exp_avg_sq),
+    )
 }

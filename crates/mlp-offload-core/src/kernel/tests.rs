@@ -288,6 +288,7 @@ fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
                             params: Some(&mut *got_params),
                             keep_params: false,
                             keep_state: None,
+                            kinds: StateKinds::FP32,
                         },
                         0.75,
                         &k,
@@ -374,6 +375,7 @@ fn passes_at_once_share_the_workers_and_each_is_exact() {
                         params: Some(&mut got_params),
                         keep_params: false,
                         keep_state: None,
+                        kinds: StateKinds::FP32,
                     };
                     update(chunk, 0.5, k, arith, Simd::detect(), *threads, Cuts::default()).unwrap();
                     assert!(
@@ -496,6 +498,7 @@ fn check_kept_params<P: Elem>(rng: &mut StdRng) {
                             params: Some(&mut params),
                             keep_params: keep,
                             keep_state: keep.then_some(&mut kept_state[..]),
+                            kinds: StateKinds::FP32,
                         },
                         0.5,
                         &k,
@@ -579,6 +582,7 @@ fn without_params_only_the_state_is_written() {
             params: Some(&mut params),
             keep_params: false,
             keep_state: None,
+            kinds: StateKinds::FP32,
         },
         1.0,
         &k,
@@ -595,6 +599,7 @@ fn without_params_only_the_state_is_written() {
             params: None,
             keep_params: false,
             keep_state: None,
+            kinds: StateKinds::FP32,
         },
         1.0,
         &k,
@@ -681,6 +686,7 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
                 params,
                 keep_params: false,
                 keep_state: None,
+                kinds: StateKinds::FP32,
             },
             1.0,
             &k,
@@ -818,6 +824,7 @@ fn bad_lengths_and_addresses_are_named() {
             params: (case == "params of 9").then_some(&mut params[..]),
             keep_params: case == "keep_params without params",
             keep_state: (case == "a kept state of 29").then_some(&mut kept_state[..]),
+            kinds: StateKinds::FP32,
         };
         let err = update(chunk, 1.0, &k, &arith, Simd::Scalar, 1, Cuts::default())
             .unwrap_err()
@@ -833,6 +840,7 @@ fn bad_lengths_and_addresses_are_named() {
             None,
             false,
             None,
+            StateKinds::FP32,
             1,
             1.0,
             &k,
@@ -853,4 +861,191 @@ fn bad_lengths_and_addresses_are_named() {
         .unwrap_err()
         .to_string()
         .contains("grad_dtype"));
+}
+
+/// `x` as DeepSpeed's CPU Adam stores it in `kind` (c10's conversions), written out apart from the
+/// kernel's: bf16 nearest-even with every NaN 0x7fc0, fp16 as F16C's `vcvtps2ph`.
+fn stored(kind: Kind, x: f32) -> f32 {
+    match kind {
+        Kind::F32 => x,
+        Kind::Bf16 if x.is_nan() => f32::from_bits(0x7fc0_0000),
+        Kind::Bf16 => Bf16::narrow(x).widen(),
+        Kind::F16 => F16::narrow(x).widen(),
+    }
+}
+
+/// A state in half precision through `update`, against the element-by-element specification of
+/// DeepSpeed's CPU Adam in those dtypes.
+fn check_half_state<G: Elem>(
+    kinds: StateKinds,
+    width: usize,
+    threads: usize,
+    n: usize,
+    rng: &mut StdRng,
+) {
+    let (mut state, grad32) = inputs(n, rng);
+    for (k, value) in state.iter_mut().enumerate() {
+        *value = stored(if k < n { kinds.master } else { kinds.moments }, *value);
+    }
+    let grad: Vec<G> = grad32.iter().map(|&g| G::narrow(g)).collect();
+    let arith = DeepSpeedArith {
+        vector_width: width,
+        tail: TailFma {
+            momentum: MomentFma::Old,
+            variance: MomentFma::Separate,
+            others: false,
+        },
+        bias_sqrt: BiasSqrt::Float,
+    };
+    let k =
+        AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(3, &hyper(1e-3, 0.01, false, true));
+    // Where DeepSpeed's build takes these dtypes in its vector code: not at all with bf16 on AVX2, nor
+    // in a build without SIMD (width 1).
+    let bf16 = kinds.master == Kind::Bf16 || kinds.moments == Kind::Bf16;
+    let body = if (bf16 && width == 8) || width == 1 {
+        0
+    } else {
+        n - n % width
+    };
+    let mut expected = state.clone();
+    let mut expected_params = vec![G::narrow(0.0); n];
+    for i in 0..n {
+        let how = if i < body {
+            TailFma::VECTOR
+        } else {
+            arith.tail
+        };
+        let g = G::narrow(grad[i].widen() * 0.25).widen();
+        let (p, m, v) = adam_element(state[i], g, state[n + i], state[2 * n + i], &k, how);
+        expected[i] = stored(kinds.master, p);
+        expected[n + i] = stored(kinds.moments, m);
+        expected[2 * n + i] = stored(kinds.moments, v);
+        expected_params[i] = G::narrow_as_cpu_adam(p);
+    }
+    let mut params = vec![G::narrow(0.0); n];
+    let chunk = Chunk {
+        state: &mut state,
+        grad: &grad,
+        params: Some(&mut params),
+        keep_params: false,
+        keep_state: None,
+        kinds,
+    };
+    update(
+        chunk,
+        0.25,
+        &k,
+        &arith,
+        Simd::detect(),
+        threads,
+        Cuts::default(),
+    )
+    .unwrap();
+    let case = format!("{kinds:?}, width {width}, {threads} threads, {n} elements");
+    for (i, (a, b)) in state.iter().zip(&expected).enumerate() {
+        assert!(
+            same(*a, *b),
+            "{case}: state element {i}: {a:e} against {b:e}"
+        );
+    }
+    for (i, (a, b)) in params.iter().zip(&expected_params).enumerate() {
+        assert_eq!(a.bits(), b.bits(), "{case}: params element {i}");
+        assert_eq!(
+            a.widen().to_bits(),
+            state[i].to_bits(),
+            "{case}: params {i} are not the master weights"
+        );
+    }
+}
+
+#[test]
+fn a_state_in_half_precision_is_rounded_as_cpu_adam_stores_it() {
+    let mut rng = StdRng::seed_from_u64(61);
+    // master, moments
+    let kinds = [
+        (Kind::Bf16, Kind::F32),
+        (Kind::Bf16, Kind::Bf16),
+        (Kind::F16, Kind::F32),
+        (Kind::F16, Kind::F16),
+    ];
+    for (master, moments) in kinds {
+        let kinds = StateKinds { master, moments };
+        for width in [16, 8, 1] {
+            for threads in [1, 3] {
+                for n in [1, 15, BLOCK + 37] {
+                    match master {
+                        Kind::Bf16 => check_half_state::<Bf16>(kinds, width, threads, n, &mut rng),
+                        _ => check_half_state::<F16>(kinds, width, threads, n, &mut rng),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_adams_bf16_nan_is_c10s() {
+    for x in [f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)] {
+        assert_eq!(Bf16::narrow_as_cpu_adam(x).0, 0x7fc0);
+    }
+    assert_eq!(Bf16::narrow_as_cpu_adam(1.0).0, Bf16::narrow(1.0).0);
+    assert_eq!(F16::narrow_as_cpu_adam(f32::NAN).0, F16::narrow(f32::NAN).0);
+}
+
+#[test]
+fn state_dtypes_deepspeed_does_not_take_are_named() {
+    // master, moments, grad, params, the argument named
+    let cases = [
+        (Kind::Bf16, Kind::F32, Kind::F32, None, "grad"),
+        (
+            Kind::Bf16,
+            Kind::Bf16,
+            Kind::Bf16,
+            Some(Kind::F16),
+            "params",
+        ),
+        (Kind::F16, Kind::Bf16, Kind::F16, None, "moments_dtype"),
+        (Kind::F32, Kind::Bf16, Kind::Bf16, None, "moments_dtype"),
+    ];
+    for (master, moments, grad, params, named) in cases {
+        let err = StateKinds { master, moments }
+            .check(grad, params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(named), "{master:?}/{moments:?}: {err}");
+    }
+    assert!(StateKinds::FP32.check(Kind::Bf16, Some(Kind::Bf16)).is_ok());
+}
+
+#[test]
+fn a_witness_tells_two_scalar_loops_apart_and_only_those() {
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+    let kinds = StateKinds {
+        master: Kind::Bf16,
+        moments: Kind::Bf16,
+    };
+    let tail = |momentum, variance| TailFma {
+        momentum,
+        variance,
+        others: true,
+    };
+    let (a, b) = (
+        tail(MomentFma::Old, MomentFma::Old),
+        tail(MomentFma::Old, MomentFma::Gradient),
+    );
+    let w = witness(a, b, &k, 0.5, kinds, 1).expect("the variance's fusing shows somewhere");
+    let run = |how| {
+        pass::rounded_element(
+            w.param,
+            w.exp_avg,
+            w.exp_avg_sq,
+            Bf16(w.grad_bits as u16),
+            0.5,
+            &k,
+            how,
+            kinds,
+        )
+    };
+    assert_ne!(run(a), run(b));
+    assert_eq!(witness(a, a, &k, 0.5, kinds, 1), None);
 }
