@@ -76,6 +76,17 @@ TESTBED = "scripts/testbed.sh"
 TESTBED_MOUNT = "/mnt/mlp-offload-testbed"
 
 
+# `--state`: the dtypes DeepSpeed keeps the optimizer state in, by its bf16 section's keys.
+STATES: dict[str, dict[str, bool]] = {
+    "fp32": {},
+    "bf16-weights": {"bf16_master_weights_and_grads": True},
+    "bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+}
+# Bytes of state per parameter in DeepSpeed's dtypes (master weights and both moments); `-half` holds
+# half of them.
+STATE_BYTES = {"fp32": 12, "bf16-weights": 10, "bf16": 6}
+
+
 def many_ranks() -> bool:
     """Whether this worker is one of several data-parallel ranks (`--ranks` above 1)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -96,6 +107,8 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         },
         "steps_per_print": 10**9,
     }
+    # DeepSpeed's state in half precision, for every contender (`--state`).
+    config["bf16"].update(STATES[spec.get("state", "fp32")])
     if spec.get("clip") is not None:
         config["gradient_clipping"] = spec["clip"]
     if spec.get("reduce_bucket_size"):
@@ -122,7 +135,8 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         # state's bytes.
         offload.update(pin_memory=True, buffer_count=12)
         half = contender.startswith("mlp-offload-half")
-        config["mlp_offload"] = {"paths": spec["paths"], "host_memory": 6 * params if half else "deepspeed"}
+        half_bytes = STATE_BYTES[spec.get("state", "fp32")] // 2 * params
+        config["mlp_offload"] = {"paths": spec["paths"], "host_memory": half_bytes if half else "deepspeed"}
         if contender.endswith("-noadmit"):
             config["mlp_offload"]["device_inflight"] = "off"
         if contender.endswith("-nochecksum"):
@@ -382,6 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="llama; gpt; wide: embedding tables with little compute (models.WideTables)",
     )
     parser.add_argument("--size", default="130M", help="model size, see mlp_offload.app.models (130M)")
+    parser.add_argument(
+        "--state",
+        choices=list(STATES),
+        default="fp32",
+        help="the optimizer state's dtypes, for every contender: fp32, bf16-weights (bf16 master weights, "
+        "fp32 moments) or bf16 (bf16 master weights and moments: 6 bytes a parameter)",
+    )
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
@@ -525,6 +546,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "sub_group_size": args.sub_group_size,
                 "reduce_bucket_size": args.reduce_bucket_size,
                 "clip": args.clip,
+                "state": args.state,
                 "paths": run_paths,
                 "warmup": args.warmup,
                 "steps": args.steps,

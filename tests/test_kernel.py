@@ -44,6 +44,16 @@ MODES = [
     ("other betas and eps", {"adamw_mode": True, "weight_decay": 0.01, "betas": (0.8, 0.95), "eps": 1e-6}),
 ]
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The state in half precision: DeepSpeed's master weights (and gradients, and the partition) in the
+# dtype, its moments in fp32 or in that dtype too (`fp32_optimizer_states` off).
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+STATE_DTYPES = {
+    "fp32 state": None,
+    "bf16 weights": fused_update.StateDtypes(BF16, FP32),
+    "bf16 weights and moments": fused_update.StateDtypes(BF16, BF16),
+    "fp16 weights": fused_update.StateDtypes(FP16, FP32),
+    "fp16 weights and moments": fused_update.StateDtypes(FP16, FP16),
+}
 
 
 def optimizer(**settings: Any) -> Any:
@@ -83,6 +93,33 @@ def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: 
     ds = optimizer(**settings)
     fused, why = fused_update.self_check(ds, dtype, dtype)
     assert fused is not None, why
+    _run_beside_deepspeed(ds, fused, dtype, None, f"{name}, {half}")
+
+
+@pytest.mark.parametrize("dtypes", list(STATE_DTYPES)[1:])
+@pytest.mark.parametrize(("name", "settings"), MODES, ids=[m[0] for m in MODES])
+def test_every_element_of_a_state_in_half_precision_is_deepspeeds(
+    name: str, settings: dict[str, Any], dtypes: str
+) -> None:
+    state_dtypes = STATE_DTYPES[dtypes]
+    assert state_dtypes is not None
+    dtype = state_dtypes.master
+    ds = optimizer(**settings, fp32_optimizer_states=state_dtypes.moments == FP32)
+    fused, why = fused_update.self_check(ds, dtype, dtype, dtypes=state_dtypes)
+    assert fused is not None, why
+    _run_beside_deepspeed(ds, fused, dtype, state_dtypes, f"{name}, {dtypes}")
+
+
+def _run_beside_deepspeed(
+    ds: Any,
+    fused: fused_update.FusedAdam,
+    dtype: torch.dtype,
+    state_dtypes: fused_update.StateDtypes | None,
+    what: str,
+) -> None:
+    """Calls of every size at `STEPS` through DeepSpeed's kernel (its optimizer's op and id) and ours, in
+    step: every output the same bits. `state_dtypes`: the state in half precision (None: fp32), its
+    values exact in fp32 for ours."""
     group = ds.param_groups[0]
     beta1, beta2 = group["betas"]
     generator = torch.Generator().manual_seed(7)
@@ -91,25 +128,32 @@ def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: 
         for n in SIZES:
             state, grad = inputs(n, dtype, generator, specials=call % 2 == 1)
             scale = 1.0 / (1.0 + call)
-            # DeepSpeed's path: widen, unscale, CPU Adam, narrow.
-            theirs = state.clone()
-            grad32 = torch.empty(n)
-            grad32.copy_(grad)
-            grad32.mul_(scale)
-            p, m, v = theirs[:n], theirs[n : 2 * n], theirs[2 * n :]
+            master, moments = (
+                (FP32, FP32) if state_dtypes is None else (state_dtypes.master, state_dtypes.moments)
+            )
+            state[:n] = state[:n].to(master).float()
+            state[n:] = state[n:].to(moments).float()
+            # DeepSpeed's path: the gradient into the master weights' dtype, unscaled there, CPU Adam on
+            # tensors of the state's dtypes, the master weights copied into the partition.
+            grad_master = torch.empty(n, dtype=master)
+            grad_master.copy_(grad)
+            grad_master.mul_(scale)
+            p = state[:n].to(master, copy=True)
+            m, v = (state[k * n : (k + 1) * n].to(moments, copy=True) for k in (1, 2))
             ds.ds_opt_adam.adam_update(
                 ds.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                group["bias_correction"], p, grad32, m, v,
+                group["bias_correction"], p, grad_master, m, v,
             )  # fmt: skip
+            theirs = torch.cat([p.float(), m.float(), v.float()])
             their_params = torch.empty(n, dtype=dtype)
             their_params.copy_(p)
             ours = state.clone()
             our_params = torch.empty(n, dtype=dtype)
             fused.update(ours, grad, our_params, grad_scale=scale, step=step, group=group)
-            for what, a, b in (("state", ours, theirs), ("params", our_params, their_params)):
+            for name, a, b in (("state", ours, theirs), ("params", our_params, their_params)):
                 agree = same(a, b)
                 assert bool(agree.all()), (
-                    f"{name}, {half}, step {step}, {n} elements: {what}[{int((~agree).nonzero()[0])}] differs"
+                    f"{what}, step {step}, {n} elements: {name}[{int((~agree).nonzero()[0])}] differs"
                 )
 
 
@@ -123,6 +167,12 @@ def test_the_check_names_what_it_cannot_fuse() -> None:
         fused_update.choose_update_kernel("fused", torch_adam, torch.bfloat16, torch.bfloat16)
     fused, why = fused_update.choose_update_kernel("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
     assert fused is None and why == "configured"
+    # The state in half precision runs on the fused pass only.
+    half_state = fused_update.StateDtypes(BF16, FP32)
+    with pytest.raises(ValueError, match=r'update_kernel: "deepspeed" runs on fp32 state only.*"auto"'):
+        fused_update.choose_update_kernel("deepspeed", optimizer(), BF16, BF16, dtypes=half_state)
+    with pytest.raises(ValueError, match=r"update_kernel: 'auto'.*AdamW.*half precision.*needs it"):
+        fused_update.choose_update_kernel("auto", torch_adam, BF16, BF16, dtypes=half_state)
 
 
 def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
@@ -144,6 +194,7 @@ def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
             torch.bfloat16,
             torch.bfloat16,
             torch.Generator().manual_seed(1),
+            fused_update.FP32_STATE,
         )
         bad = fused_update.FusedAdam(_core.AdamKernel(*ds.defaults["betas"], **wrong), adamw=True, threads=1)
         difference = fused_update._first_difference(calls, bad, ds.param_groups[0], 0.5)

@@ -270,19 +270,13 @@ CHECKS: list[tuple[str, dict[str, Any], str | None, list[str] | None]] = [
         [f"{Z}.new_knob", "bf16.newer"],
     ),
     ("a key by its field name", {Z: {"stage": 3, "param_persistence_threshold": 0}}, None, None),
-    (
-        "bf16 by its old name",
-        {"bfloat16": {"bf16_optimizer_states": True}},
-        "bf16.bf16_optimizer_states",
-        None,
-    ),
+    ("bf16 by its old name", {"bfloat16": {"enabled": True, "new_knob": 2}}, None, ["bf16.new_knob"]),
     (
         "two refused at once",
         {
-            Z: {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}},
-            "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+            Z: {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}, "elastic_checkpoint": True},
         },
-        r"ratio: 0\.3: .*fp16\.fp16_master_weights_and_grads: True",
+        r"elastic_checkpoint: True: .*ratio: 0\.3",
         None,
     ),
     (

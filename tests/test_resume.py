@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import ONE_NODE
-from deepspeed_runs import assert_bit_equal, keep, run_case, stock_cache
+from deepspeed_runs import assert_bit_equal, run_case, stock_resume
 
 SAVE_AT = 3
 # Where a killed row's run dies: the step after the checkpoint it resumes from.
@@ -134,26 +134,6 @@ def our_section(row: dict[str, Any], paths: list[Path]) -> dict[str, Any]:
     return section
 
 
-def stock_resume(ds_case: dict[str, Any], ranks: int, tmp_path: Path) -> list[dict[str, Any]]:
-    """Stock DeepSpeed's save at step 3 and its resume in a new process (every rank's result), run once
-    per DeepSpeed side and kept as a stock run is (`stock_cache`)."""
-    kept = stock_cache({**ds_case, "stock_resumes_at": SAVE_AT}, ranks)
-    assert kept is not None
-    if kept.exists():
-        import torch
-
-        results: list[dict[str, Any]] = torch.load(kept, weights_only=False)
-        return results
-    ckpt = str(tmp_path / "stock-ckpt")
-    saves = {**ds_case, "steps": SAVE_AT + 1, "save_at": SAVE_AT, "checkpoint_dir": ckpt}
-    run_case(saves, tmp_path, "stock-saves", ranks=ranks)
-    resumes = {**ds_case, "resume_at": SAVE_AT, "checkpoint_dir": ckpt}
-    resumed = run_case(resumes, tmp_path, "stock", ranks=ranks)
-    results = resumed.get("ranks", [resumed])
-    keep(results, kept)
-    return results
-
-
 def run_until_the_restart(row: dict[str, Any], case: dict[str, Any], tmp_path: Path) -> None:
     """Ours trains and saves at step 3; a row with a kill goes on and dies where it says, in its last rank
     (the others ended as a launcher ends them)."""
@@ -192,7 +172,7 @@ def test_a_job_restarted_from_its_checkpoint_trains_on_as_stock_resumes(
     case = {**ds_case, "checkpoint_dir": ckpt, "mlp_offload": section}
     run_until_the_restart(row, case, tmp_path)
     resumed = run_case({**case, "resume_at": SAVE_AT}, tmp_path, "resumed", ranks=row["ranks"])
-    stock = stock_resume(ds_case, row["ranks"], tmp_path)
+    stock = stock_resume(ds_case, SAVE_AT, row["ranks"], tmp_path)
     for ours, theirs in zip(resumed.get("ranks", [resumed]), stock, strict=True):
         assert_bit_equal(ours, theirs)
         start = next(r for r in ours["telemetry"] if r["event"] == "start")
@@ -225,4 +205,4 @@ def test_a_checkpoint_resumes_across_stock_and_ours_in_a_new_process(
     resumed = run_case(resuming, tmp_path, "resumed")
     engine = "mlp_offload.adapter.zero3." if resumes == "ours" else "deepspeed.runtime.zero.stage3."
     assert resumed["optimizer_class"].startswith(engine), resumed["optimizer_class"]
-    assert_bit_equal(resumed, stock_resume(ds_case, 1, tmp_path)[0])
+    assert_bit_equal(resumed, stock_resume(ds_case, SAVE_AT, 1, tmp_path)[0])

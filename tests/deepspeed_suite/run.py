@@ -157,13 +157,6 @@ REFUSALS: list[tuple[str, str, str]] = [
         "Muon's update orthogonalises each whole matrix (Newton-Schulz), not element by element as the "
         "store's chunks are updated; not built",
     ),
-    (
-        r"test_bf16\.py::TestBF16MasterWeightsGradients::.*cpu_offload",
-        r"bf16\.bf16_master_weights_and_grads: True: the optimizer state in half precision",
-        "the optimizer state in half precision (bf16 master weights, also with bf16 moments): the store "
-        "keeps fp32 master weights and moments, so training would differ from stock; refused by name "
-        "until the fused pass reproduces the mode bit for bit",
-    ),
 ]
 
 

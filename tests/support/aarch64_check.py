@@ -9,7 +9,8 @@ collect it).
 3. The probe, as users run it (`mlp-offload probe --json`, small sizes).
 4. The update kernel against x86-64: a table of chunks (bf16 and fp16 gradients with inf, NaN and
    subnormals, tails of every vector width, three Adam steps, AdamW and Adam, several of DeepSpeed's
-   arithmetics) through the fused pass with checksums. `--kernel-digests` prints a digest per row;
+   arithmetics, the state in fp32 and in DeepSpeed's half-precision modes) through the fused pass with
+   checksums. `--kernel-digests` prints a digest per row;
    `--expect-digests FILE` compares this machine's with another's (`scripts/aarch64.sh test` writes the
    x86-64 host's there, computed by its AVX-512 or AVX2 path): aarch64's path must give the same bits,
    CRC32C included. One thing differs by design of the two CPUs, not of the kernel: an invalid operation
@@ -51,6 +52,14 @@ KERNEL_CHUNKS = [
     ("float16", "float16", 8192 * 2 + 1029),
     ("float16", "float16", 33),
     ("float32", "bfloat16", 1003),
+]
+# DeepSpeed's state in half precision (master weights, moments) and a chunk of each: its gradient and
+# parameters in the master weights' dtype.
+KERNEL_STATES = [
+    ("bfloat16", "float32", 4096 + 15),
+    ("bfloat16", "bfloat16", 4096 + 15),
+    ("float16", "float32", 33),
+    ("float16", "float16", 8192 * 2 + 1029),
 ]
 # DeepSpeed's arithmetics (`_core.AdamKernel.candidates()` keywords): x86-64's AVX-512 and AVX2 builds, and
 # a build without vectors (aarch64's, whose compiler fuses or not).
@@ -109,22 +118,29 @@ def _one_nan(values: np.ndarray, dtype: str) -> np.ndarray:
 def kernel_digests() -> dict[str, str]:
     """Per row of the table: the SHA-256 of the state, the parameters and the checksums after each of three
     steps through the fused pass (`simd: "auto"`, the widest this CPU runs)."""
+    import torch
+
     from mlp_offload import _core
 
     digests = {}
+    chunks = [(*chunk, "float32", "float32") for chunk in KERNEL_CHUNKS]
+    chunks += [(master, master, n, master, moments) for master, moments, n in KERNEL_STATES]
     rows = [
         (a, arith, chunk, adamw, specials)
         for a, arith in enumerate(KERNEL_ARITHS)
-        for chunk in KERNEL_CHUNKS
+        for chunk in chunks
         for adamw in (True, False)
         for specials in (False, True)
         if chunk[2] >= 8 or not specials
     ]
-    for a, arith, (grad_dtype, params_dtype, n), adamw, specials in rows:
+    for a, arith, (grad_dtype, params_dtype, n, master, moments), adamw, specials in rows:
         weight_decay = 0.01 if adamw else 0.0
         rng = np.random.default_rng([a, n, adamw, specials])
         state = (rng.random(3 * n) * 2 - 1).astype(np.float32)
         state[2 * n :] = np.abs(state[2 * n :])
+        # Values of the state's dtypes (exact in fp32), as the engine holds them.
+        for part, dtype in ((state[:n], master), (state[n:], moments)):
+            part[:] = torch.from_numpy(part).to(getattr(torch, dtype)).float().numpy()
         params = np.zeros(n, dtype=np.uint16)
         kernel = _core.AdamKernel(ADAM["beta1"], ADAM["beta2"], **arith)
         digest = hashlib.sha256()
@@ -144,6 +160,8 @@ def kernel_digests() -> dict[str, str]:
                 threads=2,
                 read_cuts=[0, 4 * n],
                 write_cuts=[0, 8 * n],
+                master_dtype=master,
+                moments_dtype=moments,
                 **ADAM,
             )
             digest.update(_one_nan(state, "float32").tobytes())
@@ -151,6 +169,8 @@ def kernel_digests() -> dict[str, str]:
             if not specials:
                 digest.update(json.dumps(sums[:2]).encode())
         key = f"{json.dumps(arith, sort_keys=True)} {grad_dtype}->{params_dtype} n={n} adamw={adamw}"
+        if master != "float32" or moments != "float32":
+            key += f" state {master}/{moments}"
         digests[f"{key}{' specials' if specials else ''}"] = digest.hexdigest()
     return digests
 

@@ -71,11 +71,13 @@ def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
         # DeepSpeed's own loader: loss scaling, the moments (torch's loader matches them to our fp32
         # tensors by position), the fp32 weights into the bound tensors, the half-precision partitions.
         DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict(opt, saved, load_optimizer_states)
-        for i, (n, whole) in enumerate(zip(numels, states, strict=True)):
-            adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
-            # torch's loader replaces the moments with tensors of its own; ours still hold the rest.
-            whole[n : 2 * n].copy_(adam["exp_avg"])
-            whole[2 * n :].copy_(adam["exp_avg_sq"])
+        if load_optimizer_states and numels:
+            first = opt.optimizer.state[opt.fp32_partitioned_groups_flat[0]]
+            opt._mlp_follow_loaded_moments(first["exp_avg"].dtype)
+        for i, whole in enumerate(states):
+            # The weights loaded into the bound tensors, and the moments torch's loader replaced with
+            # tensors of its own, back into the state.
+            opt._mlp_collect_state(i, whole)
             state.scatter(i, whole)
     finally:
         for i in subgroups:
@@ -109,10 +111,11 @@ class StateSwapper:
         whole = opt._mlp_state.gather(i)
         self._held[i] = whole
         opt._mlp_bind_state(i, whole)
-        # The gradient as DeepSpeed's own swap-in would hold it: fp32, the one a setter left, else
+        # The gradient as DeepSpeed's own swap-in would hold it: in the master weights' dtype, the one a
+        # setter left, else
         # converted from the half-precision one, where a parameter without a gradient at this boundary
         # has its last one times the factors of the steps since (`StaleGradients.held`).
-        grad = opt._mlp_gradient(i).to(FP32, copy=True)
+        grad = opt._mlp_gradient(i).to(opt._mlp_dtypes.master, copy=True)
         if i not in opt._mlp_fp32_grads:
             held = opt._mlp_stale.held(r for r in opt._mlp_param_ranges if r[1] == i)
             stale_gradients.apply(grad, 0, held.get(i, []))
@@ -121,7 +124,9 @@ class StateSwapper:
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
         opt = self.optimizer
         i = self._index(parameter)
-        opt._mlp_state.scatter(i, self._held.pop(i))
+        whole = self._held.pop(i)
+        opt._mlp_collect_state(i, whole)
+        opt._mlp_state.scatter(i, whole)
         opt._mlp_unbind(i)
 
     def release_swap_buffers(self, parameter: torch.Tensor) -> None:

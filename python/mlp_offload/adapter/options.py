@@ -64,13 +64,9 @@ def refused(key: str, what: str, instead: str, when: Callable[[Any], bool] = _se
 
 
 STOCK_PASSES = "DeepSpeed's code, run unchanged"
-HALF_STATE = (
-    "the optimizer state in half precision (the store keeps fp32 master weights and moments, 12 bytes a "
-    "parameter)"
-)
-HALF_STATE_INSTEAD = (
-    "set it to false, or leave the 'mlp_offload' section out to run DeepSpeed's own offload in this mode"
-)
+# The state in half precision: each value held exactly in the store's fp32 elements (12 bytes a
+# parameter, not the mode's 10 or 6), rounded as DeepSpeed's CPU Adam rounds it.
+HALF_STATE_HELD = "held in fp32 elements, 12 bytes a parameter"
 STOCK_FAILS = "stock DeepSpeed 0.19.8 fails with it too"
 NOT_ON_CPU = "not yet compared with stock DeepSpeed, which cannot run it on a CPU (a GPU's to check)"
 
@@ -210,8 +206,8 @@ OPTIONS: tuple[Option, ...] = (
     equal("bf16.enabled", "bf16 parameters and gradients, fp32 state"),
     equal("bf16.immediate_grad_update", "read by the bf16 optimizer (ZeRO-1) only"),
     equal("bf16.check_grad_overflow", "a step with a non-finite gradient skipped"),
-    refused("bf16.bf16_master_weights_and_grads", HALF_STATE, HALF_STATE_INSTEAD, _true),
-    refused("bf16.bf16_optimizer_states", HALF_STATE, HALF_STATE_INSTEAD, _true),
+    equal("bf16.bf16_master_weights_and_grads", f"bf16 master weights and gradients ({HALF_STATE_HELD})"),
+    equal("bf16.bf16_optimizer_states", f"bf16 Adam moments ({HALF_STATE_HELD})"),
     equal("fp16.enabled", "fp16 parameters and gradients, fp32 state, loss scaling"),
     equal("fp16.auto_cast", "the inputs cast to fp16"),
     equal("fp16.loss_scale", "a static loss scale (0: dynamic)"),
@@ -220,7 +216,7 @@ OPTIONS: tuple[Option, ...] = (
     equal("fp16.hysteresis", "the dynamic loss scale's hysteresis"),
     equal("fp16.consecutive_hysteresis", "the dynamic loss scale's hysteresis"),
     equal("fp16.min_loss_scale", "the dynamic loss scale's floor"),
-    refused("fp16.fp16_master_weights_and_grads", HALF_STATE, HALF_STATE_INSTEAD, _true),
+    equal("fp16.fp16_master_weights_and_grads", f"fp16 master weights and gradients ({HALF_STATE_HELD})"),
     equal("torch_autocast.enabled", "torch.autocast around forward, fp32 parameters"),
     refused(
         "torch_autocast.dtype",
@@ -266,7 +262,10 @@ BY_KEY = {option.key: option for option in OPTIONS}
 OPTIMIZERS: tuple[tuple[str, str], ...] = (
     ("the config's Adam or AdamW (DeepSpeed's CPU Adam)", "bit-equal"),
     ("`DeepSpeedCPUAdam(...)` built by the client", "bit-equal"),
-    ("`DeepSpeedCPUAdam(fp32_optimizer_states=False)`", "bit-equal (the master weights are fp32)"),
+    (
+        "`DeepSpeedCPUAdam(fp32_optimizer_states=False)`",
+        "bit-equal (moments in the master weights' dtype: bf16 with bf16 master weights)",
+    ),
     ("`torch.optim.Adam`, `torch.optim.AdamW` (or `torch_adam`)", "bit-equal"),
     ("`amsgrad: true`", "refused (a third moment)"),
     ("Muon (`optimizer.type`)", "refused (it orthogonalises whole matrices, not elements)"),

@@ -52,6 +52,9 @@ class StaleGradients:
     fp32), and the factors of the steps taken since."""
 
     def __init__(self) -> None:
+        # The dtype of stock's gradient buffer (the master weights'), in which the kept gradients are
+        # held and the factors applied.
+        self.dtype = torch.float32
         # The factor of every step taken since the oldest parameter's last gradient; `_first` is the
         # number of the step of `_factors[0]`, counted from the first step taken.
         self._factors: list[float] = []
@@ -154,7 +157,7 @@ class StaleGradients:
                 continue
             factors, kept = earlier
             if kept is None and len(factors) >= KEEP_AFTER:
-                kept = half_gradient(pid).to(torch.float32, copy=True)
+                kept = half_gradient(pid).to(self.dtype, copy=True)
                 self._kept[pid] = kept
             if kept is not None:
                 # Brought up to this step: the factors since, once each, in place.

@@ -302,6 +302,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Which parameters' gradients each boundary reduced, and the factors the steps since applied to
         # the others' (`stale`): a parameter without a gradient is updated as stock DeepSpeed updates it.
         self._mlp_stale = stale_gradients.StaleGradients()
+        # The dtypes DeepSpeed keeps the state in, and the fused pass (None: DeepSpeed's kernel): both
+        # chosen at start (`_mlp_start`), the moments' again after a load (`_mlp_follow_loaded_moments`).
+        self._mlp_dtypes = fused_update.FP32_STATE
+        self._mlp_fused: fused_update.FusedAdam | None = None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
 
@@ -356,7 +360,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         keeps; a budget that holds no chunk, or a cache that leaves no buffer to stream through, is a
         `ValueError` named as the config's key."""
         config = self._mlp_config
-        host_memory, source = host_memory_budget(config, numels, self._mlp_buffer_count)
+        master_bytes = torch.empty(0, dtype=self.master_weights_and_grads_dtype).element_size()
+        host_memory, source = host_memory_budget(config, numels, self._mlp_buffer_count, master_bytes)
         layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
         try:
             layout.require_a_buffer(host_memory)
@@ -468,6 +473,50 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # Start-up: budget, chunks, plan, initial state
 
+    def _mlp_state_dtypes(self) -> fused_update.StateDtypes:
+        """The dtypes DeepSpeed keeps the state in: its master weights' (`master_weights_and_grads_dtype`,
+        from `bf16_master_weights_and_grads` or `fp16_master_weights_and_grads`), and its CPU Adam's
+        moments (fp32, or with `fp32_optimizer_states` off, as `bf16_optimizer_states` turns it off, the
+        weights'). The store holds each value in fp32, exactly (`fused_update`)."""
+        master = self.master_weights_and_grads_dtype
+        fp32_moments = getattr(self.optimizer, "fp32_optimizer_states", True)
+        return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master)
+
+    def _mlp_follow_loaded_moments(self, dtype: torch.dtype) -> None:
+        """The moments a checkpoint's load left in `dtype`. torch's `Optimizer.load_state_dict` casts
+        every state tensor to its parameter's dtype, so after stock DeepSpeed loads a checkpoint its
+        moments are in the master weights' dtype (fp32 moments saved beside bf16 master weights come
+        back bf16), and its CPU Adam runs on them in that dtype from then on. The fused pass follows,
+        checked again against DeepSpeed's kernel in those dtypes."""
+        if dtype == self._mlp_dtypes.moments:
+            return
+        dtypes = fused_update.StateDtypes(self._mlp_dtypes.master, dtype)
+        log.warning(
+            "mlp_offload: the checkpoint's load left the Adam moments in %s, as DeepSpeed's (torch's "
+            "load_state_dict casts them to the master weights' dtype): the update goes on with %s",
+            dtype,
+            dtypes,
+        )
+        config = self._mlp_config
+        first_half = self.fp16_partitioned_groups_flat[0]
+        fused, _ = fused_update.choose_update_kernel(
+            config.update_kernel,
+            self.optimizer,
+            first_half.dtype,
+            first_half.dtype,
+            threads=None if config.update_threads == "auto" else config.update_threads,
+            dtypes=dtypes,
+        )
+        assert fused is not None, "choose_update_kernel refuses a state in half precision without it"
+        old = self._mlp_fused
+        if old is not None and fused.kernel.arith == old.kernel.arith:
+            # The same arithmetic: the kernel, and so DeepSpeed's bias-correction history, stays.
+            fused = fused_update.FusedAdam(
+                old.kernel, adamw=fused.adamw, threads=fused.threads, dtypes=dtypes
+            )
+        self._mlp_fused = fused
+        self._mlp_dtypes = dtypes
+
     def _mlp_start(self) -> None:
         config = self._mlp_config
         numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
@@ -479,12 +528,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The pass writes the half-precision parameters: into the partition where it is in host memory,
         # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
         self._mlp_params_on_host = first_half.device.type == "cpu"
+        self._mlp_dtypes = self._mlp_state_dtypes()
+        self._mlp_stale.dtype = self._mlp_dtypes.master
         self._mlp_fused, kernel_why = fused_update.choose_update_kernel(
             config.update_kernel,
             self.optimizer,
             first_half.dtype,
             first_half.dtype,
             threads=None if config.update_threads == "auto" else config.update_threads,
+            dtypes=self._mlp_dtypes,
         )
         # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
         # stream of its own: on the default one they would wait for the compute queued on it.
@@ -563,6 +615,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         kernel_record: dict[str, Any] = {
             "kernel": "deepspeed" if self._mlp_fused is None else "fused",
             "why": kernel_why,
+            "state_dtypes": {
+                "master": fused_update.DTYPES[self._mlp_dtypes.master],
+                "moments": fused_update.DTYPES[self._mlp_dtypes.moments],
+            },
         }
         if self._mlp_fused is not None:
             kernel_record.update(
@@ -660,16 +716,30 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def _mlp_bind_state(self, i: int, state_bytes: torch.Tensor) -> None:
         """Points DeepSpeed's fp32 tensor and its Adam state at subgroup `i`'s `[params | exp_avg |
-        exp_avg_sq]`."""
+        exp_avg_sq]`: at the state itself, or where DeepSpeed keeps them in half precision, at copies in
+        its dtypes (`_mlp_collect_state` brings what was written to them back)."""
         n = int(self.fp16_partitioned_groups_flat_numel[i])
         state = state_bytes.view(FP32)
         fp32 = self.fp32_partitioned_groups_flat[i]
-        fp32.data = state[:n]
+        dtypes = self._mlp_dtypes
+        fp32.data = state[:n].to(dtypes.master)
         adam = self.optimizer.state[fp32]
         if "step" not in adam:
             adam["step"] = self._mlp_step_value(0)
-        adam["exp_avg"] = state[n : 2 * n]
-        adam["exp_avg_sq"] = state[2 * n : 3 * n]
+        adam["exp_avg"] = state[n : 2 * n].to(dtypes.moments)
+        adam["exp_avg_sq"] = state[2 * n : 3 * n].to(dtypes.moments)
+
+    def _mlp_collect_state(self, i: int, state_bytes: torch.Tensor) -> None:
+        """Subgroup `i`'s state as DeepSpeed's tensors bound to it (`_mlp_bind_state`) now hold it, back
+        into `state_bytes` where they are copies (widened: exact)."""
+        n = int(self.fp16_partitioned_groups_flat_numel[i])
+        state = state_bytes.view(FP32)
+        fp32 = self.fp32_partitioned_groups_flat[i]
+        adam = self.optimizer.state[fp32]
+        for k, bound in enumerate((fp32.data, adam["exp_avg"], adam["exp_avg_sq"])):
+            whole = state[k * n : (k + 1) * n]
+            if bound.data_ptr() != whole.data_ptr():
+                whole.copy_(bound)
 
     def _mlp_bind_chunk(
         self, chunk: int, state_bytes: torch.Tensor, step: int, stale_ranges: stale_gradients.StaleRanges
@@ -743,14 +813,22 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._mlp_gradient(i)[first : first + count]
         ranges = None if stale_ranges is None else stale_ranges.get(i)
+        master = self._mlp_dtypes.master
         if ranges and stale_gradients.touches(first, count, ranges):
-            # Parameters of the chunk got no gradient at this boundary: its gradient in fp32, those
-            # parameters' through the factors since theirs. In the chunk's fp32 gradient buffer of the
-            # budget, where the parameters are on the host (it is unused then); else a buffer of its own.
-            widened = self._mlp_grad[:count] if self._mlp_params_on_host else torch.empty(count, dtype=FP32)
+            # Parameters of the chunk got no gradient at this boundary: its gradient in the master
+            # weights' dtype (DeepSpeed's gradient buffer's), those parameters' through the factors since
+            # theirs. In the chunk's fp32 gradient buffer of the budget, where the parameters are on the
+            # host (it is unused then); else a buffer of its own.
+            buffer = (
+                self._mlp_grad.view(master) if self._mlp_params_on_host else torch.empty(count, dtype=master)
+            )
+            widened = buffer[:count]
             widened.copy_(grad)
             stale_gradients.apply(widened, first, ranges)
             grad = widened
+        elif master != FP32 and grad.dtype != master:
+            # A gradient setter's: DeepSpeed's buffer holds it in the master weights' dtype.
+            grad = grad.to(master)
         state = state_bytes.view(FP32)
         params = half
         slot = self._mlp_scratch_next

@@ -87,7 +87,9 @@ class MLPOffloadConfig(BaseModel):
     passes give; checked at start-up against DeepSpeed's own kernel on this CPU, and refused, naming what
     differed, if it does not agree. `"auto"`: the fused pass where it agrees, else DeepSpeed's passes,
     saying why. `"deepspeed"`: DeepSpeed's passes. Optimizers other than DeepSpeed's CPU Adam (torch's
-    Adam, AdamW) always run their own."""
+    Adam, AdamW) always run their own. DeepSpeed's state in half precision (bf16 or fp16 master weights,
+    bf16 moments) runs on the fused pass only: with `"deepspeed"`, or where the check does not agree,
+    such a config is refused at start."""
 
     update_threads: Annotated[int, Field(ge=1, strict=True)] | Literal["auto"] = "auto"
     """Threads of the fused pass (`update_kernel`), each over its own range of a chunk. `"auto"`: torch's

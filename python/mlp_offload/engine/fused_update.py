@@ -10,11 +10,17 @@ conversions around it, and through the fused kernel with each candidate arithmet
 loop's multiply-adds, the float or double `sqrt` of its bias correction). The first candidate that agrees
 on every bit of every output is used; if none does, DeepSpeed's kernel is (`update_kernel: "auto"`) or
 the engine refuses to start (`"fused"`), saying which output differed.
+
+With DeepSpeed's master weights in half precision (`bf16.bf16_master_weights_and_grads`,
+`fp16.fp16_master_weights_and_grads`) and its moments in bf16 (`bf16.bf16_optimizer_states`), the
+state's fp32 elements hold values of those dtypes, each rounded as DeepSpeed's CPU Adam stores it
+(`StateDtypes`), and the check runs DeepSpeed's kernel in those dtypes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,25 @@ from mlp_offload import _core
 log = logging.getLogger("mlp_offload")
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class StateDtypes:
+    """The dtypes DeepSpeed keeps a subgroup's optimizer state in: its master weights (and their
+    gradients: DeepSpeed's `master_weights_and_grads_dtype`) and its Adam moments."""
+
+    master: torch.dtype = torch.float32
+    moments: torch.dtype = torch.float32
+
+    @property
+    def is_fp32(self) -> bool:
+        return self.master == torch.float32 and self.moments == torch.float32
+
+    def __str__(self) -> str:
+        return f"master weights {DTYPES[self.master]}, moments {DTYPES[self.moments]}"
+
+
+FP32_STATE = StateDtypes()
 # An optimizer id of DeepSpeed's CPU Adam op for the start-up check, far above the ids DeepSpeedCPUAdam
 # hands out (a counter from 0).
 CHECK_OPTIMIZER_ID = 1 << 30
@@ -54,10 +79,13 @@ class FusedAdam:
     """DeepSpeed's update of one chunk as one pass of `kernel`, with `adamw` (DeepSpeed's `adamw_mode`) on
     `threads` threads."""
 
-    def __init__(self, kernel: _core.AdamKernel, *, adamw: bool, threads: int) -> None:
+    def __init__(
+        self, kernel: _core.AdamKernel, *, adamw: bool, threads: int, dtypes: StateDtypes = FP32_STATE
+    ) -> None:
         self.kernel = kernel
         self.adamw = adamw
         self.threads = threads
+        self.dtypes = dtypes
 
     def update(
         self,
@@ -108,6 +136,8 @@ class FusedAdam:
             write_cuts=write_cuts,
             keep_params=kept_params is not None,
             keep_state=None if kept_state is None else _address(kept_state, 3 * n, "kept_state"),
+            master_dtype=DTYPES[self.dtypes.master],
+            moments_dtype=DTYPES[self.dtypes.moments],
         )
         if kept_params is not None and kept and params is not None:
             kept_params.extend(
@@ -128,7 +158,7 @@ class CheckCall:
 
 
 def _check_inputs(
-    n: int, grad_dtype: torch.dtype, generator: torch.Generator
+    n: int, grad_dtype: torch.dtype, generator: torch.Generator, dtypes: StateDtypes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random `[params | exp_avg | exp_avg_sq]` and gradient, of magnitudes a training run has. The
     parameters' magnitudes spread from 0.05 down to 5e-6: where a parameter is about as small as its
@@ -141,6 +171,9 @@ def _check_inputs(
     state[n : 2 * n] = torch.randn(n, generator=generator) * 1e-3
     state[2 * n :] = torch.rand(n, generator=generator) * 1e-6
     grad = (torch.randn(n, generator=generator) * 1e-2).to(grad_dtype)
+    # Values of the state's dtypes (exact in fp32).
+    state[:n] = state[:n].to(dtypes.master).float()
+    state[n:] = state[n:].to(dtypes.moments).float()
     return state, grad
 
 
@@ -152,33 +185,83 @@ def _deepspeed_reference(
     grad_dtype: torch.dtype,
     params_dtype: torch.dtype | None,
     generator: torch.Generator,
+    dtypes: StateDtypes,
 ) -> list[CheckCall]:
     """DeepSpeed's outputs for `CHECK_CALLS` of random inputs, through DeepSpeed's own CPU Adam (a
-    temporary optimizer id) and torch's conversions, as the engine's DeepSpeed path runs them."""
+    temporary optimizer id) and torch's conversions, as the engine's DeepSpeed path runs them: in
+    `dtypes`, the gradient converted to the master weights' and multiplied there (`unscale_and_clip_grads`),
+    CPU Adam on tensors of those dtypes, the master weights copied into the partition."""
     beta1, beta2 = group["betas"]
-    lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-    bias_correction = bool(group.get("bias_correction", True))
-    ds_op.create_adam(CHECK_OPTIMIZER_ID, lr, beta1, beta2, eps, decay, adamw, False)
-    calls = []
+    ds_op.create_adam(
+        CHECK_OPTIMIZER_ID, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, False
+    )
     try:
-        for step, n in check_calls(beta2):
-            state, grad = _check_inputs(n, grad_dtype, generator)
-            out = state.clone()
-            grad32 = torch.empty(n)
-            grad32.copy_(grad)
-            grad32.mul_(grad_scale)
-            p, m, v = out[:n], out[n : 2 * n], out[2 * n :]
-            ds_op.adam_update(
-                CHECK_OPTIMIZER_ID, step, lr, beta1, beta2, eps, decay, bias_correction, p, grad32, m, v
+        return [
+            _deepspeed_call(
+                ds_op, step, group, *_check_inputs(n, grad_dtype, generator, dtypes), grad_scale,
+                params_dtype, dtypes,
             )
-            params = None
-            if params_dtype is not None:
-                params = torch.empty(n, dtype=params_dtype)
-                params.copy_(p)
-            calls.append(CheckCall(step, state, grad, out, params))
+            for step, n in check_calls(beta2)
+        ]  # fmt: skip
     finally:
         ds_op.destroy_adam(CHECK_OPTIMIZER_ID)
-    return calls
+
+
+def _deepspeed_call(
+    ds_op: Any,
+    step: int,
+    group: dict[str, Any],
+    state: torch.Tensor,
+    grad: torch.Tensor,
+    grad_scale: float,
+    params_dtype: torch.dtype | None,
+    dtypes: StateDtypes,
+) -> CheckCall:
+    """One call of DeepSpeed's CPU Adam (the check's optimizer id, created) on `state` (fp32, values of
+    `dtypes`) and `grad`, as `_deepspeed_reference` describes."""
+    n = grad.numel()
+    beta1, beta2 = group["betas"]
+    master = torch.empty(n, dtype=dtypes.master)
+    master.copy_(grad)
+    master.mul_(grad_scale)
+    p = state[:n].to(dtypes.master, copy=True)
+    m, v = (state[k * n : (k + 1) * n].to(dtypes.moments, copy=True) for k in (1, 2))
+    ds_op.adam_update(
+        CHECK_OPTIMIZER_ID, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+        bool(group.get("bias_correction", True)), p, master, m, v,
+    )  # fmt: skip
+    params = None
+    if params_dtype is not None:
+        params = torch.empty(n, dtype=params_dtype)
+        params.copy_(p)
+    return CheckCall(step, state, grad, torch.cat([p.float(), m.float(), v.float()]), params)
+
+
+def _witness_call(
+    ds_op: Any,
+    found: tuple[float, float, float, int],
+    n: int,
+    group: dict[str, Any],
+    adamw: bool,
+    grad_scale: float,
+    grad_dtype: torch.dtype,
+    params_dtype: torch.dtype | None,
+    dtypes: StateDtypes,
+) -> CheckCall:
+    """DeepSpeed's output for `n` copies of one element `_core.AdamKernel.witness` found, as the first
+    call (Adam step 1) of a new optimizer id."""
+    param, exp_avg, exp_avg_sq, bits = found
+    state = torch.tensor([param, exp_avg, exp_avg_sq]).repeat_interleave(n)
+    wide = {torch.float32: torch.int32}.get(grad_dtype, torch.int16)
+    signed = bits - (1 << 8 * grad_dtype.itemsize) if bits >= 1 << (8 * grad_dtype.itemsize - 1) else bits
+    grad = torch.full((n,), signed, dtype=wide).view(grad_dtype)
+    ds_op.create_adam(
+        CHECK_OPTIMIZER_ID, group["lr"], *group["betas"], group["eps"], group["weight_decay"], adamw, False
+    )
+    try:
+        return _deepspeed_call(ds_op, 1, group, state, grad, grad_scale, params_dtype, dtypes)
+    finally:
+        ds_op.destroy_adam(CHECK_OPTIMIZER_ID)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -228,17 +311,23 @@ def self_check(
     *,
     simd: str = "auto",
     threads: int | None = None,
+    dtypes: StateDtypes = FP32_STATE,
 ) -> tuple[FusedAdam | None, str]:
     """The fused kernel that agrees with `optimizer`'s (a `DeepSpeedCPUAdam`) own kernel on this CPU, bit
-    for bit, for every param group's settings, with `grad_dtype` gradients and `params_dtype` half-precision
-    parameters (None: none written); or None and why not."""
+    for bit, for every param group's settings, with `grad_dtype` gradients, `params_dtype` half-precision
+    parameters (None: none written) and the state in `dtypes`; or None and why not."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     if not isinstance(optimizer, DeepSpeedCPUAdam):
         return None, f"the optimizer is {type(optimizer).__qualname__}, not DeepSpeed's CPU Adam"
-    if not getattr(optimizer, "fp32_optimizer_states", True):
-        return None, "DeepSpeed's CPU Adam keeps its moments in half precision (fp32_optimizer_states off)"
-    for dtype in (grad_dtype, params_dtype):
+    if dtypes.moments not in (torch.float32, dtypes.master):
+        return (
+            None,
+            f"{dtypes.moments} moments: DeepSpeed's CPU Adam keeps them in fp32 or the weights' dtype",
+        )
+    if not dtypes.is_fp32 and grad_dtype != dtypes.master:
+        return None, f"{grad_dtype} gradients where the master weights are {dtypes.master}"
+    for dtype in (grad_dtype, params_dtype, dtypes.master, dtypes.moments):
         if dtype is not None and dtype not in DTYPES:
             return None, f"{dtype} is not float32, bfloat16 or float16"
     threads = threads or torch.get_num_threads()
@@ -254,30 +343,119 @@ def self_check(
             grad_dtype,
             params_dtype,
             torch.Generator().manual_seed(29),
+            dtypes,
         )
         for group in optimizer.param_groups
     ]
     candidates = _core.AdamKernel.candidates()
     why = "no candidate arithmetic agreed"
+
+    def fused(candidate: dict[str, Any], group: dict[str, Any]) -> FusedAdam:
+        # A kernel of its own per group, as DeepSpeed's check optimizer was one per group.
+        kernel = _core.AdamKernel(*group["betas"], simd=simd, **candidate)
+        return FusedAdam(kernel, adamw=adamw, threads=threads, dtypes=dtypes)
+
+    agreeing = []
     for candidate in candidates:
         difference = None
         for group, calls in zip(optimizer.param_groups, references, strict=True):
-            # A kernel of its own per group, as DeepSpeed's check optimizer was one per group.
-            kernel = _core.AdamKernel(*group["betas"], simd=simd, **candidate)
-            difference = _first_difference(
-                calls, FusedAdam(kernel, adamw=adamw, threads=threads), group, grad_scale
-            )
+            difference = _first_difference(calls, fused(candidate, group), group, grad_scale)
             if difference is not None:
                 break
         if difference is None:
-            # The job's kernel starts as DeepSpeed's optimizer object did, from its constructor's betas.
-            kernel = _core.AdamKernel(*optimizer.defaults["betas"], simd=simd, **candidate)
-            return FusedAdam(
-                kernel, adamw=adamw, threads=threads
-            ), f"agrees with DeepSpeed's CPU Adam ({candidate})"
-        if candidate == candidates[0]:
+            agreeing.append(candidate)
+            if dtypes.is_fp32:
+                break
+        elif candidate == candidates[0]:
             why = f"with DeepSpeed's SIMD arithmetic, {difference}"
-    return None, why
+    if not dtypes.is_fp32:
+        # Rounded to half precision, most elements hide how the products were fused.
+        agreeing = _tell_apart(optimizer, agreeing, fused, grad_scale, grad_dtype, params_dtype, dtypes)
+    if not agreeing:
+        return None, why
+    # The job's kernel starts as DeepSpeed's optimizer object did, from its constructor's betas.
+    kernel = _core.AdamKernel(*optimizer.defaults["betas"], simd=simd, **agreeing[0])
+    return FusedAdam(
+        kernel, adamw=adamw, threads=threads, dtypes=dtypes
+    ), f"agrees with DeepSpeed's CPU Adam ({agreeing[0]}{'' if dtypes.is_fp32 else f'; {dtypes}'})"
+
+
+# Calls that tell candidates apart: of one element (the scalar loop, whatever a build's width) and of
+# a vector's worth (DeepSpeed's vector code where a build has it for the state's dtypes).
+WITNESS_CALLS = (1, 16)
+
+
+def _tell_apart(
+    optimizer: Any,
+    agreeing: list[dict[str, Any]],
+    fused: Callable[[dict[str, Any], dict[str, Any]], FusedAdam],
+    grad_scale: float,
+    grad_dtype: torch.dtype,
+    params_dtype: torch.dtype | None,
+    dtypes: StateDtypes,
+) -> list[dict[str, Any]]:
+    """Of the candidates that agreed with DeepSpeed on the random chunks, those that also agree on calls
+    of elements that tell the first one's arithmetic apart from another's (`_core.AdamKernel.witness`),
+    per param group and call size, the first first; where DeepSpeed agrees with none, none."""
+    adamw = bool(optimizer.adam_w_mode)
+    master, moments = DTYPES[dtypes.master], DTYPES[dtypes.moments]
+
+    def arithmetic(candidate: dict[str, Any], n: int, group: dict[str, Any]) -> tuple[Any, ...]:
+        # A call of `n` elements, all in the vector code or all in the scalar loop.
+        if n > 1 and fused(candidate, group).kernel.vector_width_for(master, moments) > 1:
+            return ("vector",)
+        return candidate["momentum"], candidate["variance"], candidate["others"]
+
+    for group in optimizer.param_groups:
+        hyper = {
+            "lr": group["lr"],
+            "beta1": group["betas"][0],
+            "beta2": group["betas"][1],
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+            "bias_correction": bool(group.get("bias_correction", True)),
+            "adamw": adamw,
+        }
+        for n in WITNESS_CALLS:
+            compared: list[dict[str, Any]] = []
+            while True:
+                first = agreeing[0]
+                others = [
+                    c
+                    for c in agreeing[1:]
+                    if c not in compared and arithmetic(c, n, group) != arithmetic(first, n, group)
+                ]
+                if not others:
+                    break
+                other = others[0]
+                compared.append(other)
+                found = fused(first, group).kernel.witness(
+                    fused(other, group).kernel, step=1, grad_scale=grad_scale, seed=len(compared),
+                    vector=arithmetic(first, n, group) == ("vector",),
+                    other_vector=arithmetic(other, n, group) == ("vector",), master_dtype=master,
+                    moments_dtype=moments, **hyper,
+                )  # fmt: skip
+                if found is None:
+                    continue
+                call = _witness_call(
+                    optimizer.ds_opt_adam,
+                    found,
+                    n,
+                    group,
+                    adamw,
+                    grad_scale,
+                    grad_dtype,
+                    params_dtype,
+                    dtypes,
+                )
+                agreeing = [
+                    c
+                    for c in agreeing
+                    if _first_difference([call], fused(c, group), group, grad_scale) is None
+                ]
+                if not agreeing:
+                    return []
+    return agreeing
 
 
 def choose_update_kernel(
@@ -286,13 +464,23 @@ def choose_update_kernel(
     grad_dtype: torch.dtype,
     params_dtype: torch.dtype | None,
     threads: int | None = None,
+    dtypes: StateDtypes = FP32_STATE,
 ) -> tuple[FusedAdam | None, str]:
     """`update_kernel` ("auto", "fused", "deepspeed"): the fused kernel where it agrees with DeepSpeed's
     (see `self_check`), on `threads` threads (None: torch's), else None (DeepSpeed's passes), and why.
-    `"fused"` refuses to start without it."""
+    `"fused"` refuses to start without it. A state in half precision (`dtypes`) needs it: the engine's
+    DeepSpeed path runs on fp32 state only, so any other setting, or a check that fails, is refused."""
+    if not dtypes.is_fp32 and setting == "deepspeed":
+        raise ValueError(
+            f'mlp_offload.update_kernel: "deepspeed" runs on fp32 state only, and the state is in half '
+            f'precision ({dtypes}); use "auto" or "fused"'
+        )
     if setting == "deepspeed":
         return None, "configured"
-    fused, why = self_check(optimizer, grad_dtype, params_dtype, threads=threads)
-    if fused is None and setting == "fused":
-        raise ValueError(f'mlp_offload.update_kernel: "fused", but the fused kernel cannot be used: {why}')
+    fused, why = self_check(optimizer, grad_dtype, params_dtype, threads=threads, dtypes=dtypes)
+    if fused is None and (setting == "fused" or not dtypes.is_fp32):
+        raise ValueError(
+            f"mlp_offload.update_kernel: {setting!r}, but the fused kernel cannot be used: {why}"
+            + ("" if dtypes.is_fp32 else f" (and the state in half precision, {dtypes}, needs it)")
+        )
     return fused, why

@@ -31,10 +31,13 @@ RECORDS_KEPT = 10_000
 PREDICTION_STEPS = 3
 
 
-def host_memory_budget(config: MLPOffloadConfig, numels: Sequence[int], buffer_count: int) -> tuple[int, str]:
+def host_memory_budget(
+    config: MLPOffloadConfig, numels: Sequence[int], buffer_count: int, master_bytes: int = 4
+) -> tuple[int, str]:
     """The host memory for the state, and how it was chosen (see `MLPOffloadConfig.host_memory`):
-    `buffer_count` is DeepSpeed's `offload_optimizer.buffer_count`."""
-    deepspeed_budget = buffer_count * max(numels) * 4
+    `buffer_count` is DeepSpeed's `offload_optimizer.buffer_count`, `master_bytes` the size of its master
+    weights' elements (2 where they are in half precision), which its NVMe offload's buffers hold."""
+    deepspeed_budget = buffer_count * max(numels) * master_bytes
     if config.host_memory == "deepspeed":
         return deepspeed_budget, f"DeepSpeed's pinned budget ({buffer_count} buffers)"
     if config.host_memory != "auto":
