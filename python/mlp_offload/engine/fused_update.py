@@ -397,6 +397,8 @@ def _tell_apart(
     """Of the candidates that agreed with DeepSpeed on the random chunks, those that also agree on calls
     of elements that tell the first one's arithmetic apart from another's (`_core.AdamKernel.witness`),
     per param group and call size, the first first; where DeepSpeed agrees with none, none."""
+    if not agreeing:
+        return []
     adamw = bool(optimizer.adam_w_mode)
     master, moments = DTYPES[dtypes.master], DTYPES[dtypes.moments]
 
