@@ -397,10 +397,9 @@ impl AdamKernel {
         vector: bool,
         other_vector: bool,
     ) -> PyResult<Option<(f32, f32, f32, u32)>> {
-        let kinds = StateKinds {
-            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
-            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
-        };
+        let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
+        // The gradient in the master weights' dtype, as the witness's is.
+        kinds.check(kinds.master, None).map_err(to_py)?;
         let hyper = AdamHyper {
             lr,
             beta1,
@@ -431,10 +430,7 @@ impl AdamKernel {
     /// The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every element
     /// takes the scalar loop; an AVX2 build's for bf16).
     fn vector_width_for(&self, master_dtype: &str, moments_dtype: &str) -> PyResult<usize> {
-        let kinds = StateKinds {
-            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
-            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
-        };
+        let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
         Ok(self.arith.vector_width_for(kinds))
     }
 
@@ -491,10 +487,7 @@ impl AdamKernel {
         moments_dtype: &str,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
-        let kinds = StateKinds {
-            master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
-            moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
-        };
+        let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
         let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
         let hyper = AdamHyper {
             lr,

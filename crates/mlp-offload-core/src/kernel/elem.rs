@@ -172,17 +172,6 @@ impl Elem for F16 {
     }
 }
 
-impl Kind {
-    /// `x` as DeepSpeed's CPU Adam stores it in this type, widened back (exactly) to fp32.
-    pub fn round_as_cpu_adam(self, x: f32) -> f32 {
-        match self {
-            Kind::F32 => x,
-            Kind::Bf16 => Bf16::narrow_as_cpu_adam(x).widen(),
-            Kind::F16 => F16::narrow_as_cpu_adam(x).widen(),
-        }
-    }
-}
-
 /// The dtypes DeepSpeed keeps a subgroup's optimizer state in: its master weights (with their
 /// gradients) and its Adam moments. fp32 and fp32 but for DeepSpeed's `bf16_master_weights_and_grads`
 /// (bf16 weights), `bf16_optimizer_states` (and bf16 moments) and `fp16_master_weights_and_grads` (fp16
@@ -203,6 +192,15 @@ impl StateKinds {
 
     pub fn is_fp32(self) -> bool {
         self == Self::FP32
+    }
+
+    /// From torch's names of the master weights' and the moments' dtypes, each an error naming its key
+    /// (`master_dtype`, `moments_dtype`) where it is none ([`Kind::parse`]).
+    pub fn parse(master: &str, moments: &str) -> Result<StateKinds> {
+        Ok(StateKinds {
+            master: Kind::parse("master_dtype", master)?,
+            moments: Kind::parse("moments_dtype", moments)?,
+        })
     }
 
     /// As DeepSpeed takes them: the moments in fp32 or in the master weights' dtype; the gradient, and

@@ -293,9 +293,10 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     parts
 }
 
-/// [`update`] over raw memory: `state` holds `3 count` fp32 elements (in `kinds`' dtypes, [`Chunk::kinds`]),
-/// `grad` `count` of its kind, `params` (if given) `count` of its kind, kept where they are not the
-/// weights narrowed with `keep_params` ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
+/// [`update`] over raw memory: `state` holds `3 count` fp32 elements (in `kinds`' dtypes,
+/// [`Chunk::kinds`]), `grad` `count` of its kind, `params` (if given) `count` of its kind, kept where
+/// they are not the weights narrowed with `keep_params` ([`Chunk::keep_params`]). Misaligned addresses
+/// are an error naming the array.
 ///
 /// # Safety
 /// Every address must point to live memory of that many elements, which nothing else reads or writes
@@ -666,8 +667,8 @@ unsafe fn rounded_elements_fma<G: Elem, P: Elem>(
 }
 
 /// Elements `b0..b1` of a range whose state is in half precision ([`Chunk::kinds`]), one at a time, as
-/// DeepSpeed's CPU Adam computes them (see [`update`]): a loop per arithmetic and per pair of dtypes,
-/// each without branches the compiler cannot turn into vector selects.
+/// DeepSpeed's CPU Adam computes them (see [`update`]): a loop per arithmetic and per pair of dtypes, so
+/// that nothing is decided per element.
 #[inline(always)]
 fn rounded_elements<G: Elem, P: Elem>(
     part: &mut Part<'_, G, P>,
@@ -695,11 +696,8 @@ fn rounded_elements<G: Elem, P: Elem>(
             (Kind::F16, Kind::F16) => {
                 rounded_run::<G, P, F16, F16>(part, from, to, grad_scale, k, how)
             }
-            _ => {
-                for i in from..to {
-                    rounded_at(part, i, grad_scale, k, how);
-                }
-            }
+            // `check_chunk` admits no other state in half precision (`StateKinds::check`).
+            other => unreachable!("a state in {other:?}"),
         }
     }
 }
@@ -718,13 +716,9 @@ fn rounded_run<G: Elem, P: Elem, W: Elem, S: Elem>(
     let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
     let mut o = part.o.as_deref_mut();
     for i in from..to {
-        // DeepSpeed's `mul_` of its gradient in the master weights' dtype: torch rounds the product.
-        let grad = G::narrow(g[i].widen() * grad_scale).widen();
-        let (param, exp_avg, exp_avg_sq) = adam_element(p[i], grad, m[i], v[i], k, how);
-        let master = W::narrow_as_cpu_adam(param);
-        p[i] = master.widen();
-        m[i] = S::narrow_as_cpu_adam(exp_avg).widen();
-        v[i] = S::narrow_as_cpu_adam(exp_avg_sq).widen();
+        let (master, exp_avg, exp_avg_sq) =
+            rounded_element::<G, W, S>(p[i], m[i], v[i], g[i], grad_scale, k, how);
+        (p[i], m[i], v[i]) = (master.widen(), exp_avg.widen(), exp_avg_sq.widen());
         if let Some(o) = o.as_deref_mut() {
             // The master weights' own bits (`StateKinds::check`: the same dtype), as DeepSpeed's copy
             // of them into its partition leaves them: exact.
@@ -733,35 +727,14 @@ fn rounded_run<G: Elem, P: Elem, W: Elem, S: Elem>(
     }
 }
 
-/// Element `i`, by [`rounded_element`] (the dtypes no specialised loop has).
-fn rounded_at<G: Elem, P: Elem>(
-    part: &mut Part<'_, G, P>,
-    i: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    how: TailFma,
-) {
-    let (param, exp_avg, exp_avg_sq) = rounded_element(
-        part.p[i], part.m[i], part.v[i], part.g[i], grad_scale, k, how, part.kinds,
-    );
-    (part.p[i], part.m[i], part.v[i]) = (param, exp_avg, exp_avg_sq);
-    if let Some(o) = part.o.as_deref_mut() {
-        o[i] = if part.kinds.master == Kind::F32 {
-            P::narrow(param)
-        } else {
-            P::narrow_as_cpu_adam(param)
-        };
-    }
-}
-
-/// One element of a state in `kinds`' dtypes, as DeepSpeed's CPU Adam computes it with `how`'s
-/// arithmetic: the gradient multiplied by `grad_scale` in its own dtype where the master weights are
-/// in half precision (DeepSpeed's `mul_` of its gradient: torch rounds the product), Adam, and each
-/// result rounded to its dtype as CPU Adam stores it. Returns the new parameter, `exp_avg` and
-/// `exp_avg_sq`, each exact in fp32.
+/// One element of a state whose master weights are `W` (its gradient `G`, of the same dtype where that
+/// is half precision) and whose moments are `S`, as DeepSpeed's CPU Adam computes it with `how`'s
+/// arithmetic: the gradient multiplied by `grad_scale` in its own dtype (DeepSpeed's `mul_` of its
+/// gradient: torch rounds the product), Adam, and each result stored in its dtype as CPU Adam stores it.
+/// Returns the new parameter, `exp_avg` and `exp_avg_sq`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) fn rounded_element<G: Elem>(
+pub(super) fn rounded_element<G: Elem, W: Elem, S: Elem>(
     param: f32,
     exp_avg: f32,
     exp_avg_sq: f32,
@@ -769,16 +742,12 @@ pub(super) fn rounded_element<G: Elem>(
     grad_scale: f32,
     k: &AdamConstants,
     how: TailFma,
-    kinds: StateKinds,
-) -> (f32, f32, f32) {
-    let mut grad = g.widen() * grad_scale;
-    if kinds.master != Kind::F32 {
-        grad = G::narrow(grad).widen();
-    }
+) -> (W, S, S) {
+    let grad = G::narrow(g.widen() * grad_scale).widen();
     let (param, exp_avg, exp_avg_sq) = adam_element(param, grad, exp_avg, exp_avg_sq, k, how);
     (
-        kinds.master.round_as_cpu_adam(param),
-        kinds.moments.round_as_cpu_adam(exp_avg),
-        kinds.moments.round_as_cpu_adam(exp_avg_sq),
+        W::narrow_as_cpu_adam(param),
+        S::narrow_as_cpu_adam(exp_avg),
+        S::narrow_as_cpu_adam(exp_avg_sq),
     )
 }

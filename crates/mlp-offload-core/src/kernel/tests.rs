@@ -1035,7 +1035,7 @@ fn a_witness_tells_two_scalar_loops_apart_and_only_those() {
     );
     let w = witness(a, b, &k, 0.5, kinds, 1).expect("the variance's fusing shows somewhere");
     let run = |how| {
-        pass::rounded_element(
+        pass::rounded_element::<Bf16, Bf16, Bf16>(
             w.param,
             w.exp_avg,
             w.exp_avg_sq,
@@ -1043,7 +1043,6 @@ fn a_witness_tells_two_scalar_loops_apart_and_only_those() {
             0.5,
             &k,
             how,
-            kinds,
         )
     };
     assert_ne!(run(a), run(b));

@@ -22,7 +22,7 @@ pub const TRIES: u32 = 1 << 22;
 
 /// The first of [`TRIES`] random elements (of the magnitudes a training run has, from `seed`) whose
 /// outputs with arithmetic `a` differ from those with `b`, for a state in `kinds`' dtypes; None if
-/// none does.
+/// none does, or for dtypes DeepSpeed does not keep a state in ([`StateKinds::check`]).
 pub fn witness(
     a: TailFma,
     b: TailFma,
@@ -31,59 +31,51 @@ pub fn witness(
     kinds: StateKinds,
     seed: u64,
 ) -> Option<Witness> {
-    let mut random = XorShift(seed | 1);
-    (0..TRIES).find_map(|_| {
-        let w = random_element(&mut random, kinds);
-        let run = |how| match kinds.master {
-            Kind::Bf16 => element(&w, Bf16(w.grad_bits as u16), grad_scale, k, how, kinds),
-            Kind::F16 => element(&w, F16(w.grad_bits as u16), grad_scale, k, how, kinds),
-            Kind::F32 => element(&w, f32::from_bits(w.grad_bits), grad_scale, k, how, kinds),
-        };
-        let (x, y) = (run(a), run(b));
-        let same = |p: f32, q: f32| p.to_bits() == q.to_bits();
-        (!(same(x.0, y.0) && same(x.1, y.1) && same(x.2, y.2))).then_some(w)
-    })
+    let random = XorShift(seed | 1);
+    match (kinds.master, kinds.moments) {
+        (Kind::F32, Kind::F32) => search::<f32, f32>(a, b, k, grad_scale, random),
+        (Kind::Bf16, Kind::F32) => search::<Bf16, f32>(a, b, k, grad_scale, random),
+        (Kind::Bf16, Kind::Bf16) => search::<Bf16, Bf16>(a, b, k, grad_scale, random),
+        (Kind::F16, Kind::F32) => search::<F16, f32>(a, b, k, grad_scale, random),
+        (Kind::F16, Kind::F16) => search::<F16, F16>(a, b, k, grad_scale, random),
+        _ => None,
+    }
 }
 
-fn element<G: Elem>(
-    w: &Witness,
-    grad: G,
-    grad_scale: f32,
+/// [`witness`] with the master weights (and the gradient) in `W`, the moments in `S`.
+fn search<W: Elem, S: Elem>(
+    a: TailFma,
+    b: TailFma,
     k: &AdamConstants,
-    how: TailFma,
-    kinds: StateKinds,
-) -> (f32, f32, f32) {
-    rounded_element(
-        w.param,
-        w.exp_avg,
-        w.exp_avg_sq,
-        grad,
-        grad_scale,
-        k,
-        how,
-        kinds,
-    )
+    grad_scale: f32,
+    mut random: XorShift,
+) -> Option<Witness> {
+    (0..TRIES).find_map(|_| {
+        let (w, grad) = random_element::<W, S>(&mut random);
+        let run = |how| {
+            rounded_element::<W, W, S>(w.param, w.exp_avg, w.exp_avg_sq, grad, grad_scale, k, how)
+        };
+        let (x, y) = (run(a), run(b));
+        let same = x.0.bits() == y.0.bits() && x.1.bits() == y.1.bits() && x.2.bits() == y.2.bits();
+        (!same).then_some(w)
+    })
 }
 
 /// Magnitudes as the start-up check's random chunks have them, each value exact in its dtype: the
 /// parameter spread from 0.05 down to 5e-6, `exp_avg` about 1e-3, `exp_avg_sq` up to 1e-6, the gradient
-/// about 1e-2.
-fn random_element(random: &mut XorShift, kinds: StateKinds) -> Witness {
+/// about 1e-2. Returns the element and its gradient.
+fn random_element<W: Elem, S: Elem>(random: &mut XorShift) -> (Witness, W) {
     let param = random.signed() * 0.05 * 10f32.powf(-4.0 * random.unit());
     let exp_avg = random.signed() * 1e-3;
     let exp_avg_sq = random.unit() * 1e-6;
-    let grad = random.signed() * 1e-2;
-    let grad_bits = match kinds.master {
-        Kind::Bf16 => Bf16::narrow(grad).bits(),
-        Kind::F16 => F16::narrow(grad).bits(),
-        Kind::F32 => grad.to_bits(),
+    let grad = W::narrow(random.signed() * 1e-2);
+    let w = Witness {
+        param: W::narrow_as_cpu_adam(param).widen(),
+        exp_avg: S::narrow_as_cpu_adam(exp_avg).widen(),
+        exp_avg_sq: S::narrow_as_cpu_adam(exp_avg_sq).widen(),
+        grad_bits: grad.bits(),
     };
-    Witness {
-        param: kinds.master.round_as_cpu_adam(param),
-        exp_avg: kinds.moments.round_as_cpu_adam(exp_avg),
-        exp_avg_sq: kinds.moments.round_as_cpu_adam(exp_avg_sq),
-        grad_bits,
-    }
+    (w, grad)
 }
 
 /// Marsaglia's xorshift64: the search needs only a fast, fixed sequence.
