@@ -482,6 +482,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         fp32_moments = getattr(self.optimizer, "fp32_optimizer_states", True)
         return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master)
 
+    def _mlp_choose_kernel(
+        self, dtypes: fused_update.StateDtypes
+    ) -> tuple[fused_update.FusedAdam | None, str]:
+        """`update_kernel`'s choice for the state in `dtypes` (`fused_update.choose_update_kernel`), the
+        gradients and the partitions in the model's dtype."""
+        config = self._mlp_config
+        half = self.fp16_partitioned_groups_flat[0].dtype
+        threads = None if config.update_threads == "auto" else config.update_threads
+        return fused_update.choose_update_kernel(
+            config.update_kernel, self.optimizer, half, half, threads=threads, dtypes=dtypes
+        )
+
     def _mlp_follow_loaded_moments(self, dtype: torch.dtype) -> None:
         """The moments a checkpoint's load left in `dtype`. torch's `Optimizer.load_state_dict` casts
         every state tensor to its parameter's dtype, so after stock DeepSpeed loads a checkpoint its
@@ -497,16 +509,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             dtype,
             dtypes,
         )
-        config = self._mlp_config
-        first_half = self.fp16_partitioned_groups_flat[0]
-        fused, _ = fused_update.choose_update_kernel(
-            config.update_kernel,
-            self.optimizer,
-            first_half.dtype,
-            first_half.dtype,
-            threads=None if config.update_threads == "auto" else config.update_threads,
-            dtypes=dtypes,
-        )
+        fused, _ = self._mlp_choose_kernel(dtypes)
         assert fused is not None, "choose_update_kernel refuses a state in half precision without it"
         old = self._mlp_fused
         if old is not None and fused.kernel.arith == old.kernel.arith:
@@ -530,14 +533,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_params_on_host = first_half.device.type == "cpu"
         self._mlp_dtypes = self._mlp_state_dtypes()
         self._mlp_stale.dtype = self._mlp_dtypes.master
-        self._mlp_fused, kernel_why = fused_update.choose_update_kernel(
-            config.update_kernel,
-            self.optimizer,
-            first_half.dtype,
-            first_half.dtype,
-            threads=None if config.update_threads == "auto" else config.update_threads,
-            dtypes=self._mlp_dtypes,
-        )
+        self._mlp_fused, kernel_why = self._mlp_choose_kernel(self._mlp_dtypes)
         # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
         # stream of its own: on the default one they would wait for the compute queued on it.
         self._mlp_update_stream = (

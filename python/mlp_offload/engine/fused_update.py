@@ -19,8 +19,9 @@ state's fp32 elements hold values of those dtypes, each rounded as DeepSpeed's C
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,18 +192,26 @@ def _deepspeed_reference(
     temporary optimizer id) and torch's conversions, as the engine's DeepSpeed path runs them: in
     `dtypes`, the gradient converted to the master weights' and multiplied there (`unscale_and_clip_grads`),
     CPU Adam on tensors of those dtypes, the master weights copied into the partition."""
-    beta1, beta2 = group["betas"]
-    ds_op.create_adam(
-        CHECK_OPTIMIZER_ID, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, False
-    )
-    try:
+    with _check_optimizer(ds_op, group, adamw):
         return [
             _deepspeed_call(
                 ds_op, step, group, *_check_inputs(n, grad_dtype, generator, dtypes), grad_scale,
                 params_dtype, dtypes,
             )
-            for step, n in check_calls(beta2)
+            for step, n in check_calls(group["betas"][1])
         ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _check_optimizer(ds_op: Any, group: dict[str, Any], adamw: bool) -> Iterator[None]:
+    """DeepSpeed's CPU Adam optimizer `CHECK_OPTIMIZER_ID` with `group`'s settings, new (its bias state
+    from step 0) while the block runs, destroyed after it."""
+    beta1, beta2 = group["betas"]
+    ds_op.create_adam(
+        CHECK_OPTIMIZER_ID, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], adamw, False
+    )
+    try:
+        yield
     finally:
         ds_op.destroy_adam(CHECK_OPTIMIZER_ID)
 
@@ -255,13 +264,8 @@ def _witness_call(
     wide = {torch.float32: torch.int32}.get(grad_dtype, torch.int16)
     signed = bits - (1 << 8 * grad_dtype.itemsize) if bits >= 1 << (8 * grad_dtype.itemsize - 1) else bits
     grad = torch.full((n,), signed, dtype=wide).view(grad_dtype)
-    ds_op.create_adam(
-        CHECK_OPTIMIZER_ID, group["lr"], *group["betas"], group["eps"], group["weight_decay"], adamw, False
-    )
-    try:
+    with _check_optimizer(ds_op, group, adamw):
         return _deepspeed_call(ds_op, 1, group, state, grad, grad_scale, params_dtype, dtypes)
-    finally:
-        ds_op.destroy_adam(CHECK_OPTIMIZER_ID)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
