@@ -32,7 +32,8 @@
 //! - [`pool`]: the pass's worker threads;
 //! - [`witness`]: inputs that tell two arithmetics apart, for the start-up check;
 //! - [`crc`]: the state's checksums, cut as the store cuts its stripes, hashed or folded in the pass;
-//! - `x86`: the vector arithmetic and the folded checksums with x86-64's intrinsics.
+//! - `x86`: the vector arithmetic, the rounded pass of a state in half precision and the folded
+//!   checksums with x86-64's intrinsics.
 
 pub mod adam;
 pub mod crc;

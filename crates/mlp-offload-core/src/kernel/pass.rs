@@ -122,7 +122,8 @@ pub(super) fn elem_bytes<P: Elem>(x: &[P]) -> Vec<u8> {
 /// multiplied in its own dtype (DeepSpeed's `mul_` of its half-precision gradient), each result
 /// rounded to its dtype as CPU Adam stores it, the parameters written being the master weights' bits,
 /// and the vector arithmetic only where DeepSpeed's build has it for those dtypes
-/// ([`DeepSpeedArith::vector_width_for`]). That pass runs element by element.
+/// ([`DeepSpeedArith::vector_width_for`]). That pass runs 8 lanes at a time where the CPU has AVX2,
+/// element by element elsewhere.
 #[allow(clippy::too_many_arguments)]
 pub fn update<G: Elem, P: Elem>(
     chunk: Chunk<'_, G, P>,
@@ -599,15 +600,12 @@ pub(super) fn run_block<G: Elem, P: Elem>(
 ) {
     if !part.kinds.is_fp32() {
         #[cfg(target_arch = "x86_64")]
-        if simd != Simd::Scalar
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has both, just checked.
-            unsafe { rounded_elements_fma(part, b0, b1, grad_scale, k, tail) };
+        if rounded_lanes(simd) {
+            // SAFETY: the CPU has AVX2, FMA and F16C (`rounded_lanes`).
+            unsafe { rounded_elements_avx2(part, b0, b1, grad_scale, k, tail) };
             return;
         }
-        rounded_elements(part, b0, b1, grad_scale, k, tail);
+        rounded_elements(part, b0, b1, grad_scale, k, tail, false);
         return;
     }
     let lanes = simd.lanes();
@@ -648,14 +646,25 @@ pub(super) fn run_block<G: Elem, P: Elem>(
     }
 }
 
-/// [`rounded_elements`] compiled with FMA instructions, which the specification's fused multiply-adds
-/// then are (without them each is a call of the C library's `fmaf`).
+/// Whether the rounded pass runs in AVX2 ([`x86::avx2_rounded`]): wherever `simd` has SIMD and the CPU
+/// AVX2, FMA and F16C (an AVX-512 CPU among them).
+#[cfg(target_arch = "x86_64")]
+fn rounded_lanes(simd: Simd) -> bool {
+    simd != Simd::Scalar
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// [`rounded_elements`] with its runs in AVX2, and compiled with FMA instructions for the elements
+/// left over, which the specification's fused multiply-adds then are (without them each is a call of
+/// the C library's `fmaf`).
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA.
+/// The CPU must have AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rounded_elements_fma<G: Elem, P: Elem>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rounded_elements_avx2<G: Elem, P: Elem>(
     part: &mut Part<'_, G, P>,
     b0: usize,
     b1: usize,
@@ -663,12 +672,13 @@ unsafe fn rounded_elements_fma<G: Elem, P: Elem>(
     k: &AdamConstants,
     tail: TailFma,
 ) {
-    rounded_elements(part, b0, b1, grad_scale, k, tail);
+    rounded_elements(part, b0, b1, grad_scale, k, tail, true);
 }
 
-/// Elements `b0..b1` of a range whose state is in half precision ([`Chunk::kinds`]), one at a time, as
-/// DeepSpeed's CPU Adam computes them (see [`update`]): a loop per arithmetic and per pair of dtypes, so
-/// that nothing is decided per element.
+/// Elements `b0..b1` of a range whose state is in half precision ([`Chunk::kinds`]), as DeepSpeed's CPU
+/// Adam computes them (see [`update`]): each run of one arithmetic 8 lanes at a time where `lanes` says
+/// (the CPU has AVX2), the rest element by element, in a loop per pair of dtypes, so that nothing is
+/// decided per element.
 #[inline(always)]
 fn rounded_elements<G: Elem, P: Elem>(
     part: &mut Part<'_, G, P>,
@@ -677,12 +687,26 @@ fn rounded_elements<G: Elem, P: Elem>(
     grad_scale: f32,
     k: &AdamConstants,
     tail: TailFma,
+    lanes: bool,
 ) {
     let vector_end = part.vector.clamp(b0, b1);
     for (from, to, how) in [(b0, vector_end, TailFma::VECTOR), (vector_end, b1, tail)] {
-        if from == to {
+        let simd_end = if lanes {
+            from + (to - from) / 8 * 8
+        } else {
+            from
+        };
+        #[cfg(target_arch = "x86_64")]
+        if simd_end > from {
+            let at = part.lanes(from, simd_end);
+            // SAFETY: `lanes` only where the CPU has AVX2, FMA and F16C (`rounded_lanes`); the slices
+            // are distinct, each at least `simd_end` long, the stretch a multiple of 8.
+            unsafe { x86::avx2_rounded(&at, grad_scale, k, how, part.kinds) };
+        }
+        if simd_end == to {
             continue;
         }
+        let from = simd_end;
         match (part.kinds.master, part.kinds.moments) {
             (Kind::Bf16, Kind::F32) => {
                 rounded_run::<G, P, Bf16, f32>(part, from, to, grad_scale, k, how)

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{AdamConstants, Decay, Kind};
+use super::{AdamConstants, Decay, Kind, MomentFma, StateKinds, TailFma};
 
 /// `to` becomes `from`, its aligned 32-byte stretches written with stores that bypass the cache
 /// (the kept state is read again only by an undo, long after): no read of the lines first, and
@@ -418,3 +418,127 @@ adam_lanes!(
     fmadd: _mm256_fmadd_ps, sqrt: _mm256_sqrt_ps, div: _mm256_div_ps, load: load8, store: store8,
     fold: folds, load256, fold3_256, store256
 );
+
+/// The bits a bf16 NaN widens to where DeepSpeed's CPU Adam stores it (c10's 0x7fc0).
+const CPU_ADAM_BF16_NAN: i32 = 0x7fc0_0000;
+
+/// The bits a bf16 NaN widens to where torch's vectorised copy (or `mul_`) writes it (0xffff).
+const TORCH_BF16_NAN: i32 = 0xffff_0000_u32 as i32;
+
+/// 8 lanes of `x` rounded to `kind` and widened back, exactly: bf16 to nearest even with every NaN
+/// lane `nan`'s bits (`Elem::narrow` or `Elem::narrow_as_cpu_adam`, by the caller's choice of it),
+/// fp16 by F16C (both ways), fp32 as it is.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn rounded8(kind: Kind, x: __m256, nan: i32) -> __m256 {
+    match kind {
+        Kind::F32 => x,
+        Kind::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)),
+        Kind::Bf16 => {
+            let bits = _mm256_castps_si256(x);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+            let sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+            let rounded = _mm256_and_si256(sum, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+            let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+            let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(nan), unordered);
+            _mm256_castsi256_ps(out)
+        }
+    }
+}
+
+/// 8 lanes of `x`, each exactly an element of `kind` (a [`rounded8`] result), stored as `kind` at `dst`:
+/// their bits, NaNs included.
+///
+/// # Safety
+/// `dst` must hold 8 writable elements of `kind`; AVX2 and F16C must be available.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store_exact8(kind: Kind, dst: *mut u8, x: __m256) {
+    let half = match kind {
+        // SAFETY: the caller's promise; an unaligned store.
+        Kind::F32 => return unsafe { _mm256_storeu_ps(dst.cast(), x) },
+        Kind::F16 => _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x),
+        Kind::Bf16 => {
+            let high = _mm256_srli_epi32::<16>(_mm256_castps_si256(x));
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(high, high));
+            _mm256_castsi256_si128(packed)
+        }
+    };
+    // SAFETY: the caller's promise; an unaligned store.
+    unsafe { _mm_storeu_si128(dst.cast(), half) };
+}
+
+/// `a * b + c`, fused or each step rounded (`adam::product_sum`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn product_sum8(a: __m256, b: __m256, c: __m256, fused: bool) -> __m256 {
+    if fused {
+        _mm256_fmadd_ps(a, b, c)
+    } else {
+        _mm256_add_ps(_mm256_mul_ps(a, b), c)
+    }
+}
+
+/// `old * beta + grad * one_minus` with `how`'s fusing (`adam::moment`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn moment8(old: __m256, beta: __m256, grad: __m256, one_minus: __m256, how: MomentFma) -> __m256 {
+    match how {
+        MomentFma::Gradient => _mm256_fmadd_ps(grad, one_minus, _mm256_mul_ps(old, beta)),
+        MomentFma::Old => _mm256_fmadd_ps(old, beta, _mm256_mul_ps(grad, one_minus)),
+        MomentFma::Separate => {
+            _mm256_add_ps(_mm256_mul_ps(grad, one_minus), _mm256_mul_ps(old, beta))
+        }
+    }
+}
+
+/// [`super::pass`]'s rounded elements (a state in half precision, `kinds`) 8 lanes at a time: lane for
+/// lane the operations of `pass::rounded_element` with `how`'s arithmetic, in the same order. The
+/// gradient is multiplied in its own dtype, each result rounded to its dtype as CPU Adam stores it and
+/// kept widened in `p`, `m`, `v`; the parameters get the master weights' bits.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; every pointer of `at` must hold `at.len` elements (a multiple
+/// of 8), `p`, `m`, `v` and `o` writable and none overlapping another.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn avx2_rounded(
+    at: &Lanes,
+    grad_scale: f32,
+    k: &AdamConstants,
+    how: TailFma,
+    kinds: StateKinds,
+) {
+    let set1 = _mm256_set1_ps;
+    let (beta1, beta2) = (set1(k.beta1), set1(k.beta2));
+    let (c1, c2) = (set1(k.one_minus_beta1), set1(k.one_minus_beta2));
+    let (bias2, eps, step) = (set1(k.bias_correction2), set1(k.eps), set1(k.step_size));
+    let scale = set1(grad_scale);
+    let (g_kind, g) = at.g;
+    for i in (0..at.len).step_by(8) {
+        // SAFETY: `i + 8 <= len` for every array, as the caller promised; unaligned loads and stores.
+        unsafe {
+            let scaled = _mm256_mul_ps(load8(g_kind, g.add(i * g_kind.size())), scale);
+            let mut grad = rounded8(g_kind, scaled, TORCH_BF16_NAN);
+            let mut param = _mm256_loadu_ps(at.p.add(i));
+            let (m_in, v_in) = (_mm256_loadu_ps(at.m.add(i)), _mm256_loadu_ps(at.v.add(i)));
+            if let Decay::L2(decay) = k.decay {
+                grad = product_sum8(param, set1(decay), grad, how.others);
+            }
+            let mom = moment8(m_in, beta1, grad, c1, how.momentum);
+            let var = moment8(v_in, beta2, _mm256_mul_ps(grad, grad), c2, how.variance);
+            let denominator = product_sum8(_mm256_sqrt_ps(var), bias2, eps, how.others);
+            let update = _mm256_div_ps(mom, denominator);
+            if let Decay::AdamW(w_decay) = k.decay {
+                param = product_sum8(param, set1(w_decay), param, how.others);
+            }
+            param = product_sum8(update, step, param, how.others);
+            let param = rounded8(kinds.master, param, CPU_ADAM_BF16_NAN);
+            _mm256_storeu_ps(at.p.add(i), param);
+            _mm256_storeu_ps(at.m.add(i), rounded8(kinds.moments, mom, CPU_ADAM_BF16_NAN));
+            _mm256_storeu_ps(at.v.add(i), rounded8(kinds.moments, var, CPU_ADAM_BF16_NAN));
+            if let Some((kind, o)) = at.o {
+                store_exact8(kind, o.add(i * kind.size()), param);
+            }
+        }
+    }
+}
