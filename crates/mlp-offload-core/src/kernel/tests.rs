@@ -874,6 +874,32 @@ fn stored(kind: Kind, x: f32) -> f32 {
     }
 }
 
+/// `update` of a state in `kinds`' half precision, in place, writing parameters (returned), keeping
+/// nothing and summing nothing.
+#[allow(clippy::too_many_arguments)]
+fn half_state_update<G: Elem>(
+    state: &mut [f32],
+    grad: &[G],
+    kinds: StateKinds,
+    grad_scale: f32,
+    k: &AdamConstants,
+    arith: &DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+) -> Vec<G> {
+    let mut params = vec![G::narrow(0.0); grad.len()];
+    let chunk = Chunk {
+        state,
+        grad,
+        params: Some(&mut params),
+        keep_params: false,
+        keep_state: None,
+        kinds,
+    };
+    update(chunk, grad_scale, k, arith, simd, threads, Cuts::default()).unwrap();
+    params
+}
+
 /// A state in half precision through `update`, against the element-by-element specification of
 /// DeepSpeed's CPU Adam in those dtypes.
 fn check_half_state<G: Elem>(
@@ -922,25 +948,16 @@ fn check_half_state<G: Elem>(
         expected[2 * n + i] = stored(kinds.moments, v);
         expected_params[i] = G::narrow_as_cpu_adam(p);
     }
-    let mut params = vec![G::narrow(0.0); n];
-    let chunk = Chunk {
-        state: &mut state,
-        grad: &grad,
-        params: Some(&mut params),
-        keep_params: false,
-        keep_state: None,
+    let params = half_state_update(
+        &mut state,
+        &grad,
         kinds,
-    };
-    update(
-        chunk,
         0.25,
         &k,
         &arith,
         Simd::detect(),
         threads,
-        Cuts::default(),
-    )
-    .unwrap();
+    );
     let case = format!("{kinds:?}, width {width}, {threads} threads, {n} elements");
     for (i, (a, b)) in state.iter().zip(&expected).enumerate() {
         assert!(
@@ -1093,16 +1110,8 @@ fn check_rounded_simd<G: Elem>(kinds: StateKinds, rng: &mut StdRng) {
                     .constants(2, &hyper(1e-3, decay, adamw, true));
                 let run = |simd: Simd| {
                     let mut state = state.clone();
-                    let mut params = vec![G::narrow(0.0); n];
-                    let chunk = Chunk {
-                        state: &mut state,
-                        grad: &grad,
-                        params: Some(&mut params),
-                        keep_params: false,
-                        keep_state: None,
-                        kinds,
-                    };
-                    update(chunk, 1.0 / 3.0, &k, &arith, simd, 2, Cuts::default()).unwrap();
+                    let params =
+                        half_state_update(&mut state, &grad, kinds, 1.0 / 3.0, &k, &arith, simd, 2);
                     (state, params)
                 };
                 let (ours, our_params) = run(Simd::detect());

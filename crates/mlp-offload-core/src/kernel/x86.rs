@@ -136,6 +136,20 @@ fn narrow8(kind: Kind, x: __m256) -> __m128i {
     if kind == Kind::F16 {
         return _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x);
     }
+    pack16(bf16_bits8(x, TORCH_BF16_NAN))
+}
+
+/// The bf16 NaN torch's vectorised copy (or `mul_`) writes (`Elem::narrow`).
+const TORCH_BF16_NAN: i32 = 0xffff;
+
+/// The bf16 NaN DeepSpeed's CPU Adam stores (c10's, `Elem::narrow_as_cpu_adam`).
+const CPU_ADAM_BF16_NAN: i32 = 0x7fc0;
+
+/// 8 lanes of `x` rounded to bf16, to nearest even, each lane's bits in its low 16 and every NaN lane
+/// `nan` ([`TORCH_BF16_NAN`] or [`CPU_ADAM_BF16_NAN`]).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bf16_bits8(x: __m256, nan: i32) -> __m256i {
     let bits = _mm256_castps_si256(x);
     let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
     let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
@@ -143,9 +157,14 @@ fn narrow8(kind: Kind, x: __m256) -> __m128i {
         _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)),
     ));
     let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-    let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xffff), unordered);
-    // The eight 32-bit lanes (each at most 0xffff) packed to 16 bits, in order.
-    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(out, out));
+    _mm256_blendv_epi8(rounded, _mm256_set1_epi32(nan), unordered)
+}
+
+/// Eight 32-bit lanes, each at most 0xffff, packed to 16 bits, in order.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn pack16(lanes: __m256i) -> __m128i {
+    let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(lanes, lanes));
     _mm256_castsi256_si128(packed)
 }
 
@@ -419,30 +438,15 @@ adam_lanes!(
     fold: folds, load256, fold3_256, store256
 );
 
-/// The bits a bf16 NaN widens to where DeepSpeed's CPU Adam stores it (c10's 0x7fc0).
-const CPU_ADAM_BF16_NAN: i32 = 0x7fc0_0000;
-
-/// The bits a bf16 NaN widens to where torch's vectorised copy (or `mul_`) writes it (0xffff).
-const TORCH_BF16_NAN: i32 = 0xffff_0000_u32 as i32;
-
 /// 8 lanes of `x` rounded to `kind` and widened back, exactly: bf16 to nearest even with every NaN
-/// lane `nan`'s bits (`Elem::narrow` or `Elem::narrow_as_cpu_adam`, by the caller's choice of it),
-/// fp16 by F16C (both ways), fp32 as it is.
+/// lane `nan` ([`bf16_bits8`]), fp16 by F16C (both ways), fp32 as it is.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn rounded8(kind: Kind, x: __m256, nan: i32) -> __m256 {
     match kind {
         Kind::F32 => x,
         Kind::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x)),
-        Kind::Bf16 => {
-            let bits = _mm256_castps_si256(x);
-            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-            let sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-            let rounded = _mm256_and_si256(sum, _mm256_set1_epi32(0xffff_0000_u32 as i32));
-            let unordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-            let out = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(nan), unordered);
-            _mm256_castsi256_ps(out)
-        }
+        Kind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bf16_bits8(x, nan))),
     }
 }
 
@@ -458,11 +462,7 @@ unsafe fn store_exact8(kind: Kind, dst: *mut u8, x: __m256) {
         // SAFETY: the caller's promise; an unaligned store.
         Kind::F32 => return unsafe { _mm256_storeu_ps(dst.cast(), x) },
         Kind::F16 => _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x),
-        Kind::Bf16 => {
-            let high = _mm256_srli_epi32::<16>(_mm256_castps_si256(x));
-            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(high, high));
-            _mm256_castsi256_si128(packed)
-        }
+        Kind::Bf16 => pack16(_mm256_srli_epi32::<16>(_mm256_castps_si256(x))),
     };
     // SAFETY: the caller's promise; an unaligned store.
     unsafe { _mm_storeu_si128(dst.cast(), half) };
