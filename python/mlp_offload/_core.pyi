@@ -22,6 +22,7 @@ __all__ = [
     "probe_bandwidth",
     "probe_directory",
     "probe_shared_path",
+    "state_layout",
 ]
 
 __version__: str
@@ -158,15 +159,20 @@ class AdamKernel:
         keep_state: int | None = None,
         master_dtype: str = "float32",
         moments_dtype: str = "float32",
+        stored_master_dtype: str = "float32",
+        stored_moments_dtype: str = "float32",
     ) -> tuple[list[int] | None, list[int] | None, list[tuple[int, bytes]] | None]:
-        """One chunk in place at these addresses (GIL released): `state` `3 count` fp32, `grad` and
-        `params` `count` of their dtypes; the bias correction advances as DeepSpeed's would at `step`.
+        """One chunk in place at these addresses (GIL released): `state` its params, exp_avg and
+        exp_avg_sq, `count` each in `stored_master_dtype`/`stored_moments_dtype`, laid out as
+        `state_layout` says; `grad` and `params` `count` of their dtypes; the bias correction advances
+        as DeepSpeed's would at `step`.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
         (stripe starts), where given; and with `keep_params`, the parameters before the pass that were
         not the old weights narrowed, a block at a time: (first element, their bytes). With `keep_state`
-        (address of `3 count` fp32), the state before the pass is copied there in the pass.
-        `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the state in (each fp32 value
-        rounded to them as its CPU Adam stores it; `grad` and `params` then of the master's dtype)."""
+        (address of as many bytes as the state's), the state before the pass is copied there in the
+        pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the state in (each value
+        rounded to them as its CPU Adam stores it, kept in its own dtype or in fp32; `grad` and `params`
+        then of the master's dtype)."""
 
 @final
 class ObjectStore:
@@ -341,6 +347,10 @@ def block_activity(
 ) -> dict[str, Any]:
     """What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
     direction, mean request sizes, merged shares, mean queue depth, busy share."""
+
+def state_layout(master_dtype: str, moments_dtype: str, count: int) -> tuple[list[int], int]:
+    """Where a chunk of `count` elements keeps a state in these dtypes: each array's first byte
+    (params, exp_avg, exp_avg_sq; the wider arrays first), and the chunk's bytes."""
 
 def crc32c(buffer: Any) -> int:
     """The CRC32C of a contiguous buffer-protocol object's bytes (GIL released), as the store keeps it."""

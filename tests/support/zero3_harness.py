@@ -367,8 +367,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         for i in range(len(state_of.numels)):
             whole = state_of.gather(i)
             for c in state_of.of_subgroup[i]:
+                # The chunk's bytes as the store keeps them (`StateDtypes.pack`).
                 parts = [whole[s] for s in state_of._slices(c)]
-                chunks[state_of.keys[c]] = torch.cat(parts)
+                chunks[state_of.keys[c]] = state_of.stored.pack(torch.cat(parts))
     try:
         engine.destroy()
     except OSError as e:

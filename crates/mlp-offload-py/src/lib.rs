@@ -447,18 +447,21 @@ impl AdamKernel {
         arith_dict(py, &self.arith)
     }
 
-    /// One chunk, in place: `state` (address of `3 count` fp32: params, exp_avg, exp_avg_sq), `grad`
+    /// One chunk, in place: `state` (address of its params, exp_avg and exp_avg_sq, `count` each, in
+    /// `stored_master_dtype` and `stored_moments_dtype`, laid out as `state_layout` says), `grad`
     /// (`count` of `grad_dtype`), `params` (`count` of `params_dtype`, or None). The bias correction
     /// advances as DeepSpeed's would for a call at Adam step `step`. With `keep_params`, the parameters
     /// before the pass that were not the old weights narrowed come back, a block at a time, as (first
-    /// element, bytes). With `keep_state` (address of `3 count` fp32), the state before the pass is
-    /// copied there in the pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the
-    /// state in (each value of `state` rounded to them as its CPU Adam stores it; the gradient and the
-    /// parameters in the master weights' dtype where that is half precision). Runs without the GIL.
+    /// element, bytes). With `keep_state` (address of as many bytes as the state's), the state before
+    /// the pass is copied there in the pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps
+    /// the state in (each value of `state` rounded to them as its CPU Adam stores it; the gradient and
+    /// the parameters in the master weights' dtype where that is half precision); each array is kept
+    /// in its own dtype or in fp32. Runs without the GIL.
     #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
                         beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
                         read_cuts=None, write_cuts=None, keep_params=false, keep_state=None,
-                        master_dtype="float32", moments_dtype="float32"))]
+                        master_dtype="float32", moments_dtype="float32",
+                        stored_master_dtype="float32", stored_moments_dtype="float32"))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
@@ -485,9 +488,15 @@ impl AdamKernel {
         keep_state: Option<usize>,
         master_dtype: &str,
         moments_dtype: &str,
+        stored_master_dtype: &str,
+        stored_moments_dtype: &str,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
         let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
+        let stored = StateKinds {
+            master: Kind::parse("stored_master_dtype", stored_master_dtype).map_err(to_py)?,
+            moments: Kind::parse("stored_moments_dtype", stored_moments_dtype).map_err(to_py)?,
+        };
         let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
         let hyper = AdamHyper {
             lr,
@@ -512,7 +521,7 @@ impl AdamKernel {
                 // tensors.
                 unsafe {
                     update_at(
-                        state,
+                        (state, stored),
                         (grad, grad_kind),
                         params.map(|a| (a, params_kind)),
                         keep_params,
@@ -876,6 +885,22 @@ impl Drop for PyObjectStore {
 }
 
 /// Facts about one directory: alignment, O_DIRECT support (tested), device identity.
+/// Where a chunk of `count` elements keeps a state in `master_dtype` and `moments_dtype` (torch's
+/// names): each array's first byte (params, exp_avg, exp_avg_sq), and the chunk's bytes.
+#[pyfunction]
+fn state_layout(
+    master_dtype: &str,
+    moments_dtype: &str,
+    count: usize,
+) -> PyResult<(Vec<usize>, usize)> {
+    let kinds = StateKinds {
+        master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
+        moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
+    };
+    let (offsets, total) = kinds.layout(count);
+    Ok((offsets.to_vec(), total))
+}
+
 #[pyfunction]
 fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
     let info = py
@@ -1142,5 +1167,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_counters, m)?)?;
     m.add_function(wrap_pyfunction!(block_activity, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(state_layout, m)?)?;
     Ok(())
 }

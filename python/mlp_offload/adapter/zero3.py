@@ -361,8 +361,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         `ValueError` named as the config's key."""
         config = self._mlp_config
         master_bytes = torch.empty(0, dtype=self.master_weights_and_grads_dtype).element_size()
-        host_memory, source = host_memory_budget(config, numels, self._mlp_buffer_count, master_bytes)
-        layout = memory.chunk_layout(numels, host_memory, update_chunk(config))
+        state_bytes = self._mlp_state_dtypes().bytes_per_element
+        host_memory, source = host_memory_budget(
+            config, numels, self._mlp_buffer_count, master_bytes, state_bytes
+        )
+        layout = memory.chunk_layout(numels, host_memory, update_chunk(config), state_bytes)
         try:
             layout.require_a_buffer(host_memory)
             _, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks(config))
@@ -477,21 +480,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """The dtypes DeepSpeed keeps the state in: its master weights' (`master_weights_and_grads_dtype`,
         from `bf16_master_weights_and_grads` or `fp16_master_weights_and_grads`), and its CPU Adam's
         moments (fp32, or with `fp32_optimizer_states` off, as `bf16_optimizer_states` turns it off, the
-        weights'). The store holds each value in fp32, exactly (`fused_update`)."""
+        weights'). The store keeps each array in its dtype (`fused_update.StateDtypes.arrays`)."""
         master = self.master_weights_and_grads_dtype
         fp32_moments = getattr(self.optimizer, "fp32_optimizer_states", True)
         return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master)
 
     def _mlp_choose_kernel(
-        self, dtypes: fused_update.StateDtypes
+        self, dtypes: fused_update.StateDtypes, stored: fused_update.StateDtypes
     ) -> tuple[fused_update.FusedAdam | None, str]:
-        """`update_kernel`'s choice for the state in `dtypes` (`fused_update.choose_update_kernel`), the
-        gradients and the partitions in the model's dtype."""
+        """`update_kernel`'s choice for the state in `dtypes` kept in `stored`
+        (`fused_update.choose_update_kernel`), the gradients and the partitions in the model's dtype."""
         config = self._mlp_config
         half = self.fp16_partitioned_groups_flat[0].dtype
         threads = None if config.update_threads == "auto" else config.update_threads
         return fused_update.choose_update_kernel(
-            config.update_kernel, self.optimizer, half, half, threads=threads, dtypes=dtypes
+            config.update_kernel, self.optimizer, half, half, threads=threads, dtypes=dtypes, stored=stored
         )
 
     def _mlp_follow_loaded_moments(self, dtype: torch.dtype) -> None:
@@ -499,7 +502,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         every state tensor to its parameter's dtype, so after stock DeepSpeed loads a checkpoint its
         moments are in the master weights' dtype (fp32 moments saved beside bf16 master weights come
         back bf16), and its CPU Adam runs on them in that dtype from then on. The fused pass follows,
-        checked again against DeepSpeed's kernel in those dtypes."""
+        checked again against DeepSpeed's kernel in those dtypes; the chunks keep their layout (fp32
+        moments hold the narrower values exactly)."""
         if dtype == self._mlp_dtypes.moments:
             return
         dtypes = fused_update.StateDtypes(self._mlp_dtypes.master, dtype)
@@ -509,13 +513,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             dtype,
             dtypes,
         )
-        fused, _ = self._mlp_choose_kernel(dtypes)
+        stored = self._mlp_state.stored
+        fused, _ = self._mlp_choose_kernel(dtypes, stored)
         assert fused is not None, "choose_update_kernel refuses a state in half precision without it"
         old = self._mlp_fused
         if old is not None and fused.kernel.arith == old.kernel.arith:
             # The same arithmetic: the kernel, and so DeepSpeed's bias-correction history, stays.
             fused = fused_update.FusedAdam(
-                old.kernel, adamw=fused.adamw, threads=fused.threads, dtypes=dtypes
+                old.kernel, adamw=fused.adamw, threads=fused.threads, dtypes=dtypes, stored=stored
             )
         self._mlp_fused = fused
         self._mlp_dtypes = dtypes
@@ -533,7 +538,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_params_on_host = first_half.device.type == "cpu"
         self._mlp_dtypes = self._mlp_state_dtypes()
         self._mlp_stale.dtype = self._mlp_dtypes.master
-        self._mlp_fused, kernel_why = self._mlp_choose_kernel(self._mlp_dtypes)
+        # The chunks keep the state in DeepSpeed's dtypes: the mode's bytes.
+        self._mlp_fused, kernel_why = self._mlp_choose_kernel(self._mlp_dtypes, self._mlp_dtypes)
         # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
         # stream of its own: on the default one they would wait for the compute queued on it.
         self._mlp_update_stream = (
@@ -569,6 +575,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 ascending=self._mlp_overlap or (self._mlp_spec_on and config.overlap_backward is True),
                 shadow_slots=config.shadow_slots,
                 kept_copies=kept_copies if self._mlp_spec_on else 0,
+                stored=self._mlp_dtypes,
             )
         except ValueError as e:
             raise _budget_error(e, host_memory, layout) from None
@@ -825,7 +832,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         elif master != FP32 and grad.dtype != master:
             # A gradient setter's: DeepSpeed's buffer holds it in the master weights' dtype.
             grad = grad.to(master)
-        state = state_bytes.view(FP32)
         params = half
         slot = self._mlp_scratch_next
         if not self._mlp_params_on_host:
@@ -842,7 +848,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if kept_params is not None:
                 params.copy_(half)
         sums = self._mlp_fused.update(
-            state,
+            state_bytes,
             grad,
             params,
             grad_scale=grad_scale,
@@ -851,7 +857,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             read_cuts=read_cuts,
             write_cuts=write_cuts,
             kept_params=kept_params,
-            kept_state=None if kept_state is None else kept_state.state.view(FP32),
+            kept_state=None if kept_state is None else kept_state.state,
         )
         if kept_state is not None:
             kept_state.filled = True

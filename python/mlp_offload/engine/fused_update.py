@@ -12,9 +12,10 @@ on every bit of every output is used; if none does, DeepSpeed's kernel is (`upda
 the engine refuses to start (`"fused"`), saying which output differed.
 
 With DeepSpeed's master weights in half precision (`bf16.bf16_master_weights_and_grads`,
-`fp16.fp16_master_weights_and_grads`) and its moments in bf16 (`bf16.bf16_optimizer_states`), the
-state's fp32 elements hold values of those dtypes, each rounded as DeepSpeed's CPU Adam stores it
-(`StateDtypes`), and the check runs DeepSpeed's kernel in those dtypes.
+`fp16.fp16_master_weights_and_grads`) and its moments in bf16 (`bf16.bf16_optimizer_states`), each value
+is rounded as DeepSpeed's CPU Adam stores it (`StateDtypes`) and kept in those dtypes, so the chunks
+hold the mode's bytes (`StateDtypes.arrays`: 6 or 10 a parameter); and the check runs DeepSpeed's kernel
+in those dtypes, on a state laid out as the job's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,40 @@ class StateDtypes:
     def __str__(self) -> str:
         return f"master weights {DTYPES[self.master]}, moments {DTYPES[self.moments]}"
 
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes of state per parameter kept in these dtypes: 12 in fp32, 10 or 6 in half precision."""
+        return self.master.itemsize + 2 * self.moments.itemsize
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of a chunk of `n` elements kept in these dtypes."""
+        return self.bytes_per_element * n
+
+    def arrays(self, state: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of a chunk's params, exp_avg and exp_avg_sq in `state` (its bytes, any dtype, at least
+        `nbytes(n)`), each in its dtype, where `_core.state_layout` lays them out (the wider arrays
+        first, so each is aligned whatever `n` is)."""
+        offsets, total = _core.state_layout(DTYPES[self.master], DTYPES[self.moments], n)
+        raw = state.view(torch.uint8)[:total]
+        return tuple(  # type: ignore[return-value]
+            raw[at : at + n * dtype.itemsize].view(dtype)
+            for at, dtype in zip(offsets, (self.master, self.moments, self.moments), strict=True)
+        )
+
+    def pack(self, fp32: torch.Tensor) -> torch.Tensor:
+        """`[params | exp_avg | exp_avg_sq]` in fp32 (values of these dtypes) as a chunk's bytes kept
+        in them: each value's own bits."""
+        n = fp32.numel() // 3
+        state = torch.empty(self.nbytes(n), dtype=torch.uint8)
+        for k, array in enumerate(self.arrays(state, n)):
+            array.copy_(fp32[k * n : (k + 1) * n])
+        return state
+
+    def unpack(self, state: torch.Tensor, n: int) -> torch.Tensor:
+        """A chunk's bytes kept in these dtypes as `[params | exp_avg | exp_avg_sq]` in fp32 (widened:
+        exact)."""
+        return torch.cat([array.float() for array in self.arrays(state, n)])
+
 
 FP32_STATE = StateDtypes()
 # An optimizer id of DeepSpeed's CPU Adam op for the start-up check, far above the ids DeepSpeedCPUAdam
@@ -76,17 +111,35 @@ def _address(t: torch.Tensor, n: int, what: str) -> int:
     return t.data_ptr()
 
 
+def _state_address(t: torch.Tensor, nbytes: int, what: str) -> int:
+    size = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or size != nbytes:
+        raise ValueError(
+            f"{what}: the fused update takes a state of {nbytes} contiguous bytes in CPU memory, not "
+            f"{size} on {t.device}{'' if t.is_contiguous() else ' (strided)'}"
+        )
+    return t.data_ptr()
+
+
 class FusedAdam:
     """DeepSpeed's update of one chunk as one pass of `kernel`, with `adamw` (DeepSpeed's `adamw_mode`) on
-    `threads` threads."""
+    `threads` threads, the state's values in `dtypes`, its chunks kept in `stored` (by default the same
+    dtypes; fp32 arrays may hold values of narrower ones)."""
 
     def __init__(
-        self, kernel: _core.AdamKernel, *, adamw: bool, threads: int, dtypes: StateDtypes = FP32_STATE
+        self,
+        kernel: _core.AdamKernel,
+        *,
+        adamw: bool,
+        threads: int,
+        dtypes: StateDtypes = FP32_STATE,
+        stored: StateDtypes | None = None,
     ) -> None:
         self.kernel = kernel
         self.adamw = adamw
         self.threads = threads
         self.dtypes = dtypes
+        self.stored = dtypes if stored is None else stored
 
     def update(
         self,
@@ -102,22 +155,24 @@ class FusedAdam:
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
         kept_state: torch.Tensor | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
-        """One chunk: `state` its `[params | exp_avg | exp_avg_sq]` (fp32), `grad` its half-precision (or
-        fp32) gradient before `grad_scale` (DeepSpeed's `1 / combined_scale`), `params` where the new
-        half-precision parameters go; `step` the Adam step after this update and `group` the chunk's param
-        group (lr, betas, eps, weight decay, bias correction), as DeepSpeed's CPU Adam takes them.
+        """One chunk: `state` its bytes (any dtype: `stored.arrays` lays them out), `grad` its
+        half-precision (or fp32) gradient before `grad_scale` (DeepSpeed's `1 / combined_scale`), `params`
+        where the new half-precision parameters go; `step` the Adam step after this update and `group`
+        the chunk's param group (lr, betas, eps, weight decay, bias correction), as DeepSpeed's CPU Adam
+        takes them.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
         (the store's stripe starts), where given. Given `kept_params`, the pass appends to it the
         parameters as they were before it wherever they were not the old weights narrowed, a block at a
-        time (its first element, its values), checked in the pass itself. Given `kept_state` (fp32, as
-        many elements as `state`), the pass copies the state there as it was before it, a block at a
+        time (its first element, its values), checked in the pass itself. Given `kept_state` (as many
+        bytes as `state`), the pass copies the state there as it was before it, a block at a
         time while the block is in the core's cache: the one copy of state kept nowhere else (a cached
         chunk's) that an undo needs, for one more write and no more reads."""
         n = grad.numel()
         beta1, beta2 = group["betas"]
+        nbytes = self.stored.nbytes(n)
         # The kernel runs without the GIL: the tensors are the caller's and outlive the call.
         read, write, kept = self.kernel.update(
-            _address(state, 3 * n, "state"),
+            _state_address(state, nbytes, "state"),
             _address(grad, n, "grad"),
             None if params is None else _address(params, n, "params"),
             count=n,
@@ -136,9 +191,11 @@ class FusedAdam:
             read_cuts=read_cuts,
             write_cuts=write_cuts,
             keep_params=kept_params is not None,
-            keep_state=None if kept_state is None else _address(kept_state, 3 * n, "kept_state"),
+            keep_state=None if kept_state is None else _state_address(kept_state, nbytes, "kept_state"),
             master_dtype=DTYPES[self.dtypes.master],
             moments_dtype=DTYPES[self.dtypes.moments],
+            stored_master_dtype=DTYPES[self.stored.master],
+            stored_moments_dtype=DTYPES[self.stored.moments],
         )
         if kept_params is not None and kept and params is not None:
             kept_params.extend(
@@ -282,16 +339,19 @@ def _first_difference(
     DeepSpeed's, or its checksums from the bytes', in words, or None when every bit agrees."""
     for call in calls:
         n = call.grad.numel()
-        state = call.state.clone()
+        # The state laid out as the job keeps it.
+        before = fused.stored.pack(call.state)
+        packed = before.clone()
         params = None if call.expected_params is None else torch.empty_like(call.expected_params)
         sums = fused.update(
-            state, call.grad, params, grad_scale=grad_scale, step=call.step, group=group,
+            packed, call.grad, params, grad_scale=grad_scale, step=call.step, group=group,
             read_cuts=[0], write_cuts=[0],
         )  # fmt: skip
-        for direction, crc, of in (("read", sums[0], call.state), ("written", sums[1], state)):
-            expected = _core.crc32c(of.view(torch.uint8).numpy())
+        for direction, crc, of in (("read", sums[0], before), ("written", sums[1], packed)):
+            expected = _core.crc32c(of.numpy())
             if crc != [expected]:
                 return f"the checksum of a {n}-element chunk as {direction} is {crc}, not [{expected}]"
+        state = fused.stored.unpack(packed, n)
         for name, ours, theirs in (
             ("params", state[:n], call.expected_state[:n]),
             ("exp_avg", state[n : 2 * n], call.expected_state[n : 2 * n]),
@@ -316,10 +376,12 @@ def self_check(
     simd: str = "auto",
     threads: int | None = None,
     dtypes: StateDtypes = FP32_STATE,
+    stored: StateDtypes | None = None,
 ) -> tuple[FusedAdam | None, str]:
     """The fused kernel that agrees with `optimizer`'s (a `DeepSpeedCPUAdam`) own kernel on this CPU, bit
     for bit, for every param group's settings, with `grad_dtype` gradients, `params_dtype` half-precision
-    parameters (None: none written) and the state in `dtypes`; or None and why not."""
+    parameters (None: none written) and the state in `dtypes`, its chunks kept in `stored` (None: in
+    `dtypes`); or None and why not."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     if not isinstance(optimizer, DeepSpeedCPUAdam):
@@ -357,7 +419,7 @@ def self_check(
     def fused(candidate: dict[str, Any], group: dict[str, Any]) -> FusedAdam:
         # A kernel of its own per group, as DeepSpeed's check optimizer was one per group.
         kernel = _core.AdamKernel(*group["betas"], simd=simd, **candidate)
-        return FusedAdam(kernel, adamw=adamw, threads=threads, dtypes=dtypes)
+        return FusedAdam(kernel, adamw=adamw, threads=threads, dtypes=dtypes, stored=stored)
 
     agreeing = []
     for candidate in candidates:
@@ -380,7 +442,7 @@ def self_check(
     # The job's kernel starts as DeepSpeed's optimizer object did, from its constructor's betas.
     kernel = _core.AdamKernel(*optimizer.defaults["betas"], simd=simd, **agreeing[0])
     return FusedAdam(
-        kernel, adamw=adamw, threads=threads, dtypes=dtypes
+        kernel, adamw=adamw, threads=threads, dtypes=dtypes, stored=stored
     ), f"agrees with DeepSpeed's CPU Adam ({agreeing[0]}{'' if dtypes.is_fp32 else f'; {dtypes}'})"
 
 
@@ -471,6 +533,7 @@ def choose_update_kernel(
     params_dtype: torch.dtype | None,
     threads: int | None = None,
     dtypes: StateDtypes = FP32_STATE,
+    stored: StateDtypes | None = None,
 ) -> tuple[FusedAdam | None, str]:
     """`update_kernel` ("auto", "fused", "deepspeed"): the fused kernel where it agrees with DeepSpeed's
     (see `self_check`), on `threads` threads (None: torch's), else None (DeepSpeed's passes), and why.
@@ -483,7 +546,9 @@ def choose_update_kernel(
         )
     if setting == "deepspeed":
         return None, "configured"
-    fused, why = self_check(optimizer, grad_dtype, params_dtype, threads=threads, dtypes=dtypes)
+    fused, why = self_check(
+        optimizer, grad_dtype, params_dtype, threads=threads, dtypes=dtypes, stored=stored
+    )
     if fused is None and (setting == "fused" or not dtypes.is_fp32):
         raise ValueError(
             f"mlp_offload.update_kernel: {setting!r}, but the fused kernel cannot be used: {why}"

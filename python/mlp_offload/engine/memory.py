@@ -9,7 +9,9 @@ from pathlib import Path
 
 import psutil
 
-# fp32 weights, exp_avg and exp_avg_sq per element; and the fp32 gradient of one chunk.
+# fp32 weights, exp_avg and exp_avg_sq per element (a state in half precision keeps fewer:
+# `fused_update.StateDtypes.bytes_per_element`, each function's `state_bytes`); and the fp32 gradient of
+# one chunk.
 STATE_TENSORS = 3
 STATE_BYTES = 4 * STATE_TENSORS
 GRAD_BYTES = 4
@@ -18,8 +20,23 @@ MARGIN_FRACTION = 0.15
 MARGIN_MIN = 2 << 30
 # Chunk lengths are multiples of this many elements: DeepSpeed's CPU Adam rounds its SIMD loop to 128
 # elements (AVX-512, span 8), so every chunk but a subgroup's last runs the vector path for every element,
-# as the whole subgroup would; and 12 bytes x 1024 keeps every chunk's object 4 KiB-aligned for O_DIRECT.
+# as the whole subgroup would; and 12 bytes x 1024 keeps every chunk's object 4 KiB-aligned for O_DIRECT
+# (`chunk_align`: twice as many for a state of 10 or 6 bytes).
 CHUNK_ALIGN = 1024
+PAGE_BYTES = 4096
+
+
+def chunk_align(state_bytes: int = STATE_BYTES) -> int:
+    """Elements a chunk's length is a multiple of: `CHUNK_ALIGN`'s, as many times as it takes for every
+    array of a state of `state_bytes` bytes per element to start and end on a 4 KiB page."""
+    # Every state but fp32's has a 2-byte array (6 = 2 + 2 + 2, 10 = 2 + 4 + 4).
+    smallest = 4 if state_bytes == STATE_BYTES else 2
+    align = CHUNK_ALIGN
+    while (align * smallest) % PAGE_BYTES or (align * state_bytes) % PAGE_BYTES:
+        align += CHUNK_ALIGN
+    return align
+
+
 # Chunks of at most 48 MiB of state (4 Mi elements): large enough to keep requests long, small enough
 # for a budget of a GiB to hold two dozen.
 MAX_CHUNK_ELEMENTS = 4 << 20
@@ -93,16 +110,19 @@ def spare_host_memory() -> SpareMemory:
     return SpareMemory(max(0, available - margin) // ranks, available, margin, ranks)
 
 
-def chunk_elements(largest: int, budget: int, requested_bytes: int | None) -> int:
-    """Elements per chunk: `requested_bytes` of state, else as large as `MAX_CHUNK_ELEMENTS` while the
-    budget still holds `TARGET_BUFFERS` of them; a multiple of `CHUNK_ALIGN`, never past the largest
-    subgroup (rounded up)."""
-    ceiling = -(-largest // CHUNK_ALIGN) * CHUNK_ALIGN
+def chunk_elements(
+    largest: int, budget: int, requested_bytes: int | None, state_bytes: int = STATE_BYTES
+) -> int:
+    """Elements per chunk: `requested_bytes` of state (`state_bytes` a parameter), else as large as
+    `MAX_CHUNK_ELEMENTS` while the budget still holds `TARGET_BUFFERS` of them; a multiple of
+    `chunk_align`, never past the largest subgroup (rounded up)."""
+    align = chunk_align(state_bytes)
+    ceiling = -(-largest // align) * align
     if requested_bytes is not None:
-        wanted = requested_bytes // STATE_BYTES
+        wanted = requested_bytes // state_bytes
     else:
-        wanted = min(MAX_CHUNK_ELEMENTS, budget // (STATE_BYTES * TARGET_BUFFERS))
-    return min(ceiling, max(CHUNK_ALIGN, wanted // CHUNK_ALIGN * CHUNK_ALIGN))
+        wanted = min(MAX_CHUNK_ELEMENTS, budget // (state_bytes * TARGET_BUFFERS))
+    return min(ceiling, max(align, wanted // align * align))
 
 
 @dataclass(frozen=True)
@@ -116,67 +136,77 @@ class ChunkLayout:
     of one size (its last may be shorter)."""
     buffers: int
     """Chunk buffers the budget holds besides the gradient chunk (may be 0: too small a budget)."""
+    state_bytes: int = STATE_BYTES
+    """Bytes of state per element (`fused_update.StateDtypes.bytes_per_element`)."""
 
     @property
     def buffer_bytes(self) -> int:
-        return STATE_BYTES * self.elements
+        return self.state_bytes * self.elements
 
     @property
     def sizes(self) -> list[int]:
-        return [STATE_BYTES * count for _, _, count in self.chunks]
+        return [self.state_bytes * count for _, _, count in self.chunks]
 
     def require_a_buffer(self, host_memory: int) -> None:
         """A `ValueError` naming `host_memory` when the budget holds no chunk beside its gradient."""
         if self.buffers < 1:
             raise ValueError(
                 f"host_memory: {host_memory:,} bytes hold no chunk: one needs {self.buffer_bytes:,} bytes of "
-                f"fp32 state ({self.elements:,} elements x {STATE_BYTES}) plus "
+                f"state ({self.elements:,} elements x {self.state_bytes}) plus "
                 f"{GRAD_BYTES * self.elements:,} for its fp32 gradient"
             )
 
 
-def chunk_layout(numels: Sequence[int], host_memory: int, update_chunk: int | None = None) -> ChunkLayout:
+def chunk_layout(
+    numels: Sequence[int],
+    host_memory: int,
+    update_chunk: int | None = None,
+    state_bytes: int = STATE_BYTES,
+) -> ChunkLayout:
     """How subgroups of `numels` elements stream through `host_memory` bytes (`update_chunk`: bytes of
-    state per chunk, else `chunk_elements`' choice; the largest chunks when the budget caches them all)."""
-    largest = _largest_elements(numels, update_chunk)
-    if host_memory >= _cached_bytes(numels, largest):
+    state per chunk, else `chunk_elements`' choice; the largest chunks when the budget caches them all),
+    a state of `state_bytes` bytes per element."""
+    largest = _largest_elements(numels, update_chunk, state_bytes)
+    if host_memory >= _cached_bytes(numels, largest, state_bytes):
         c = largest
     else:
-        c = chunk_elements(max(numels), host_memory, update_chunk)
-    elements, chunks = _cut(numels, c)
-    return ChunkLayout(
-        elements, chunks, max(0, (host_memory - GRAD_BYTES * elements) // (STATE_BYTES * elements))
-    )
+        c = chunk_elements(max(numels), host_memory, update_chunk, state_bytes)
+    elements, chunks = _cut(numels, c, chunk_align(state_bytes))
+    buffers = max(0, (host_memory - GRAD_BYTES * elements) // (state_bytes * elements))
+    return ChunkLayout(elements, chunks, buffers, state_bytes)
 
 
-def _cut(numels: Sequence[int], most: int) -> tuple[int, list[tuple[int, int, int]]]:
+def _cut(numels: Sequence[int], most: int, align: int) -> tuple[int, list[tuple[int, int, int]]]:
     """Each subgroup cut into as few chunks of at most `most` elements as it takes, of even size (rounded
     up to the alignment): the buffer's elements (the largest chunk) and the chunks. Cut at `most` itself,
     a subgroup of 4.77 chunks ended in a chunk of 0.77 with a whole buffer of its own: 5% of the memory
     at LLaMA 1B's 2e7-element subgroups, and a budget's last chunk of 1280 elements read and written as
     one request."""
-    elements, chunks = CHUNK_ALIGN, []
+    elements, chunks = align, []
     for i, n in enumerate(numels):
         pieces = max(1, -(-n // most))
-        size = max(1, -(-n // (pieces * CHUNK_ALIGN))) * CHUNK_ALIGN  # an empty subgroup has no chunk
+        size = max(1, -(-n // (pieces * align))) * align  # an empty subgroup has no chunk
         elements = max(elements, size)
         chunks += [(i, first, min(size, n - first)) for first in range(0, n, size)]
     return elements, chunks
 
 
-def _largest_elements(numels: Sequence[int], update_chunk: int | None) -> int:
+def _largest_elements(numels: Sequence[int], update_chunk: int | None, state_bytes: int) -> int:
     """Elements per chunk with no budget to fit: what `update_chunk` asks for, else the largest chunk."""
-    return chunk_elements(max(numels), 1 << 62, update_chunk)
+    return chunk_elements(max(numels), 1 << 62, update_chunk, state_bytes)
 
 
-def _cached_bytes(numels: Sequence[int], most: int) -> int:
-    elements, chunks = _cut(numels, most)
-    return len(chunks) * STATE_BYTES * elements + GRAD_BYTES * elements
+def _cached_bytes(numels: Sequence[int], most: int, state_bytes: int) -> int:
+    elements, chunks = _cut(numels, most, chunk_align(state_bytes))
+    return len(chunks) * state_bytes * elements + GRAD_BYTES * elements
 
 
-def whole_state_bytes(numels: Sequence[int], update_chunk: int | None = None) -> int:
-    """The budget that caches every chunk, of the largest size `update_chunk` allows, with its gradient."""
-    return _cached_bytes(numels, _largest_elements(numels, update_chunk))
+def whole_state_bytes(
+    numels: Sequence[int], update_chunk: int | None = None, state_bytes: int = STATE_BYTES
+) -> int:
+    """The budget that caches every chunk, of the largest size `update_chunk` allows, with its gradient
+    (a state of `state_bytes` bytes per element)."""
+    return _cached_bytes(numels, _largest_elements(numels, update_chunk, state_bytes), state_bytes)
 
 
 # Buffers the stream needs besides a cache of a fixed size (`cache_chunks`), and the most worth allocating

@@ -32,11 +32,16 @@ PREDICTION_STEPS = 3
 
 
 def host_memory_budget(
-    config: MLPOffloadConfig, numels: Sequence[int], buffer_count: int, master_bytes: int = 4
+    config: MLPOffloadConfig,
+    numels: Sequence[int],
+    buffer_count: int,
+    master_bytes: int = 4,
+    state_bytes: int = memory.STATE_BYTES,
 ) -> tuple[int, str]:
     """The host memory for the state, and how it was chosen (see `MLPOffloadConfig.host_memory`):
     `buffer_count` is DeepSpeed's `offload_optimizer.buffer_count`, `master_bytes` the size of its master
-    weights' elements (2 where they are in half precision), which its NVMe offload's buffers hold."""
+    weights' elements (2 where they are in half precision), which its NVMe offload's buffers hold;
+    `state_bytes` the state's bytes per element."""
     deepspeed_budget = buffer_count * max(numels) * master_bytes
     if config.host_memory == "deepspeed":
         return deepspeed_budget, f"DeepSpeed's pinned budget ({buffer_count} buffers)"
@@ -44,7 +49,7 @@ def host_memory_budget(
         return int(config.host_memory), "configured"
     spare = memory.spare_host_memory()
     # Never more than caching the whole state takes, never less than what DeepSpeed would pin.
-    need = memory.whole_state_bytes(numels, update_chunk(config))
+    need = memory.whole_state_bytes(numels, update_chunk(config), state_bytes)
     budget = min(need, max(spare.bytes, deepspeed_budget))
     return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
 

@@ -1,7 +1,8 @@
 """Where the optimizer state lives: each subgroup's elements cut into chunks, one store object per chunk
-(`[params | exp_avg | exp_avg_sq]` in fp32), streamed through a `ChunkPipeline`; and the copies between a
-whole subgroup's `[params | exp_avg | exp_avg_sq]` and its chunks, for what needs a subgroup at once
-(checkpoints, DeepSpeed's `safe_get/set_*` helpers)."""
+(its params, exp_avg and exp_avg_sq in the dtypes DeepSpeed keeps them in, `StateDtypes.arrays`),
+streamed through a `ChunkPipeline`; and the copies between a whole subgroup's `[params | exp_avg |
+exp_avg_sq]` in fp32 (widened: exact) and its chunks, for what needs a subgroup at once (checkpoints,
+DeepSpeed's `safe_get/set_*` helpers)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from mlp_offload.engine import memory
+from mlp_offload.engine.fused_update import FP32_STATE, StateDtypes
 from mlp_offload.engine.pipeline import ChunkPipeline
 from mlp_offload.engine.store import ObjectStore
 
@@ -36,7 +38,7 @@ class ChunkedState:
     `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
     buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order;
     `shadow_slots`: the store gives every object two slots; `kept_copies`: see `ChunkPipeline` (every
-    chunk cached).
+    chunk cached); `stored`: the dtypes each chunk keeps its arrays in (`layout.state_bytes` of them).
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -52,8 +54,15 @@ class ChunkedState:
         ascending: bool = False,
         shadow_slots: bool = False,
         kept_copies: int = 0,
+        stored: StateDtypes = FP32_STATE,
     ) -> None:
+        if layout.state_bytes != stored.bytes_per_element:
+            raise ValueError(
+                f"a layout of {layout.state_bytes} bytes per element for a state kept in {stored} "
+                f"({stored.bytes_per_element})"
+            )
         self.store = store
+        self.stored = stored
         self.numels = list(numels)
         self.layout = layout
         # Chunk -> (subgroup, first element, elements); chunks of one subgroup are adjacent.
@@ -107,14 +116,16 @@ class ChunkedState:
                 self.store.delete(key)
 
     def initialize(self, half_precision: Callable[[int], torch.Tensor]) -> None:
-        """Writes every chunk's first state: the fp32 copy of its part of `half_precision(subgroup)`
-        (an exact widening, as DeepSpeed's `.to(float32)`), zero moments."""
+        """Writes every chunk's first state: its part of `half_precision(subgroup)` in the master weights'
+        dtype (as DeepSpeed's `.to(master dtype)`: exact from half precision to fp32 or the same dtype),
+        zero moments."""
 
         def fill(chunk: int, state_bytes: torch.Tensor) -> None:
             i, first, count = self.chunks[chunk]
-            state = state_bytes.view(FP32)
-            state[:count].copy_(half_precision(i)[first : first + count])
-            state[count:].zero_()
+            params, exp_avg, exp_avg_sq = self.stored.arrays(state_bytes, count)
+            params.copy_(half_precision(i)[first : first + count])
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
 
         self.pipeline.initialize(fill)
 
@@ -189,52 +200,54 @@ class ChunkedState:
         return [slice(k * n + first, k * n + first + count) for k in range(STATE_TENSORS)]
 
     def _scratch(self) -> torch.Tensor:
-        return torch.empty(STATE_TENSORS * self.layout.elements, dtype=FP32)
+        return torch.empty(self.layout.buffer_bytes, dtype=torch.uint8)
 
     def current_params(self, chunk: int) -> torch.Tensor:
-        """The chunk's current fp32 weights: its host copy's, else read from the store."""
-        return self._current(chunk, self._scratch())[: self.chunks[chunk][2]]
+        """A copy of the chunk's current master weights (in their dtype): its host copy's, else read from
+        the store."""
+        count = self.chunks[chunk][2]
+        return self.stored.arrays(self._current(chunk, self._scratch()), count)[0].clone()
 
     def _current(self, chunk: int, scratch: torch.Tensor) -> torch.Tensor:
-        """The chunk's newest `[params | exp_avg | exp_avg_sq]` (fp32): the pipeline's host copy where
-        it has one (edits to it are edits to that copy), else read from the store into `scratch`."""
+        """The chunk's newest bytes: the pipeline's host copy where it has one (edits to it are edits to
+        that copy), else read from the store into `scratch`."""
         found = self.pipeline.in_memory(chunk)
         if found is not None:
-            return found[0].view(FP32)
-        chunk_state = scratch[: STATE_TENSORS * self.chunks[chunk][2]]
+            return found[0]
+        chunk_state = scratch[: self.layout.sizes[chunk]]
         self.store.read(self.keys[chunk], chunk_state).wait()
         return chunk_state
 
     def gather(self, subgroup: int) -> torch.Tensor:
-        """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]`: per chunk, the
-        pipeline's host copy where it has one, else the store's."""
+        """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]` (widened: exact):
+        per chunk, the pipeline's host copy where it has one, else the store's."""
         state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
-            count = self.chunks[chunk][2]
-            chunk_state = self._current(chunk, scratch)
-            for k, part in enumerate(self._slices(chunk)):
-                state[part].copy_(chunk_state[k * count : (k + 1) * count])
+            arrays = self.stored.arrays(self._current(chunk, scratch), self.chunks[chunk][2])
+            for part, array in zip(self._slices(chunk), arrays, strict=True):
+                state[part].copy_(array)
         return state
 
     def set_params(self, subgroup: int, values: torch.Tensor) -> None:
-        """Makes `values` (the subgroup's elements, any float dtype, widened exactly) its fp32 weights,
-        chunk by chunk; the moments stay."""
+        """Makes `values` (the subgroup's elements, any float dtype) its master weights, chunk by chunk,
+        as DeepSpeed's copy into its master weights converts them; the moments stay."""
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             _, first, count = self.chunks[chunk]
             chunk_state = self._current(chunk, scratch)
-            chunk_state[:count].copy_(values[first : first + count])
+            self.stored.arrays(chunk_state, count)[0].copy_(values[first : first + count])
             # Written back too where the host copy was edited in place (a retained chunk's store copy).
-            self.pipeline.replace(chunk, chunk_state.view(torch.uint8))
+            self.pipeline.replace(chunk, chunk_state)
 
     def scatter(self, subgroup: int, state: torch.Tensor) -> None:
-        """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32) current, chunk by chunk: in the
-        pipeline's host copy where it has one, and in the store."""
+        """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32, values of the dtypes the chunks
+        keep: exact) current, chunk by chunk: in the pipeline's host copy where it has one, and in the
+        store."""
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
-            count = self.chunks[chunk][2]
-            chunk_state = scratch[: STATE_TENSORS * count]
-            for k, part in enumerate(self._slices(chunk)):
-                chunk_state[k * count : (k + 1) * count].copy_(state[part])
-            self.pipeline.replace(chunk, chunk_state.view(torch.uint8))
+            chunk_state = scratch[: self.layout.sizes[chunk]]
+            arrays = self.stored.arrays(chunk_state, self.chunks[chunk][2])
+            for part, array in zip(self._slices(chunk), arrays, strict=True):
+                array.copy_(state[part])
+            self.pipeline.replace(chunk, chunk_state)

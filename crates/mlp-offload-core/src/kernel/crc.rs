@@ -28,13 +28,11 @@ pub(super) struct Piece {
     digest: crc_fast::Digest,
 }
 
-/// The pieces of one thread's range of the state, per array, cut at `cuts`.
-pub(super) fn pieces(cuts: &[u64], n: usize, first: usize, len: usize) -> [Vec<Piece>; 3] {
+/// The pieces of one thread's range of the state, per array (its bytes from `starts[a]` on, `bytes[a]`
+/// of them), cut at `cuts`.
+pub(super) fn pieces(cuts: &[u64], starts: [usize; 3], bytes: [usize; 3]) -> [Vec<Piece>; 3] {
     std::array::from_fn(|a| {
-        let (lo, hi) = (
-            (a * 4 * n + 4 * first) as u64,
-            (a * 4 * n + 4 * (first + len)) as u64,
-        );
+        let (lo, hi) = (starts[a] as u64, (starts[a] + bytes[a]) as u64);
         let mut bounds: Vec<u64> = cuts.iter().copied().filter(|&c| c > lo && c < hi).collect();
         bounds.insert(0, lo);
         bounds.push(hi);
@@ -62,11 +60,6 @@ fn hash(pieces: &mut [Piece], at: u64, bytes: &[u8]) {
             .update(&bytes[(from - at) as usize..(to - at) as usize]);
         piece.digested += to - from;
     }
-}
-
-pub(super) fn as_bytes(x: &[f32]) -> &[u8] {
-    // SAFETY: any f32 is four initialised bytes; the view lives no longer than `x`.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
 }
 
 /// Each stripe's CRC32C from the pieces (together covering every byte once): combined in order.
@@ -285,11 +278,11 @@ pub(super) fn hash_block<G: Elem, P: Elem>(
     b1: usize,
 ) {
     if let Some(pieces) = &mut part.sums[d] {
-        for (a, x) in [&*part.p, &*part.m, &*part.v].into_iter().enumerate() {
+        for (a, x) in [&part.p, &part.m, &part.v].into_iter().enumerate() {
             hash(
                 &mut pieces[a],
-                (part.offsets[a] + 4 * b0) as u64,
-                as_bytes(&x[b0..b1]),
+                (part.offsets[a] + part.sizes[a] * b0) as u64,
+                x.bytes(b0, b1),
             );
         }
     }

@@ -41,6 +41,7 @@ pub mod dispatch;
 pub mod elem;
 pub mod pass;
 pub mod pool;
+pub mod state;
 pub mod witness;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -51,7 +52,8 @@ pub use adam::{
 };
 pub use dispatch::Simd;
 pub use elem::{Bf16, Elem, Kind, StateKinds, F16};
-pub use pass::{narrows_to, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
+pub use pass::{narrows_to, stored_kinds, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
+pub use state::{fp32_arrays, Array, Arrays};
 pub use witness::{witness, Witness};
 
 #[cfg(test)]

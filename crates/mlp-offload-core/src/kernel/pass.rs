@@ -8,27 +8,37 @@ use super::crc::{fold_splits, run_part_folding};
 use super::dispatch::Simd;
 use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
 use super::pool::run_on_workers;
+use super::state::{Array, Arrays};
 #[cfg(target_arch = "x86_64")]
 use super::x86;
 use crate::error::{Error, Result};
 
-/// One chunk's memory for a fused update: `state` is `[params | exp_avg | exp_avg_sq]` (fp32, `3 n`),
-/// `grad` the chunk's gradient (`n`), `params` where the new half-precision parameters go (`n`), if
-/// anywhere; `kinds` the dtypes DeepSpeed keeps the state in, to which each value of `state` is rounded.
+/// One chunk's memory for a fused update: `state` its master weights, `exp_avg` and `exp_avg_sq` (`n`
+/// each, in the dtypes they are kept in: `kinds`' own, or fp32 holding values of `kinds`), `grad` the
+/// chunk's gradient (`n`), `params` where the new half-precision parameters go (`n`), if anywhere;
+/// `kinds` the dtypes DeepSpeed keeps the state in, to which each value of `state` is rounded.
 pub struct Chunk<'a, G: Elem, P: Elem> {
-    pub state: &'a mut [f32],
+    pub state: Arrays<'a>,
     pub grad: &'a [G],
     pub params: Option<&'a mut [P]>,
     /// Keep the parameters as they were before the pass wherever they are not the old weights
     /// narrowed ([`ChunkSums::kept_params`]), so that an update that is undone can give them back
     /// (the old weights alone give back the rest). Needs `params`.
     pub keep_params: bool,
-    /// Where the state as it was before the pass goes (`3 n` fp32, laid out as `state`), copied a block
+    /// Where the state as it was before the pass goes (arrays as `state`'s), copied a block
     /// at a time in the pass itself, while the block is in the core's cache for its update: an update
     /// of state kept nowhere else (a chunk cached in host memory) that may be undone gives it back from
     /// here, at the cost of this write alone (no second read of the state).
-    pub keep_state: Option<&'a mut [f32]>,
+    pub keep_state: Option<Arrays<'a>>,
     pub kinds: StateKinds,
+}
+
+/// The dtypes `arrays` keep the master weights and the moments in (`exp_avg`'s).
+pub fn stored_kinds(arrays: &Arrays<'_>) -> StateKinds {
+    StateKinds {
+        master: arrays[0].kind(),
+        moments: arrays[1].kind(),
+    }
 }
 
 /// Elements per thread's share are a multiple of this: whole cache lines of every array, so no two
@@ -40,7 +50,7 @@ const SHARE_ALIGN: usize = 64;
 /// every SIMD width.
 pub(super) const BLOCK: usize = 8192;
 
-/// Where to cut the checksums of a chunk's state (`[params | exp_avg | exp_avg_sq]`, `12 n` bytes), as
+/// Where to cut the checksums of a chunk's state (its bytes as [`StateKinds::layout`] lays them out), as
 /// the store cuts the object into stripes: each stripe's first byte, ascending from 0 (the store's
 /// `read_check().starts()` for the state as read, `write_cuts()` for it as written). `None`: not summed.
 #[derive(Clone, Copy, Debug, Default)]
@@ -170,16 +180,7 @@ fn check_chunk<G: Elem, P: Elem>(
     cuts: Cuts<'_>,
 ) -> Result<()> {
     let n = chunk.grad.len();
-    if chunk.state.len() != 3 * n {
-        return Err(Error::config(
-            "state",
-            format!(
-                "{} fp32 elements for a gradient of {n}: [params | exp_avg | exp_avg_sq] needs {}",
-                chunk.state.len(),
-                3 * n
-            ),
-        ));
-    }
+    check_arrays("state", &chunk.state, n)?;
     if let Some(params) = &chunk.params {
         if params.len() != n {
             return Err(Error::config(
@@ -194,11 +195,16 @@ fn check_chunk<G: Elem, P: Elem>(
             "keeps the parameters before the pass, and no params were given",
         ));
     }
+    let stored = stored_kinds(&chunk.state);
     if let Some(kept) = &chunk.keep_state {
-        if kept.len() != 3 * n {
+        check_arrays("keep_state", kept, n)?;
+        if stored_kinds(kept) != stored {
             return Err(Error::config(
                 "keep_state",
-                format!("{} fp32 elements to keep a state of {}", kept.len(), 3 * n),
+                format!(
+                    "{:?} arrays to keep a state in {stored:?}",
+                    stored_kinds(kept)
+                ),
             ));
         }
     }
@@ -208,11 +214,34 @@ fn check_chunk<G: Elem, P: Elem>(
     chunk
         .kinds
         .check(G::KIND, chunk.params.as_ref().map(|_| P::KIND))?;
-    let total = 12 * n as u64;
+    chunk.kinds.check_stored(stored)?;
+    let total = stored.layout(n).1 as u64;
     for (name, c) in [("read_cuts", cuts.read), ("write_cuts", cuts.write)] {
         if let Some(c) = c {
             check_cuts(name, c, total)?;
         }
+    }
+    Ok(())
+}
+
+/// Arrays of `n` elements each, the moments of one dtype: an error naming `name` otherwise.
+fn check_arrays(name: &str, arrays: &Arrays<'_>, n: usize) -> Result<()> {
+    let lens = arrays.each_ref().map(Array::len);
+    if lens != [n; 3] {
+        return Err(Error::config(
+            name,
+            format!("{lens:?} elements for a gradient of {n}: params, exp_avg and exp_avg_sq need {n} each"),
+        ));
+    }
+    if arrays[1].kind() != arrays[2].kind() {
+        return Err(Error::config(
+            name,
+            format!(
+                "exp_avg in {:?}, exp_avg_sq in {:?}: the moments are of one dtype",
+                arrays[1].kind(),
+                arrays[2].kind()
+            ),
+        ));
     }
     Ok(())
 }
@@ -227,8 +256,14 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     cuts: Cuts<'_>,
 ) -> Vec<Part<'a, G, P>> {
     let n = chunk.grad.len();
-    let (p, rest) = chunk.state.split_at_mut(n);
-    let (m, v) = rest.split_at_mut(n);
+    let stored = stored_kinds(&chunk.state);
+    let (starts, _) = stored.layout(n);
+    let sizes = [
+        stored.master.size(),
+        stored.moments.size(),
+        stored.moments.size(),
+    ];
+    let [p, m, v] = chunk.state;
     // Elements below `body` get DeepSpeed's vector arithmetic, the rest its scalar loop's (every one for
     // a build without SIMD, width 1).
     let body = if vector_width > 1 {
@@ -241,11 +276,7 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     let mut parts = Vec::with_capacity(threads);
     let (mut p, mut m, mut v, mut g) = (p, m, v, chunk.grad);
     let mut out = chunk.params;
-    let mut keep = chunk.keep_state.map(|kept| {
-        let (kp, rest) = kept.split_at_mut(n);
-        let (km, kv) = rest.split_at_mut(n);
-        [kp, km, kv]
-    });
+    let mut keep = chunk.keep_state;
     let mut first = 0;
     while first < n {
         let len = if parts.len() + 1 == threads {
@@ -274,7 +305,9 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
         });
         // Of this part, how much lies below `body` (vector arithmetic).
         let vector = body.saturating_sub(first).min(len);
-        let sums = [cuts.read, cuts.write].map(|c| c.map(|c| pieces(c, n, first, len)));
+        let offsets = [0, 1, 2].map(|a| starts[a] + sizes[a] * first);
+        let sums =
+            [cuts.read, cuts.write].map(|c| c.map(|c| pieces(c, offsets, sizes.map(|s| s * len))));
         parts.push(Part {
             p: p0,
             m: m0,
@@ -282,7 +315,9 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
             g: g0,
             o: o0,
             vector,
-            offsets: [4 * first, 4 * (n + first), 4 * (2 * n + first)],
+            first,
+            offsets,
+            sizes,
             sums,
             kept: chunk.keep_params.then(Vec::new),
             kept_state: ks,
@@ -294,17 +329,18 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     parts
 }
 
-/// [`update`] over raw memory: `state` holds `3 count` fp32 elements (in `kinds`' dtypes,
-/// [`Chunk::kinds`]), `grad` `count` of its kind, `params` (if given) `count` of its kind, kept where
-/// they are not the weights narrowed with `keep_params` ([`Chunk::keep_params`]). Misaligned addresses
-/// are an error naming the array.
+/// [`update`] over raw memory: `state` holds a state of `count` elements in the dtypes it names, laid
+/// out as [`StateKinds::layout`] says (its values in `kinds`' dtypes, [`Chunk::kinds`]), `keep_state`
+/// (if given) room for as many bytes, `grad` `count` elements of its kind, `params` (if given) `count`
+/// of its kind, kept where they are not the weights narrowed with `keep_params`
+/// ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
 ///
 /// # Safety
 /// Every address must point to live memory of that many elements, which nothing else reads or writes
 /// until this returns, and no two ranges may overlap.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn update_at(
-    state: usize,
+    state: (usize, StateKinds),
     grad: (usize, Kind),
     params: Option<(usize, Kind)>,
     keep_params: bool,
@@ -318,10 +354,18 @@ pub unsafe fn update_at(
     threads: usize,
     cuts: Cuts<'_>,
 ) -> Result<ChunkSums> {
-    for (name, address, kind) in [("state", state, Kind::F32), ("grad", grad.0, grad.1)]
+    let (state, stored) = state;
+    // Every array starts aligned for its elements where the state does for its widest
+    // (`StateKinds::layout`).
+    let widest = if stored.master.size() >= stored.moments.size() {
+        stored.master
+    } else {
+        stored.moments
+    };
+    for (name, address, kind) in [("state", state, widest), ("grad", grad.0, grad.1)]
         .into_iter()
         .chain(params.map(|(a, kind)| ("params", a, kind)))
-        .chain(keep_state.map(|a| ("keep_state", a, Kind::F32)))
+        .chain(keep_state.map(|a| ("keep_state", a, widest)))
     {
         if address == 0 || address % kind.size() != 0 {
             return Err(Error::config(
@@ -331,9 +375,9 @@ pub unsafe fn update_at(
         }
     }
     // SAFETY: the caller's promise, and the alignment checked above.
-    let state = unsafe { std::slice::from_raw_parts_mut(state as *mut f32, 3 * count) };
+    let state = unsafe { arrays_at(state, stored, count) };
     // SAFETY: as above.
-    let keep_state = keep_state.map(|a| unsafe { slice_mut::<f32>(a, 3 * count) });
+    let keep_state = keep_state.map(|a| unsafe { arrays_at(a, stored, count) });
     // SAFETY: as above.
     unsafe {
         match grad.1 {
@@ -386,6 +430,28 @@ pub unsafe fn update_at(
     }
 }
 
+/// The arrays of a state of `count` elements in `stored`'s dtypes at `address`.
+///
+/// # Safety
+/// As [`update_at`]: the state's bytes ([`StateKinds::layout`]) live at `address`, aligned for its
+/// widest elements, used by nothing else.
+unsafe fn arrays_at<'a>(address: usize, stored: StateKinds, count: usize) -> Arrays<'a> {
+    let (starts, _) = stored.layout(count);
+    let kinds = [stored.master, stored.moments, stored.moments];
+    std::array::from_fn(|a| {
+        let at = address + starts[a];
+        // SAFETY: the caller's promise; each array starts at a multiple of its element's size
+        // (`StateKinds::layout`), and the three do not overlap.
+        unsafe {
+            match kinds[a] {
+                Kind::F32 => Array::F32(slice_mut(at, count)),
+                Kind::Bf16 => Array::Bf16(slice_mut(at, count)),
+                Kind::F16 => Array::F16(slice_mut(at, count)),
+            }
+        }
+    })
+}
+
 /// # Safety
 /// As [`update_at`]: `count` live, aligned elements of `T` at `address`.
 unsafe fn slice<'a, T>(address: usize, count: usize) -> &'a [T] {
@@ -404,11 +470,11 @@ unsafe fn slice_mut<'a, T>(address: usize, count: usize) -> &'a mut [T] {
 /// As [`update_at`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn update_with_params<G: Elem>(
-    state: &mut [f32],
+    state: Arrays<'_>,
     grad: &[G],
     params: Option<(usize, Kind)>,
     keep_params: bool,
-    keep_state: Option<&mut [f32]>,
+    keep_state: Option<Arrays<'_>>,
     kinds: StateKinds,
     count: usize,
     grad_scale: f32,
@@ -493,21 +559,24 @@ unsafe fn update_with_params<G: Elem>(
 pub(super) type Hashed = [Option<Vec<(u64, u64, u32)>>; 2];
 
 /// One thread's range of a chunk: its arrays, how many of its first elements take the vector
-/// arithmetic, each array's first byte in the state, and its checksum pieces (as read, as written).
+/// arithmetic, its first element in the chunk, each array's first byte in the state and bytes per
+/// element, and its checksum pieces (as read, as written).
 pub(super) struct Part<'a, G, P> {
-    pub(super) p: &'a mut [f32],
-    pub(super) m: &'a mut [f32],
-    pub(super) v: &'a mut [f32],
+    pub(super) p: Array<'a>,
+    pub(super) m: Array<'a>,
+    pub(super) v: Array<'a>,
     pub(super) g: &'a [G],
     pub(super) o: Option<&'a mut [P]>,
     pub(super) vector: usize,
+    pub(super) first: usize,
     pub(super) offsets: [usize; 3],
+    pub(super) sizes: [usize; 3],
     pub(super) sums: [Option<[Vec<Piece>; 3]>; 2],
     /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
     pub(super) kept: Option<Vec<KeptParams>>,
     /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
     /// exp_avg and exp_avg_sq.
-    pub(super) kept_state: Option<[&'a mut [f32]; 3]>,
+    pub(super) kept_state: Option<Arrays<'a>>,
     pub(super) kinds: StateKinds,
 }
 
@@ -516,9 +585,13 @@ impl<G: Elem, P: Elem> Part<'_, G, P> {
     #[cfg(target_arch = "x86_64")]
     pub(super) fn lanes(&mut self, b0: usize, b1: usize) -> x86::Lanes {
         x86::Lanes {
-            p: self.p[b0..b1].as_mut_ptr(),
-            m: self.m[b0..b1].as_mut_ptr(),
-            v: self.v[b0..b1].as_mut_ptr(),
+            p: self.p.ptr_at(b0),
+            m: self.m.ptr_at(b0),
+            v: self.v.ptr_at(b0),
+            stored: StateKinds {
+                master: self.p.kind(),
+                moments: self.m.kind(),
+            },
             g: (G::KIND, self.g[b0..b1].as_ptr().cast()),
             o: self
                 .o
@@ -566,8 +639,8 @@ pub(super) fn keep_block<G: Elem, P: Elem>(
     simd: Simd,
 ) {
     if let Some(to) = part.kept_state.as_mut() {
-        for (to, from) in to.iter_mut().zip([&*part.p, &*part.m, &*part.v]) {
-            let (to, from) = (&mut to[b0..b1], &from[b0..b1]);
+        for (to, from) in to.iter_mut().zip([&part.p, &part.m, &part.v]) {
+            let (to, from) = (to.bytes_mut(b0, b1), from.bytes(b0, b1));
             #[cfg(target_arch = "x86_64")]
             if simd != Simd::Scalar {
                 // SAFETY: every SIMD but the scalar one needs AVX (`Simd::available`).
@@ -580,11 +653,20 @@ pub(super) fn keep_block<G: Elem, P: Elem>(
     let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
         return;
     };
-    if !narrows_to(&part.p[b0..b1], &o[b0..b1], simd) {
+    if !params_are_weights(&part.p, &o[b0..b1], b0, simd) {
         kept.push(KeptParams {
-            first: part.offsets[0] / 4 + b0,
+            first: part.first + b0,
             bytes: elem_bytes(&o[b0..b1]),
         });
+    }
+}
+
+/// Whether `params` are elements `b0..` of the master weights `p` as the pass writes them: the fp32
+/// weights narrowed ([`narrows_to`]), or the half-precision weights' own bits.
+fn params_are_weights<P: Elem>(p: &Array<'_>, params: &[P], b0: usize, simd: Simd) -> bool {
+    match p {
+        Array::F32(p) => narrows_to(&p[b0..b0 + params.len()], params, simd),
+        half => half.bytes(b0, b0 + params.len()) == elem_bytes(params).as_slice(),
     }
 }
 
@@ -630,7 +712,7 @@ pub(super) fn run_block<G: Elem, P: Elem>(
             }
         }
     }
-    let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
+    let (p, m, v, g) = (part.p.f32s(), part.m.f32s(), part.v.f32s(), part.g);
     for i in simd_end..b1 {
         let how = if i < part.vector {
             TailFma::VECTOR
@@ -737,16 +819,18 @@ fn rounded_run<G: Elem, P: Elem, W: Elem, S: Elem>(
     k: &AdamConstants,
     how: TailFma,
 ) {
-    let (p, m, v, g) = (&mut *part.p, &mut *part.m, &mut *part.v, part.g);
+    let (p, m, v, g) = (&mut part.p, &mut part.m, &mut part.v, part.g);
     let mut o = part.o.as_deref_mut();
     for i in from..to {
         let (master, exp_avg, exp_avg_sq) =
-            rounded_element::<G, W, S>(p[i], m[i], v[i], g[i], grad_scale, k, how);
-        (p[i], m[i], v[i]) = (master.widen(), exp_avg.widen(), exp_avg_sq.widen());
+            rounded_element::<G, W, S>(p.get(i), m.get(i), v.get(i), g[i], grad_scale, k, how);
+        p.set(i, master);
+        m.set(i, exp_avg);
+        v.set(i, exp_avg_sq);
         if let Some(o) = o.as_deref_mut() {
             // The master weights' own bits (`StateKinds::check`: the same dtype), as DeepSpeed's copy
             // of them into its partition leaves them: exact.
-            o[i] = P::narrow_as_cpu_adam(p[i]);
+            o[i] = P::narrow_as_cpu_adam(master.widen());
         }
     }
 }

@@ -1,8 +1,14 @@
-use super::crc::as_bytes;
 use super::pass::{elem_bytes, BLOCK};
 use super::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+fn as_bytes(x: &[f32]) -> &[u8] {
+    Array::F32(&mut x.to_vec())
+        .bytes(0, x.len())
+        .to_vec()
+        .leak()
+}
 
 /// The same bits, or both NaN (x86 picks a NaN operand's payload by instruction form, which a
 /// compiler chooses; torch's bf16 copy makes every NaN 0xffff anyway).
@@ -283,7 +289,7 @@ fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
                     let got_params = &mut buf[start..start + n];
                     let sums = update(
                         Chunk {
-                            state: &mut got_state,
+                            state: fp32_arrays(&mut got_state),
                             grad: &grad,
                             params: Some(&mut *got_params),
                             keep_params: false,
@@ -370,7 +376,7 @@ fn passes_at_once_share_the_workers_and_each_is_exact() {
                     let mut got_state = state.clone();
                     let mut got_params = vec![Bf16::default(); n];
                     let chunk = Chunk {
-                        state: &mut got_state,
+                        state: fp32_arrays(&mut got_state),
                         grad,
                         params: Some(&mut got_params),
                         keep_params: false,
@@ -493,11 +499,11 @@ fn check_kept_params<P: Elem>(rng: &mut StdRng) {
                     let mut kept_state = vec![f32::NAN; 3 * n];
                     let out = update(
                         Chunk {
-                            state: &mut s,
+                            state: fp32_arrays(&mut s),
                             grad: &grad,
                             params: Some(&mut params),
                             keep_params: keep,
-                            keep_state: keep.then_some(&mut kept_state[..]),
+                            keep_state: keep.then(|| fp32_arrays(&mut kept_state)),
                             kinds: StateKinds::FP32,
                         },
                         0.5,
@@ -577,7 +583,7 @@ fn without_params_only_the_state_is_written() {
     let mut params = vec![0.0f32; 100];
     update(
         Chunk {
-            state: &mut with,
+            state: fp32_arrays(&mut with),
             grad: &grad,
             params: Some(&mut params),
             keep_params: false,
@@ -594,7 +600,7 @@ fn without_params_only_the_state_is_written() {
     .unwrap();
     update::<f32, f32>(
         Chunk {
-            state: &mut without,
+            state: fp32_arrays(&mut without),
             grad: &grad,
             params: None,
             keep_params: false,
@@ -676,12 +682,12 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
     let mut rng = StdRng::seed_from_u64(17);
     let arith = vector_arith();
     let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.01, true, true));
-    let bytes = |x: &[f32]| as_bytes(x).to_vec();
+    let bytes = as_bytes;
     let run = |state: &mut [f32], grad: &[f32], simd: Simd, threads: usize, cuts: Cuts<'_>| {
         let params = None;
         update::<f32, f32>(
             Chunk {
-                state,
+                state: fp32_arrays(state),
                 grad,
                 params,
                 keep_params: false,
@@ -748,12 +754,12 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
                 };
                 assert_eq!(
                     sums.read,
-                    Some(expected(&before)),
+                    Some(expected(before)),
                     "{name}, n {n}, {simd:?}, {threads} threads: read"
                 );
                 assert_eq!(
                     sums.write,
-                    Some(expected(&after)),
+                    Some(expected(after)),
                     "{name}, n {n}, {simd:?}, {threads} threads: write"
                 );
             }
@@ -773,7 +779,7 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
             },
         )
         .unwrap();
-        let written = crate::checksum::crc32c(&bytes(&state));
+        let written = crate::checksum::crc32c(bytes(&state));
         assert_eq!(
             sums,
             ChunkSums {
@@ -810,20 +816,20 @@ fn bad_lengths_and_addresses_are_named() {
     let grad = vec![0.0f32; 10];
     // Each wrong input (a gradient of 10 elements) is an error naming the key, and the length given.
     let cases: [(&str, &[&str]); 4] = [
-        ("a state of 29", &["state", "29"]),
+        ("a state of 29", &["state", "[9, 9, 11]"]),
         ("keep_params without params", &["keep_params"]),
-        ("a kept state of 29", &["keep_state", "29"]),
+        ("a kept state of 29", &["keep_state", "[9, 9, 11]"]),
         ("params of 9", &["params", "9"]),
     ];
     for (case, words) in cases {
         let mut state = vec![0.0f32; if case == "a state of 29" { 29 } else { 30 }];
         let (mut kept_state, mut params) = (vec![0.0f32; 29], vec![0.0f32; 9]);
         let chunk = Chunk {
-            state: &mut state,
+            state: fp32_arrays(&mut state),
             grad: &grad,
             params: (case == "params of 9").then_some(&mut params[..]),
             keep_params: case == "keep_params without params",
-            keep_state: (case == "a kept state of 29").then_some(&mut kept_state[..]),
+            keep_state: (case == "a kept state of 29").then(|| fp32_arrays(&mut kept_state)),
             kinds: StateKinds::FP32,
         };
         let err = update(chunk, 1.0, &k, &arith, Simd::Scalar, 1, Cuts::default())
@@ -835,7 +841,7 @@ fn bad_lengths_and_addresses_are_named() {
     // SAFETY: the call fails on the misaligned address before touching memory.
     let err = unsafe {
         update_at(
-            bytes.as_ptr() as usize + 1,
+            (bytes.as_ptr() as usize + 1, StateKinds::FP32),
             (bytes.as_ptr() as usize, Kind::Bf16),
             None,
             false,
@@ -874,11 +880,51 @@ fn stored(kind: Kind, x: f32) -> f32 {
     }
 }
 
-/// `update` of a state in `kinds`' half precision, in place, writing parameters (returned), keeping
-/// nothing and summing nothing.
+/// One array of a state, owned, in the dtype it is kept in.
+enum Owned {
+    F32(Vec<f32>),
+    Bf16(Vec<Bf16>),
+    F16(Vec<F16>),
+}
+
+impl Owned {
+    /// `xs` (values of `kind`, NaNs as CPU Adam stores them) kept in `kind`: their own bits.
+    fn new(kind: Kind, xs: &[f32]) -> Owned {
+        match kind {
+            Kind::F32 => Owned::F32(xs.to_vec()),
+            Kind::Bf16 => Owned::Bf16(
+                xs.iter()
+                    .map(|x| Bf16((x.to_bits() >> 16) as u16))
+                    .collect(),
+            ),
+            Kind::F16 => Owned::F16(xs.iter().map(|&x| F16::narrow(x)).collect()),
+        }
+    }
+
+    fn array(&mut self) -> Array<'_> {
+        match self {
+            Owned::F32(a) => Array::F32(a),
+            Owned::Bf16(a) => Array::Bf16(a),
+            Owned::F16(a) => Array::F16(a),
+        }
+    }
+
+    fn widened(&self) -> Vec<f32> {
+        match self {
+            Owned::F32(a) => a.clone(),
+            Owned::Bf16(a) => a.iter().map(|x| x.widen()).collect(),
+            Owned::F16(a) => a.iter().map(|x| x.widen()).collect(),
+        }
+    }
+}
+
+/// `update` of a state in `kinds`' half precision (`state`: `[params | exp_avg | exp_avg_sq]` in fp32,
+/// in place) with its arrays kept in `stored`'s dtypes, writing parameters (returned), keeping nothing
+/// and summing nothing.
 #[allow(clippy::too_many_arguments)]
 fn half_state_update<G: Elem>(
     state: &mut [f32],
+    stored: StateKinds,
     grad: &[G],
     kinds: StateKinds,
     grad_scale: f32,
@@ -887,9 +933,13 @@ fn half_state_update<G: Elem>(
     simd: Simd,
     threads: usize,
 ) -> Vec<G> {
-    let mut params = vec![G::narrow(0.0); grad.len()];
+    let n = grad.len();
+    let dtypes = [stored.master, stored.moments, stored.moments];
+    let mut owned: [Owned; 3] =
+        std::array::from_fn(|a| Owned::new(dtypes[a], &state[a * n..][..n]));
+    let mut params = vec![G::narrow(0.0); n];
     let chunk = Chunk {
-        state,
+        state: owned.each_mut().map(|o| o.array()),
         grad,
         params: Some(&mut params),
         keep_params: false,
@@ -897,7 +947,23 @@ fn half_state_update<G: Elem>(
         kinds,
     };
     update(chunk, grad_scale, k, arith, simd, threads, Cuts::default()).unwrap();
+    for (a, o) in owned.iter().enumerate() {
+        state[a * n..][..n].copy_from_slice(&o.widened());
+    }
     params
+}
+
+/// Where a state in `kinds` may be kept: in fp32, in its own dtypes, and with half-precision moments
+/// in fp32 (as after a checkpoint's load moved them to the weights' dtype).
+fn storages(kinds: StateKinds) -> Vec<StateKinds> {
+    let mut all = vec![StateKinds::FP32, kinds];
+    if kinds.moments != Kind::F32 {
+        all.push(StateKinds {
+            master: kinds.master,
+            moments: Kind::F32,
+        });
+    }
+    all
 }
 
 /// A state in half precision through `update`, against the element-by-element specification of
@@ -948,24 +1014,40 @@ fn check_half_state<G: Elem>(
         expected[2 * n + i] = stored(kinds.moments, v);
         expected_params[i] = G::narrow_as_cpu_adam(p);
     }
-    let params = half_state_update(
-        &mut state,
-        &grad,
-        kinds,
-        0.25,
-        &k,
-        &arith,
-        Simd::detect(),
-        threads,
-    );
-    let case = format!("{kinds:?}, width {width}, {threads} threads, {n} elements");
-    for (i, (a, b)) in state.iter().zip(&expected).enumerate() {
+    for stored in storages(kinds) {
+        let mut state = state.clone();
+        let params = half_state_update(
+            &mut state,
+            stored,
+            &grad,
+            kinds,
+            0.25,
+            &k,
+            &arith,
+            Simd::detect(),
+            threads,
+        );
+        let case =
+            format!("{kinds:?} kept in {stored:?}, width {width}, {threads} threads, {n} elements");
+        check_half_results(&case, &state, &params, &expected, &expected_params);
+    }
+}
+
+/// A half-precision state's pass (`state`, `params`) against what DeepSpeed's CPU Adam gives.
+fn check_half_results<G: Elem>(
+    case: &str,
+    state: &[f32],
+    params: &[G],
+    expected: &[f32],
+    expected_params: &[G],
+) {
+    for (i, (a, b)) in state.iter().zip(expected).enumerate() {
         assert!(
             same(*a, *b),
             "{case}: state element {i}: {a:e} against {b:e}"
         );
     }
-    for (i, (a, b)) in params.iter().zip(&expected_params).enumerate() {
+    for (i, (a, b)) in params.iter().zip(expected_params).enumerate() {
         assert_eq!(a.bits(), b.bits(), "{case}: params element {i}");
         assert_eq!(
             a.widen().to_bits(),
@@ -1108,36 +1190,51 @@ fn check_rounded_simd<G: Elem>(kinds: StateKinds, rng: &mut StdRng) {
                 };
                 let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float)
                     .constants(2, &hyper(1e-3, decay, adamw, true));
-                let run = |simd: Simd| {
+                let run = |simd: Simd, stored: StateKinds| {
                     let mut state = state.clone();
-                    let params =
-                        half_state_update(&mut state, &grad, kinds, 1.0 / 3.0, &k, &arith, simd, 2);
+                    let params = half_state_update(
+                        &mut state,
+                        stored,
+                        &grad,
+                        kinds,
+                        1.0 / 3.0,
+                        &k,
+                        &arith,
+                        simd,
+                        2,
+                    );
                     (state, params)
                 };
-                let (ours, our_params) = run(Simd::detect());
-                let (spec, spec_params) = run(Simd::Scalar);
-                let case = format!("{kinds:?}, {:?}, decay {decay} adamw {adamw}", arith.tail);
-                // A value rounded to half precision is one bit pattern, NaN included (bf16's 0x7fc0;
-                // fp16 keeps a payload, as fp32 does: `same`).
-                let exact = |kind: Kind, a: f32, b: f32| {
-                    if kind == Kind::Bf16 {
-                        a.to_bits() == b.to_bits()
-                    } else {
-                        same(a, b)
+                // The specification on an fp32 state, against SIMD on every storage.
+                let (spec, spec_params) = run(Simd::Scalar, StateKinds::FP32);
+                for stored in storages(kinds) {
+                    let (ours, our_params) = run(Simd::detect(), stored);
+                    let case = format!(
+                        "{kinds:?} kept in {stored:?}, {:?}, decay {decay} adamw {adamw}",
+                        arith.tail
+                    );
+                    // A value rounded to half precision is one bit pattern, NaN included (bf16's 0x7fc0;
+                    // fp16 keeps a payload, as fp32 does: `same`).
+                    let exact = |kind: Kind, a: f32, b: f32| {
+                        if kind == Kind::Bf16 {
+                            a.to_bits() == b.to_bits()
+                        } else {
+                            same(a, b)
+                        }
+                    };
+                    for (i, (a, b)) in ours.iter().zip(&spec).enumerate() {
+                        let kind = if i < n { kinds.master } else { kinds.moments };
+                        assert!(
+                            exact(kind, *a, *b),
+                            "{case}: state {i}: {a:e} against {b:e}"
+                        );
                     }
-                };
-                for (i, (a, b)) in ours.iter().zip(&spec).enumerate() {
-                    let kind = if i < n { kinds.master } else { kinds.moments };
-                    assert!(
-                        exact(kind, *a, *b),
-                        "{case}: state {i}: {a:e} against {b:e}"
-                    );
-                }
-                for (i, (a, b)) in our_params.iter().zip(&spec_params).enumerate() {
-                    assert!(
-                        exact(kinds.master, a.widen(), b.widen()),
-                        "{case}: params {i}"
-                    );
+                    for (i, (a, b)) in our_params.iter().zip(&spec_params).enumerate() {
+                        assert!(
+                            exact(kinds.master, a.widen(), b.widen()),
+                            "{case}: params {i}"
+                        );
+                    }
                 }
             }
         }
@@ -1158,5 +1255,148 @@ fn the_rounded_pass_in_simd_is_the_specification() {
             Kind::Bf16 => check_rounded_simd::<Bf16>(kinds, &mut rng),
             _ => check_rounded_simd::<F16>(kinds, &mut rng),
         }
+    }
+}
+
+/// `xs` (values of `kind`) in `kind`'s bytes.
+fn kind_bytes(kind: Kind, xs: &[f32]) -> Vec<u8> {
+    let mut owned = Owned::new(kind, xs);
+    owned.array().bytes(0, xs.len()).to_vec()
+}
+
+/// `bytes` of `kind`'s elements, widened.
+fn widened(kind: Kind, bytes: &[u8]) -> Vec<f32> {
+    let size = kind.size();
+    bytes
+        .chunks_exact(size)
+        .map(|b| match kind {
+            Kind::F32 => f32::from_le_bytes(b.try_into().unwrap()),
+            Kind::Bf16 => Bf16(u16::from_le_bytes(b.try_into().unwrap())).widen(),
+            Kind::F16 => F16(u16::from_le_bytes(b.try_into().unwrap())).widen(),
+        })
+        .collect()
+}
+
+#[test]
+fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
+    let mut rng = StdRng::seed_from_u64(69);
+    let arith = vector_arith();
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
+    // master, moments, elements (odd: the arrays' alignment must not depend on it)
+    let cases = [
+        (Kind::Bf16, Kind::Bf16, 2 * BLOCK + 13),
+        (Kind::Bf16, Kind::F32, 2 * BLOCK + 13),
+        (Kind::F16, Kind::F32, 77),
+        (Kind::F16, Kind::F16, 4096),
+    ];
+    for (master, moments, n) in cases {
+        let kinds = StateKinds { master, moments };
+        let (offsets, total) = kinds.layout(n);
+        let sizes = [master.size(), moments.size(), moments.size()];
+        assert_eq!(total, sizes.iter().sum::<usize>() * n, "{kinds:?}");
+        // Each array aligned for its elements, and the three tiling the chunk's bytes.
+        let mut spans: Vec<(usize, usize)> = (0..3)
+            .map(|a| (offsets[a], offsets[a] + sizes[a] * n))
+            .collect();
+        spans.sort_unstable();
+        assert!(
+            spans.windows(2).all(|w| w[0].1 == w[1].0) && spans[2].1 == total,
+            "{kinds:?}"
+        );
+        assert!(
+            (0..3).all(|a| offsets[a] % sizes[a] == 0),
+            "{kinds:?}: {offsets:?}"
+        );
+        let (mut state, grad32) = inputs(n, &mut rng);
+        for (i, value) in state.iter_mut().enumerate() {
+            *value = stored(if i < n { master } else { moments }, *value);
+        }
+        // The state in its layout, in words of 4 bytes (aligned for every array).
+        let mut words = vec![0u32; total.div_ceil(4)];
+        let bytes =
+            |w: &[u32]| -> Vec<u8> { w.iter().flat_map(|x| x.to_le_bytes()).take(total).collect() };
+        let mut raw = bytes(&words);
+        let dtypes = [master, moments, moments];
+        for a in 0..3 {
+            let b = kind_bytes(dtypes[a], &state[a * n..][..n]);
+            raw[offsets[a]..][..b.len()].copy_from_slice(&b);
+        }
+        for (w, b) in words.iter_mut().zip(raw.chunks(4)) {
+            let mut four = [0u8; 4];
+            four[..b.len()].copy_from_slice(b);
+            *w = u32::from_le_bytes(four);
+        }
+        let before = bytes(&words);
+        let mut kept = vec![0u32; words.len()];
+        // The parameters, the weights' bits (as the last pass left them).
+        let mut params: Vec<u16> = kind_bytes(master, &state[..n])
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let cuts: Vec<u64> = [0, 4096, total as u64 / 2 + 6, total as u64 - 2]
+            .into_iter()
+            .filter(|&c| c < total as u64)
+            .collect();
+        let sums = |b: &[u8]| -> Vec<u32> {
+            cuts.iter()
+                .zip(cuts.iter().skip(1).copied().chain([total as u64]))
+                .map(|(&s, e)| crate::checksum::crc32c(&b[s as usize..e as usize]))
+                .collect()
+        };
+        let grad_bytes = kind_bytes(master, &widened(master, &kind_bytes(master, &grad32)));
+        // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
+        let got = unsafe {
+            update_at(
+                (words.as_mut_ptr() as usize, kinds),
+                (grad_bytes.as_ptr() as usize, master),
+                Some((params.as_mut_ptr() as usize, master)),
+                true,
+                Some(kept.as_mut_ptr() as usize),
+                kinds,
+                n,
+                1.0,
+                &k,
+                &arith,
+                Simd::detect(),
+                3,
+                Cuts {
+                    read: Some(&cuts),
+                    write: Some(&cuts),
+                },
+            )
+        }
+        .unwrap();
+        let after = bytes(&words);
+        assert_eq!(bytes(&kept), before, "{kinds:?}: the kept state");
+        assert_eq!(got.read, Some(sums(&before)), "{kinds:?}: sums as read");
+        assert_eq!(got.write, Some(sums(&after)), "{kinds:?}: sums as written");
+        // The same pass on the state in fp32.
+        let mut wide = state.clone();
+        let g: Vec<f32> = widened(master, &grad_bytes);
+        let fp32 = StateKinds::FP32;
+        let simd = Simd::detect();
+        let expected_params: Vec<u32> = match master {
+            Kind::Bf16 => {
+                let g: Vec<Bf16> = g.iter().map(|&x| Bf16::narrow(x)).collect();
+                let p = half_state_update(&mut wide, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
+                p.iter().map(|p| p.bits()).collect()
+            }
+            _ => {
+                let g: Vec<F16> = g.iter().map(|&x| F16::narrow(x)).collect();
+                let p = half_state_update(&mut wide, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
+                p.iter().map(|p| p.bits()).collect()
+            }
+        };
+        for a in 0..3 {
+            let kind = if a == 0 { master } else { moments };
+            let ours = widened(kind, &after[offsets[a]..][..kind.size() * n]);
+            for (i, (x, y)) in ours.iter().zip(&wide[a * n..][..n]).enumerate() {
+                assert_eq!(x.to_bits(), y.to_bits(), "{kinds:?}: array {a} element {i}");
+            }
+        }
+        let ours: Vec<u32> = params.iter().map(|&p| u32::from(p)).collect();
+        assert_eq!(ours, expected_params, "{kinds:?}: params");
+        // The parameters were the weights' bits before the pass: none kept.
+        assert_eq!(got.kept_params, Some(vec![]), "{kinds:?}: kept params");
     }
 }

@@ -12,19 +12,19 @@ use super::{AdamConstants, Decay, Kind, MomentFma, StateKinds, TailFma};
 /// # Safety
 /// AVX must be available.
 #[target_feature(enable = "avx")]
-pub unsafe fn copy_streaming(to: &mut [f32], from: &[f32]) {
+pub unsafe fn copy_streaming(to: &mut [u8], from: &[u8]) {
     assert_eq!(to.len(), from.len(), "a copy between slices of one length");
-    // Elements before the first 32-byte boundary of `to`, then whole vectors, then the rest.
+    // Bytes before the first 32-byte boundary of `to`, then whole vectors, then the rest.
     let head = to.as_ptr().align_offset(32).min(to.len());
-    let body = (to.len() - head) / 8 * 8;
+    let body = (to.len() - head) / 32 * 32;
     to[..head].copy_from_slice(&from[..head]);
-    for i in (head..head + body).step_by(8) {
-        // SAFETY: `i + 8 <= to.len()` and `from` is as long; `to[i..]` is 32-byte aligned
-        // (`head`, then steps of 8 fp32); AVX is the caller's promise.
+    for i in (head..head + body).step_by(32) {
+        // SAFETY: `i + 32 <= to.len()` and `from` is as long; `to[i..]` is 32-byte aligned
+        // (`head`, then steps of 32 bytes); AVX is the caller's promise.
         unsafe {
-            _mm256_stream_ps(
-                to.as_mut_ptr().add(i),
-                _mm256_loadu_ps(from.as_ptr().add(i)),
+            _mm256_stream_si256(
+                to.as_mut_ptr().add(i).cast(),
+                _mm256_loadu_si256(from.as_ptr().add(i).cast()),
             )
         };
     }
@@ -224,11 +224,13 @@ narrows_to_lanes!(
     half: (_mm256_castsi128_si256, _mm_xor_si128, _mm_loadu_si128)
 );
 
-/// Where one SIMD pass reads and writes: `len` elements of each array.
+/// Where one SIMD pass reads and writes: `len` elements of each array, the state's in the dtypes
+/// `stored` names (the fp32 loops take fp32 alone).
 pub struct Lanes {
-    pub p: *mut f32,
-    pub m: *mut f32,
-    pub v: *mut f32,
+    pub p: *mut u8,
+    pub m: *mut u8,
+    pub v: *mut u8,
+    pub stored: StateKinds,
     pub g: (Kind, *const u8),
     pub o: Option<(Kind, *mut u8)>,
     pub len: usize,
@@ -264,14 +266,16 @@ macro_rules! adam_lanes {
             let stream_o = at.o.is_some_and(|(kind, o)| (o as usize) % ($lanes * kind.size()) == 0);
             let (g_kind, g) = at.g;
             let g_size = g_kind.size();
+            debug_assert!(at.stored.is_fp32(), "the fp32 loop on a state in {:?}", at.stored);
+            let (p, m, v) = (at.p.cast::<f32>(), at.m.cast::<f32>(), at.v.cast::<f32>());
             // SAFETY: `Folds` is 6 times 64 bytes; unaligned loads.
             $(let mut acc = unsafe { $folds.$fload() };)?
             for i in (0..at.len).step_by($lanes) {
                 // SAFETY: `i + lanes <= len` for every array, as the caller promised.
                 unsafe {
                     let mut grad = $mul($load(g_kind, g.add(i * g_size)), scale);
-                    let mut param = $loadu(at.p.add(i));
-                    let (m_in, v_in) = ($loadu(at.m.add(i)), $loadu(at.v.add(i)));
+                    let mut param = $loadu(p.add(i));
+                    let (m_in, v_in) = ($loadu(m.add(i)), $loadu(v.add(i)));
                     $(
                         let _: &Folds = $folds;
                         $fold3(&mut acc, 0, [param, m_in, v_in]);
@@ -289,9 +293,9 @@ macro_rules! adam_lanes {
                         param = $fmadd(param, $set1(w_decay), param);
                     }
                     param = $fmadd(update, step, param);
-                    $storeu(at.p.add(i), param);
-                    $storeu(at.m.add(i), mom);
-                    $storeu(at.v.add(i), var);
+                    $storeu(p.add(i), param);
+                    $storeu(m.add(i), mom);
+                    $storeu(v.add(i), var);
                     $(
                         let _: &Folds = $folds;
                         $fold3(&mut acc, 3, [param, mom, var]);
@@ -495,7 +499,8 @@ fn moment8(old: __m256, beta: __m256, grad: __m256, one_minus: __m256, how: Mome
 /// [`super::pass`]'s rounded elements (a state in half precision, `kinds`) 8 lanes at a time: lane for
 /// lane the operations of `pass::rounded_element` with `how`'s arithmetic, in the same order. The
 /// gradient is multiplied in its own dtype, each result rounded to its dtype as CPU Adam stores it and
-/// kept widened in `p`, `m`, `v`; the parameters get the master weights' bits.
+/// kept in `p`, `m`, `v` in the dtypes `at.stored` names (its own, or fp32 widened); the parameters get
+/// the master weights' bits.
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available; every pointer of `at` must hold `at.len` elements (a multiple
@@ -514,13 +519,19 @@ pub unsafe fn avx2_rounded(
     let (bias2, eps, step) = (set1(k.bias_correction2), set1(k.eps), set1(k.step_size));
     let scale = set1(grad_scale);
     let (g_kind, g) = at.g;
+    let (w, s) = (at.stored.master, at.stored.moments);
     for i in (0..at.len).step_by(8) {
         // SAFETY: `i + 8 <= len` for every array, as the caller promised; unaligned loads and stores.
         unsafe {
             let scaled = _mm256_mul_ps(load8(g_kind, g.add(i * g_kind.size())), scale);
             let mut grad = rounded8(g_kind, scaled, TORCH_BF16_NAN);
-            let mut param = _mm256_loadu_ps(at.p.add(i));
-            let (m_in, v_in) = (_mm256_loadu_ps(at.m.add(i)), _mm256_loadu_ps(at.v.add(i)));
+            let (p, m, v) = (
+                at.p.add(i * w.size()),
+                at.m.add(i * s.size()),
+                at.v.add(i * s.size()),
+            );
+            let mut param = load8(w, p);
+            let (m_in, v_in) = (load8(s, m), load8(s, v));
             if let Decay::L2(decay) = k.decay {
                 grad = product_sum8(param, set1(decay), grad, how.others);
             }
@@ -533,9 +544,9 @@ pub unsafe fn avx2_rounded(
             }
             param = product_sum8(update, step, param, how.others);
             let param = rounded8(kinds.master, param, CPU_ADAM_BF16_NAN);
-            _mm256_storeu_ps(at.p.add(i), param);
-            _mm256_storeu_ps(at.m.add(i), rounded8(kinds.moments, mom, CPU_ADAM_BF16_NAN));
-            _mm256_storeu_ps(at.v.add(i), rounded8(kinds.moments, var, CPU_ADAM_BF16_NAN));
+            store_exact8(w, p, param);
+            store_exact8(s, m, rounded8(kinds.moments, mom, CPU_ADAM_BF16_NAN));
+            store_exact8(s, v, rounded8(kinds.moments, var, CPU_ADAM_BF16_NAN));
             if let Some((kind, o)) = at.o {
                 store_exact8(kind, o.add(i * kind.size()), param);
             }
