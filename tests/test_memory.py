@@ -49,6 +49,28 @@ def test_chunk_layout(
         assert used <= budget < used + layout.buffer_bytes, "the pool fills the budget to the chunk"
 
 
+@pytest.mark.parametrize(
+    ("state_bytes", "align"),
+    [(12, 1024), (10, 2048), (6, 2048)],  # fp32; half-precision weights, fp32 moments; bf16 all three
+)
+def test_a_state_is_cut_in_its_own_bytes(state_bytes: int, align: int) -> None:
+    """Chunks, buffers and the whole state in the state's bytes per element; every chunk but a subgroup's
+    last a whole number of 4 KiB pages in each of its arrays (2 or 4 bytes an element)."""
+    numels = [20_000_000, 7_000_001]
+    budget = 12 * 20_000_000 * 4
+    layout = memory.chunk_layout(numels, budget, None, state_bytes)
+    assert memory.chunk_align(state_bytes) == align and layout.elements % align == 0
+    assert layout.buffer_bytes == state_bytes * layout.elements and layout.state_bytes == state_bytes
+    assert layout.buffers == (budget - memory.GRAD_BYTES * layout.elements) // layout.buffer_bytes
+    whole = memory.chunk_layout(numels, 1 << 40, None, state_bytes)
+    for _, first, count in whole.chunks + layout.chunks:
+        assert first % align == 0 and (state_bytes * first) % memory.PAGE_BYTES == 0
+    cached = memory.whole_state_bytes(numels, None, state_bytes)
+    assert cached == len(whole.chunks) * whole.buffer_bytes + memory.GRAD_BYTES * whole.elements
+    fp32 = memory.whole_state_bytes(numels)
+    assert cached <= fp32 * (state_bytes + 1) / 12
+
+
 def test_whole_state_caches_every_chunk() -> None:
     numels = [20_000_000, 7_000_000]
     whole = memory.whole_state_bytes(numels)

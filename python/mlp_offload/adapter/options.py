@@ -64,9 +64,9 @@ def refused(key: str, what: str, instead: str, when: Callable[[Any], bool] = _se
 
 
 STOCK_PASSES = "DeepSpeed's code, run unchanged"
-# The state in half precision: each value held exactly in the store's fp32 elements (12 bytes a
-# parameter, not the mode's 10 or 6), rounded as DeepSpeed's CPU Adam rounds it.
-HALF_STATE_HELD = "held in fp32 elements, 12 bytes a parameter"
+# The state in half precision: each value kept in its dtype (the mode's 10 or 6 bytes a parameter),
+# rounded as DeepSpeed's CPU Adam rounds it.
+HALF_STATE_HELD = "kept in its dtype: 10 bytes a parameter, 6 with bf16 moments"
 STOCK_FAILS = "stock DeepSpeed 0.19.8 fails with it too"
 NOT_ON_CPU = "not yet compared with stock DeepSpeed, which cannot run it on a CPU (a GPU's to check)"
 

@@ -168,6 +168,9 @@ def parse_count(text: str) -> int:
 
 # Budgets of the `plan` table, as fractions of what caching the whole state takes.
 PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
+# `plan --state-bytes`: the states DeepSpeed keeps with ZeRO-3 and an offloaded optimizer (fp32;
+# half-precision master weights beside fp32 moments; bf16 weights and moments).
+STATE_BYTES_CHOICES = (12, 10, 6)
 
 
 def node_part(profile: profiles.Profile, args: argparse.Namespace) -> list[float]:
@@ -185,7 +188,7 @@ def plan_at(
     profile: profiles.Profile, numels: list[int], host_memory: int, args: argparse.Namespace
 ) -> tuple[memory.ChunkLayout, dict[str, Any]]:
     """The streaming update's chunks within `host_memory`, and the model's plan for them."""
-    layout = memory.chunk_layout(numels, host_memory)
+    layout = memory.chunk_layout(numels, host_memory, state_bytes=args.state_bytes)
     layout.require_a_buffer(host_memory)
     buffers, cache = memory.stream_buffers(layout.buffers, len(layout.chunks), None)
     rate = args.adam_bytes_per_s
@@ -213,7 +216,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     group = min(args.sub_group_size, args.params)
     numels = [group] * (args.params // group) + ([args.params % group] if args.params % group else [])
     # A budget that holds no chunk is refused before the paths are probed, not after.
-    memory.chunk_layout(numels, args.host_memory).require_a_buffer(args.host_memory)
+    memory.chunk_layout(numels, args.host_memory, state_bytes=args.state_bytes).require_a_buffer(
+        args.host_memory
+    )
     profile, source = profiles.load_or_probe(
         args.dirs,
         _probe_options(args),
@@ -225,10 +230,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(source, file=sys.stderr)
     probes = profile.probes
     layout, plan = plan_at(profile, numels, args.host_memory, args)
-    whole = memory.whole_state_bytes(numels)
+    whole = memory.whole_state_bytes(numels, state_bytes=args.state_bytes)
     by_budget = []
     for fraction in PLAN_FRACTIONS:
-        budget = max(int(whole * fraction), 2 * memory.STATE_BYTES * memory.CHUNK_ALIGN)
+        budget = max(int(whole * fraction), 2 * args.state_bytes * memory.chunk_align(args.state_bytes))
         budget_layout, budget_plan = plan_at(profile, numels, budget, args)
         by_budget.append(
             {
@@ -244,6 +249,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "sub_group_size": group,
         "subgroups": len(numels),
         "chunks": len(layout.chunks),
+        "state_bytes_per_param": args.state_bytes,
         "bytes_per_chunk": layout.buffer_bytes,
         "whole_state_bytes": whole,
         "host_memory": args.host_memory,
@@ -301,8 +307,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
     print(
         f"\n{len(numels)} subgroups of up to {group:,} parameters in {len(layout.chunks)} chunks of "
-        f"{layout.buffer_bytes / 2**20:,.1f} MiB of fp32 state; {plan['cached_subgroups']} chunks stay in "
-        "host memory"
+        f"{layout.buffer_bytes / 2**20:,.1f} MiB of state ({args.state_bytes} bytes a parameter); "
+        f"{plan['cached_subgroups']} chunks stay in host memory"
     )
     print(f"I/O floor of the update phase: {plan['io_floor_secs']:.2f} s")
     if plan["hidden_io_secs"] > 0:
@@ -362,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--host-memory", type=parse_size, required=True, help="host memory for the state's buffers (16G)"
+    )
+    plan.add_argument(
+        "--state-bytes",
+        type=int,
+        choices=STATE_BYTES_CHOICES,
+        default=memory.STATE_BYTES,
+        help="bytes of optimizer state a parameter: 12 (fp32), 10 (DeepSpeed's bf16 or fp16 master "
+        "weights with fp32 moments), 6 (bf16 master weights and bf16_optimizer_states)",
     )
     plan.add_argument(
         "--adam-bytes-per-s",

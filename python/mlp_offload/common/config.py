@@ -69,9 +69,10 @@ class MLPOffloadConfig(BaseModel):
     does not fit); a number: that many, the other buffers written back at the end of every step."""
 
     update_chunk: Size | Literal["auto"] = "auto"
-    """Bytes of state (fp32 weights and both Adam moments, 12 bytes per element) per chunk, the unit of
-    the streaming update's I/O, memory and compute. `"auto"`: up to 48 MiB, smaller when `host_memory`
-    would otherwise hold fewer than 24 chunks."""
+    """Bytes of state (the master weights and both Adam moments: 12 bytes per element in fp32, 10 or 6
+    with DeepSpeed's state in half precision) per chunk, the unit of the streaming update's I/O, memory
+    and compute. `"auto"`: up to 48 MiB, smaller when `host_memory` would otherwise hold fewer than 24
+    chunks."""
 
     host_pages: Literal["auto", "huge", "small"] = "auto"
     """The pages of the host buffers (the cache and the stream). Huge (2 MiB) pages reach a device in
