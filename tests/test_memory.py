@@ -63,7 +63,7 @@ def test_a_state_is_cut_in_its_own_bytes(state_bytes: int, align: int) -> None:
     assert layout.buffer_bytes == state_bytes * layout.elements and layout.state_bytes == state_bytes
     assert layout.buffers == (budget - memory.GRAD_BYTES * layout.elements) // layout.buffer_bytes
     whole = memory.chunk_layout(numels, 1 << 40, None, state_bytes)
-    for _, first, count in whole.chunks + layout.chunks:
+    for _, first, _ in whole.chunks + layout.chunks:
         assert first % align == 0 and (state_bytes * first) % memory.PAGE_BYTES == 0
     cached = memory.whole_state_bytes(numels, None, state_bytes)
     assert cached == len(whole.chunks) * whole.buffer_bytes + memory.GRAD_BYTES * whole.elements
