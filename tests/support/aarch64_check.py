@@ -136,18 +136,30 @@ def kernel_digests() -> dict[str, str]:
     for a, arith, (grad_dtype, params_dtype, n, master, moments), adamw, specials in rows:
         weight_decay = 0.01 if adamw else 0.0
         rng = np.random.default_rng([a, n, adamw, specials])
-        state = (rng.random(3 * n) * 2 - 1).astype(np.float32)
-        state[2 * n :] = np.abs(state[2 * n :])
-        # Values of the state's dtypes (exact in fp32), as the engine holds them.
-        for part, dtype in ((state[:n], master), (state[n:], moments)):
-            part[:] = torch.from_numpy(part).to(getattr(torch, dtype)).float().numpy()
+        values = (rng.random(3 * n) * 2 - 1).astype(np.float32)
+        values[2 * n :] = np.abs(values[2 * n :])
+        # The state in its dtypes, laid out as the engine keeps it.
+        dtypes = (master, moments, moments)
+        offsets, total = _core.state_layout(master, moments, n)
+        raw = np.zeros(total, dtype=np.uint8)
+        arrays = [
+            raw[at : at + n * (4 if dtype == "float32" else 2)].view(
+                np.float32 if dtype == "float32" else np.uint16
+            )
+            for at, dtype in zip(offsets, dtypes, strict=True)
+        ]
+        for k, (array, dtype) in enumerate(zip(arrays, dtypes, strict=True)):
+            wide = torch.from_numpy(values[k * n : (k + 1) * n]).to(getattr(torch, dtype))
+            array[:] = wide.view(torch.int16 if dtype != "float32" else torch.float32).numpy()
+        # Cut within the state's bytes, as the store's stripes cut it.
+        cuts = ([0, 4 * n], [0, 8 * n]) if total == 12 * n else ([0, 2 * n], [0, 4 * n])
         params = np.zeros(n, dtype=np.uint16)
         kernel = _core.AdamKernel(ADAM["beta1"], ADAM["beta2"], **arith)
         digest = hashlib.sha256()
         for step in (1, 2, 3):
             grad = _bits(rng, n, grad_dtype, specials)
             sums = kernel.update(
-                state.ctypes.data,
+                raw.ctypes.data,
                 grad.ctypes.data,
                 params.ctypes.data,
                 count=n,
@@ -158,13 +170,16 @@ def kernel_digests() -> dict[str, str]:
                 adamw=adamw,
                 weight_decay=weight_decay,
                 threads=2,
-                read_cuts=[0, 4 * n],
-                write_cuts=[0, 8 * n],
+                read_cuts=cuts[0],
+                write_cuts=cuts[1],
                 master_dtype=master,
                 moments_dtype=moments,
+                stored_master_dtype=master,
+                stored_moments_dtype=moments,
                 **ADAM,
             )
-            digest.update(_one_nan(state, "float32").tobytes())
+            for array, dtype in zip(arrays, dtypes, strict=True):
+                digest.update(_one_nan(array, dtype).tobytes())
             digest.update(_one_nan(params, params_dtype).tobytes())
             if not specials:
                 digest.update(json.dumps(sums[:2]).encode())

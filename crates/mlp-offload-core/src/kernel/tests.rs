@@ -918,12 +918,12 @@ impl Owned {
     }
 }
 
-/// `update` of a state in `kinds`' half precision (`state`: `[params | exp_avg | exp_avg_sq]` in fp32,
-/// in place) with its arrays kept in `stored`'s dtypes, writing parameters (returned), keeping nothing
-/// and summing nothing.
+/// `update` of a state in `kinds`' half precision (`state`: `[params | exp_avg | exp_avg_sq]` in fp32)
+/// with its arrays kept in `stored`'s dtypes, writing parameters, keeping nothing and summing nothing:
+/// the state after it (in fp32) and the parameters.
 #[allow(clippy::too_many_arguments)]
 fn half_state_update<G: Elem>(
-    state: &mut [f32],
+    state: &[f32],
     stored: StateKinds,
     grad: &[G],
     kinds: StateKinds,
@@ -932,7 +932,7 @@ fn half_state_update<G: Elem>(
     arith: &DeepSpeedArith,
     simd: Simd,
     threads: usize,
-) -> Vec<G> {
+) -> (Vec<f32>, Vec<G>) {
     let n = grad.len();
     let dtypes = [stored.master, stored.moments, stored.moments];
     let mut owned: [Owned; 3] =
@@ -947,10 +947,7 @@ fn half_state_update<G: Elem>(
         kinds,
     };
     update(chunk, grad_scale, k, arith, simd, threads, Cuts::default()).unwrap();
-    for (a, o) in owned.iter().enumerate() {
-        state[a * n..][..n].copy_from_slice(&o.widened());
-    }
-    params
+    (owned.iter().flat_map(Owned::widened).collect(), params)
 }
 
 /// Where a state in `kinds` may be kept: in fp32, in its own dtypes, and with half-precision moments
@@ -1015,9 +1012,8 @@ fn check_half_state<G: Elem>(
         expected_params[i] = G::narrow_as_cpu_adam(p);
     }
     for stored in storages(kinds) {
-        let mut state = state.clone();
-        let params = half_state_update(
-            &mut state,
+        let (state, params) = half_state_update(
+            &state,
             stored,
             &grad,
             kinds,
@@ -1191,19 +1187,7 @@ fn check_rounded_simd<G: Elem>(kinds: StateKinds, rng: &mut StdRng) {
                 let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float)
                     .constants(2, &hyper(1e-3, decay, adamw, true));
                 let run = |simd: Simd, stored: StateKinds| {
-                    let mut state = state.clone();
-                    let params = half_state_update(
-                        &mut state,
-                        stored,
-                        &grad,
-                        kinds,
-                        1.0 / 3.0,
-                        &k,
-                        &arith,
-                        simd,
-                        2,
-                    );
-                    (state, params)
+                    half_state_update(&state, stored, &grad, kinds, 1.0 / 3.0, &k, &arith, simd, 2)
                 };
                 // The specification on an fp32 state, against SIMD on every storage.
                 let (spec, spec_params) = run(Simd::Scalar, StateKinds::FP32);
@@ -1371,20 +1355,19 @@ fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
         assert_eq!(got.read, Some(sums(&before)), "{kinds:?}: sums as read");
         assert_eq!(got.write, Some(sums(&after)), "{kinds:?}: sums as written");
         // The same pass on the state in fp32.
-        let mut wide = state.clone();
         let g: Vec<f32> = widened(master, &grad_bytes);
         let fp32 = StateKinds::FP32;
         let simd = Simd::detect();
-        let expected_params: Vec<u32> = match master {
+        let (wide, expected_params): (Vec<f32>, Vec<u32>) = match master {
             Kind::Bf16 => {
                 let g: Vec<Bf16> = g.iter().map(|&x| Bf16::narrow(x)).collect();
-                let p = half_state_update(&mut wide, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
-                p.iter().map(|p| p.bits()).collect()
+                let (w, p) = half_state_update(&state, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
+                (w, p.iter().map(|p| p.bits()).collect())
             }
             _ => {
                 let g: Vec<F16> = g.iter().map(|&x| F16::narrow(x)).collect();
-                let p = half_state_update(&mut wide, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
-                p.iter().map(|p| p.bits()).collect()
+                let (w, p) = half_state_update(&state, fp32, &g, kinds, 1.0, &k, &arith, simd, 3);
+                (w, p.iter().map(|p| p.bits()).collect())
             }
         };
         for a in 0..3 {
