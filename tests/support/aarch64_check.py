@@ -100,6 +100,17 @@ def _bits(rng: np.random.Generator, n: int, dtype: str, specials: bool) -> np.nd
     return out
 
 
+def _rounded(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Finite fp32 `values` rounded to nearest even in `dtype`: its bits (fp32 and fp16 as numpy's
+    floats). In numpy: torch's conversions fail under the emulator (its cpuinfo cannot read the CPUs)."""
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    bits = values.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _one_nan(values: np.ndarray, dtype: str) -> np.ndarray:
     """`values` (the bits of `dtype`) with every NaN's bits made one pattern."""
     bits: np.ndarray[Any, np.dtype[np.unsignedinteger[Any]]]
@@ -118,8 +129,6 @@ def _one_nan(values: np.ndarray, dtype: str) -> np.ndarray:
 def kernel_digests() -> dict[str, str]:
     """Per row of the table: the SHA-256 of the state, the parameters and the checksums after each of three
     steps through the fused pass (`simd: "auto"`, the widest this CPU runs)."""
-    import torch
-
     from mlp_offload import _core
 
     digests = {}
@@ -149,8 +158,7 @@ def kernel_digests() -> dict[str, str]:
             for at, dtype in zip(offsets, dtypes, strict=True)
         ]
         for k, (array, dtype) in enumerate(zip(arrays, dtypes, strict=True)):
-            wide = torch.from_numpy(values[k * n : (k + 1) * n]).to(getattr(torch, dtype))
-            array[:] = wide.view(torch.int16 if dtype != "float32" else torch.float32).numpy()
+            array[:] = _rounded(values[k * n : (k + 1) * n], dtype)
         # Cut within the state's bytes, as the store's stripes cut it.
         cuts = ([0, 4 * n], [0, 8 * n]) if total == 12 * n else ([0, 2 * n], [0, 4 * n])
         params = np.zeros(n, dtype=np.uint16)
