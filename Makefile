@@ -135,11 +135,11 @@ bench-e2e: setup ## end to end, 130M LLaMA (SIZE=...): DeepSpeed NVMe offload vs
 	  $(VENV)/bin/python benches/e2e.py --size $(or $(SIZE),130M) --out docs/data/bench-e2e.json
 
 .PHONY: bench-scale
-bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=...): DeepSpeed NVMe vs ours at its memory, half the state, the README's config; fio floor (figures in docs/data/bench-scale.json)
+bench-scale: setup ## the update at scale, 1B parameters of cheap compute (SIZE=...; STATE=bf16 or bf16-weights: DeepSpeed's state in half precision for every contender): DeepSpeed NVMe vs ours at its memory, half the state, the README's config; fio floor (figures in docs/data/bench-scale.json, or bench-scale-$(STATE)-state.json)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
 	  $(VENV)/bin/python benches/e2e.py --model wide --size $(or $(SIZE),1B) --warmup 1 --steps 3 \
-	    --contenders $(CONTENDERS) \
-	    --out docs/data/bench-scale.json
+	    --contenders $(CONTENDERS) --state $(or $(STATE),fp32) \
+	    --out docs/data/bench-scale$(if $(STATE),-$(STATE)-state).json
 
 .PHONY: bench-kernel
 bench-kernel: setup ## the per-chunk update, fused pass vs DeepSpeed's passes (with and without checksums), bytes touched per element (docs/data/bench-kernel.json)
