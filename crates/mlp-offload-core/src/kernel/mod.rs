@@ -52,7 +52,7 @@ pub use adam::{
 };
 pub use dispatch::Simd;
 pub use elem::{Bf16, Elem, Kind, StateKinds, F16};
-pub use pass::{narrows_to, stored_kinds, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
+pub use pass::{narrows_to, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
 pub use state::{fp32_arrays, Array, Arrays};
 pub use witness::{witness, Witness};
 

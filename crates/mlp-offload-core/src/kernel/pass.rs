@@ -8,7 +8,7 @@ use super::crc::{fold_splits, run_part_folding};
 use super::dispatch::Simd;
 use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
 use super::pool::run_on_workers;
-use super::state::{Array, Arrays};
+use super::state::{elem_bytes_of, Array, Arrays};
 #[cfg(target_arch = "x86_64")]
 use super::x86;
 use crate::error::{Error, Result};
@@ -34,7 +34,7 @@ pub struct Chunk<'a, G: Elem, P: Elem> {
 }
 
 /// The dtypes `arrays` keep the master weights and the moments in (`exp_avg`'s).
-pub fn stored_kinds(arrays: &Arrays<'_>) -> StateKinds {
+fn stored_kinds(arrays: &Arrays<'_>) -> StateKinds {
     StateKinds {
         master: arrays[0].kind(),
         moments: arrays[1].kind(),
@@ -666,7 +666,7 @@ pub(super) fn keep_block<G: Elem, P: Elem>(
 fn params_are_weights<P: Elem>(p: &Array<'_>, params: &[P], b0: usize, simd: Simd) -> bool {
     match p {
         Array::F32(p) => narrows_to(&p[b0..b0 + params.len()], params, simd),
-        half => half.bytes(b0, b0 + params.len()) == elem_bytes(params).as_slice(),
+        half => half.bytes(b0, b0 + params.len()) == elem_bytes_of(params),
     }
 }
 

@@ -119,7 +119,8 @@ impl<'a> Array<'a> {
     }
 }
 
-fn elem_bytes_of<T: Elem>(x: &[T]) -> &[u8] {
+/// The elements' bytes as they lie in memory, without a copy.
+pub(super) fn elem_bytes_of<T: Elem>(x: &[T]) -> &[u8] {
     // SAFETY: every `Elem` is `f32` or a `repr(transparent)` `u16` (elem.rs): initialised bytes and no
     // padding; the view lives no longer than `x`.
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
