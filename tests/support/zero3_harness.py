@@ -283,7 +283,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 # Only the first parameter's gradient, final last in backward: the gradients final
                 # before it are finite.
                 first = next(engine.module.parameters())
-                last_grad = first.register_hook(lambda grad: grad * float("inf"))
+                last_grad = first.register_hook(
+                    functools.partial(not_finite, after_a_taken_chunk=engine.optimizer)
+                )
             engine.backward(loss)
             if last_grad is not None:
                 last_grad.remove()
@@ -609,6 +611,22 @@ def hold_backward(engine: Any) -> None:
         output.register_hook(wait)
 
     handle = embedding.register_forward_hook(on_forward)
+
+
+def not_finite(grad: torch.Tensor, after_a_taken_chunk: Any) -> torch.Tensor:
+    """The gradient times infinity; with ours updating during backward, only once the update thread has
+    taken a chunk (at most 60 s): else a slow machine's update thread may find the norms so far already
+    not finite before its first chunk, and a row that means to undo taken chunks would undo none."""
+    deadline = time.monotonic() + 60.0
+    optimizer = after_a_taken_chunk
+    while getattr(optimizer, "_mlp_spec_on", False) and time.monotonic() < deadline:
+        spec = optimizer._mlp_spec
+        if spec is None and optimizer._mlp_spec_begun:
+            break  # not tried at this boundary
+        if spec is not None and (spec.taken or spec.future is None or spec.future.done()):
+            break
+        time.sleep(0.002)
+    return grad * float("inf")
 
 
 def stall(marker: Path) -> None:
