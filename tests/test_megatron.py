@@ -1,0 +1,168 @@
+"""Megatron-DeepSpeed, the MLP-Offload artifact's harness: its own `pretrain_gpt.py` started as a user
+starts it (`torch.distributed.run`), stock, then with `mlp_offload.install()` and our section, each row
+bit-equal to stock (every iteration's loss, gradient norm and skip; every parameter's bf16 weights, fp32
+master weights and Adam moments, gathered after training).
+
+The tree, its fixes and its data: `tests/support/megatron_tree.py`."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepspeed_runs import assert_bit_equal, keep, stock_cache
+from megatron_tree import (
+    FIXES,
+    GPT2,
+    HARNESS,
+    ITERATIONS,
+    LLAMA,
+    SNAPSHOT,
+    ds_config,
+    ours_config,
+    prepare,
+    pretrain_args,
+    run_megatron,
+)
+
+pytestmark = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(not SNAPSHOT.exists(), reason=f"Megatron-DeepSpeed's snapshot is absent: {SNAPSHOT}"),
+]
+
+
+@pytest.fixture(scope="session")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tree and data set of this session (`megatron_tree.prepare`)."""
+    return prepare(tmp_path_factory.mktemp("megatron"))
+
+
+def stock_run(
+    megatron: dict[str, Path], tmp_path: Path, args: list[str], config: dict[str, Any], ranks: int
+) -> list[dict[str, Any]]:
+    """Stock's run of a row, once per configuration and code (`deepspeed_runs.stock_cache`, keyed here by
+    the arguments, the config, the harness and the fixes too)."""
+    digest = hashlib.sha256(HARNESS.read_bytes() + repr(FIXES).encode() + SNAPSHOT.name.encode()).hexdigest()
+    kept = stock_cache({"megatron": pretrain_args(args), "config": config, "harness": digest}, ranks)
+    if kept is not None and kept.exists():
+        return torch.load(kept, weights_only=False)
+    results = run_megatron(megatron, tmp_path / "stock", args, config, ranks, ours=False)
+    if kept is not None:
+        keep(results, kept)
+    return results
+
+
+ROWS = [
+    # (id, style, ranks, accumulation, clip, our config)
+    ("the artifact's llama style, 1 rank", LLAMA, 1, 1, 0.0, "readme"),
+    ("GPT-2 style, tied head, 1 rank", GPT2, 1, 1, 0.0, "readme"),
+    ("llama style, 2 ranks, clipping and accumulation 2", LLAMA, 2, 2, 1.0, "readme"),
+    ("llama style, DeepSpeed's NVMe config plus our empty section", LLAMA, 1, 1, 0.0, "nvme"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("style", "ranks", "accumulation", "clip", "how"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_pretrain_gpt_with_our_section_is_bit_equal_to_stock(
+    megatron: dict[str, Path],
+    probed_paths: Callable[[int], list[Path]],
+    tmp_path: Path,
+    style: list[str],
+    ranks: int,
+    accumulation: int,
+    clip: float,
+    how: str,
+) -> None:
+    """Stock's `pretrain_gpt.py` (the optimizer offloaded to the CPU) against the same with `install()`
+    and our section, on every rank: the same iterations' losses, gradient norms and skips, and the same
+    gathered state."""
+    args = [*style, "--global-batch-size", str(2 * accumulation * ranks)]
+    config = ds_config(2, accumulation, ranks, clip)
+    stock = stock_run(megatron, tmp_path, args, config, ranks)
+    paths = probed_paths(ranks) if how == "readme" else [tmp_path / "nvme"]
+    paths[0].mkdir(exist_ok=True)
+    ours = run_megatron(megatron, tmp_path / "ours", args, ours_config(config, how, paths), ranks, ours=True)
+    assert any((paths[0] / "rank0").glob("*.mlpo")), "our store is not on the first path"
+    assert len(stock[0]["losses"]) == ITERATIONS
+    for a, b in zip(ours, stock, strict=True):
+        assert_bit_equal(a, b)
+
+
+SAVE_AT = ITERATIONS // 2
+RESUMED = [*LLAMA, "--global-batch-size", "2"]
+
+
+class Checkpoints:
+    """Megatron's `--save` at iteration `SAVE_AT` (`--exit-interval` ends the run there), by stock or
+    ours on the README's section, each made once for this module's rows; and stock's resume of stock's,
+    the reference each resume is compared with."""
+
+    def __init__(self, megatron: dict[str, Path], root: Path) -> None:
+        self.megatron, self.root = megatron, root
+        self.saved: dict[str, Path] = {}
+        self.reference: list[dict[str, Any]] | None = None
+
+    def config(self, who: str, paths: list[Path]) -> dict[str, Any]:
+        config = ds_config(2, 1, 1, 0.0)
+        return ours_config(config, "readme", paths) if who == "ours" else config
+
+    def saved_by(self, who: str, paths: list[Path]) -> Path:
+        if who not in self.saved:
+            ckpt = self.root / f"{who}-saves" / "checkpoint"
+            args = [
+                *RESUMED,
+                "--save",
+                str(ckpt),
+                "--save-interval",
+                str(SAVE_AT),
+                "--exit-interval",
+                str(SAVE_AT),
+            ]
+            config = self.config(who, paths)
+            run_megatron(self.megatron, ckpt.parent / "run", args, config, 1, who == "ours", records=False)
+            self.saved[who] = ckpt
+        return self.saved[who]
+
+    def resume(self, who: str, saver: str, paths: list[Path], run_dir: Path) -> list[dict[str, Any]]:
+        args = [*RESUMED, "--load", str(self.saved_by(saver, paths))]
+        return run_megatron(self.megatron, run_dir, args, self.config(who, paths), 1, who == "ours")
+
+    def stocks_resume(self, paths: list[Path]) -> list[dict[str, Any]]:
+        if self.reference is None:
+            self.reference = self.resume("stock", "stock", paths, self.root / "stock-resumes-stock")
+        return self.reference
+
+
+@pytest.fixture(scope="module")
+def checkpoints(megatron: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(megatron, tmp_path_factory.mktemp("megatron-checkpoints"))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("saver", "resumer"),
+    [("ours", "ours"), ("stock", "ours"), ("ours", "stock")],
+    ids=["ours saves, ours resumes", "stock saves, ours resumes", "ours saves, stock resumes"],
+)
+def test_megatrons_save_and_load_in_a_new_process_resume_as_stock_resumes(
+    checkpoints: Checkpoints,
+    probed_paths: Callable[[int], list[Path]],
+    tmp_path: Path,
+    saver: str,
+    resumer: str,
+) -> None:
+    """Megatron's own `--save` at iteration 4 and `--load` in a new process, stock and ours crossed, each
+    resume bit-equal to stock's resume of stock's checkpoint (stock's CPU Adam recomputes its bias
+    corrections in a new process, so its resumed run is the reference, not its uninterrupted one)."""
+    paths = probed_paths(1)
+    resumed = checkpoints.resume(resumer, saver, paths, tmp_path / "resume")
+    reference = checkpoints.stocks_resume(paths)
+    assert len(reference[0]["losses"]) == ITERATIONS - SAVE_AT
+    assert_bit_equal(resumed[0], reference[0])
