@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -125,6 +126,25 @@ def job_nodes() -> int:
     return max(1, torch_dist.get_world_size() // memory.local_ranks())
 
 
+class _ProbeNotice:
+    """The probe's progress: its first measurement says, where a user sees it (a warning), that the
+    job is probing its paths before the first step and that later jobs will not; each measurement after
+    is logged at INFO."""
+
+    def __init__(self) -> None:
+        self.announced = False
+
+    def __call__(self, line: str) -> None:
+        if not self.announced:
+            self.announced = True
+            log.warning(
+                "mlp-offload: probing the paths before the first step (once: the profile is saved in %s, "
+                "and later jobs on these paths start without probing); each measurement at INFO",
+                profiles.profile_file(),
+            )
+        log.info("mlp-offload: %s", line)
+
+
 class UpdatePlanner:
     """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
     records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
@@ -190,10 +210,14 @@ class UpdatePlanner:
             self.profile, _ = profiles.saved_profile(config.paths, options, config.probe_max_age_hours * 3600)
             self.nodes = job_nodes()
         else:
+            started = time.monotonic()
             self.profile, source = profiles.load_or_probe(
-                config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=None
+                config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=_ProbeNotice()
             )
-            log.info("mlp-offload: %s", source)
+            if self.profile.source == "probed":
+                log.warning("mlp-offload: probed in %.1f s: %s", time.monotonic() - started, source)
+            else:
+                log.info("mlp-offload: %s", source)
             # A job of several nodes measures its shared paths from all of them at once (a collective).
             self.nodes = profiles.measure_across_nodes(
                 self.profile, options, self.locality, progress=lambda line: log.info("mlp-offload: %s", line)
