@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+import megatron_tree
 from deepspeed_runs import assert_bit_equal, keep, stock_cache
 from megatron_tree import (
-    FIXES,
     GPT2,
     HARNESS,
     ITERATIONS,
@@ -46,8 +46,9 @@ def stock_run(
     megatron: dict[str, Path], tmp_path: Path, args: list[str], config: dict[str, Any], ranks: int
 ) -> list[dict[str, Any]]:
     """Stock's run of a row, once per configuration and code (`deepspeed_runs.stock_cache`, keyed here by
-    the arguments, the config, the harness and the fixes too)."""
-    digest = hashlib.sha256(HARNESS.read_bytes() + repr(FIXES).encode() + SNAPSHOT.name.encode()).hexdigest()
+    the arguments, the config, the harness, the tree's preparation and fixes, and the snapshot too)."""
+    code = HARNESS.read_bytes() + Path(megatron_tree.__file__).read_bytes() + SNAPSHOT.name.encode()
+    digest = hashlib.sha256(code).hexdigest()
     kept = stock_cache({"megatron": pretrain_args(args), "config": config, "harness": digest}, ranks)
     if kept is not None and kept.exists():
         return torch.load(kept, weights_only=False)

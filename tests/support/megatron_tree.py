@@ -95,6 +95,11 @@ ON_THE_CPU = [
 ]  # fmt: skip
 
 
+def venv_first_path() -> str:
+    """PATH with this Python's directory first: Megatron's helpers build with `python3` and pybind11."""
+    return f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
 def prepare(root: Path) -> dict[str, Path]:
     """Under `root`: the extracted tree with `FIXES` applied, its dataset helpers built, and the data
     set (`"tree"`, `"data"`: its prefix)."""
@@ -106,7 +111,7 @@ def prepare(root: Path) -> dict[str, Path]:
         source = path.read_text()
         assert source.count(text) == 1, f"{name}: the text to fix ({why}) is not there once"
         path.write_text(source.replace(text, replacement))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": venv_first_path()}
     subprocess.run(["make", "-C", str(tree / "megatron" / "data")], check=True, env=env, capture_output=True)
     prefix = root / "corpus_text_document"
     build = (
@@ -131,7 +136,7 @@ def prepare(root: Path) -> dict[str, Path]:
     return {"tree": tree, "data": prefix}
 
 
-def ds_config(micro: int, accumulation: int, ranks: int, clip: float, **extra: Any) -> dict[str, Any]:
+def ds_config(micro: int, accumulation: int, ranks: int, clip: float) -> dict[str, Any]:
     """DeepSpeed's config for Megatron's `--deepspeed_config`: ZeRO-3, the optimizer offloaded, bf16."""
     return {
         "train_batch_size": micro * accumulation * ranks,
@@ -140,7 +145,6 @@ def ds_config(micro: int, accumulation: int, ranks: int, clip: float, **extra: A
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "sub_group_size": 500_000, "offload_optimizer": {"device": "cpu"}},
         "steps_per_print": 1000,
-        **extra,
     }
 
 
@@ -175,7 +179,7 @@ def run_megatron(
         MEGATRON_OURS="1" if ours else "0",
         # DeepSpeed's launcher sets it; Megatron's CPU path reads it.
         LOCAL_SIZE=str(ranks),
-        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        PATH=venv_first_path(),
     )
     log = run_dir / "log.txt"
     launched_at = time.time()
