@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -447,6 +448,10 @@ def test_probe_table_marks_shared_devices(work_dirs: list[Path]) -> None:
     assert "read MiB/s" in out.stdout and "(same device)" in out.stdout
     assert "node-local (ext4)" in out.stdout, "the work disk is the node's own"
     assert "MiB/s" in out.stderr, "progress lines go to stderr"
+    # Before any measurement, the first line says how long the probe takes at the first pass's rate.
+    first = out.stderr.splitlines()[0]
+    plan = re.search(r"the probe takes about (\d+)-(\d+) s \(([\d.]+)-([\d.]+) GiB moved\)$", first)
+    assert plan and int(plan[1]) <= int(plan[2]) and float(plan[3]) < float(plan[4]), first
 
 
 def test_probe_of_a_missing_directory_names_it(work_dirs: list[Path]) -> None:

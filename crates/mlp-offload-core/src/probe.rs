@@ -211,8 +211,16 @@ pub fn probe_paths(
     let mut buf = probe_buffer(opts, Pages::Huge)?;
     let mut files = Vec::with_capacity(dirs.len());
     let mut probes = Vec::with_capacity(dirs.len());
-    for dir in dirs {
+    for (i, dir) in dirs.iter().enumerate() {
+        let started = Instant::now();
         let file = ProbeFile::create(dir, opts, &mut buf)?;
+        if i == 0 {
+            // The first file's unmeasured pass is the first rate there is to tell the time by.
+            let written = file.bytes.max(file.sustained_bytes) as f64;
+            let rate = written / started.elapsed().as_secs_f64().max(1e-9);
+            let plan = ProbePlan::of(dirs.len(), opts);
+            progress(&plan.describe(dir, rate));
+        }
         probes.push(sweep(dir, &file, opts, &mut buf, progress)?);
         files.push(file);
     }
@@ -252,6 +260,65 @@ pub fn probe_paths(
         }
     }
     Ok(probes)
+}
+
+/// What a probe of some paths does, to say beforehand how long it takes: the bytes it moves at the least
+/// (every sustained figure settled as soon as it can be) and at the most (`MAX_PASSES` passes each), and
+/// the time its measurements of a set length run, at the least (all paths on one device) and at the
+/// most (each on its own).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbePlan {
+    pub bytes: (u64, u64),
+    pub timed: (Duration, Duration),
+}
+
+impl ProbePlan {
+    pub fn of(paths: usize, opts: &ProbeOptions) -> ProbePlan {
+        let (n, sweep, working_set) = (paths as u64, opts.bytes, opts.sustained_bytes);
+        let measurements = (opts.chunk_sizes.len() * opts.depths.len()) as u64;
+        // The unmeasured pass, each sweep setting's write and read, and the pages' three measurements.
+        let fixed = sweep.max(working_set) + measurements * 2 * sweep + 3 * sweep;
+        // Each of the sustained read, write and mixed: a first pass, then the windows that settle.
+        let settled = working_set + SETTLE_WINDOWS as u64 * (working_set / 8);
+        let per_path = |sustained: u64| fixed + 3 * sustained;
+        // The sharing measurement runs three ways on each device; all paths at once, once.
+        let sharing = if opts.ranks > 1 {
+            3 * opts.together
+        } else {
+            Duration::ZERO
+        };
+        let together = if n > 1 { opts.together } else { Duration::ZERO };
+        ProbePlan {
+            bytes: (
+                n * per_path(settled),
+                n * per_path(MAX_PASSES * working_set),
+            ),
+            timed: (sharing + together, sharing * paths as u32 + together),
+        }
+    }
+
+    /// Seconds at the least and at the most, its bytes at `bytes_per_s`.
+    pub fn secs_at(&self, bytes_per_s: f64) -> (f64, f64) {
+        let at = |bytes: u64, timed: Duration| bytes as f64 / bytes_per_s + timed.as_secs_f64();
+        (
+            at(self.bytes.0, self.timed.0),
+            at(self.bytes.1, self.timed.1),
+        )
+    }
+
+    /// The progress line that says it, `dir` the first path, `bytes_per_s` its first rate.
+    fn describe(&self, dir: &Path, bytes_per_s: f64) -> String {
+        let (least, most) = self.secs_at(bytes_per_s);
+        format!(
+            "{}: first pass written at {:.0} MiB/s; at that rate the probe takes about {:.0}-{:.0} s ({:.1}-{:.1} GiB moved)",
+            dir.display(),
+            bytes_per_s / (1 << 20) as f64,
+            least,
+            most,
+            self.bytes.0 as f64 / (1u64 << 30) as f64,
+            self.bytes.1 as f64 / (1u64 << 30) as f64,
+        )
+    }
 }
 
 /// The probe's host buffer of `pages`, filled with a pattern (never all zeros, which some devices
@@ -829,6 +896,71 @@ mod tests {
             i += 1;
             Ok((len, len as f64 / rate))
         }
+    }
+
+    #[test]
+    fn a_probes_plan_counts_what_it_moves_and_how_long_it_runs() {
+        let mib = 1u64 << 20;
+        let secs = Duration::from_secs;
+        let opts = ProbeOptions {
+            bytes: 8 * mib,
+            sustained_bytes: 64 * mib,
+            chunk_sizes: vec![1 << 20, 4 << 20],
+            depths: vec![4],
+            together: secs(2),
+            ..ProbeOptions::default()
+        };
+        // Per path: the unmeasured 64 MiB, 2 sweep settings x (write, read) x 8 MiB, 3 x 8 MiB for the
+        // pages, then 3 sustained figures of 64 MiB + 4 windows of 8 MiB at the least, 3 x 64 MiB at most.
+        let (least, most) = (
+            (64 + 32 + 24 + 3 * 96) * mib,
+            (64 + 32 + 24 + 3 * 192) * mib,
+        );
+        // name, paths, ranks, expected plan
+        let cases: &[(&str, usize, usize, ProbePlan)] = &[
+            (
+                "one path, one rank",
+                1,
+                1,
+                ProbePlan {
+                    bytes: (least, most),
+                    timed: (secs(0), secs(0)),
+                },
+            ),
+            (
+                "two paths: all at once, once",
+                2,
+                1,
+                ProbePlan {
+                    bytes: (2 * least, 2 * most),
+                    timed: (secs(2), secs(2)),
+                },
+            ),
+            (
+                "two paths, 4 ranks: three ways of sharing on one device or on each",
+                2,
+                4,
+                ProbePlan {
+                    bytes: (2 * least, 2 * most),
+                    timed: (secs(8), secs(14)),
+                },
+            ),
+        ];
+        for (name, paths, ranks, expected) in cases {
+            let plan = ProbePlan::of(
+                *paths,
+                &ProbeOptions {
+                    ranks: *ranks,
+                    ..opts.clone()
+                },
+            );
+            assert_eq!(plan, *expected, "{name}");
+        }
+        let plan = ProbePlan::of(1, &opts);
+        assert_eq!(
+            plan.secs_at(mib as f64),
+            ((least / mib) as f64, (most / mib) as f64)
+        );
     }
 
     #[test]

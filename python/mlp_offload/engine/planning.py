@@ -127,22 +127,24 @@ def job_nodes() -> int:
 
 
 class _ProbeNotice:
-    """The probe's progress: its first measurement says, where a user sees it (a warning), that the
-    job is probing its paths before the first step and that later jobs will not; each measurement after
-    is logged at INFO."""
+    """The probe's progress: its first line, how long the probe takes at the first path's first rate,
+    is said where a user sees it (a warning), with that the job is probing its paths before the first
+    step and that later jobs will not; each measurement after is logged at INFO."""
 
     def __init__(self) -> None:
         self.announced = False
 
     def __call__(self, line: str) -> None:
-        if not self.announced:
-            self.announced = True
-            log.warning(
-                "mlp-offload: probing the paths before the first step (once: the profile is saved in %s, "
-                "and later jobs on these paths start without probing); each measurement at INFO",
-                profiles.profile_file(),
-            )
-        log.info("mlp-offload: %s", line)
+        if self.announced:
+            log.info("mlp-offload: %s", line)
+            return
+        self.announced = True
+        log.warning(
+            "mlp-offload: probing the paths before the first step (once: the profile is saved in %s, "
+            "and later jobs on these paths start without probing); %s; each measurement at INFO",
+            profiles.profile_file(),
+            line,
+        )
 
 
 class UpdatePlanner:
