@@ -61,9 +61,16 @@ format: ## format Rust and Python sources
 	$(VENV)/bin/ruff check --fix -q python tests benches
 
 .PHONY: lint
-lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against the module
+lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against the module (both halves at once)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint-rust lint-python
+
+.PHONY: lint-rust
+lint-rust: ## lint's Rust half: formatting and clippy -D warnings
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -q -- -D warnings
+
+.PHONY: lint-python
+lint-python: ## lint's Python half: ruff, mypy (single-threaded: clippy runs beside it) and the .pyi
 	$(VENV)/bin/ruff format --check -q python tests benches
 	$(VENV)/bin/ruff check -q python tests benches
 	$(VENV)/bin/mypy python/mlp_offload tests benches
