@@ -67,6 +67,7 @@ def stock_run(
 
 
 SAVE_AT = ITERATIONS // 2
+SAVED_TAG = f"global_step{SAVE_AT}"  # DeepSpeed's name for the checkpoint at SAVE_AT
 RESUMED = [*LLAMA, "--global-batch-size", "2"]
 
 
@@ -90,7 +91,7 @@ class Checkpoints:
 
     def saved_by(self, who: str, paths: list[Path]) -> Path:
         saved = self.root / f"{who}-saves"
-        if not (saved / f"global_step{SAVE_AT}").exists():
+        if not (saved / SAVED_TAG).exists():
             args = [*RESUMED, *self.saving(who), "--exit-interval", str(SAVE_AT)]
             run_dir = self.root / f"{who}-saves-run"
             run_megatron(
@@ -101,7 +102,7 @@ class Checkpoints:
     def resume(self, who: str, saver: str, paths: list[Path], run_dir: Path) -> list[dict[str, Any]]:
         """`who`'s resume at `SAVE_AT` (`--load-tag`: the first row's runs saved the end too)."""
         saved = self.saved_by(saver, paths)
-        args = [*RESUMED, "--load", str(saved), "--load-tag", f"global_step{SAVE_AT}"]
+        args = [*RESUMED, "--load", str(saved), "--load-tag", SAVED_TAG]
         return run_megatron(self.megatron, run_dir, args, self.config(who, paths), 1, who == "ours")
 
     def stocks_resume(self, paths: list[Path]) -> list[dict[str, Any]]:
@@ -165,6 +166,9 @@ def test_pretrain_gpt_with_our_section_is_bit_equal_to_stock(
     args = [*style, "--global-batch-size", str(2 * accumulation * ranks)]
     config = ds_config(2, accumulation, ranks, clip)
     config["bf16"].update(bf16)
+    # The row that saves makes the resumes' checkpoints: it runs what they resume.
+    resumed = args == RESUMED and config == checkpoints.config("stock", []) and how == "readme"
+    assert resumed or not saves, "the row that saves does not run what the resumes resume"
     stock = stock_run(megatron, tmp_path, args, config, ranks, checkpoints.saving("stock") if saves else [])
     paths = probed_paths(ranks) if how == "readme" else [tmp_path / "nvme"]
     paths[0].mkdir(exist_ok=True)
