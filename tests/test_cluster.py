@@ -110,9 +110,13 @@ def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str)
         # A rank that aborted or crashed (its siblings are then ended with SIGTERM, whatever the cause).
         crashed = "(SIGABRT)" in logs or "(SIGSEGV)" in logs
         if attempt == 1 and "mlp_offload" not in case and crashed:
-            warnings.warn(
-                f"{name}: a rank of stock's run crashed; running it once more:\n{logs}", stacklevel=2
-            )
+            # Shown in the warnings summary, not raised: `filterwarnings = error` made this warning
+            # fail the test it was meant to let run again (a fresh clone's CI of 4ff6700).
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.warn(
+                    f"{name}: a rank of stock's run crashed; running it once more:\n{logs}", stacklevel=2
+                )
             continue
         raise AssertionError(f"{name}: {logs}")
     raise AssertionError("unreachable")
