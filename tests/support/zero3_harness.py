@@ -224,7 +224,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     if first_step:
         # A new process resuming a job from its checkpoint: the batches of the steps before it are
         # drawn and dropped, as a sampler resumed at that step would.
-        engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt")
+        if case.get("load_refused"):
+            return refused_load(engine, case["checkpoint_dir"])
+        engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
         for _ in range(first_step * case.get("grad_accum", 1)):
             torch.randint(0, VOCAB, (2, SEQ), generator=data)
     for step in range(first_step, case.get("steps", 10)):
@@ -481,6 +483,32 @@ class Droppable(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.dropped else self.block(x)
+
+
+def full_state(engine: Any) -> list[torch.Tensor]:
+    """Every parameter's fp32 weights and moments (from the store, with ours), and its partition."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    tensors = []
+    for p in engine.module.parameters():
+        tensors.append(safe_get_full_fp32_param(p).clone())
+        tensors += [safe_get_full_optimizer_state(p, key).clone() for key in ("exp_avg", "exp_avg_sq")]
+        tensors.append(p.ds_tensor.clone())
+    return tensors
+
+
+def refused_load(engine: Any, checkpoint_dir: str) -> dict[str, Any]:
+    """A load expected to be refused: its error, and whether the state is what it was before it."""
+    before = full_state(engine)
+    try:
+        engine.load_checkpoint(checkpoint_dir, tag="ckpt")
+    except Exception as e:  # what it was is the test's to read
+        error: str | None = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    after = full_state(engine)
+    kept = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    return {"refused": error, "state_kept": kept}
 
 
 def store_read(store: Any, key: str, like: torch.Tensor) -> torch.Tensor:

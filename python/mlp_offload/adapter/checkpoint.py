@@ -1,15 +1,24 @@
 """The engine's side of DeepSpeed's checkpoints and state helpers: ZeRO-3 checkpoints in DeepSpeed's own
-format (so they load into stock DeepSpeed and back), and the optimizer-swapper protocol that DeepSpeed's
-`safe_get/set_*` helpers swap subgroups in and out through. Both see whole subgroups, gathered from and
-scattered to their chunks (`state.ChunkedState`)."""
+format (so they load into stock DeepSpeed and back), universal checkpoints (`ds_to_universal.py`'s, loaded
+at any data-parallel degree), and the optimizer-swapper protocol that DeepSpeed's `safe_get/set_*` helpers
+swap subgroups in and out through. ZeRO-3 checkpoints and the helpers see whole subgroups, gathered from
+and scattered to their chunks (`state.ChunkedState`); a universal checkpoint is loaded chunk by chunk."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import functools
+import math
+import os
 from typing import Any
 
 import torch
+from deepspeed import comm as dist
+from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, PARAM
 from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from mlp_offload.adapter import stale_gradients
 from mlp_offload.engine.state import FP32, STATE_TENSORS
@@ -82,6 +91,195 @@ def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
     finally:
         for i in subgroups:
             opt._mlp_unbind(i)  # the loaded state lives in the store only
+
+
+def refuse_another_degree(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool) -> None:
+    """Stock DeepSpeed's refusal of a ZeRO checkpoint saved at another data-parallel degree (in
+    `DeepSpeedEngine._load_zero_checkpoint`, before any state is loaded), saying how to convert it."""
+    saved, now = engine.loaded_checkpoint_dp_world_size, engine.seq_dp_world_size
+    if not load_optimizer_states or engine.load_universal_checkpoint() or saved == now:
+        return
+    folder = os.path.join(load_dir, str(tag))
+    raise ZeRORuntimeException(
+        f"mlp_offload: the checkpoint {folder} was saved at a data-parallel degree of {saved}; this job "
+        f"has {now}. Convert it to a universal checkpoint, which loads at any degree: "
+        f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder "
+        f'{folder}_universal`, then set "checkpoint": {{"load_universal": true}} in the DeepSpeed '
+        f"config and load tag {str(tag) + '_universal'!r}"
+    )
+
+
+# A universal checkpoint's state files of each parameter, in the order of a chunk's arrays.
+UNIVERSAL_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class UniversalPart:
+    """A parameter's part of a subgroup on this rank, as stock's `load_hp_checkpoint_state` cuts it: the
+    parameter's folder in the checkpoint, where its partition lies in the subgroup (`offset`, `numel`
+    elements with padding), and where in the parameter's whole flat tensor (`start`, `real` elements
+    there: the padding past them is zeros)."""
+
+    name: str
+    folder: str
+    offset: int
+    numel: int
+    start: int
+    real: int
+
+
+def _mapped(folder: str, key: str, name: str) -> torch.Tensor:
+    """Parameter `name`'s `key` tensor of a universal checkpoint, mapped rather than read: only what is
+    copied out of it comes into memory, and only while it is referenced."""
+    path = os.path.join(folder, f"{key}.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, f"universal checkpoint: no {key} for parameter {name}", path)
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if isinstance(saved, dict):
+        if saved.get(EP_IS_EXPERT_PARAM, False):
+            raise NotImplementedError(
+                f"mlp_offload: {path}: expert-parallel universal state is not supported"
+            )
+        saved = saved[PARAM]
+    return saved
+
+
+def universal_parts(opt: Any, zero: str, keys: tuple[str, ...]) -> list[list[UniversalPart]]:
+    """Per subgroup, its parameters' parts; checked before anything is loaded, so a checkpoint that does
+    not fit leaves the state as it was: every parameter's `keys` files are there, each of its size
+    (ZeRO-3's converter saves them flat)."""
+    parts = []
+    for i, group in enumerate(opt.fp16_groups):
+        offset, of_subgroup = 0, []
+        for param in group:
+            name = opt.param_names.get(param)
+            if name is None:
+                raise ValueError("failed to find optimizer param in named params")
+            folder = os.path.join(zero, name)
+            for key in keys:
+                numel = _mapped(folder, key, name).numel()
+                if numel != param.ds_numel:
+                    raise ValueError(
+                        f"universal checkpoint {zero}: parameter {name}'s {key} has {numel:,} elements, "
+                        f"the model's {tuple(param.ds_shape)} has {param.ds_numel:,} (a checkpoint of "
+                        "another model?)"
+                    )
+            partition_group = opt._get_param_partition_group(param)
+            ranks, rank = dist.get_world_size(group=partition_group), dist.get_rank(group=partition_group)
+            numel = math.ceil(param.ds_numel / ranks)
+            start = rank * numel
+            real = max(0, min(numel, param.ds_numel - start))
+            of_subgroup.append(UniversalPart(name, folder, offset, numel, start, real))
+            offset += numel
+        assert offset == int(opt.fp16_partitioned_groups_flat_numel[i]), (offset, i)
+        parts.append(of_subgroup)
+    return parts
+
+
+def fill_from_universal(out: torch.Tensor, parts: list[UniversalPart], key: str, first: int) -> None:
+    """`out` becomes the subgroup's `key` elements from `first` on (converted to its dtype, as stock's
+    copy into its tensor converts them; the padding zeros)."""
+    end = first + out.numel()
+    for part in parts:
+        lo, hi = max(first, part.offset), min(end, part.offset + part.numel)
+        if lo >= hi:
+            continue
+        # Within the partition: [a, b), of which [a, min(b, real)) lies inside the parameter.
+        a, b = lo - part.offset, hi - part.offset
+        inside = min(b, part.real)
+        target = out[lo - first : hi - first]
+        if a < inside:
+            whole = _mapped(part.folder, key, part.name).view(-1)
+            target[: inside - a].copy_(whole[part.start + a : part.start + inside])
+            del whole
+        target[max(0, inside - a) :].zero_()
+
+
+def load_universal(opt: Any, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+    """Loads a universal checkpoint (any data-parallel degree) as stock DeepSpeed's
+    `_load_universal_checkpoint` does, chunk by chunk, so the host memory it adds is about a chunk:
+    every state (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), or the weights alone
+    (`load_module_checkpoint_state_from_checkpoint_dir_stage3`)."""
+    zero = os.path.join(folder, "zero")
+    if load_optimizer_states:
+        _load_universal_state(opt, zero)
+    else:
+        _load_universal_weights(opt, zero, load_from_fp32_weights)
+    # The partitioned parameters point into the half-precision partitions again (stock's last loop).
+    for i, half in enumerate(opt.fp16_partitioned_groups_flat):
+        updated = opt.unflatten(half, opt.fp16_partitioned_groups[i])
+        for partitioned_param, q in zip(opt.fp16_partitioned_groups[i], updated, strict=True):
+            partitioned_param.data = q.data
+
+
+def _load_universal_state(opt: Any, zero: str) -> None:
+    """The master weights and both moments, in the master weights' dtype as stock loads them (its
+    moments too: `zeros_like` the master weights), the Adam step and the hyperparameters of the
+    checkpoint's first param group; the half-precision partitions from the master weights."""
+    optim_path = os.path.join(zero, "optimizer_state.pt")
+    if not os.path.isfile(optim_path):
+        raise FileNotFoundError(errno.ENOENT, "universal checkpoint: no optimizer global state", optim_path)
+    parts = universal_parts(opt, zero, UNIVERSAL_KEYS)
+    optim_sd = torch.load(optim_path, weights_only=False)
+    saved = optim_sd[OPTIMIZER_STATE_DICT]
+    state_step = saved["state"][0]["step"]
+    DeepSpeedZeroOptimizer_Stage3._load_global_state_stage3(opt, optim_sd)
+    state, master = opt._mlp_state, opt._mlp_dtypes.master
+    state.pipeline.flush()
+    scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
+    for i, of_subgroup in enumerate(parts):
+        half = opt.fp16_partitioned_groups_flat[i].data
+        for chunk in state.of_subgroup[i]:
+            _, first, count = state.chunks[chunk]
+            fill = functools.partial(
+                _universal_chunk, of_subgroup, first, master, half[first : first + count]
+            )
+            state.write(chunk, fill, scratch)
+        opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]["step"] = state_step
+    for param_group in opt.optimizer.param_groups:
+        for key, value in saved["param_groups"][0].items():
+            param_group[key] = [] if key == "params" else value
+    opt._mlp_follow_loaded_moments(master)
+
+
+def _universal_chunk(
+    parts: list[UniversalPart],
+    first: int,
+    master: torch.dtype,
+    half: torch.Tensor,
+    arrays: tuple[torch.Tensor, ...],
+) -> None:
+    """A chunk's arrays (from its subgroup's element `first` on) from the checkpoint, each rounded to the
+    master weights' dtype first, and its part of the half-precision partition from its master weights."""
+    for array, key in zip(arrays, UNIVERSAL_KEYS, strict=True):
+        values = array if array.dtype == master else torch.empty(array.numel(), dtype=master)
+        fill_from_universal(values, parts, key, first)
+        array.copy_(values)
+    half.copy_(arrays[0])
+
+
+def _load_universal_weights(opt: Any, zero: str, load_from_fp32_weights: bool) -> None:
+    """The half-precision partitions from the checkpoint's fp32 weights, and the master weights from them
+    too (`load_from_fp32_weights`) or from the partitions; the moments stay."""
+    parts = universal_parts(opt, zero, UNIVERSAL_KEYS[:1])
+    state, master = opt._mlp_state, opt._mlp_dtypes.master
+    scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
+    for i, of_subgroup in enumerate(parts):
+        half = opt.fp16_partitioned_groups_flat[i]
+        if half is None:
+            raise RuntimeError(
+                "ZeRO-3 universal module-only checkpoint load requires available parameter "
+                f"partitions for subgroup {i}."
+            )
+        for chunk in state.of_subgroup[i]:
+            _, first, count = state.chunks[chunk]
+            fill_from_universal(half.data[first : first + count], of_subgroup, "fp32", first)
+            if load_from_fp32_weights:
+                values = torch.empty(count, dtype=master)
+                fill_from_universal(values, of_subgroup, "fp32", first)
+                state.set_chunk_params(chunk, values, scratch)
+    if not load_from_fp32_weights:
+        opt.refresh_fp32_params()
 
 
 class StateSwapper:

@@ -51,10 +51,13 @@ REPLACED_STATE = (
 CALLED = (
     "deepspeed.initialize",
     "deepspeed.runtime.engine.DeepSpeedEngine._configure_zero_optimizer",
+    "deepspeed.runtime.engine.DeepSpeedEngine._load_zero_checkpoint",
     "deepspeed.runtime.utils.combine_grad_norm_groups",
     "deepspeed.runtime.utils.is_invalid_grad_norm",
     "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam.step",
     f"{STAGE3}._pre_step",
+    f"{STAGE3}._load_global_state_stage3",
+    f"{STAGE3}.load_hp_checkpoint_state",
     f"{STAGE3}._partition_all_parameters",
     f"{STAGE3}._overflow_check_and_loss_scale_update",
     f"{STAGE3}._apply_muon_to_accumulated_grads",
@@ -90,6 +93,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     },
     "deepspeed.runtime.engine.DeepSpeedEngine": {
         "_configure_zero_optimizer": "2865a9d0327716e7",
+        "_load_zero_checkpoint": "178566fb831f64e6",
     },
     "deepspeed.runtime.utils": {
         "combine_grad_norm_groups": "37a114f1037dc520",
@@ -118,6 +122,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "_get_fp32_grad_state_partition": "3de05026991c2244",
         "_get_fp32_opt_state_partition": "d3f911190262b0be",
         "_get_norm_groups": "ece0a2b4a699826c",
+        "_load_global_state_stage3": "eeaca9afc3ffb4b4",
         "_load_universal_checkpoint": "d312327ea9d00cda",
         "_loss_scale_update_and_overflow_cleanup": "01d06a8c6fb45da7",
         "_muon_update_lacks_loss_scale": "6b43590e899a9238",
@@ -157,6 +162,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "get_fp32_grad_partitions": "60a7178eaa06cdb2",
         "independent_gradient_partition_epilogue": "e8bc243cb6b99135",
         "initialize_optimizer_states": "055673a537e1e98f",
+        "load_hp_checkpoint_state": "d4d9b0cabd2d7c14",
         "load_hp_checkpoint_state_from_checkpoint_dir_stage3": "461ec0c7c73fcd93",
         "load_module_checkpoint_state_from_checkpoint_dir_stage3": "715152efb90ba6c4",
         "offload_states": "d54d61eee6e39303",

@@ -13,7 +13,7 @@ import functools
 import os
 from typing import Any
 
-from mlp_offload.adapter import compat, options
+from mlp_offload.adapter import checkpoint, compat, options
 from mlp_offload.common.config import SECTION, migrate_nvme_offload
 
 
@@ -58,6 +58,19 @@ def install() -> None:
 
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
     stock.__new__ = staticmethod(dispatching_new)  # type: ignore[method-assign, assignment]
+
+    # A ZeRO checkpoint of another data-parallel degree: refused as stock refuses it, saying how to
+    # convert it (stock's message does not).
+    engine_class = deepspeed.runtime.engine.DeepSpeedEngine
+    ds_load_zero_checkpoint = engine_class._load_zero_checkpoint
+
+    @functools.wraps(ds_load_zero_checkpoint)
+    def load_zero_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True) -> Any:
+        if isinstance(engine.optimizer, MLPOffloadStage3):
+            checkpoint.refuse_another_degree(engine, load_dir, tag, load_optimizer_states)
+        return ds_load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states=load_optimizer_states)
+
+    engine_class._load_zero_checkpoint = load_zero_checkpoint
     stock._mlp_offload_installed = True
 
     # The one-line migration from DeepSpeed's NVMe offload: its config is rewritten before DeepSpeed

@@ -1631,9 +1631,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     def _load_universal_checkpoint(
         self, checkpoint_folder: Any, load_optimizer_states: bool, load_from_fp32_weights: bool
     ) -> None:
-        raise NotImplementedError(
-            "mlp_offload: universal checkpoints are not supported; load the ZeRO checkpoint instead"
-        )
+        """A universal checkpoint (`ds_to_universal.py`'s, of any data-parallel degree) into the store,
+        chunk by chunk, as stock DeepSpeed loads it (`checkpoint.load_universal`)."""
+        self._mlp_settle()
+        checkpoint.load_universal(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:

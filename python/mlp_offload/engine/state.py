@@ -7,6 +7,7 @@ DeepSpeed's `safe_get/set_*` helpers)."""
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Sequence
@@ -235,10 +236,14 @@ class ChunkedState:
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             _, first, count = self.chunks[chunk]
-            chunk_state = self._current(chunk, scratch)
-            self.stored.arrays(chunk_state, count)[0].copy_(values[first : first + count])
-            # Written back too where the host copy was edited in place (a retained chunk's store copy).
-            self.pipeline.replace(chunk, chunk_state)
+            self.set_chunk_params(chunk, values[first : first + count], scratch)
+
+    def set_chunk_params(self, chunk: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """Makes `values` (the chunk's elements, any float dtype) its master weights; the moments stay."""
+        chunk_state = self._current(chunk, self._scratch() if scratch is None else scratch)
+        self.stored.arrays(chunk_state, self.chunks[chunk][2])[0].copy_(values)
+        # Written back too where the host copy was edited in place (a retained chunk's store copy).
+        self.pipeline.replace(chunk, chunk_state)
 
     def scatter(self, subgroup: int, state: torch.Tensor) -> None:
         """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32, values of the dtypes the chunks
@@ -246,8 +251,23 @@ class ChunkedState:
         store."""
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
-            chunk_state = scratch[: self.layout.sizes[chunk]]
-            arrays = self.stored.arrays(chunk_state, self.chunks[chunk][2])
-            for part, array in zip(self._slices(chunk), arrays, strict=True):
-                array.copy_(state[part])
-            self.pipeline.replace(chunk, chunk_state)
+            self.write(chunk, functools.partial(_copy_parts, state, self._slices(chunk)), scratch)
+
+    def write(
+        self,
+        chunk: int,
+        fill: Callable[[tuple[torch.Tensor, ...]], object],
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        """Makes the chunk's state what `fill` writes into its `(params, exp_avg, exp_avg_sq)` (in the
+        dtypes the chunk keeps them in) current: in the pipeline's host copy where it has one, and in
+        the store. Only the chunk's bytes are in host memory beside the pipeline's."""
+        chunk_state = (self._scratch() if scratch is None else scratch)[: self.layout.sizes[chunk]]
+        fill(self.stored.arrays(chunk_state, self.chunks[chunk][2]))
+        self.pipeline.replace(chunk, chunk_state)
+
+
+def _copy_parts(whole: torch.Tensor, parts: list[slice], arrays: tuple[torch.Tensor, ...]) -> None:
+    """A chunk's arrays from where they lie in its subgroup's whole `[params | exp_avg | exp_avg_sq]`."""
+    for array, part in zip(arrays, parts, strict=True):
+        array.copy_(whole[part])
