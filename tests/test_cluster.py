@@ -2,13 +2,14 @@
 the state on a node-local directory and on a GlusterFS volume both nodes mount. Each run's ranks equal
 stock DeepSpeed's same run bit for bit, and a checkpoint saved on the shared volume resumes on another
 layout of the same 4 data-parallel ranks: from one node on two, and, after a node is killed, from two
-nodes on the one left."""
+nodes on the one left; converted to a universal checkpoint, on 2 ranks, one on each node."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -47,14 +48,14 @@ def cluster(tmp_path: Path) -> Iterator[TwoNodeCluster]:
 
 
 def start_on(
-    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str
+    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
 ) -> list[tuple[Path, subprocess.Popen[bytes]]]:
-    """Starts `case` on 4 ranks: 2 on each node (`nodes` 2) or all 4 on node 0 (`nodes` 1); each node's
-    log and torchrun."""
+    """Starts `case` on `ranks` ranks: half on each node (`nodes` 2) or all on node 0 (`nodes` 1); each
+    node's log and torchrun."""
     spec = cluster.root / f"{name}.json"
     spec.write_text(json.dumps(case))
     port = free_port()
-    per_node = RANKS // nodes
+    per_node = ranks // nodes
     procs = []
     for k in range(nodes):
         log = cluster.root / f"{name}.node{k}.log"
@@ -87,14 +88,16 @@ def wait_for_nodes(
     return [log for log, proc in procs if proc.poll() != 0]
 
 
-def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    """`case` on 4 ranks (see `start_on`): every rank's result, rank by rank. A failed node's log ends
+def run_on(
+    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
+) -> list[dict[str, Any]]:
+    """`case` on `ranks` ranks (see `start_on`): every rank's result, rank by rank. A failed node's log ends
     the failure's message. Stock DeepSpeed's run (no `mlp_offload` section) is run once more, saying so,
     if a rank of it aborted or crashed: on this loaded machine gloo across the namespaces has aborted
     stock's rank 0 (`terminate called without an active exception`, SIGABRT) in a fresh clone's CI. A
     run of ours is never run again."""
     for attempt in (1, 2):
-        procs = start_on(cluster, nodes, case, name)
+        procs = start_on(cluster, nodes, case, name, ranks)
         try:
             failed = wait_for_nodes(procs)
         finally:
@@ -105,7 +108,7 @@ def run_on(cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str)
                     proc.kill()
                 proc.wait()
         if not failed:
-            return [torch.load(result_file(cluster, name, r), weights_only=False) for r in range(RANKS)]
+            return [torch.load(result_file(cluster, name, r), weights_only=False) for r in range(ranks)]
         logs = "\n".join(f"{log.name}:\n{log.read_text()[-6000:]}" for log in failed)
         # A rank that aborted or crashed (its siblings are then ended with SIGTERM, whatever the cause).
         crashed = "(SIGABRT)" in logs or "(SIGSEGV)" in logs
@@ -186,7 +189,8 @@ def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volum
     measures the volume from each node alone and from both at once. Then 4 ranks on 2 nodes resume
     each checkpoint (ours resumes ours, stock resumes stock's), ours split as the model plans from
     those figures, and end bit-equal to each other. A node whose profile lacks the measurement makes the
-    job measure again at start-up, and each node plans with its part of the volume."""
+    job measure again at start-up, and each node plans with its part of the volume. Then each
+    checkpoint, converted to a universal one, resumes on 2 nodes of 1 rank each, bit-equal."""
     case = {"grad_accum": 2, "clip": 0.05, "steps": 4, "save_at": 3}
     runs = {}
     for name, ours in (("stock", False), ("ours", True)):
@@ -244,6 +248,22 @@ def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volum
     assert cluster.shared_brick is not None
     shared = cluster.shared_brick / "resumed"
     assert sorted(d.name for d in shared.iterdir()) == [f"rank{r}" for r in range(RANKS)], shared
+
+    # The checkpoints of the 4 ranks, converted on the volume (DeepSpeed's `ds_to_universal.py`), resume
+    # on 2 nodes of 1 rank each: ours from ours', stock from stock's.
+    universal = {**case, "steps": 6, "resume_at": 3, "ds_options": {"checkpoint.load_universal": True}}
+    universal.pop("save_at")
+    for name, ours in (("stock", False), ("ours", True)):
+        converter = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--num_extract_workers"]
+        converter += ["1", "--num_merge_workers", "1", "--input_folder", f"{cluster.shared}/ckpt-{name}/ckpt"]
+        cluster.run(0, [*converter, "--output_folder", f"{cluster.shared}/universal-{name}/ckpt"])
+        full = {**universal, "checkpoint_dir": str(cluster.shared / f"universal-{name}")}
+        if ours:
+            full["mlp_offload"] = section(cluster, "universal")
+        resumed[name] = run_on(cluster, 2, full, f"{name}-universal", ranks=2)
+    for a, b in zip(resumed["ours"], resumed["stock"], strict=True):
+        assert a["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
+        assert_bit_equal(a, b)
 
 
 def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: TwoNodeCluster) -> None:

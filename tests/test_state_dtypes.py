@@ -14,25 +14,10 @@ from typing import Any
 import pytest
 
 from conftest import ONE_NODE
-from deepspeed_runs import assert_bit_equal, run_case, section, stock_resume, stock_side
+from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section, stock_resume, stock_side
 
 pytestmark = pytest.mark.deepspeed
 
-# Each mode: the harness's precision, DeepSpeed's options, and the dtypes our start-up record names.
-MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "bf16 weights": (
-        {"ds_options": {"bf16.bf16_master_weights_and_grads": True}},
-        {"master": "bfloat16", "moments": "float32"},
-    ),
-    "bf16 weights and moments": (
-        {"ds_options": {"bf16.bf16_master_weights_and_grads": True, "bf16.bf16_optimizer_states": True}},
-        {"master": "bfloat16", "moments": "bfloat16"},
-    ),
-    "fp16 weights": (
-        {"fp16": True, "ds_options": {"fp16.fp16_master_weights_and_grads": True}},
-        {"master": "float16", "moments": "float32"},
-    ),
-}
 STEPS = 6
 # The update during backward: small reduce buckets (chunks' gradients final before backward ends) and no
 # clipping (a clipped step's is not tried); our section's keys for it, and for the state streamed.
@@ -80,7 +65,7 @@ ROWS: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, int, str | Non
 
 
 def _mode_case(mode: str, ds_side: dict[str, Any]) -> dict[str, Any]:
-    extra, _ = MODES[mode]
+    extra, _ = STATE_MODES[mode]
     options = {**extra["ds_options"], **ds_side.get("ds_options", {})}
     return {"model": "attention", **ds_side, **extra, "ds_options": options}
 
@@ -111,7 +96,7 @@ def test_each_mode_trains_bit_equal_to_stock(
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
         start = next(r for r in a["telemetry"] if r["event"] == "start")
-        assert start["update_kernel"]["state_dtypes"] == MODES[mode][1], start["update_kernel"]
+        assert start["update_kernel"]["state_dtypes"] == STATE_MODES[mode][1], start["update_kernel"]
         if shows == "in backward":
             steps = [r for r in a["telemetry"] if r["event"] == "step"]
             assert sum(r["speculation"]["in_backward"] for r in steps) > 0, [r["speculation"] for r in steps]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ONE_NODE
-from deepspeed_runs import assert_bit_equal, harness_env, keep, run_case, stock_cache
+from deepspeed_runs import STATE_MODES, assert_bit_equal, harness_env, keep, run_case, stock_cache
 from zero3_harness import build_model
 
 SAVE_AT = 3
@@ -40,6 +40,10 @@ ROWS = [
     ),
     ("stock's NVMe offload on 2 ranks, ours on 1", "stock NVMe", 2, "ours", 1, {"model": "attention"}),
     ("ours on 1 rank, stock on 2", "ours", 1, "stock", 2, {"model": "attention"}),
+    *[
+        (f"ours on 2 ranks, ours on 1, {mode}", "ours", 2, "ours", 1, {"model": "attention", **options})
+        for mode, (options, _) in STATE_MODES.items()
+    ],
     (
         # Stock reaches its loader of the weights alone this way: with `load_optimizer_states` false
         # its engine reads the ZeRO files first (`zero_to_fp32`), which a universal checkpoint has not.

@@ -420,6 +420,24 @@ def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 8}}
 
 
+# DeepSpeed's precision modes of the optimizer state (`tests/test_state_dtypes.py`), each: the harness's
+# precision, DeepSpeed's options, and the dtypes our start-up record names.
+STATE_MODES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "bf16 weights": (
+        {"ds_options": {"bf16.bf16_master_weights_and_grads": True}},
+        {"master": "bfloat16", "moments": "float32"},
+    ),
+    "bf16 weights and moments": (
+        {"ds_options": {"bf16.bf16_master_weights_and_grads": True, "bf16.bf16_optimizer_states": True}},
+        {"master": "bfloat16", "moments": "bfloat16"},
+    ),
+    "fp16 weights": (
+        {"fp16": True, "ds_options": {"fp16.fp16_master_weights_and_grads": True}},
+        {"master": "float16", "moments": "float32"},
+    ),
+}
+
+
 def stock_side(case: dict[str, Any]) -> dict[str, Any]:
     """A row's case for the stock run: what only our engine has a path for (the parameters through the
     host scratch) left out, so the stock run is another row's, kept once (`stock_cache`)."""
