@@ -15,6 +15,7 @@ from conftest import ONE_NODE
 from deepspeed_runs import (
     WARMUP,
     assert_bit_equal,
+    assert_same_tensors,
     run_case,
     section,
 )
@@ -81,12 +82,6 @@ def test_a_checkpoint_resumes_bit_for_bit_and_interoperates_with_deepspeed(
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"), tag="ckpt"),
         get_fp32_state_dict_from_zero_checkpoint(str(stock_resumed["dir"] / "ckpt"), tag="ckpt"),
     )
-
-
-def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
-    assert sorted(ours) == sorted(stock)
-    for name, tensor in stock.items():
-        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
 
 
 # name, the case's DeepSpeed side, `load_checkpoint` options

@@ -8,42 +8,57 @@ universal checkpoint of another model, with the state left as it was."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from conftest import ONE_NODE
-from deepspeed_runs import STATE_MODES, assert_bit_equal, harness_env, keep, run_case, stock_cache
+from deepspeed_runs import (
+    STATE_MODES,
+    assert_bit_equal,
+    assert_same_tensors,
+    keep,
+    run_case,
+    stock_cache,
+)
 from zero3_harness import build_model
 
 SAVE_AT = 3
 UNIVERSAL = {"checkpoint.load_universal": True}
 
 # name, who saves, ranks saving, who resumes, ranks resuming, DeepSpeed's side of the case. "stock NVMe":
-# stock's NVMe offload (its checkpoint converts; it loads none, so the reference is stock in DRAM).
+# stock's NVMe offload (its checkpoint converts; it loads none, so the reference is stock in DRAM). Each of
+# DeepSpeed's precision modes of the state (`STATE_MODES`) in a row, on the tests' GPT (in those modes
+# stock's parameter fetch trace fails on 2 ranks of the `nn.MultiheadAttention` model).
 ROWS = [
-    ("ours on 2 ranks, ours on 1, the README's section", "ours", 2, "ours", 1, {"model": "attention"}),
+    # With the tools users run on what the job leaves (`final_save`: zero_to_fp32, save_16bit_model).
     (
-        "ours on 1 rank, ours on 2, fp16, accumulation 2 and clipping",
-        "ours", 1, "ours", 2,
-        {"model": "attention", "fp16": True, "grad_accum": 2, "clip": 0.05},
+        "ours on 2 ranks, ours on 1, the README's section",
+        "ours", 2, "ours", 1,
+        {"model": "attention", "final_save": True},
     ),
     (
-        "stock on 2 ranks, ours on 1, a frozen block and a tied head",
+        "ours on 1 rank, ours on 2, fp16 weights, accumulation 2 and clipping",
+        "ours", 1, "ours", 2,
+        {"model": "gpt", **STATE_MODES["fp16 weights"][0], "grad_accum": 2, "clip": 0.05,
+         "final_save": True},
+    ),
+    (
+        "stock on 2 ranks, ours on 1, bf16 weights and moments, a frozen block and a tied head",
         "stock", 2, "ours", 1,
-        {"model": "gpt", "frozen": r"blocks\.0\.", "tied": True},
+        {"model": "gpt", **STATE_MODES["bf16 weights and moments"][0], "frozen": r"blocks\.0\.",
+         "tied": True},
     ),
     ("stock's NVMe offload on 2 ranks, ours on 1", "stock NVMe", 2, "ours", 1, {"model": "attention"}),
-    ("ours on 1 rank, stock on 2", "ours", 1, "stock", 2, {"model": "attention"}),
-    *[
-        (f"ours on 2 ranks, ours on 1, {mode}", "ours", 2, "ours", 1, {"model": "attention", **options})
-        for mode, (options, _) in STATE_MODES.items()
-    ],
+    (
+        "ours on 1 rank, stock on 2, bf16 weights",
+        "ours", 1, "stock", 2,
+        {"model": "gpt", **STATE_MODES["bf16 weights"][0]},
+    ),
     (
         # Stock reaches its loader of the weights alone this way: with `load_optimizer_states` false
         # its engine reads the ZeRO files first (`zero_to_fp32`), which a universal checkpoint has not.
@@ -55,28 +70,38 @@ ROWS = [
 
 
 def to_universal(checkpoint_dir: Path, universal_dir: Path) -> None:
-    """DeepSpeed's converter on tag `ckpt`, as its docs run it: the universal checkpoint under the same
-    tag in `universal_dir`."""
-    command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(checkpoint_dir / "ckpt"), "--output_folder", str(universal_dir / "ckpt"),
-        "--num_extract_workers", "1", "--num_merge_workers", "1",
-    ]  # fmt: skip
-    done = subprocess.run(command, env=harness_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """DeepSpeed's converter on tag `ckpt`, with its arguments' defaults and one worker (in this process,
+    as DeepSpeed's own test runs it): the universal checkpoint under the same tag in `universal_dir`."""
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    args = SimpleNamespace(
+        input_folder=str(checkpoint_dir / "ckpt"),
+        output_folder=str(universal_dir / "ckpt"),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    convert(args)
+
+
+def universal(case: dict[str, Any]) -> dict[str, Any]:
+    """`case` with `checkpoint.load_universal` set, beside its other DeepSpeed options."""
+    return {**case, "ds_options": {**case.get("ds_options", {}), **UNIVERSAL}}
 
 
 def save_and_convert(case: dict[str, Any], ranks: int, tmp_path: Path, name: str) -> Path:
     """`case` trained on `ranks` ranks and saved at step 3, converted: the universal checkpoint's dir."""
-    ckpt, universal = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-universal"
+    ckpt, universal_dir = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-universal"
     run_case(
         {**case, "steps": SAVE_AT + 1, "save_at": SAVE_AT, "checkpoint_dir": str(ckpt)},
         tmp_path,
         name,
         ranks=ranks,
     )
-    to_universal(ckpt, universal)
-    return universal
+    to_universal(ckpt, universal_dir)
+    return universal_dir
 
 
 def stock_universal_resume(ds_case: dict[str, Any], saving: int, resuming: int, tmp_path: Path) -> list[Any]:
@@ -87,9 +112,9 @@ def stock_universal_resume(ds_case: dict[str, Any], saving: int, resuming: int, 
     if kept.exists():
         results: list[Any] = torch.load(kept, weights_only=False)
         return results
-    universal = save_and_convert(ds_case, saving, tmp_path, "stock-saves")
-    resumes = {**ds_case, "resume_at": SAVE_AT, "checkpoint_dir": str(universal), "ds_options": UNIVERSAL}
-    resumed = run_case(resumes, tmp_path, "stock", ranks=resuming)
+    universal_dir = save_and_convert(ds_case, saving, tmp_path, "stock-saves")
+    resumes = {**ds_case, "resume_at": SAVE_AT, "checkpoint_dir": str(universal_dir)}
+    resumed = run_case(universal(resumes), tmp_path, "stock", ranks=resuming)
     results = resumed.get("ranks", [resumed])
     keep(results, kept)
     return results
@@ -112,7 +137,8 @@ def test_a_universal_checkpoint_resumes_at_another_degree_as_stock_resumes(
 ) -> None:
     """Saved by ours (the README's section) or stock on one number of ranks, converted, resumed on
     another, ours on other paths: every step's loss and gradient norm and the final fp32 weights, moments
-    and partitions equal stock's resume from its own converted checkpoint, on every rank."""
+    and partitions equal stock's resume from its own converted checkpoint, on every rank; where the row
+    says, so do `zero_to_fp32` on a checkpoint saved after it and `save_16bit_model`'s file."""
     ds_case = {**ds_case, "steps": SAVE_AT + 5}
     nvme = tmp_path / "stock-nvme"
     nvme.mkdir()
@@ -121,14 +147,23 @@ def test_a_universal_checkpoint_resumes_at_another_degree_as_stock_resumes(
         "stock": lambda ranks: {},
         "stock NVMe": lambda ranks: {"nvme_path": str(nvme)},
     }
-    universal = save_and_convert({**ds_case, **engines[saves](saving)}, saving, tmp_path, "saves")
-    resume = {**ds_case, **engines[resumes](resuming), "resume_at": SAVE_AT, "checkpoint_dir": str(universal)}
-    resumed = run_case({**resume, "ds_options": UNIVERSAL}, tmp_path, "resumed", ranks=resuming)
+    universal_dir = save_and_convert({**ds_case, **engines[saves](saving)}, saving, tmp_path, "saves")
+    resume = {
+        **ds_case,
+        **engines[resumes](resuming),
+        "resume_at": SAVE_AT,
+        "checkpoint_dir": str(universal_dir),
+    }
+    resumed = run_case(universal(resume), tmp_path, "resumed", ranks=resuming)
     stock = stock_universal_resume(ds_case, saving, resuming, tmp_path)
     engine = "mlp_offload.adapter.zero3." if resumes == "ours" else "deepspeed.runtime.zero.stage3."
     for ours, theirs in zip(resumed.get("ranks", [resumed]), stock, strict=True):
         assert ours["optimizer_class"].startswith(engine), ours["optimizer_class"]
         assert_bit_equal(ours, theirs)
+    if ds_case.get("final_save"):
+        ours, theirs = resumed, stock[0]
+        assert_same_tensors(ours["final_fp32"], theirs["final_fp32"])
+        assert_same_tensors(ours["final_16bit"], theirs["final_16bit"])
 
 
 def last_parameter(universal: Path, model: str) -> Path:
@@ -151,7 +186,7 @@ def test_what_does_not_fit_is_refused_by_name_and_the_state_stays(
         "steps": SAVE_AT + 5,
         "mlp_offload": {"paths": [str(p) for p in probed_paths(2)]},
     }
-    universal = save_and_convert(case, 2, tmp_path, "saves")
+    universal_dir = save_and_convert(case, 2, tmp_path, "saves")
     resume = {
         **case,
         "mlp_offload": {"paths": [str(p) for p in probed_paths(1)]},
@@ -162,12 +197,31 @@ def test_what_does_not_fit_is_refused_by_name_and_the_state_stays(
     assert zero["state_kept"], zero
     assert "data-parallel degree of 2; this job has 1" in str(zero["refused"]), zero["refused"]
     assert "python -m deepspeed.checkpoint.ds_to_universal --input_folder" in str(zero["refused"]), zero
-    folder = last_parameter(universal, case["model"])
+    folder = last_parameter(universal_dir, case["model"])
     # ZeRO-3's converter saves each state flat, a tensor alone.
     moment = torch.load(folder / "exp_avg_sq.pt", weights_only=False)
     torch.save(moment[:-1].clone(), folder / "exp_avg_sq.pt")
-    shapes = run_case(
-        {**resume, "checkpoint_dir": str(universal), "ds_options": UNIVERSAL}, tmp_path, "shapes"
-    )
+    shapes = run_case(universal({**resume, "checkpoint_dir": str(universal_dir)}), tmp_path, "shapes")
     assert shapes["state_kept"], shapes
     assert f"parameter {folder.name}'s exp_avg_sq has" in str(shapes["refused"]), shapes["refused"]
+
+
+# Of `test_the_load_adds_at_most_host_memory_plus_a_tenth`: the budget, and its bytes.
+LOAD_BUDGET, LOAD_BUDGET_BYTES = "16M", 16 << 20
+
+
+@pytest.mark.deepspeed
+@ONE_NODE
+def test_the_load_adds_at_most_host_memory_plus_a_tenth(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """A model whose fp32 state (204 MB) is 12 times `host_memory` (16 MiB): ours saves on 2 ranks, and
+    the load of the converted checkpoint on 1, in a new process, adds at most `host_memory` plus a tenth
+    to the resident memory at its peak (the kernel's high-water mark, reset before the load)."""
+    case: dict[str, Any] = {"model": "gpt-20M", "fp32": True, "steps": SAVE_AT}
+    ours = {"paths": [str(p) for p in probed_paths(2)], "host_memory": LOAD_BUDGET}
+    universal_dir = save_and_convert({**case, "mlp_offload": ours}, 2, tmp_path, "saves")
+    resume = universal({**case, "resume_at": SAVE_AT, "checkpoint_dir": str(universal_dir)})
+    resume["mlp_offload"] = {**ours, "paths": [str(p) for p in probed_paths(1)]}
+    resumed = run_case(resume, tmp_path, "resumed")
+    assert resumed["load_added_bytes"] <= LOAD_BUDGET_BYTES * 1.1, resumed["load_added_bytes"]

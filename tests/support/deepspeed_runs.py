@@ -475,6 +475,13 @@ def same_floats(a: list[Any], b: list[Any]) -> bool:
     )
 
 
+def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
+    """The same names, and each tensor of the same dtype and bits."""
+    assert sorted(ours) == sorted(stock)
+    for name, tensor in stock.items():
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+
+
 def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
     """Same skipped steps, losses and global gradient norms (where the runs record them); per parameter,
     the same master weights, Adam moments (of the same dtypes) and (where the run has them)

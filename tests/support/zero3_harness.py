@@ -9,15 +9,17 @@ process per rank (`RANK`, `WORLD_SIZE` in the environment), each writing its own
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
+import gc
 import json
 import os
 import re
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +73,7 @@ def ds_config(case: dict[str, Any]) -> dict[str, Any]:
         config["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
     elif not case.get("fp32"):
         config["bf16"] = {"enabled": True}
-    if "save_16bit" in case:
+    if "save_16bit" in case or case.get("final_save"):
         # ZeRO-3 saves the 16-bit model only when asked to gather it.
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if "persistence_threshold" in case:
@@ -221,12 +223,15 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     # The eval batches, drawn apart from the training data, so both runs train on the same batches.
     data_between = torch.Generator().manual_seed(7 + int(os.environ["RANK"]))
     first_step = case.get("resume_at", 0)
+    # The resident memory the load adds at its peak (bytes).
+    load_peak: list[int] = []
     if first_step:
         # A new process resuming a job from its checkpoint: the batches of the steps before it are
         # drawn and dropped, as a sampler resumed at that step would.
         if case.get("load_refused"):
             return refused_load(engine, case["checkpoint_dir"])
-        engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
+        with peak_added(load_peak):
+            engine.load_checkpoint(case["checkpoint_dir"], tag="ckpt", **case.get("load_options", {}))
         for _ in range(first_step * case.get("grad_accum", 1)):
             torch.randint(0, VOCAB, (2, SEQ), generator=data)
     for step in range(first_step, case.get("steps", 10)):
@@ -316,6 +321,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             getattr(optimizer, "mlp_offload_wait", lambda: None)()
             scratch = getattr(optimizer, "_mlp_norm_scratch", None)
             samples.append({**resources(), "norm_scratch": 0 if scratch is None else scratch.data_ptr()})
+    final = final_save(engine, case["checkpoint_dir"]) if case.get("final_save") else {}
     state = {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
@@ -348,6 +354,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             isinstance(optimizer, stage3.DeepSpeedZeroOptimizer_Stage3),
         ],
     }
+    result.update(final)
+    if load_peak:
+        result["load_added_bytes"] = load_peak[0]
     if samples:
         result["samples"] = samples
     if helper_reads:
@@ -400,13 +409,17 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
 def build_model(name: str) -> torch.nn.Module:
     """The case's model, whose `forward(tokens)` returns the next-token loss: `"gpt"`, the tests' GPT
-    (`mlp_offload.app.models.GPT`: plain `nn.Linear` layers, each used by its own module's forward);
+    (`mlp_offload.app.models.GPT`: plain `nn.Linear` layers, each used by its own module's forward), and
+    `"gpt-20M"`, its 20M size;
     `"attention"`, blocks of torch's `nn.TransformerEncoderLayer`, whose `nn.MultiheadAttention` reads its
     `out_proj`'s parameters in its own forward (DeepSpeed fetches them for a module that does not own
     them); `"llama"`, Hugging Face's `LlamaForCausalLM` built from its config."""
     vocab, dim, layers, heads = SIZES["tiny"]
     if name == "gpt":
         return GPT.from_size("tiny", max_seq=SEQ)
+    if name == "gpt-20M":
+        # 17M parameters (204 MB of fp32 state): a state many times a small `host_memory`.
+        return GPT.from_size("20M", max_seq=SEQ)
     if name == "attention":
         return AttentionLM(vocab, dim, layers, heads)
     if name == "llama":
@@ -483,6 +496,21 @@ class Droppable(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.dropped else self.block(x)
+
+
+def final_save(engine: Any, checkpoint_dir: str) -> dict[str, Any]:
+    """After training, the tools users run on what the job leaves: DeepSpeed's checkpoint of the last
+    step read back by `zero_to_fp32`, and `save_16bit_model`'s file (rank 0 reads both)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    directory = os.path.join(checkpoint_dir, "final")
+    engine.save_checkpoint(directory, tag="final")
+    saved = engine.save_16bit_model(directory)
+    if os.environ["RANK"] != "0":
+        return {}
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(directory, tag="final")
+    model = torch.load(os.path.join(directory, "pytorch_model.bin"), weights_only=False) if saved else None
+    return {"final_fp32": fp32, "final_16bit": model}
 
 
 def full_state(engine: Any) -> list[torch.Tensor]:
@@ -591,6 +619,22 @@ def resources() -> dict[str, int]:
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": int(status["Threads"]),
     }
+
+
+@contextlib.contextmanager
+def peak_added(peak: list[int]) -> Iterator[None]:
+    """Appends to `peak` the most resident memory the block added over what was resident before it: the
+    kernel's high-water mark, reset first (`clear_refs`)."""
+
+    def status(key: str) -> int:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in lines if line.startswith(key)).split()[1]) * 1024
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status("VmRSS:")
+    yield
+    peak.append(status("VmHWM:") - before)
 
 
 def set_params_apart(engine: Any) -> None:

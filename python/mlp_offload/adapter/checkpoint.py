@@ -220,7 +220,9 @@ def _load_universal_state(opt: Any, zero: str) -> None:
     if not os.path.isfile(optim_path):
         raise FileNotFoundError(errno.ENOENT, "universal checkpoint: no optimizer global state", optim_path)
     parts = universal_parts(opt, zero, UNIVERSAL_KEYS)
-    optim_sd = torch.load(optim_path, weights_only=False)
+    # The converter copies rank 0's whole ZeRO optimizer file there (its partition's state too): mapped,
+    # only what is read of it (the loss scaler, the step, the hyperparameters) comes into memory.
+    optim_sd = torch.load(optim_path, map_location="cpu", mmap=True, weights_only=False)
     saved = optim_sd[OPTIMIZER_STATE_DICT]
     state_step = saved["state"][0]["step"]
     DeepSpeedZeroOptimizer_Stage3._load_global_state_stage3(opt, optim_sd)
