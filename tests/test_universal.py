@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from deepspeed_runs import (
     STATE_MODES,
     assert_bit_equal,
     assert_same_tensors,
+    convert_to_universal,
     keep,
     run_case,
     stock_cache,
@@ -69,23 +69,6 @@ ROWS = [
 ]  # fmt: skip
 
 
-def to_universal(checkpoint_dir: Path, universal_dir: Path) -> None:
-    """DeepSpeed's converter on tag `ckpt`, with its arguments' defaults and one worker (in this process,
-    as DeepSpeed's own test runs it): the universal checkpoint under the same tag in `universal_dir`."""
-    from deepspeed.checkpoint.ds_to_universal import main as convert
-
-    args = SimpleNamespace(
-        input_folder=str(checkpoint_dir / "ckpt"),
-        output_folder=str(universal_dir / "ckpt"),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
-    convert(args)
-
-
 def universal(case: dict[str, Any]) -> dict[str, Any]:
     """`case` with `checkpoint.load_universal` set, beside its other DeepSpeed options."""
     return {**case, "ds_options": {**case.get("ds_options", {}), **UNIVERSAL}}
@@ -100,7 +83,7 @@ def save_and_convert(case: dict[str, Any], ranks: int, tmp_path: Path, name: str
         name,
         ranks=ranks,
     )
-    to_universal(ckpt, universal_dir)
+    convert_to_universal(ckpt / "ckpt", universal_dir / "ckpt")
     return universal_dir
 
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -473,6 +474,25 @@ def same_floats(a: list[Any], b: list[Any]) -> bool:
         x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
         for x, y in zip(a, b, strict=True)
     )
+
+
+def convert_to_universal(checkpoint: Path, universal: Path) -> float:
+    """DeepSpeed's converter (`ds_to_universal.py`) from one tag's folder to another, with its arguments'
+    defaults and one worker, in this process (as DeepSpeed's own test runs it); the seconds it took."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    started = time.perf_counter()
+    args = SimpleNamespace(
+        input_folder=str(checkpoint),
+        output_folder=str(universal),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    ds_to_universal(args)
+    return time.perf_counter() - started
 
 
 def assert_same_tensors(ours: dict[str, torch.Tensor], stock: dict[str, torch.Tensor]) -> None:
