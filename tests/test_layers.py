@@ -5,6 +5,8 @@ only the application imports."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "mlp_offload"
@@ -69,3 +71,13 @@ def test_the_check_finds_an_upward_import() -> None:
         "mlp_offload._core",
         "mlp_offload",
     ]
+
+
+def test_importing_the_package_leaves_deepspeed_unimported() -> None:
+    """`import mlp_offload` (the store, the buffers, the CLI's probe) imports no DeepSpeed: operators
+    probe their mounts where it is not installed, and DeepSpeed's import picks an accelerator, which
+    should happen when a job asks for it. The adapter's modules that need it are imported by `install()`."""
+    code = "import sys, mlp_offload; print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]

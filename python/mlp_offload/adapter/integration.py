@@ -13,7 +13,7 @@ import functools
 import os
 from typing import Any
 
-from mlp_offload.adapter import checkpoint, compat, options
+from mlp_offload.adapter import compat, options
 from mlp_offload.common.config import SECTION, migrate_nvme_offload
 
 
@@ -28,6 +28,7 @@ def install() -> None:
         )
     from deepspeed.runtime.zero import stage3
 
+    from mlp_offload.adapter import checkpoint
     from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
     # A patch release we did not test: say so, naming what changed in the code the engine relies on.
