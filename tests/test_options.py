@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import ONE_NODE
-from deepspeed_runs import assert_bit_equal, run_case, section
+from deepspeed_runs import AIO_BUILT, assert_bit_equal, run_case, section
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -32,10 +32,8 @@ STEPS = 5
 CHECKPOINT = {"checkpoint_at": 2}
 BF16 = {"bf16": True}
 FP16 = {"fp16": True}
-# Parameters on NVMe go through DeepSpeed's async I/O op, in stock's run and ours; building it takes 7-8
-# minutes of two cores, so these rows run where it is built (`make deepspeed-aio`).
+# Parameters on NVMe go through DeepSpeed's async I/O op, in stock's run and ours (`AIO_BUILT`).
 PARAMS_ON_NVME = {"offload_param": "nvme"}
-AIO_BUILT = (ROOT / "target" / "torch_extensions" / "async_io" / "async_io.so").exists()
 
 # The table's key, the value a user would set, what else the row's case needs, ranks.
 ROWS: list[tuple[str, Any, dict[str, Any], int]] = [

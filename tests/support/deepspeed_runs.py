@@ -231,6 +231,11 @@ def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None
 
 # Where stock runs are kept between tests (and between sessions, until anything they depend on changes).
 STOCK_RUNS = Path(__file__).resolve().parents[2] / "target" / "stock-runs"
+# DeepSpeed's async I/O op, which its NVMe offload (the optimizer's or the parameters') runs on: building it
+# takes 7-8 minutes of two cores, so the rows that need it run where it is built (`make deepspeed-aio`).
+AIO_BUILT = (
+    Path(__file__).resolve().parents[2] / "target" / "torch_extensions" / "async_io" / "async_io.so"
+).exists()
 # Case keys whose runs leave what a test looks at besides the result (checkpoint files, a fault, a file
 # system filled up, a killed process, resource samples), or name a path: such runs are never reused.
 UNCACHED_KEYS = {
