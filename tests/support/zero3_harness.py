@@ -611,9 +611,14 @@ def read_between_steps(engine: Any, data: torch.Generator) -> dict[str, Any]:
     return {"eval_loss": eval_loss, "gathered": gathered}
 
 
+def proc_status() -> dict[str, str]:
+    """This process's /proc/self/status, by field."""
+    return dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+
+
 def resources() -> dict[str, int]:
     """This process's resident memory (bytes), open file descriptors and threads, from /proc."""
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    status = proc_status()
     return {
         "rss": int(status["VmRSS"].split()[0]) * 1024,
         "fds": len(os.listdir("/proc/self/fd")),
@@ -625,16 +630,11 @@ def resources() -> dict[str, int]:
 def peak_added(peak: list[int]) -> Iterator[None]:
     """Appends to `peak` the most resident memory the block added over what was resident before it: the
     kernel's high-water mark, reset first (`clear_refs`)."""
-
-    def status(key: str) -> int:
-        lines = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in lines if line.startswith(key)).split()[1]) * 1024
-
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
-    before = status("VmRSS:")
+    before = int(proc_status()["VmRSS"].split()[0])
     yield
-    peak.append(status("VmHWM:") - before)
+    peak.append((int(proc_status()["VmHWM"].split()[0]) - before) * 1024)
 
 
 def set_params_apart(engine: Any) -> None:

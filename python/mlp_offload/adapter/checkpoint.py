@@ -275,11 +275,16 @@ def _load_universal_weights(opt: Any, zero: str, load_from_fp32_weights: bool) -
             )
         for chunk in state.of_subgroup[i]:
             _, first, count = state.chunks[chunk]
-            fill_from_universal(half.data[first : first + count], of_subgroup, "fp32", first)
-            if load_from_fp32_weights:
-                values = torch.empty(count, dtype=master)
-                fill_from_universal(values, of_subgroup, "fp32", first)
-                state.set_chunk_params(chunk, values, scratch)
+            part = half.data[first : first + count]
+            if not load_from_fp32_weights:
+                fill_from_universal(part, of_subgroup, "fp32", first)
+                continue
+            # Read once: the master weights' dtype is fp32 or the partitions' own, so the partitions
+            # from it are what stock's one conversion from fp32 gives.
+            values = torch.empty(count, dtype=master)
+            fill_from_universal(values, of_subgroup, "fp32", first)
+            part.copy_(values)
+            state.set_chunk_params(chunk, values, scratch)
     if not load_from_fp32_weights:
         opt.refresh_fp32_params()
 
