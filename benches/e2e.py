@@ -714,7 +714,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 (t["predicted_after_backward_secs"], t["update_secs"])
                 for t in measured
                 if t.get("predicted_after_backward_secs") is not None
-                and (t.get("speculation") or {}).get("kept")
+                and (t.get("overlap_backward") or {}).get("kept")
             ]
             if after:
                 row["predicted_after_backward_secs"] = statistics.median(a for a, _ in after)
@@ -753,7 +753,7 @@ def in_backward(record: dict[str, Any]) -> dict[str, float]:
     and how much of the update's time could have run before backward ended if each chunk were updated
     as soon as its gradient was final, one after another, each taking an equal part of the update's
     measured time (`update_secs` / chunks)."""
-    from mlp_offload.engine.overlap import could_run_in_backward
+    from mlp_offload.engine.planning import could_run_in_backward
 
     backward = record["grads_final"]["backward_secs"]
     leads = record["grads_final"]["lead_secs"]

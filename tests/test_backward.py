@@ -20,7 +20,7 @@ from deepspeed_runs import (
     section,
     stock_side,
 )
-from mlp_offload.engine import overlap
+from mlp_offload.engine import planning
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -149,7 +149,7 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
         if (at := case.get("set_params_apart_at")) is not None:
             # Chunks with parameters set apart were taken before the step undid them.
             records = [r for r in a["telemetry"] if r["event"] in ("step", "skipped")]
-            assert records[at]["speculation"]["chunks"] > 0, records[at]
+            assert records[at]["overlap_backward"]["chunks"] > 0, records[at]
 
 
 def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
@@ -172,10 +172,10 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     assert start["overlap_backward"]["slotted_chunks"] >= streamed, start["overlap_backward"]
     undone = []
     for step, r in enumerate(records):
-        spec = r["speculation"]
+        spec = r["overlap_backward"]
         if spec is not None and spec["why"].startswith("not tried"):
             # After a step whose gradients were clipped, until one that is not.
-            previous = records[step - 1]["speculation"]["why"]
+            previous = records[step - 1]["overlap_backward"]["why"]
             assert "scale was" in previous or previous.startswith("not tried"), (step, spec)
             assert what == "clipping" and spec["chunks"] == 0, (step, spec)
             continue
@@ -216,13 +216,13 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
             assert what == "skipped" and "scale was" in spec["why"], (step, spec)
     assert what == "kept" or (int(at) in undone if at else undone), undone
     # Chunks' updates ran before backward ended.
-    assert what == "clipping" or sum(r["speculation"]["in_backward"] for r in records) > 0
+    assert what == "clipping" or sum(r["overlap_backward"]["in_backward"] for r in records) > 0
 
 
 def check_chunk_secs(spec: dict[str, Any]) -> None:
     """A boundary's measure of what a chunk took during its backward: from the chunks that ended before
     backward did, when there were enough of them."""
-    if spec["in_backward"] < overlap.CHUNK_TIMES_NEEDED:
+    if spec["in_backward"] < planning.CHUNK_TIMES_NEEDED:
         assert spec["chunk_secs"] is None, spec
     else:
         assert spec["chunk_secs"] > 0.0, spec
@@ -234,7 +234,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     where the cache loses nothing to it); then the chunks the plan chose, each with the second slot it
     was given then (and no other chunk), kept every step; the rest updated in `step()`."""
     assert start["overlap_backward"]["slotted_chunks"] == 0, start["overlap_backward"]
-    whys = [r["speculation"]["why"] for r in records]
+    whys = [r["overlap_backward"]["why"] for r in records]
     assert whys[0] == "not tried: the plan waits for one boundary's gradient times", whys
     tried = [step for step, why in enumerate(whys) if not why.startswith("not tried")]
     assert tried, whys
@@ -242,7 +242,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     # Then, until it is tried: without a probe profile the first update's time comes from the first
     # step; after that only what the plan found of the last boundary's times (which a loaded machine
     # moves) holds it back: chunk order not paying, or no chunk that would begin before backward ends.
-    in_order_from_start = records[0]["speculation"]["chunk_order"]
+    in_order_from_start = records[0]["overlap_backward"]["chunk_order"]
     nothing_begins = "not tried: the plan expects no chunk's update to begin before backward ends"
     for step, why in enumerate(whys[1:first], 1):
         found = why.removeprefix("not tried: ")
@@ -253,7 +253,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
         ), (step, whys)
     chunk_bytes = start["buffer_bytes"]
     for step, r in enumerate(records[first:], first):
-        spec = r["speculation"]
+        spec = r["overlap_backward"]
         if spec["why"] == nothing_begins:
             continue
         streamed = start["chunks"] - r["cached_chunks"]
@@ -269,7 +269,7 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     # A cache of fewer chunks than buffers loses nothing to chunk order: in chunk order from the start,
     # tried from the first boundary with gradient times unless the plan found nothing to take there.
     assert not in_order_from_start or first == 1 or whys[1] == nothing_begins, whys
-    assert sum(r["speculation"]["in_backward"] for r in records) > 0
+    assert sum(r["overlap_backward"]["in_backward"] for r in records) > 0
 
 
 # name, the DeepSpeed side, ranks
@@ -305,7 +305,7 @@ def test_what_is_read_between_backward_and_step_is_the_model_before_the_step(
         assert torch.equal(x["held"], y["held"]), rank
         assert x["eval_loss"] == y["eval_loss"], rank
         assert torch.equal(x["gathered"], y["gathered"]), rank
-        specs = [r["speculation"] for r in a["telemetry"] if r["event"] == "step"]
+        specs = [r["overlap_backward"] for r in a["telemetry"] if r["event"] == "step"]
         # Chunks were taken before the reads; the gathered read undid them (step() had not decided).
         read_at = specs[3]
         assert read_at["chunks"] > 0 and read_at["why"] == "parameters were gathered before step()", read_at

@@ -228,7 +228,9 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     assert all(r["stale"]["diverged"] == 0 for r in steps)
     if extra.get("overlap_backward") is True and ds_case.get("clip") == 0.0:
         # Unclipped, the update during backward is kept.
-        assert all(r["speculation"]["kept"] and r["speculation"]["chunks"] > 0 for r in steps), steps
+        assert all(r["overlap_backward"]["kept"] and r["overlap_backward"]["chunks"] > 0 for r in steps), (
+            steps
+        )
     # Every parameter of this model is held whole on every rank unless the row's threshold says not.
     assert (ours["persistent_params"] == 0) == ("persistence_threshold" in ds_case), ours["persistent_params"]
     if "layer_drop" in ds_case:
@@ -258,7 +260,7 @@ def test_state_is_bit_equal_to_deepspeed_cpu_offload(
     for r in steps:
         # The cache of the step: smaller from the step the plan goes to chunk order on (the update
         # during backward, by default).
-        chunk_order = r["speculation"] is not None and r["speculation"]["chunk_order"]
+        chunk_order = r["overlap_backward"] is not None and r["overlap_backward"]["chunk_order"]
         assert r["cached_chunks"] == start["cached_chunks"] or chunk_order, r
     used = [p for p in work_dirs[:n_paths] if any(p.rglob("*.mlpo"))]
     assert len(used) == n_paths, "every path holds a share of the state"

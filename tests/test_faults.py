@@ -57,7 +57,7 @@ def test_a_failed_write_raises_and_names_what_it_left(
     if extra.get("overlap_backward"):
         # The steps before were updated during backward, and kept; the failing one began so.
         records = [r for r in result["telemetry"] if r["event"] == "step"]
-        assert len(records) == 3 and all(r["speculation"]["kept"] for r in records), records
+        assert len(records) == 3 and all(r["overlap_backward"]["kept"] for r in records), records
     error = result["error"]
     assert error, "the step must raise"
     assert error["errno"] == errno.EPERM and error["filename"].endswith(".mlpo"), error
@@ -220,8 +220,8 @@ def test_killed_in_an_update_the_job_resumes_from_its_last_checkpoint(
         # The resumed job updates during backward again, and keeps what it did.
         for rank in resumed.get("ranks", [resumed]):
             steps = [r for r in rank["telemetry"] if r["event"] == "step"]
-            assert all(r["speculation"]["kept"] for r in steps), steps
-            assert sum(r["speculation"]["in_backward"] for r in steps) > 0, steps
+            assert all(r["overlap_backward"]["kept"] for r in steps), steps
+            assert sum(r["overlap_backward"]["in_backward"] for r in steps) > 0, steps
 
 
 FAULTFS = Path(__file__).parent / "support" / "faultfs.py"

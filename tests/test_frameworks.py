@@ -128,8 +128,8 @@ def test_the_update_during_backward_under_the_framework_matches_stock(
     streamed = start["chunks"] - start["cached_chunks"]
     assert streamed > 0, start
     for step, r in enumerate(records):
-        spec = r["speculation"]
+        spec = r["overlap_backward"]
         assert spec is not None and spec["kept"] and spec["chunks"] == streamed, (step, spec)
     # Chunks' updates ran before backward ended (not every step's need: on a loaded machine a step's
     # backward may end before the update thread runs).
-    assert sum(r["speculation"]["in_backward"] for r in records) > 0, records
+    assert sum(r["overlap_backward"]["in_backward"] for r in records) > 0, records

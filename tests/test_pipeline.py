@@ -19,7 +19,7 @@ import torch
 from conftest import mounted_tmpfs
 from mlp_offload import CorruptObjectError, ObjectStore, WeightTuner, _core
 from mlp_offload.common.config import MLPOffloadConfig
-from mlp_offload.engine import memory, overlap, profiles
+from mlp_offload.engine import memory, overlap, planning, profiles
 from mlp_offload.engine import pipeline as pipeline_module
 from mlp_offload.engine import state as state_module
 from mlp_offload.engine.overlap import UpdateInFlight, update_thread
@@ -425,8 +425,8 @@ COULD_RUN = [
 def test_what_could_run_during_backward_follows_the_gradients_final_times(
     leads: list[float], backward: float, per_chunk: float, hidden: float, chosen: list[int]
 ) -> None:
-    assert overlap.could_run_in_backward(leads, backward, per_chunk) == pytest.approx(hidden)
-    assert overlap.chunks_for_backward(dict(enumerate(leads)), backward, per_chunk) == chosen
+    assert planning.could_run_in_backward(leads, backward, per_chunk) == pytest.approx(hidden)
+    assert planning.chunks_for_backward(dict(enumerate(leads)), backward, per_chunk) == chosen
 
 
 # When each chunk's gradient was final (seconds before a 10 s backward's end), when the update began,
@@ -466,7 +466,7 @@ CHUNK_TIMES = [
 def test_what_a_chunk_took_during_backward_counts_from_when_it_could_begin(
     leads: list[float], began: float, taken: list[int], ended: list[float], secs: float | None
 ) -> None:
-    got = overlap.secs_per_chunk_in_backward(leads, 10.0, began, taken[: len(ended)], ended)
+    got = planning.secs_per_chunk_in_backward(leads, 10.0, began, taken[: len(ended)], ended)
     assert got == (None if secs is None else pytest.approx(secs))
 
 
@@ -498,7 +498,7 @@ CHUNK_ORDER = [
 def test_chunk_order_pays_where_backward_hides_more_than_the_cache_it_loses_costs(
     leads: list[float], backward: float, per_chunk: float, lost: int, pays: bool, hidden: float, extra: float
 ) -> None:
-    got = overlap.chunk_order_pays(leads, backward, per_chunk, lost)
+    got = planning.chunk_order_pays(leads, backward, per_chunk, lost)
     assert got[0] == pays and got[1:] == pytest.approx((hidden, extra))
 
 
@@ -893,8 +893,10 @@ def test_the_adam_time_per_chunk_counts_only_the_chunks_updated_inside_step(work
             planner = UpdatePlanner(MLPOffloadConfig(paths=[str(work_dirs[0])]), rank=0)
             planner.profile, planner._pipeline = fast_profile(work_dirs[:1]), pipeline
             stats = pipeline.run_step(lambda i, view: None, drain=False)
-            speculation = {"chunks": kept_chunks, "kept": True} if kept_chunks else None
-            planner.after_step(store, stats, stats.seconds, 0.01, 0.0, compute_secs, speculation=speculation)
+            overlap_backward = {"chunks": kept_chunks, "kept": True} if kept_chunks else None
+            planner.after_step(
+                store, stats, stats.seconds, 0.01, 0.0, compute_secs, overlap_backward=overlap_backward
+            )
             predictions.append(planner.prediction)
             planner.close()
     assert predictions[0] is not None and predictions[0] > 0.0

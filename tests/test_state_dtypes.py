@@ -99,7 +99,9 @@ def test_each_mode_trains_bit_equal_to_stock(
         assert start["update_kernel"]["state_dtypes"] == STATE_MODES[mode][1], start["update_kernel"]
         if shows == "in backward":
             steps = [r for r in a["telemetry"] if r["event"] == "step"]
-            assert sum(r["speculation"]["in_backward"] for r in steps) > 0, [r["speculation"] for r in steps]
+            assert sum(r["overlap_backward"]["in_backward"] for r in steps) > 0, [
+                r["overlap_backward"] for r in steps
+            ]
 
 
 SAVE_AT = 3

@@ -456,7 +456,7 @@ def check_chunk_counts(start: dict[str, Any], steps: list[dict[str, Any]]) -> No
     by the update after it (an update during backward that step() undid is in the step's figures too,
     its part said in its record)."""
     for r in steps:
-        spec = r["speculation"]
+        spec = r["overlap_backward"]
         undone = dict.fromkeys(("reads", "reads_dropped", "cached", "retained", "writes"), 0)
         if spec is not None and not spec["kept"] and spec["figures"] is not None:
             undone = spec["figures"]

@@ -657,10 +657,11 @@ def sigkill(optimizer: Any, where: str | None = None) -> None:
     import threading
 
     if where is None:
-        spec = getattr(optimizer, "_mlp_spec", None)
+        overlap_backward = getattr(optimizer, "_mlp_overlap_backward", None)
+        backward_update = None if overlap_backward is None else overlap_backward.current
         if threading.current_thread() is threading.main_thread():
             where = "in step()"
-        elif spec is not None and spec.backward_end is None:
+        elif backward_update is not None and backward_update.backward_end is None:
             where = "during backward"
         else:
             where = "behind step()"
@@ -691,11 +692,12 @@ def not_finite(grad: torch.Tensor, after_a_taken_chunk: Any) -> torch.Tensor:
     not finite before its first chunk, and a row that means to undo taken chunks would undo none."""
     deadline = time.monotonic() + 60.0
     optimizer = after_a_taken_chunk
-    while getattr(optimizer, "_mlp_spec_on", False) and time.monotonic() < deadline:
-        spec = optimizer._mlp_spec
-        if spec is None and optimizer._mlp_spec_begun:
+    overlap_backward = getattr(optimizer, "_mlp_overlap_backward", None)
+    while overlap_backward is not None and overlap_backward.on and time.monotonic() < deadline:
+        run = overlap_backward.current
+        if run is None and overlap_backward.begun:
             break  # not tried at this boundary
-        if spec is not None and (spec.taken or spec.future is None or spec.future.done()):
+        if run is not None and (run.taken or run.future is None or run.future.done()):
             break
         time.sleep(0.002)
     return grad * float("inf")

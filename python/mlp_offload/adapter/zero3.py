@@ -1,6 +1,6 @@
 """The ZeRO-3 optimizer with its fp32 state in mlp-offload's object store.
 
-`MLPOffloadStage3` is DeepSpeed's own `DeepSpeedZeroOptimizer_Stage3` (0.19.x) with four changes; the rest
+`MLPOffloadStage3` is DeepSpeed's own `DeepSpeedZeroOptimizer_Stage3` (0.19.x) with six changes; the rest
 (partitioning, gradient reduction, norms, clipping, loss scaling, CPU Adam, the copy back to half
 precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
 
@@ -23,15 +23,20 @@ precision, the `safe_get/set_*` helpers) is DeepSpeed's code, run unchanged:
    forward's fetches instead, at every forward (`_mlp_persistent_left_to_the_forward`).
    Everything else that reads parameters, state or gradients first waits for the whole update
    (`_mlp_settle`).
+6. With `overlap_backward`, chunks are updated during the boundary's backward as their gradients become
+   final, at the outcome expected then, and `step()` keeps them or undoes them (`adapter.overlap_backward`,
+   whose docstring lists what it changes here).
 
 Bit-for-bit equality with `offload_optimizer.device: cpu` holds because every number goes through the
 same operations: each is elementwise; chunk lengths are multiples of CPU Adam's vector block, so each
 element takes the same code path as in a whole-subgroup call; and DeepSpeed 0.19.8's CPU Adam keeps its
 bias correction per step, not per call, so neither the order nor the number of calls changes a result.
 
-This module holds DeepSpeed's hooks and the step; the rest is the engine's (`engine.state`: the chunks
-and their objects; `engine.planning`: budget, plan, tuner, telemetry) and the adapter's
-(`adapter.checkpoint`: DeepSpeed's checkpoints and its swapper protocol).
+This module holds DeepSpeed's hooks and the step's outline; the rest is the engine's (`engine.state`:
+the chunks and their objects; `engine.planning`: budget, plan, tuner, the plan of the update during
+backward, telemetry) and the adapter's (`adapter.step_update`: one step's update over the chunks;
+`adapter.overlap_backward`: the update during backward; `adapter.checkpoint`: DeepSpeed's checkpoints
+and its swapper protocol).
 """
 
 from __future__ import annotations
@@ -40,13 +45,9 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from deepspeed import comm as dist
@@ -58,6 +59,8 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from mlp_offload.adapter import checkpoint, stale_gradients
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
+from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, StepSnapshot
+from mlp_offload.adapter.step_update import StepUpdate
 from mlp_offload.common.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.engine import fused_update, memory, overlap
 from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
@@ -81,10 +84,6 @@ _NORM_BUFFER_SIZE = int(
     .parameters["buffer_size"]
     .default
 )
-
-# The update during backward stops when the norms so far clip by more than this (relative): their sum
-# in another order may round differently from DeepSpeed's.
-CLIP_MARGIN = 1e-6
 
 # The optimizers whose state is ours to hold: per element, exp_avg and exp_avg_sq beside the weights.
 ADAM_OPTIMIZERS = (DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
@@ -156,55 +155,6 @@ def _budget_error(error: ValueError, host_memory: int, layout: memory.ChunkLayou
     )
 
 
-def _same_groups(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    """Whether two snapshots of the param groups hold the same hyperparameters (their parameter lists
-    aside)."""
-
-    def same(x: Any, y: Any) -> bool:
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return bool(x == y)
-
-    return len(a) == len(b) and all(
-        ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga if k != "params")
-        for ga, gb in zip(a, b, strict=True)
-    )
-
-
-@dataclass
-class Speculation:
-    """The update during backward (`overlap_backward`), at the outcome expected when it began: each
-    subgroup's Adam step before it, the param groups, and the gradient's scale with no overflow and no
-    clipping. Its versions are staged (in the store, or in a cached chunk's buffer with its state before
-    in a kept copy) until `step()` keeps or forgets them."""
-
-    steps: list[int]
-    groups: list[dict[str, Any]]
-    grad_scale: float
-    stop: threading.Event = field(default_factory=threading.Event)
-    # Held while a chunk is taken, and while a gather looks at what was taken.
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # Chunks whose pass began, in order, and when each ended.
-    taken: list[int] = field(default_factory=list)
-    ended_at: list[float] = field(default_factory=list)
-    # Chunk -> its half-precision parameters before the pass where they were not its fp32 weights
-    # narrowed (so the store's old version alone could not give them back): (first element, values),
-    # a block at a time, as the pass found them.
-    kept_params: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
-    backward_end: float | None = None
-    started: float = field(default_factory=time.perf_counter)
-    # When the first chunk could begin: once the chosen chunks had their second slots (set then).
-    began: float = field(default_factory=time.perf_counter)
-    future: Future[StepStats] | None = None
-    # The chunks the plan chose, and of those, the ones with a second slot to stage into (set on the
-    # update thread before the first chunk).
-    planned: int = 0
-    slotted: int = 0
-    # Why it stopped before every chunk was taken, when the gradients' norm so far proved the step
-    # clipped or not finite.
-    stopped: str | None = None
-
-
 class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with the optimizer state in the object store (see module docs)."""
 
@@ -214,7 +164,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     _mlp_store: ObjectStore
     _mlp_state: ChunkedState  # set once DeepSpeed's __init__ has partitioned the model
     _mlp_grads_final: overlap.GradsFinal  # set with it
-    _mlp_spec_begun: bool  # whether this boundary's update during backward began (reset by step())
 
     def __init__(
         self, module: Any, init_optimizer: Any, param_names: Any, timers: Any, ds_config: Any, **kwargs: Any
@@ -258,36 +207,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # The update running behind `step()`, until something waits for it (`_mlp_settle`), and what
         # records it then (the step's telemetry).
         self._mlp_inflight: UpdateInFlight[StepStats] | None = None
-        # The update during the boundary's backward, until step() (or a reader in
-        # between) settles it.
-        self._mlp_spec: Speculation | None = None
-        self._mlp_spec_on = False
-        # What a reader that undid the update during backward before step() left for step()'s record.
-        self._mlp_abandoned: dict[str, Any] | None = None
-        # Per chunk, how long before the last boundary's backward ended its gradient was final.
-        self._mlp_last_leads: list[float] | None = None
-        # Whether the last step's gradients were scaled by 1/loss_scale alone (not clipped): the update
-        # during backward assumes so, and is not tried after a step that was clipped (it would be undone
-        # as long as clipping goes on); an unclipped step turns it back on.
-        self._mlp_spec_likely = True
-        # Why this boundary's update during backward was not tried, for step()'s record.
-        self._mlp_spec_skipped: str | None = None
-        # The boundary's gradient norms so far, squared and summed, to stop the update during backward
-        # once they prove the step clipped or not finite; reset by each backward.
-        self._mlp_norm_sq_so_far = 0.0
-        # On an accelerator, where `float()` of a norm would wait for the device once per parameter: per
-        # chunk whose gradient is final, an event recorded after DeepSpeed queued the copy of its last
-        # gradient into the host buffer, and the norms so far squared and summed on the device then
-        # (`_offload_grad_partition_at_boundary`), which the update thread reads before it takes the
-        # chunk; reset by each backward.
-        self._mlp_device_marks: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._mlp_norm_sq_on_device: torch.Tensor | None = None
-        # The last boundary's backward, and the last update that ran whole inside step(): what the plan
-        # of the update during backward goes by.
-        self._mlp_last_boundary_backward = 0.0
-        self._mlp_last_whole_update: float | None = None
-        # What the plan found of chunk order, which the update during backward needs ("auto").
-        self._mlp_order_why = "the plan waits for one boundary's gradient times"
+        # The update during backward (`overlap_backward`), turned on at start (`_mlp_start`).
+        self._mlp_overlap_backward = OverlapBackward(self)
+        # What records the update running behind `step()` once it ends (`StepUpdate.finish`).
         self._mlp_finish_update: Callable[[StepStats, float | None], None] = lambda stats, waited: None
         # The boundary's gradient norms widen each host gradient into this (`_mlp_grad_norm`). Kept from
         # one boundary to the next (8 bytes per element of the largest partition): freed in each step()
@@ -407,36 +329,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pid = self.get_param_id(param)
         self.norm_for_param_grads[pid] = norm
         self._mlp_stale.reduced(pid)
-        on_device = norm.device.type != "cpu"
-        # The first final gradient of a boundary whose update during backward is to be tried begins it
-        # (below); once it was not tried, or was undone, no chunk of this backward is taken.
-        begins = (
-            self._mlp_spec_on
-            and self._mlp_spec is None
-            and not self._mlp_spec_begun
-            and self._mlp_spec_likely
-        )
-        if self._mlp_spec_on and on_device and (self._mlp_spec is not None or begins):
-            # DeepSpeed queued the gradient's copy into the host buffer on this stream, and computed the
-            # norm from it: what the update thread waits for before it reads either (before the chunk's
-            # gradient is marked final, which wakes it).
-            so_far = norm.double() ** 2
-            if self._mlp_norm_sq_on_device is not None:
-                so_far += self._mlp_norm_sq_on_device
-            self._mlp_norm_sq_on_device = so_far
-            event = get_accelerator().Event()
-            event.record()
-            for c in self._mlp_grads_final.chunks_of(pid):
-                self._mlp_device_marks[c] = (event, so_far)
-        self._mlp_grads_final.final(pid)
-        if self._mlp_spec_on and not on_device:
-            self._mlp_norm_sq_so_far += float(norm) ** 2
-            if (spec := self._mlp_spec) is not None and spec.stopped is None:
-                self._mlp_stop_if_ruled_out(spec)
-        if begins:
-            # The first gradient of the boundary is final: the update during backward starts.
-            self._mlp_spec_begun = True
-            self._mlp_speculate()
+        self._mlp_overlap_backward.gradient_final(pid, norm)
 
     def partition_grads(self, params_to_release: list[Any], grad_partitions: list[Any]) -> Any:
         if not self.is_gradient_accumulation_boundary():
@@ -526,12 +419,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_dtypes = dtypes
 
     def _mlp_start(self) -> None:
-        config = self._mlp_config
+        """Once DeepSpeed has partitioned the model: the budget and its chunks, the update's kernel, the
+        overlaps and the chunked state, the scratch, the plan, the initial state in the store, and the
+        start record."""
         numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
         host_memory, budget_source, layout, cache_slots = self._mlp_budget(numels)
-        c, buffer_bytes = layout.elements, layout.buffer_bytes
-        pages, pages_source = self._mlp_planner.host_pages()
-        grad_bytes = memory.GRAD_BYTES * c
         first_half = self.fp16_partitioned_groups_flat[0]
         # The pass writes the half-precision parameters: into the partition where it is in host memory,
         # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
@@ -545,64 +437,15 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_update_stream = (
             None if get_accelerator().is_synchronized_device() else get_accelerator().Stream()
         )
+        pages = self._mlp_planner.host_pages()
         try:
-            self._mlp_overlap, overlap_why = overlap.choose_overlap(
-                config.overlap, self._mlp_fused is not None, cache_slots == len(layout.chunks)
-            )
-            every_cached = cache_slots == len(layout.chunks)
-            kept_copies = 0
-            if every_cached and config.overlap_backward is not False and self._mlp_fused is not None:
-                kept_copies = kept_copies_room(config, host_memory, layout)
-            self._mlp_spec_on, spec_why = overlap.choose_overlap_backward(
-                config.overlap_backward,
-                self._mlp_fused is not None,
-                not every_cached,
-                self._mlp_params_on_host,
-                kept_copies,
-            )
-            self._mlp_spec_begun = False
-            # The pipeline sizes the cache ("auto": every chunk when all fit, else what the stream
-            # leaves) and checks it.
-            self._mlp_state = ChunkedState(
-                self._mlp_store,
-                numels,
-                layout,
-                cache_chunks=cache_chunks(config),
-                lock=self._mlp_pin,
-                pages=pages,
-                # The update during backward needs chunk order too (the first chunks cached): from the
-                # start with `overlap_backward: true`, else once the plan finds it pays (`step()`).
-                ascending=self._mlp_overlap or (self._mlp_spec_on and config.overlap_backward is True),
-                shadow_slots=config.shadow_slots,
-                kept_copies=kept_copies if self._mlp_spec_on else 0,
-                stored=self._mlp_dtypes,
+            whys = self._mlp_open_state(
+                numels, host_memory, layout, cache_slots == len(layout.chunks), pages[0]
             )
         except ValueError as e:
             raise _budget_error(e, host_memory, layout) from None
-        pipeline = self._mlp_state.pipeline
-        if self._mlp_spec_on and pipeline.cache_slots_in_chunk_order == pipeline.cache_slots:
-            # Chunk order costs its cache nothing here: from the start.
-            pipeline.go_ascending()
-        # The plan predicts what the update during backward leaves once the steps go in chunk order.
-        self._mlp_planner.overlap_backward = self._mlp_spec_on and pipeline.ascending
-        # The fp32 gradient chunk of DeepSpeed's passes; with the fused pass and the partitions on an
-        # accelerator, the host scratch of the new parameters: two slots of a chunk's half-precision
-        # parameters, the pass writing one while the other's copy to the device runs. Registered with
-        # the device where DeepSpeed pins (`pin_memory`): those copies then run without the host.
-        self._mlp_scratch_pool = None
-        if self._mlp_pin and not self._mlp_params_on_host:
-            self._mlp_scratch_pool = PinnedBufferPool(1, c * FP32.itemsize)
-            buffer = self._mlp_scratch_pool.acquire()
-            assert buffer is not None
-            self._mlp_grad = as_tensor(buffer, FP32)
-        else:
-            self._mlp_grad = torch.empty(c, dtype=FP32)
-        # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
-        # and each chunk's pass waits for the last copy out of it.
-        self._mlp_scratch_slots = FP32.itemsize // first_half.element_size()
-        # Per slot, the event after its last copy to the device (None: none queued since the last wait).
-        self._mlp_scratch_copies: list[Any] = [None] * self._mlp_scratch_slots
-        self._mlp_scratch_next = 0
+        whys["kernel"] = kernel_why
+        self._mlp_open_scratch(layout.elements, first_half.element_size())
         # Each parameter with a partition here: its id, subgroup, offset in it, elements. DeepSpeed's own
         # test in partition_grads: a partition of padding gets no gradient.
         self._mlp_param_ranges = [
@@ -612,33 +455,118 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if p.partition_numel() * self._get_param_partition_rank(p) < p.ds_numel
         ]
         self._mlp_grads_final = overlap.GradsFinal(self._mlp_state.chunks, self._mlp_param_ranges)
-        if self._mlp_overlap or self._mlp_spec_on:
+        if self._mlp_overlap or self._mlp_overlap_backward.on:
             self._mlp_update_thread = update_thread()
             self._mlp_wait_in_gathers()
-        kernel_record: dict[str, Any] = {
+        pipeline = self._mlp_state.pipeline
+        # How the buffers are backed before the initial state fills them.
+        page_report = pipeline.page_report
+        plan = self._mlp_planner.plan(pipeline, self._mlp_store)
+        # The initial state, placed by the plan's weights, through the pool's buffers.
+        self._mlp_state.initialize(lambda i: self.fp16_partitioned_groups_flat[i])
+        if self._mlp_overlap_backward.on and self._mlp_config.overlap_backward is True:
+            # Every streamed chunk is updated during backward: each gets its second slot now, so a full
+            # disk shows at start-up, naming the file.
+            self._mlp_state.with_second_slots(pipeline.order[pipeline.cache_slots :], keep_free=False)
+        self._mlp_report_start(numels, host_memory, budget_source, layout, (*pages, page_report), whys, plan)
+
+    def _mlp_open_state(
+        self, numels: list[int], host_memory: int, layout: memory.ChunkLayout, every_cached: bool, pages: str
+    ) -> dict[str, str]:
+        """Whether the update runs behind `step()` and during backward, and the chunked state over the
+        store (its pipeline sizes the cache, "auto": every chunk when all fit, else what the stream
+        leaves, and checks it). Returns why each overlap is on or off."""
+        config = self._mlp_config
+        fused = self._mlp_fused is not None
+        self._mlp_overlap, overlap_why = overlap.choose_overlap(config.overlap, fused, every_cached)
+        kept_copies = 0
+        if every_cached and config.overlap_backward is not False and fused:
+            kept_copies = kept_copies_room(config, host_memory, layout)
+        backward = self._mlp_overlap_backward
+        backward.on, backward_why = overlap.choose_overlap_backward(
+            config.overlap_backward, fused, not every_cached, self._mlp_params_on_host, kept_copies
+        )
+        self._mlp_state = ChunkedState(
+            self._mlp_store,
+            numels,
+            layout,
+            cache_chunks=cache_chunks(config),
+            lock=self._mlp_pin,
+            pages=pages,
+            # The update during backward needs chunk order too (the first chunks cached): from the
+            # start with `overlap_backward: true`, else once the plan finds it pays (`step()`).
+            ascending=self._mlp_overlap or (backward.on and config.overlap_backward is True),
+            shadow_slots=config.shadow_slots,
+            kept_copies=kept_copies if backward.on else 0,
+            stored=self._mlp_dtypes,
+        )
+        pipeline = self._mlp_state.pipeline
+        if backward.on and pipeline.cache_slots_in_chunk_order == pipeline.cache_slots:
+            # Chunk order costs its cache nothing here: from the start.
+            pipeline.go_ascending()
+        # The plan predicts what the update during backward leaves once the steps go in chunk order.
+        self._mlp_planner.overlap_backward = backward.on and pipeline.ascending
+        return {"overlap": overlap_why, "overlap_backward": backward_why}
+
+    def _mlp_open_scratch(self, elements: int, half_bytes: int) -> None:
+        """The fp32 gradient chunk of DeepSpeed's passes; with the fused pass and the partitions on an
+        accelerator, the host scratch of the new parameters: two slots of a chunk's half-precision
+        parameters, the pass writing one while the other's copy to the device runs. Registered with the
+        device where DeepSpeed pins (`pin_memory`): those copies then run without the host."""
+        self._mlp_scratch_pool = None
+        if self._mlp_pin and not self._mlp_params_on_host:
+            self._mlp_scratch_pool = PinnedBufferPool(1, elements * FP32.itemsize)
+            buffer = self._mlp_scratch_pool.acquire()
+            assert buffer is not None
+            self._mlp_grad = as_tensor(buffer, FP32)
+        else:
+            self._mlp_grad = torch.empty(elements, dtype=FP32)
+        # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
+        # and each chunk's pass waits for the last copy out of it.
+        self._mlp_scratch_slots = FP32.itemsize // half_bytes
+        # Per slot, the event after its last copy to the device (None: none queued since the last wait).
+        self._mlp_scratch_copies: list[Any] = [None] * self._mlp_scratch_slots
+        self._mlp_scratch_next = 0
+
+    def _mlp_kernel_record(self, why: str) -> dict[str, Any]:
+        """The start record's account of the update's kernel (the fused pass or DeepSpeed's), and why."""
+        record: dict[str, Any] = {
             "kernel": "deepspeed" if self._mlp_fused is None else "fused",
-            "why": kernel_why,
+            "why": why,
             "state_dtypes": {
                 "master": fused_update.DTYPES[self._mlp_dtypes.master],
                 "moments": fused_update.DTYPES[self._mlp_dtypes.moments],
             },
         }
         if self._mlp_fused is not None:
-            kernel_record.update(
+            record.update(
                 simd=self._mlp_fused.kernel.simd,
                 arith=self._mlp_fused.kernel.arith,
                 # `update_threads`: by default torch's intra-op threads, as DeepSpeed's CPU Adam takes
                 # OpenMP's.
                 threads=self._mlp_fused.threads,
             )
-        page_report = pipeline.page_report
-        plan = self._mlp_planner.plan(pipeline, self._mlp_store)
-        # The initial state, placed by the plan's weights, through the pool's buffers.
-        self._mlp_state.initialize(lambda i: self.fp16_partitioned_groups_flat[i])
-        if self._mlp_spec_on and config.overlap_backward is True:
-            # Every streamed chunk is updated during backward: each gets its second slot now, so a full
-            # disk shows at start-up, naming the file.
-            self._mlp_state.with_second_slots(pipeline.order[pipeline.cache_slots :], keep_free=False)
+        return record
+
+    def _mlp_report_start(
+        self,
+        numels: list[int],
+        host_memory: int,
+        budget_source: str,
+        layout: memory.ChunkLayout,
+        host_pages: tuple[str, str, dict[str, int]],
+        whys: dict[str, str],
+        plan: dict[str, Any] | None,
+    ) -> None:
+        """The start record (the telemetry's first) and the start-up line. `host_pages`: the pages asked
+        for, why, and how the kernel backed the buffers."""
+        config = self._mlp_config
+        pipeline = self._mlp_state.pipeline
+        c, buffer_bytes = layout.elements, layout.buffer_bytes
+        pages, pages_source, page_report = host_pages
+        kernel_record = self._mlp_kernel_record(whys["kernel"])
+        kernel_why, overlap_why, backward_why = whys["kernel"], whys["overlap"], whys["overlap_backward"]
+        grad_bytes = memory.GRAD_BYTES * c
         self._mlp_planner.emit(
             {
                 "event": "start",
@@ -661,8 +589,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 "overlap": {"on": self._mlp_overlap, "why": overlap_why},
                 # Whether chunks are updated during backward, and why.
                 "overlap_backward": {
-                    "on": self._mlp_spec_on,
-                    "why": spec_why,
+                    "on": self._mlp_overlap_backward.on,
+                    "why": backward_why,
                     # Chunks with a second slot on disk, and the bytes the ones added for it took.
                     "slotted_chunks": len(self._mlp_state.slotted),
                     "slot_bytes": self._mlp_state.slot_bytes,
@@ -702,7 +630,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             kernel_record["kernel"],
             kernel_why,
             overlap_why,
-            spec_why,
+            backward_why,
             [round(w, 3) for w in self._mlp_store.weights],
             plan["predicted_update_secs"] if plan else float("nan"),
         )
@@ -946,20 +874,18 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         def after_update(gather: Callable[..., Any], owner: Any) -> Callable[..., Any]:
             @functools.wraps(gather)
             def gather_after_update(param_list: Any = None, *args: Any, **kwargs: Any) -> Any:
-                if (spec := self._mlp_spec) is not None and self._mlp_spec_touches(
-                    spec, [owner] if param_list is None else param_list
-                ):
-                    self._mlp_abandon(spec, "parameters were gathered before step()")
+                params = [owner] if param_list is None else param_list
+                self._mlp_overlap_backward.touched(params)
                 if (inflight := self._mlp_inflight) is not None:
                     try:
-                        inflight.wait_for(subgroups([owner] if param_list is None else param_list))
+                        inflight.wait_for(subgroups(params))
                     except BaseException:
                         # Raised once, as a failed step() raises it: what the update left stays.
                         self._mlp_inflight = None
                         raise
                 handle = gather(param_list, *args, **kwargs)
-                if self._mlp_spec_on:
-                    self._mlp_own_copies([owner] if param_list is None else param_list)
+                if self._mlp_overlap_backward.on:
+                    self._mlp_own_copies(params)
                 return handle
 
             return gather_after_update
@@ -969,7 +895,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if hasattr(p, "all_gather_coalesced"):
                 p.all_gather = after_update(p.all_gather, p)
                 p.all_gather_coalesced = after_update(p.all_gather_coalesced, p)
-        if self._mlp_spec_on:
+        if self._mlp_overlap_backward.on:
             # DeepSpeed gathered the persistent parameters before these wrappers were in place.
             self._mlp_own_copies(self.module.parameters())
 
@@ -990,8 +916,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """Waits for the update running behind `step()`, if one is, and records it; raises what it
         raised, once. An update during backward that `step()` has not settled is undone first:
         whatever calls this reads parameters, state or gradients as they were before it."""
-        if (spec := self._mlp_spec) is not None:
-            self._mlp_abandon(spec, "state or parameters were read before step()")
+        self._mlp_overlap_backward.abandon("state or parameters were read before step()")
         inflight, self._mlp_inflight = self._mlp_inflight, None
         if inflight is not None:
             self._mlp_finish_update(inflight.result(), inflight.waited_secs)
@@ -1048,426 +973,124 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # Backward writes the gradients the update reads.
         self._mlp_settle()
         self._mlp_backward_start = time.perf_counter()
-        # Norms come at the boundary's backward (and in step() for what it reduces there): each backward
-        # starts the sum afresh.
-        self._mlp_norm_sq_so_far = 0.0
-        self._mlp_device_marks = {}
-        self._mlp_norm_sq_on_device = None
+        self._mlp_overlap_backward.backward_started()
         super().backward_prologue()
 
     def backward_epilogue(self) -> None:
         super().backward_epilogue()
         self._mlp_backward_end = time.perf_counter()
         self._mlp_backward_secs += self._mlp_backward_end - self._mlp_backward_start
-        if (spec := self._mlp_spec) is not None:
-            # The boundary's backward is over: every chunk's gradient is the one the step uses.
-            spec.backward_end = self._mlp_backward_end
-            self._mlp_grads_final.end(self._mlp_backward_end)
+        self._mlp_overlap_backward.backward_ended(self._mlp_backward_end)
 
-    # ----------------------------------------------------------------------------------------------
-    # The update during backward
-
-    def _mlp_speculate(self) -> None:
-        """Starts the update during backward on the update thread, at the outcome expected now: no
-        overflow, no clipping (`1 / loss_scale`), the param groups as they are. Each chunk waits for its
-        gradient and is updated: a streamed one written as a staged version, a cached one in place, its
-        state before copied by the pass into a kept copy in host memory."""
-        pipeline = self._mlp_state.pipeline
-        chosen = overlap.chunks_backward_may_take(pipeline)
-        leads = self._mlp_last_leads
-        if self._mlp_config.overlap_backward is True:
-            # Every one, in the order the gradients came in at the last boundary (last chunk first
-            # before any).
-            chosen.sort(key=lambda c: (-leads[c], -c) if leads else -c)
-        else:
-            chosen, why_not = self._mlp_backward_plan(chosen)
-            if not chosen:
-                self._mlp_spec_skipped = why_not
-                return
-        spec = Speculation(
+    def _mlp_snapshot(self) -> StepSnapshot:
+        """Each subgroup's Adam step and the param groups as they are now."""
+        return StepSnapshot(
             steps=[int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat],
             groups=[dict(group) for group in self.optimizer.param_groups],
-            grad_scale=float(1.0 / self.loss_scale),
         )
-
-        def ready(chunk: int, timeout: float) -> bool | None:
-            if spec.stop.is_set():
-                return False
-            if not self._mlp_grads_final.wait(chunk, timeout):
-                return None
-            # The parameter ids given to GradsFinal are DeepSpeed's (ints).
-            if self._mlp_stale.pending(cast("list[int]", self._mlp_grads_final.params_of(chunk))):
-                # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one
-                # that steps since have scaled: its update is left to step(), which knows which.
-                return False
-            if (mark := self._mlp_device_marks.get(chunk)) is not None:
-                # On an accelerator: once the copy of the chunk's gradient into host memory has landed,
-                # the norms so far as they were then may rule the outcome out.
-                event, so_far = mark
-                event.synchronize()
-                self._mlp_norm_sq_so_far = max(self._mlp_norm_sq_so_far, float(so_far))
-                self._mlp_stop_if_ruled_out(spec)
-                if spec.stop.is_set():
-                    return False
-            return True
-
-        def update(
-            chunk: int,
-            state_bytes: torch.Tensor,
-            read_cuts: list[int] | None,
-            write_cuts: list[int] | None,
-            kept: KeptCopy | None = None,
-        ) -> tuple[list[int] | None, list[int] | None]:
-            i = self._mlp_state.chunks[chunk][0]
-            with spec.lock:
-                spec.taken.append(chunk)
-            # The parameters before the pass come back from the old version's weights, narrowed as
-            # DeepSpeed's copy narrows them, unless they are something else (set apart from the weights):
-            # the pass keeps those, bit for bit (a -0.0 where the weight narrows to 0.0 too), checking
-            # each block before it updates it.
-            kept_params: list[tuple[int, torch.Tensor]] = []
-            sums = self._mlp_fused_update(
-                chunk,
-                state_bytes,
-                spec.steps[i] + 1,
-                spec.grad_scale,
-                spec.groups,
-                read_cuts,
-                write_cuts,
-                kept_params=kept_params,
-                kept_state=kept,
-            )
-            if kept_params:
-                spec.kept_params[chunk] = kept_params
-            spec.ended_at.append(time.perf_counter())
-            return sums
-
-        def run() -> StepStats:
-            # Off backward's thread: the second slots the plan has long stopped choosing go back, and the
-            # chosen streamed chunks that lack one get one; the chosen cached ones get kept copies.
-            spec.planned = len(chosen)
-            in_buffers = set(pipeline.in_buffers)
-            streamed = [c for c in chosen if c not in in_buffers]
-            self._mlp_state.give_back_idle_slots(set(streamed))
-            ready_to_stage = set(self._mlp_state.with_second_slots(streamed, keep_free=True))
-            if pipeline.kept_limit:
-                cached = [c for c in chosen if c in in_buffers]
-                ready_to_stage.update(cached[: pipeline.reserve_kept(len(cached))])
-            taken = [c for c in chosen if c in ready_to_stage]
-            spec.slotted = len(taken)
-            spec.began = time.perf_counter()
-            # The taken chunks' parameters are in the partitions before step() keeps or undoes them.
-            with self._mlp_copying_to_device():
-                return pipeline.run_step(
-                    update,
-                    only=taken,
-                    staged=True,
-                    ready=ready,
-                    drain=False,
-                    ends_step=False,
-                    checksums_in_update=True,
-                )
-
-        spec.future = self._mlp_update_thread.submit(run)
-        self._mlp_spec = spec
-        # Gradients were final before this one: their norms may already rule the outcome out.
-        self._mlp_stop_if_ruled_out(spec)
-
-    def _mlp_update_secs_to_plan_by(self) -> float | None:
-        """The update's time the plan of the update during backward goes by: the performance model's
-        prediction, else the last update measured whole inside `step()`; None before either."""
-        return self._mlp_planner.prediction or self._mlp_last_whole_update
-
-    def _mlp_backward_plan(self, candidates: list[int]) -> tuple[list[int], str]:
-        """The chunks of `candidates` (the streamed ones, and the cached ones where they may have kept
-        copies) to update during this boundary's backward, in the order they run
-        (`overlap.chunks_for_backward`): by when each one's gradient was final in the last boundary's
-        backward, each taking what a chunk took during the last boundaries' backwards
-        (`UpdatePlanner.backward_chunk_secs`), else the update's predicted time (the performance
-        model's, else the last one measured whole inside `step()`) over the candidates. None, and
-        why, when there is nothing yet to plan by or nothing would begin before backward ends."""
-        leads = self._mlp_last_leads
-        if leads is None:
-            return [], "not tried: the plan waits for one boundary's gradient times"
-        if not self._mlp_state.pipeline.ascending:
-            return [], f"not tried: {self._mlp_order_why}"
-        update_secs = self._mlp_update_secs_to_plan_by()
-        if update_secs is None:
-            return [], "not tried: no update predicted or measured yet to plan by"
-        secs_per_chunk = self._mlp_planner.backward_chunk_secs() or update_secs / len(candidates)
-        chosen = overlap.chunks_for_backward(
-            {c: leads[c] for c in candidates}, self._mlp_last_boundary_backward, secs_per_chunk
-        )
-        if not chosen:
-            return [], "not tried: the plan expects no chunk's update to begin before backward ends"
-        return chosen, ""
-
-    def _mlp_weigh_chunk_order(self, leads: list[float], backward_secs: float) -> None:
-        """With `overlap_backward: "auto"`, before chunk order: whether it pays (`overlap.chunk_order_pays`,
-        from this boundary's gradient times and the update's predicted, else measured, time per streamed
-        chunk); if so the pipeline goes to chunk order for this step's update, and the update during
-        backward can begin at the next boundary. `_mlp_order_why` says what the plan found."""
-        pipeline = self._mlp_state.pipeline
-        update_secs = self._mlp_update_secs_to_plan_by()
-        if update_secs is None:
-            self._mlp_order_why = "no update predicted or measured yet to plan by"
-            return
-        n = len(self._mlp_state.chunks)
-        in_order = pipeline.cache_slots_in_chunk_order
-        lost = pipeline.cache_slots - in_order
-        pays, hidden, extra = overlap.chunk_order_pays(
-            leads[in_order:], backward_secs, update_secs / max(1, n - pipeline.cache_slots), lost
-        )
-        self._mlp_order_why = (
-            f"in chunk order {hidden:.2f} s of the update could run during the last backward, against "
-            f"{extra:.2f} s more I/O a step for a cache {lost} chunks smaller"
-        )
-        if pays:
-            pipeline.go_ascending()
-            self._mlp_planner.overlap_backward = True
-
-    def _mlp_measure_backward_chunks(self, spec: Speculation, leads: list[float]) -> float | None:
-        """What a chunk took in this boundary's update during backward (kept or undone: it ran all the
-        same; `overlap.secs_per_chunk_in_backward`), handed to the plan of the next ones. None where too
-        few chunks ended before backward did."""
-        start = self._mlp_backward_start
-        ended = [t - start for t in spec.ended_at]
-        secs = overlap.secs_per_chunk_in_backward(
-            leads, self._mlp_last_boundary_backward, spec.began - start, spec.taken[: len(ended)], ended
-        )
-        if secs is not None:
-            self._mlp_planner.observe_backward_chunks(secs)
-        return secs
-
-    def _mlp_stop_if_ruled_out(self, spec: Speculation) -> None:
-        """Stops the update during backward once the boundary's gradient norms so far prove the step's
-        outcome another than it assumed: not finite (an overflow, or a skipped step), or clipped (their
-        squares only add up; other ranks' only add more). It would be undone; the chunks already taken
-        stay staged for `step()` to decide."""
-        so_far = self._mlp_norm_sq_so_far
-        if not math.isfinite(so_far):
-            spec.stopped = "the gradients' norm so far is not finite"
-        elif self.clip_grad > 0.0 and self._mlp_clip_ratio(math.sqrt(so_far)) > 1.0 + CLIP_MARGIN:
-            spec.stopped = (
-                f"the gradients' norm so far, {math.sqrt(so_far) / self.loss_scale:.6g}, already clips at "
-                f"{self.clip_grad:g}"
-            )
-        if spec.stopped is not None:
-            spec.stop.set()
-
-    def _mlp_spec_touches(self, spec: Speculation, params: Iterable[Any]) -> bool:
-        """Whether gathering `params` now would read what the update during backward changed: after
-        backward, any of them; during it, one in a chunk already taken."""
-        if spec.backward_end is not None:
-            return True
-        with spec.lock:
-            taken = set(spec.taken)
-            return any(
-                c in taken for p in params for c in self._mlp_grads_final.chunks_of(self.get_param_id(p))
-            )
-
-    def _mlp_spec_finish(
-        self, spec: Speculation, keep: bool, why: str, redo: bool = False
-    ) -> tuple[StepStats, dict[str, Any]]:
-        """Ends the update during backward: waits for it (stopped first unless `keep`), and keeps its
-        versions (`keep`) or forgets them and restores the parameters and Adam steps it changed (`redo`:
-        all but the parameters, which the update that follows at once writes again). Returns its figures
-        and its telemetry record; raises what it raised, having undone it."""
-        self._mlp_spec = None
-        if not keep:
-            spec.stop.set()
-        assert spec.future is not None
-        end = spec.backward_end if spec.backward_end is not None else time.perf_counter()
-        try:
-            stats = spec.future.result()
-        except BaseException as error:
-            self._mlp_undo(spec)
-            error.add_note("mlp_offload: raised by the update during backward; it was undone")
-            raise
-        if keep:
-            self._mlp_state.pipeline.commit(stats.staged)
-        else:
-            self._mlp_undo(spec, params=not redo)
-        return stats, self._mlp_spec_record(spec, sum(t <= end for t in spec.ended_at), keep, why)
-
-    def _mlp_spec_record(
-        self, spec: Speculation | None, in_backward: int, kept: bool, why: str
-    ) -> dict[str, Any]:
-        """The step record's account of the update during backward (`spec`; None: not tried)."""
-        return {
-            "chunks": 0 if spec is None else len(spec.taken),
-            "in_backward": in_backward,
-            # What a chunk took during backward, measured (set by step(); None: too few to say).
-            "chunk_secs": None,
-            "kept": kept,
-            # Its part of the step's figures (reads, cached, retained, writes; bytes and seconds are in
-            # them too), set by step() where it ran until then: undone there, the update after it takes
-            # its chunks again, so the step counts them twice. None: in no step's figures (undone
-            # before step() because something read the state, or the step was skipped).
-            "figures": None,
-            "why": why,
-            "secs": 0.0 if spec is None else time.perf_counter() - spec.started,
-            # The chunks the plan chose, those of them with a second slot, and why it stopped early.
-            "planned": 0 if spec is None else spec.planned,
-            "slotted": 0 if spec is None else spec.slotted,
-            "stopped": None if spec is None else spec.stopped,
-            # Chunks with a second slot, the bytes the ones added took, why adding stopped short, and
-            # the slots given back after the plan stopped choosing them (chunks, bytes).
-            "slotted_chunks": len(self._mlp_state.slotted),
-            "slot_bytes": self._mlp_state.slot_bytes,
-            "slots_short": self._mlp_state.slots_short,
-            "slots_given_back": self._mlp_state.slots_given_back,
-            "slot_bytes_given_back": self._mlp_state.slot_bytes_given_back,
-            # Kept copies in host memory (cached chunks' states before), and their bytes.
-            "kept_copies": self._mlp_state.pipeline.kept_copies,
-            "kept_bytes": self._mlp_state.pipeline.kept_bytes,
-            "kept_short": self._mlp_state.pipeline.kept_short,
-            # Whether the steps go in chunk order (which it needs), and what the plan found of it.
-            "chunk_order": self._mlp_state.pipeline.ascending,
-            "chunk_order_why": self._mlp_order_why,
-        }
-
-    def _mlp_undo(self, spec: Speculation, params: bool = True) -> None:
-        """Forgets the staged versions of every chunk the update during backward took, and gives back
-        their subgroups' Adam steps and (`params`) their half-precision parameters, from the store's old
-        version or the copy set apart."""
-        self._mlp_state.pipeline.discard(spec.taken)
-        for chunk in spec.taken:
-            i, first, count = self._mlp_state.chunks[chunk]
-            if params:
-                half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
-                half.copy_(self._mlp_state.current_params(chunk))
-                for start, values in spec.kept_params.get(chunk, []):
-                    half[start : start + values.numel()].copy_(values)
-            self.optimizer.state[self.fp32_partitioned_groups_flat[i]]["step"] = self._mlp_step_value(
-                spec.steps[i]
-            )
-
-    def _mlp_abandon(self, spec: Speculation, why: str) -> None:
-        """Undoes the update during backward before something reads what it changed."""
-        _, record = self._mlp_spec_finish(spec, keep=False, why=why)
-        self._mlp_abandoned = record
 
     def step(self, closure: Any = None) -> None:
         """DeepSpeed's step with the subgroup loop replaced by the pipeline (same operations per subgroup),
-        which runs on behind this call with `overlap`. The update during backward
-        (`overlap_backward`) is kept where the step's outcome is the one it assumed, else undone."""
-        # This step settles the update during backward itself (the settling below would undo it).
-        spec, self._mlp_spec = self._mlp_spec, None
-        self._mlp_spec_begun = False
+        which runs on behind this call with `overlap`: the update during backward settled, the step's
+        outcome decided, the stale gradients taken, the update run, and recorded once it ends."""
+        backward_update = self._mlp_overlap_backward.take()
         self._mlp_settle()
         step_start = time.perf_counter()
         fwd_bwd = None if self._mlp_last_step_end is None else step_start - self._mlp_last_step_end
         backward_secs, self._mlp_backward_secs = self._mlp_backward_secs, 0.0
-        grads = self._mlp_grads_final
-        if spec is not None:
-            # Every gradient is the step's now (also where DeepSpeed reduced the last ones in step()).
-            grads.end()
-        # How long before the boundary's backward ended each chunk's gradient was final.
-        leads = grads.leads(self._mlp_backward_end)
-        self._mlp_last_leads = leads
-        self._mlp_last_boundary_backward = max(0.0, self._mlp_backward_end - self._mlp_backward_start)
-        if self._mlp_spec_on and not self._mlp_state.pipeline.ascending:
-            self._mlp_weigh_chunk_order(leads, self._mlp_last_boundary_backward)
-        grads_final = {
-            "backward_secs": self._mlp_last_boundary_backward,
-            "lead_secs": [round(t, 3) for t in leads],
-        }
-        skipped, self._mlp_spec_skipped = self._mlp_spec_skipped, None
-        changed = bool(grads.changed)
-        if spec is None:
-            grads.reset()
-        self._pre_step()
-        self._partition_all_parameters()
-        self._overflow_check_and_loss_scale_update(update_scale=False)
-        scaled_global_grad_norm = None
-        if not self.overflow:
-            self._apply_muon_to_accumulated_grads()
-            norm_groups = self._get_norm_groups()
-            scaled_global_grad_norm = combine_grad_norm_groups(norm_groups)
-            if is_invalid_grad_norm(scaled_global_grad_norm):
-                self.overflow = True
+        boundary = self._mlp_overlap_backward.boundary_ended(
+            backward_update, self._mlp_backward_start, self._mlp_backward_end
+        )
+        scaled_global_grad_norm = self._mlp_scaled_norm()
         if self._loss_scale_update_and_overflow_cleanup():
-            # An fp16 overflow skips the update: no state is read, changed or written (what the update
-            # during backward changed is undone).
-            speculation = self._mlp_abandoned
-            if spec is not None:
-                _, speculation = self._mlp_spec_finish(
-                    spec, keep=False, why="the step was skipped (overflow, or a gradient norm not finite)"
-                )
-                grads.reset()
-            self._mlp_abandoned = None
-            self._mlp_stale.skipped()
-            self._mlp_planner.emit(
-                {
-                    "event": "skipped",
-                    "rank": self._mlp_rank,
-                    "loss_scale": float(self.loss_scale),
-                    "speculation": speculation,
-                }
-            )
-            self._mlp_last_step_end = time.perf_counter()
-            self._mlp_fp32_grads.clear()
+            self._mlp_skip_step(backward_update)
             return
         self._global_grad_norm = scaled_global_grad_norm / self.loss_scale
-        timer_names: set[str] = set()
-        timer_names.add(OPTIMIZER_STEP_TIMER)
+        timer_names: set[str] = {OPTIMIZER_STEP_TIMER}
         self.timers(OPTIMIZER_STEP_TIMER).start()
-
-        compute_secs = 0.0
-        update_end = step_start
         # What `unscale_and_clip_grads` multiplies every fp32 gradient by this step (the fused pass
         # applies it; DeepSpeed's passes compute it themselves).
         step_factor = self._mlp_grad_scale(scaled_global_grad_norm)
         grad_scale = step_factor if self._mlp_fused is not None else 1.0
-        likely, self._mlp_spec_likely = self._mlp_spec_likely, grad_scale == float(1.0 / self.loss_scale)
         # The param groups as this step sees them: an lr scheduler changes them once step() returns.
-        groups = [dict(group) for group in self.optimizer.param_groups]
-        # The update during backward: kept where the outcome is the one it assumed, else undone.
-        spec_stats: StepStats | None = None
-        speculation, committed = self._mlp_abandoned, set()
-        # An update during backward that began and was undone before step() (something read the state).
-        abandoned = speculation is not None
-        self._mlp_abandoned = None
-        if spec is None and speculation is None and self._mlp_spec_on:
-            why_not = "not tried: the last step's gradients were clipped" if not likely else skipped
-            if why_not is not None:
-                speculation = self._mlp_spec_record(None, 0, False, why_not)
-        if spec is not None:
-            why = "kept: the step's outcome was the one expected"
-            if grad_scale != spec.grad_scale:
-                why = (
-                    f"undone: the gradients' scale was {grad_scale!r}, not {spec.grad_scale!r} (they were "
-                    "clipped, or the loss scale changed)"
-                )
-            elif not _same_groups(groups, spec.groups):
-                why = "undone: the param groups changed between backward and step()"
-            elif changed:
-                why = "undone: a gradient changed after it was final"
-            # Undone here, every chunk is updated next, its parameters written again.
-            keep = why.startswith("kept")
-            spec_stats, speculation = self._mlp_spec_finish(spec, keep=keep, why=why, redo=not keep)
-            speculation["figures"] = {
-                name: getattr(spec_stats, name)
-                for name in ("reads", "reads_dropped", "cached", "retained", "writes")
+        snapshot = self._mlp_snapshot()
+        settled = self._mlp_overlap_backward.settle(backward_update, grad_scale, snapshot.groups, boundary)
+        if backward_update is not None:
+            # Its subgroups' Adam steps before it (a kept one has moved them on).
+            snapshot.steps = backward_update.snapshot.steps
+        stale_ranges, stale_record = self._mlp_take_stale(step_factor)
+        update = StepUpdate(
+            self,
+            step_start,
+            snapshot,
+            grad_scale,
+            scaled_global_grad_norm,
+            settled,
+            stale_ranges,
+            {
+                "fwd_bwd": fwd_bwd,
+                "backward_secs": backward_secs,
+                "grads_final": boundary.record,
+                "stale": stale_record,
+            },
+        )
+        if self._mlp_overlap:
+            steps = snapshot.steps
+            self._mlp_inflight = UpdateInFlight(
+                update.run, len(steps), step=max(steps) + 1, thread=self._mlp_update_thread
+            )
+            self._mlp_finish_update = update.finish
+        else:
+            stats = update.run(lambda i: None)
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._post_step(timer_names)
+        update.returned = time.perf_counter()
+        if not self._mlp_overlap:
+            update.finish(stats, None)
+        self._mlp_last_step_end = time.perf_counter()
+
+    def _mlp_scaled_norm(self) -> Any:
+        """DeepSpeed's step up to its outcome: the parameters partitioned, the overflow check, and the
+        scaled global gradient norm (None on an overflow, which a norm not finite is too)."""
+        self._pre_step()
+        self._partition_all_parameters()
+        self._overflow_check_and_loss_scale_update(update_scale=False)
+        if self.overflow:
+            return None
+        self._apply_muon_to_accumulated_grads()
+        scaled_global_grad_norm = combine_grad_norm_groups(self._get_norm_groups())
+        if is_invalid_grad_norm(scaled_global_grad_norm):
+            self.overflow = True
+        return scaled_global_grad_norm
+
+    def _mlp_skip_step(self, backward_update: BackwardUpdate | None) -> None:
+        """An fp16 overflow skips the update: no state is read, changed or written (what the update
+        during backward changed is undone)."""
+        record = self._mlp_overlap_backward.skipped_step(backward_update)
+        self._mlp_stale.skipped()
+        self._mlp_planner.emit(
+            {
+                "event": "skipped",
+                "rank": self._mlp_rank,
+                "loss_scale": float(self.loss_scale),
+                "overlap_backward": record,
             }
-            grads.reset()
-            speculation["chunk_secs"] = self._mlp_measure_backward_chunks(spec, leads)
-            if speculation["kept"]:
-                committed = set(spec_stats.staged)
-        # The parameters this boundary gave no gradient, updated with their last one as DeepSpeed's
-        # buffer holds it (the update during backward left their chunks to this step); this step's
-        # factor is the one `unscale_and_clip_grads` applies. After the update during backward has
-        # ended: it reads what this changes.
+        )
+        self._mlp_last_step_end = time.perf_counter()
+        self._mlp_fp32_grads.clear()
+
+    def _mlp_take_stale(self, step_factor: float) -> tuple[stale_gradients.StaleRanges, dict[str, int]]:
+        """The parameters this boundary gave no gradient, updated with their last one as DeepSpeed's
+        buffer holds it (the update during backward left their chunks to this step); this step's factor
+        is the one `unscale_and_clip_grads` applies. After the update during backward has ended: it reads
+        what this changes. With their record."""
         stale_ranges = self._mlp_stale.taken(step_factor, self._mlp_param_ranges, self._mlp_param_half_grad)
-        stale_record = {
+        record = {
             "params": sum(len(ranges) for ranges in stale_ranges.values()),
             # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
             "kept_bytes": self._mlp_stale.kept_bytes(),
             "diverged": len(self._mlp_stale.diverged),
         }
-        # A subgroup whose fp32 gradient a gradient setter wrote has it whole (`_mlp_fp32_grads`).
-        stale_ranges = {i: ranges for i, ranges in stale_ranges.items() if i not in self._mlp_fp32_grads}
         if diverged := self._mlp_stale.diverged:
             names = [self.param_names.get(self.param_dict[pid], str(pid)) for pid in diverged]
             log.warning(
@@ -1478,133 +1101,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 len(names),
                 ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
             )
-        # Each subgroup's Adam step before this update, and how many of its chunks are still to come.
-        steps = (
-            spec.steps
-            if spec is not None
-            else [int(self.optimizer.state[t].get("step", 0)) for t in self.fp32_partitioned_groups_flat]
-        )
-        remaining = [len(chunks) for chunks in self._mlp_state.of_subgroup]
-        for c in committed:
-            remaining[self._mlp_state.chunks[c][0]] -= 1
-
-        def fused_update(
-            chunk: int,
-            state_bytes: torch.Tensor,
-            read_cuts: list[int] | None,
-            write_cuts: list[int] | None,
-            subgroup_done: Callable[[int], None],
-        ) -> tuple[list[int] | None, list[int] | None]:
-            """The update of one chunk as one fused pass, checksums included."""
-            nonlocal compute_secs
-            t = time.perf_counter()
-            i = self._mlp_state.chunks[chunk][0]
-            try:
-                sums = self._mlp_fused_update(
-                    chunk,
-                    state_bytes,
-                    steps[i] + 1,
-                    grad_scale,
-                    groups,
-                    read_cuts,
-                    write_cuts,
-                    stale_ranges=stale_ranges,
-                )
-                remaining[i] -= 1
-                if remaining[i] == 0:
-                    self._unflatten_partitioned_parameters(i)
-                    # The copies to the device are queued on this thread's stream; the forward's
-                    # all-gather runs on another.
-                    self._mlp_sync_copies()
-                    subgroup_done(i)
-                return sums
-            finally:
-                compute_secs += time.perf_counter() - t
-
-        def update(chunk: int, state_bytes: torch.Tensor) -> None:
-            """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and
-            chunk boundaries keep CPU Adam's vector path (see `memory.CHUNK_ALIGN`)."""
-            nonlocal compute_secs
-            t = time.perf_counter()
-            i, first, count = self._mlp_state.chunks[chunk]
-            self._mlp_bind_chunk(chunk, state_bytes, steps[i], stale_ranges)
-            try:
-                if self._muon_update_lacks_loss_scale(i):
-                    self.fp32_partitioned_groups_flat[i].grad.mul_(self.loss_scale)
-                self.unscale_and_clip_grads(i, scaled_global_grad_norm)
-                self._optimizer_step(i)
-                # DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`, one chunk at a time.
-                half = self.fp16_partitioned_groups_flat[i]
-                half.data[first : first + count].copy_(self.fp32_partitioned_groups_flat[i].data)
-                remaining[i] -= 1
-                if remaining[i] == 0:
-                    self._unflatten_partitioned_parameters(i)
-            finally:
-                self._mlp_unbind(i)
-                compute_secs += time.perf_counter() - t
-
-        def run(subgroup_done: Callable[[int], None]) -> StepStats:
-            """The chunk loop. The last writes go on while the next forward and backward run. The fused
-            pass checksums the state as it reads and writes it, so the store does not hash it again."""
-            nonlocal update_end
-            pipeline = self._mlp_state.pipeline
-            # Subgroups whose every chunk was updated during backward are done.
-            for i in sorted({self._mlp_state.chunks[c][0] for c in committed}):
-                if remaining[i] == 0:
-                    self._unflatten_partitioned_parameters(i)
-                    subgroup_done(i)
-            if self._mlp_fused is not None:
-                with self._mlp_copying_to_device():
-                    stats = pipeline.run_step(
-                        functools.partial(fused_update, subgroup_done=subgroup_done),
-                        drain=False,
-                        checksums_in_update=True,
-                        only=[c for c in pipeline.order if c not in committed] if spec is not None else None,
-                    )
-            else:
-                stats = pipeline.run_step(update, drain=False)
-            update_end = time.perf_counter()
-            if not committed:
-                # The whole update ran here: what the plan of the update during backward goes by
-                # without a prediction.
-                self._mlp_last_whole_update = update_end - step_start
-            if spec is None and not abandoned and self._mlp_spec_on:
-                # A boundary without the update during backward (not tried, or clipped) chose no chunk:
-                # second slots long unused go back here too (with one, when it began).
-                self._mlp_state.give_back_idle_slots(())
-            return stats if spec_stats is None else spec_stats.add(stats)
-
-        def finish(stats: StepStats, waited_secs: float | None) -> None:
-            overlap = None
-            if waited_secs is not None:
-                overlap = {"step_returned_secs": returned - step_start, "forward_waited_secs": waited_secs}
-            self._mlp_planner.after_step(
-                self._mlp_store,
-                stats,
-                update_end - step_start,
-                fwd_bwd,
-                backward_secs,
-                compute_secs,
-                overlap=overlap,
-                grads_final=grads_final,
-                speculation=speculation,
-                stale=stale_record,
-            )
-            self._mlp_fp32_grads.clear()
-
-        if self._mlp_overlap:
-            self._mlp_inflight = UpdateInFlight(
-                run, len(steps), step=max(steps) + 1, thread=self._mlp_update_thread
-            )
-            self._mlp_finish_update = finish
-        else:
-            stats = run(lambda i: None)
-        self.timers(OPTIMIZER_STEP_TIMER).stop()
-        self._post_step(timer_names)
-        returned = time.perf_counter()
-        if not self._mlp_overlap:
-            finish(stats, None)
-        self._mlp_last_step_end = time.perf_counter()
+        # A subgroup whose fp32 gradient a gradient setter wrote has it whole (`_mlp_fp32_grads`).
+        return {i: r for i, r in stale_ranges.items() if i not in self._mlp_fp32_grads}, record
 
     # ----------------------------------------------------------------------------------------------
     # Checkpoints (DeepSpeed's own ZeRO-3 format) and the end of training
@@ -1664,7 +1162,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 self._mlp_settle()
                 self._mlp_state.pipeline.flush()
             finally:
-                if self._mlp_overlap or self._mlp_spec_on:
+                if self._mlp_overlap or self._mlp_overlap_backward.on:
                     self._mlp_update_thread.shutdown()
                 self._mlp_state.pipeline.close()
                 if self._mlp_scratch_pool is not None:

@@ -12,22 +12,17 @@ pass) and its I/O run in the Rust core without it.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = [
     "GradsFinal",
     "UpdateInFlight",
     "choose_overlap",
     "choose_overlap_backward",
-    "chunk_order_pays",
-    "chunks_for_backward",
-    "could_run_in_backward",
-    "secs_per_chunk_in_backward",
     "update_thread",
 ]
 
@@ -90,99 +85,6 @@ def choose_overlap_backward(
         "auto: the streamed chunks the plan expects to begin before backward ends, as their gradients are "
         "final, kept if the step agrees"
     )
-
-
-def _in_backward(
-    leads: dict[int, float], backward_secs: float, secs_per_chunk: float
-) -> Iterator[tuple[int, float, float]]:
-    """Each chunk of `leads` (chunk -> how long before backward's end its gradient was final) updated
-    as soon as its gradient is final, latest-final last, one after another, each taking
-    `secs_per_chunk`: `(chunk, start, end)`, in seconds from backward's start."""
-    end = 0.0
-    for chunk in sorted(leads, key=lambda c: (-leads[c], -c)):
-        start = max(backward_secs - leads[chunk], end)
-        end = start + secs_per_chunk
-        yield chunk, start, end
-
-
-class _Chunks(Protocol):
-    """What `chunks_backward_may_take` reads of a `ChunkPipeline`."""
-
-    @property
-    def order(self) -> list[int]: ...
-    @property
-    def cache_slots(self) -> int: ...
-    @property
-    def kept_limit(self) -> int: ...
-
-
-def chunks_backward_may_take(pipeline: _Chunks) -> list[int]:
-    """The chunks an update during backward may take, in chunk order: every one where the pipeline may
-    make kept copies (every chunk cached, with room), else the streamed ones (in chunk order the first
-    `cache_slots` stay in host memory, and their state is nowhere else to undo from)."""
-    return pipeline.order if pipeline.kept_limit else pipeline.order[pipeline.cache_slots :]
-
-
-def chunks_for_backward(leads: dict[int, float], backward_secs: float, secs_per_chunk: float) -> list[int]:
-    """The chunks worth updating during backward, in the order they would run (see `_in_backward`):
-    those whose update could begin before backward ends. One that would begin only after it gains
-    nothing there, and would hold a second copy on disk for nothing."""
-    return [c for c, start, _ in _in_backward(leads, backward_secs, secs_per_chunk) if start < backward_secs]
-
-
-def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per_chunk: float) -> float:
-    """How many seconds of an update of `len(leads)` chunks could run before backward ends (see
-    `_in_backward`; `leads`: per chunk, how long before backward's end its gradient was final)."""
-    return sum(
-        max(0.0, min(end, backward_secs) - start)
-        for _, start, end in _in_backward(dict(enumerate(leads)), backward_secs, secs_per_chunk)
-    )
-
-
-# The fewest chunks updated before backward ended whose times say what a chunk takes there.
-CHUNK_TIMES_NEEDED = 3
-
-
-def secs_per_chunk_in_backward(
-    leads: Sequence[float],
-    backward_secs: float,
-    began_secs: float,
-    taken: Sequence[int],
-    ended_secs: Sequence[float],
-) -> float | None:
-    """What a chunk's update took during backward, measured: the mean, over the chunks whose update
-    ended before backward did, of the seconds from when it could begin (its gradient final, at
-    `backward_secs - leads[chunk]`, and the chunk before it done; the first, the update's start at
-    `began_secs`) to its end. `taken`, `ended_secs`: the chunks in the order they ran and when each ended.
-    All times in seconds from backward's start. None with fewer than `CHUNK_TIMES_NEEDED` such chunks.
-
-    Backward's compute shares the CPU and the disk with it (on the CPU, the very cores), so a chunk takes
-    longer here than inside `step()`; where the update is bound by its reads, this is a read's time.
-    The mean, not the median: the plan adds chunks' times up, and a few stalled chunks (at 940M on this
-    machine a tenth of them took over twice the median) cost the chunks behind them their time."""
-    times = []
-    free = began_secs
-    for chunk, end in zip(taken, ended_secs, strict=True):
-        if end > backward_secs:
-            break
-        times.append(end - max(free, backward_secs - leads[chunk]))
-        free = end
-    if len(times) < CHUNK_TIMES_NEEDED:
-        return None
-    return statistics.mean(times)
-
-
-def chunk_order_pays(
-    leads: Sequence[float], backward_secs: float, secs_per_chunk: float, cache_lost: int
-) -> tuple[bool, float, float]:
-    """Whether going to chunk order, which the update during backward needs, pays: what of the update of
-    the chunks that stream in chunk order could run during backward (`leads`: theirs, see
-    `could_run_in_backward`), against the I/O of the `cache_lost` chunks the smaller cache of chunk order
-    no longer keeps (each read and written every step, `secs_per_chunk` each). Returns whether it pays,
-    the first and the second."""
-    hidden = could_run_in_backward(leads, backward_secs, secs_per_chunk)
-    extra = cache_lost * secs_per_chunk
-    return hidden > extra, hidden, extra
 
 
 def update_thread() -> ThreadPoolExecutor:

@@ -10,8 +10,8 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, TextIO
 
 import torch
 import torch.distributed as torch_dist
@@ -19,7 +19,6 @@ import torch.distributed as torch_dist
 from mlp_offload import _core
 from mlp_offload.common.config import MLPOffloadConfig
 from mlp_offload.engine import memory, profiles
-from mlp_offload.engine.overlap import chunks_backward_may_take, could_run_in_backward
 from mlp_offload.engine.pipeline import ChunkPipeline, StepStats
 from mlp_offload.engine.store import ObjectStore
 
@@ -147,6 +146,99 @@ class _ProbeNotice:
         )
 
 
+def _in_backward(
+    leads: dict[int, float], backward_secs: float, secs_per_chunk: float
+) -> Iterator[tuple[int, float, float]]:
+    """Each chunk of `leads` (chunk -> how long before backward's end its gradient was final) updated
+    as soon as its gradient is final, latest-final last, one after another, each taking
+    `secs_per_chunk`: `(chunk, start, end)`, in seconds from backward's start."""
+    end = 0.0
+    for chunk in sorted(leads, key=lambda c: (-leads[c], -c)):
+        start = max(backward_secs - leads[chunk], end)
+        end = start + secs_per_chunk
+        yield chunk, start, end
+
+
+class _Chunks(Protocol):
+    """What `chunks_backward_may_take` reads of a `ChunkPipeline`."""
+
+    @property
+    def order(self) -> list[int]: ...
+    @property
+    def cache_slots(self) -> int: ...
+    @property
+    def kept_limit(self) -> int: ...
+
+
+def chunks_backward_may_take(pipeline: _Chunks) -> list[int]:
+    """The chunks an update during backward may take, in chunk order: every one where the pipeline may
+    make kept copies (every chunk cached, with room), else the streamed ones (in chunk order the first
+    `cache_slots` stay in host memory, and their state is nowhere else to undo from)."""
+    return pipeline.order if pipeline.kept_limit else pipeline.order[pipeline.cache_slots :]
+
+
+def chunks_for_backward(leads: dict[int, float], backward_secs: float, secs_per_chunk: float) -> list[int]:
+    """The chunks worth updating during backward, in the order they would run (see `_in_backward`):
+    those whose update could begin before backward ends. One that would begin only after it gains
+    nothing there, and would hold a second copy on disk for nothing."""
+    return [c for c, start, _ in _in_backward(leads, backward_secs, secs_per_chunk) if start < backward_secs]
+
+
+def could_run_in_backward(leads: Sequence[float], backward_secs: float, secs_per_chunk: float) -> float:
+    """How many seconds of an update of `len(leads)` chunks could run before backward ends (see
+    `_in_backward`; `leads`: per chunk, how long before backward's end its gradient was final)."""
+    return sum(
+        max(0.0, min(end, backward_secs) - start)
+        for _, start, end in _in_backward(dict(enumerate(leads)), backward_secs, secs_per_chunk)
+    )
+
+
+# The fewest chunks updated before backward ended whose times say what a chunk takes there.
+CHUNK_TIMES_NEEDED = 3
+
+
+def secs_per_chunk_in_backward(
+    leads: Sequence[float],
+    backward_secs: float,
+    began_secs: float,
+    taken: Sequence[int],
+    ended_secs: Sequence[float],
+) -> float | None:
+    """What a chunk's update took during backward, measured: the mean, over the chunks whose update
+    ended before backward did, of the seconds from when it could begin (its gradient final, at
+    `backward_secs - leads[chunk]`, and the chunk before it done; the first, the update's start at
+    `began_secs`) to its end. `taken`, `ended_secs`: the chunks in the order they ran and when each ended.
+    All times in seconds from backward's start. None with fewer than `CHUNK_TIMES_NEEDED` such chunks.
+
+    Backward's compute shares the CPU and the disk with it (on the CPU, the very cores), so a chunk takes
+    longer here than inside `step()`; where the update is bound by its reads, this is a read's time.
+    The mean, not the median: the plan adds chunks' times up, and a few stalled chunks (at 940M on this
+    machine a tenth of them took over twice the median) cost the chunks behind them their time."""
+    times = []
+    free = began_secs
+    for chunk, end in zip(taken, ended_secs, strict=True):
+        if end > backward_secs:
+            break
+        times.append(end - max(free, backward_secs - leads[chunk]))
+        free = end
+    if len(times) < CHUNK_TIMES_NEEDED:
+        return None
+    return statistics.mean(times)
+
+
+def chunk_order_pays(
+    leads: Sequence[float], backward_secs: float, secs_per_chunk: float, cache_lost: int
+) -> tuple[bool, float, float]:
+    """Whether going to chunk order, which the update during backward needs, pays: what of the update of
+    the chunks that stream in chunk order could run during backward (`leads`: theirs, see
+    `could_run_in_backward`), against the I/O of the `cache_lost` chunks the smaller cache of chunk order
+    no longer keeps (each read and written every step, `secs_per_chunk` each). Returns whether it pays,
+    the first and the second."""
+    hidden = could_run_in_backward(leads, backward_secs, secs_per_chunk)
+    extra = cache_lost * secs_per_chunk
+    return hidden > extra, hidden, extra
+
+
 class UpdatePlanner:
     """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
     records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
@@ -165,8 +257,13 @@ class UpdatePlanner:
         self.overlap_backward = False
         self.prediction_after_backward: float | None = None
         # What a streamed chunk's update took during the recent boundaries' backwards, measured
-        # (`overlap.secs_per_chunk_in_backward`).
+        # (`secs_per_chunk_in_backward`).
         self._backward_chunks: deque[float] = deque(maxlen=PREDICTION_STEPS)
+        # The last update that ran whole inside `step()` (set by the engine): what the plan of the update
+        # during backward goes by before the model predicts one.
+        self.last_whole_update: float | None = None
+        # What the plan found of chunk order, which the update during backward needs ("auto").
+        self.order_why = "the plan waits for one boundary's gradient times"
         self._pipeline: ChunkPipeline | None = None
         # Per recent step, each path's bytes per busy second (the first step left out: it also holds
         # the initial writes of the whole state).
@@ -360,14 +457,14 @@ class UpdatePlanner:
         compute_secs: float,
         overlap: dict[str, float] | None = None,
         grads_final: dict[str, Any] | None = None,
-        speculation: dict[str, Any] | None = None,
+        overlap_backward: dict[str, Any] | None = None,
         stale: dict[str, int] | None = None,
     ) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
         step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
         the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
         chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
-        `speculation`: the update during backward, and whether it was kept. `stale`: the parameters this
+        `overlap_backward`: the update during backward, and whether it was kept. `stale`: the parameters this
         boundary gave no gradient, updated with an earlier one (`mlp_offload.adapter.stale_gradients`)."""
         moved = None
         if self.tuner is not None:
@@ -402,7 +499,8 @@ class UpdatePlanner:
                 else (self.tuner.estimates if self.tuner is not None else None)
             )
             # The chunks the update during backward updated, when kept, are not in this step's compute.
-            committed = speculation["chunks"] if speculation is not None and speculation["kept"] else 0
+            kept = overlap_backward is not None and overlap_backward["kept"]
+            committed = overlap_backward["chunks"] if overlap_backward is not None and kept else 0
             adam_secs_per_chunk = compute_secs / max(1, len(self._pipeline.sizes) - committed)
             self.prediction = self._replan(
                 fwd_bwd_secs=fwd_bwd,
@@ -464,10 +562,62 @@ class UpdatePlanner:
                 "predicted_after_backward_secs": predicted_after_backward,
                 "overlap": overlap,
                 "grads_final": grads_final,
-                "speculation": speculation,
+                "overlap_backward": overlap_backward,
                 "stale": stale,
             }
         )
+
+    def update_secs_to_plan_by(self) -> float | None:
+        """The update's time the plan of the update during backward goes by: the performance model's
+        prediction, else the last update measured whole inside `step()`; None before either."""
+        return self.prediction or self.last_whole_update
+
+    def backward_chunks(
+        self, candidates: list[int], leads: list[float] | None, backward_secs: float
+    ) -> tuple[list[int], str]:
+        """The chunks of `candidates` (the streamed ones, and the cached ones where they may have kept
+        copies) to update during this boundary's backward, in the order they run (`chunks_for_backward`):
+        by when each one's gradient was final in the last boundary's backward (`leads`, which took
+        `backward_secs`), each taking what a chunk took during the last boundaries' backwards
+        (`backward_chunk_secs`), else the update's predicted time over the candidates
+        (`update_secs_to_plan_by`). None, and why, when there is nothing yet to plan by or nothing would
+        begin before backward ends."""
+        if leads is None:
+            return [], "not tried: the plan waits for one boundary's gradient times"
+        assert self._pipeline is not None
+        if not self._pipeline.ascending:
+            return [], f"not tried: {self.order_why}"
+        update_secs = self.update_secs_to_plan_by()
+        if update_secs is None:
+            return [], "not tried: no update predicted or measured yet to plan by"
+        secs_per_chunk = self.backward_chunk_secs() or update_secs / len(candidates)
+        chosen = chunks_for_backward({c: leads[c] for c in candidates}, backward_secs, secs_per_chunk)
+        if not chosen:
+            return [], "not tried: the plan expects no chunk's update to begin before backward ends"
+        return chosen, ""
+
+    def weigh_chunk_order(self, leads: list[float], backward_secs: float) -> None:
+        """With `overlap_backward: "auto"`, before chunk order: whether it pays (`chunk_order_pays`, from
+        this boundary's gradient times and the update's time per streamed chunk,
+        `update_secs_to_plan_by`); if so the pipeline goes to chunk order for this step's update, and the
+        update during backward can begin at the next boundary. `order_why` says what the plan found."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        update_secs = self.update_secs_to_plan_by()
+        if update_secs is None:
+            self.order_why = "no update predicted or measured yet to plan by"
+            return
+        streamed = max(1, len(pipeline.sizes) - pipeline.cache_slots)
+        in_order = pipeline.cache_slots_in_chunk_order
+        lost = pipeline.cache_slots - in_order
+        pays, hidden, extra = chunk_order_pays(leads[in_order:], backward_secs, update_secs / streamed, lost)
+        self.order_why = (
+            f"in chunk order {hidden:.2f} s of the update could run during the last backward, against "
+            f"{extra:.2f} s more I/O a step for a cache {lost} chunks smaller"
+        )
+        if pays:
+            pipeline.go_ascending()
+            self.overlap_backward = True
 
     def observe_backward_chunks(self, secs: float) -> None:
         """A boundary's measure of what a streamed chunk's update took during its backward."""

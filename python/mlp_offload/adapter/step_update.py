@@ -1,0 +1,159 @@
+"""One step's update over the chunks, once `step()` has decided its outcome: DeepSpeed's per-subgroup
+operations, chunk by chunk, through the pipeline; inside `step()`, or behind it (`overlap`)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlp_offload.adapter import stale_gradients
+from mlp_offload.adapter.overlap_backward import Settled, StepSnapshot
+from mlp_offload.engine.pipeline import StepStats
+
+if TYPE_CHECKING:
+    from mlp_offload.adapter.zero3 import MLPOffloadStage3
+
+
+@dataclass
+class StepUpdate:
+    """The update of one step (`run`) and its record (`finish`). `snapshot`: each subgroup's Adam step
+    before this update and the param groups as the step saw them; `grad_scale`: what the fused pass
+    multiplies every gradient by (DeepSpeed's passes compute it themselves from `scaled_norm`);
+    `settled`: the update during backward, whose kept chunks are done; `stale_ranges`: the step's
+    gradients from earlier boundaries; `record`: the step record's parts known before the update."""
+
+    optimizer: MLPOffloadStage3
+    start: float
+    snapshot: StepSnapshot
+    grad_scale: float
+    scaled_norm: Any
+    settled: Settled
+    stale_ranges: stale_gradients.StaleRanges
+    record: dict[str, Any]
+    # Per subgroup, its chunks still to update (its parameters are whole again after the last).
+    remaining: list[int] = field(init=False)
+    compute_secs: float = 0.0
+    end: float = 0.0
+    # When step() returned (set by it; None while it has not).
+    returned: float | None = None
+
+    def __post_init__(self) -> None:
+        state = self.optimizer._mlp_state
+        self.remaining = [len(chunks) for chunks in state.of_subgroup]
+        for c in self.settled.committed:
+            self.remaining[state.chunks[c][0]] -= 1
+        self.end = self.start
+
+    def run(self, subgroup_done: Callable[[int], None]) -> StepStats:
+        """The chunk loop. The last writes go on while the next forward and backward run. The fused pass
+        checksums the state as it reads and writes it, so the store does not hash it again."""
+        opt = self.optimizer
+        state, pipeline = opt._mlp_state, opt._mlp_state.pipeline
+        committed = self.settled.committed
+        # Subgroups whose every chunk was updated during backward are done.
+        for i in sorted({state.chunks[c][0] for c in committed}):
+            if self.remaining[i] == 0:
+                opt._unflatten_partitioned_parameters(i)
+                subgroup_done(i)
+        if opt._mlp_fused is not None:
+            ran_in_backward = self.settled.stats is not None
+            with opt._mlp_copying_to_device():
+                stats = pipeline.run_step(
+                    functools.partial(self.fused_chunk, subgroup_done=subgroup_done),
+                    drain=False,
+                    checksums_in_update=True,
+                    only=[c for c in pipeline.order if c not in committed] if ran_in_backward else None,
+                )
+        else:
+            stats = pipeline.run_step(self.deepspeed_chunk, drain=False)
+        self.end = time.perf_counter()
+        if not committed:
+            # The whole update ran here: what the plan of the update during backward goes by without a
+            # prediction.
+            opt._mlp_planner.last_whole_update = self.end - self.start
+        if self.settled.idle:
+            state.give_back_idle_slots(())
+        return stats if self.settled.stats is None else self.settled.stats.add(stats)
+
+    def fused_chunk(
+        self,
+        chunk: int,
+        state_bytes: torch.Tensor,
+        read_cuts: list[int] | None,
+        write_cuts: list[int] | None,
+        subgroup_done: Callable[[int], None],
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """The update of one chunk as one fused pass, checksums included."""
+        opt = self.optimizer
+        t = time.perf_counter()
+        i = opt._mlp_state.chunks[chunk][0]
+        try:
+            sums = opt._mlp_fused_update(
+                chunk,
+                state_bytes,
+                self.snapshot.steps[i] + 1,
+                self.grad_scale,
+                self.snapshot.groups,
+                read_cuts,
+                write_cuts,
+                stale_ranges=self.stale_ranges,
+            )
+            self.remaining[i] -= 1
+            if self.remaining[i] == 0:
+                opt._unflatten_partitioned_parameters(i)
+                # The copies to the device are queued on this thread's stream; the forward's all-gather
+                # runs on another.
+                opt._mlp_sync_copies()
+                subgroup_done(i)
+            return sums
+        finally:
+            self.compute_secs += time.perf_counter() - t
+
+    def deepspeed_chunk(self, chunk: int, state_bytes: torch.Tensor) -> None:
+        """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and chunk
+        boundaries keep CPU Adam's vector path (see `memory.CHUNK_ALIGN`)."""
+        opt = self.optimizer
+        t = time.perf_counter()
+        i, first, count = opt._mlp_state.chunks[chunk]
+        opt._mlp_bind_chunk(chunk, state_bytes, self.snapshot.steps[i], self.stale_ranges)
+        try:
+            if opt._muon_update_lacks_loss_scale(i):
+                opt.fp32_partitioned_groups_flat[i].grad.mul_(opt.loss_scale)
+            opt.unscale_and_clip_grads(i, self.scaled_norm)
+            opt._optimizer_step(i)
+            # DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`, one chunk at a time.
+            half = opt.fp16_partitioned_groups_flat[i]
+            half.data[first : first + count].copy_(opt.fp32_partitioned_groups_flat[i].data)
+            self.remaining[i] -= 1
+            if self.remaining[i] == 0:
+                opt._unflatten_partitioned_parameters(i)
+        finally:
+            opt._mlp_unbind(i)
+            self.compute_secs += time.perf_counter() - t
+
+    def finish(self, stats: StepStats, waited_secs: float | None) -> None:
+        """The step's record (`UpdatePlanner.after_step`), once its update ended; `waited_secs`: with the
+        update behind `step()`, how long the next forward waited for subgroups."""
+        opt = self.optimizer
+        overlap = None
+        if waited_secs is not None:
+            returned = self.returned if self.returned is not None else time.perf_counter()
+            overlap = {"step_returned_secs": returned - self.start, "forward_waited_secs": waited_secs}
+        opt._mlp_planner.after_step(
+            opt._mlp_store,
+            stats,
+            self.end - self.start,
+            self.record["fwd_bwd"],
+            self.record["backward_secs"],
+            self.compute_secs,
+            overlap=overlap,
+            grads_final=self.record["grads_final"],
+            overlap_backward=self.settled.record,
+            stale=self.record["stale"],
+        )
+        opt._mlp_fp32_grads.clear()
