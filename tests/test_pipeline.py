@@ -24,7 +24,7 @@ from mlp_offload.engine import pipeline as pipeline_module
 from mlp_offload.engine import state as state_module
 from mlp_offload.engine.overlap import UpdateInFlight, update_thread
 from mlp_offload.engine.pipeline import ChunkPipeline, KeptCopy, next_order
-from mlp_offload.engine.planning import UpdatePlanner
+from mlp_offload.engine.planning import StepParts, StepTimes, UpdatePlanner
 from mlp_offload.engine.state import ChunkedState
 
 
@@ -870,7 +870,8 @@ def test_each_step_is_predicted_from_what_the_steps_before_it_measured(
         planner.tuner = WeightTuner(planner._replan()["path_bytes_per_s"])
         for step in range(5):
             stats = pipeline.run_step(lambda i, view: None, drain=False)
-            planner.after_step(store, stats, stats.seconds, None if step == 0 else 0.01, 0.0, 0.001)
+            times = StepTimes(stats.seconds, None if step == 0 else 0.01, 0.0, 0.001)
+            planner.after_step(store, stats, times, StepParts())
         records = [r for r in planner.records if r["event"] == "step"]
         assert planner.prediction is not None and planner.prediction > 0
         if pipeline.cache_slots < chunks:
@@ -894,9 +895,8 @@ def test_the_adam_time_per_chunk_counts_only_the_chunks_updated_inside_step(work
             planner.profile, planner._pipeline = fast_profile(work_dirs[:1]), pipeline
             stats = pipeline.run_step(lambda i, view: None, drain=False)
             overlap_backward = {"chunks": kept_chunks, "kept": True} if kept_chunks else None
-            planner.after_step(
-                store, stats, stats.seconds, 0.01, 0.0, compute_secs, overlap_backward=overlap_backward
-            )
+            times = StepTimes(stats.seconds, 0.01, 0.0, compute_secs)
+            planner.after_step(store, stats, times, StepParts(overlap_backward=overlap_backward))
             predictions.append(planner.prediction)
             planner.close()
     assert predictions[0] is not None and predictions[0] > 0.0

@@ -205,7 +205,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         # The path of a partition on an accelerator, on the CPU: the pass writes the new parameters into
         # the host scratch, copied to the partition after it (what a GPU's events and stream add is
         # checked on a GPU, `make gpu-report`).
-        optimizer._mlp_params_on_host = False
+        optimizer._mlp_chunk_update.params_on_host = False
     # Each data-parallel rank gets its own batches, as a sampler would give it.
     data = torch.Generator().manual_seed(99 + int(os.environ["RANK"]))
     losses = []
@@ -590,7 +590,8 @@ def offload_and_reload_states(engine: Any, optimizer: Any) -> int:
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
     engine.offload_states(include=[State.lp_params, State.lp_grads, State.contiguous_grad_buffer])
-    views = len(getattr(optimizer, "_mlp_half_grads", {}))
+    chunk_update = getattr(optimizer, "_mlp_chunk_update", None)
+    views = 0 if chunk_update is None else len(chunk_update.half_grads)
     engine.reload_states()
     return views
 

@@ -320,7 +320,7 @@ class StateSwapper:
         # setter left, else
         # converted from the half-precision one, where a parameter without a gradient at this boundary
         # has its last one times the factors of the steps since (`StaleGradients.held`).
-        grad = opt._mlp_gradient(i).to(opt._mlp_dtypes.master, copy=True)
+        grad = opt._mlp_chunk_update.gradient(i).to(opt._mlp_dtypes.master, copy=True)
         if i not in opt._mlp_fp32_grads:
             held = opt._mlp_stale.held(r for r in opt._mlp_param_ranges if r[1] == i)
             stale_gradients.apply(grad, 0, held.get(i, []))

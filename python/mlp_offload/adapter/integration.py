@@ -37,6 +37,14 @@ def install() -> None:
     stock = stage3.DeepSpeedZeroOptimizer_Stage3
     if getattr(stock, "_mlp_offload_installed", False):
         return
+    _build_ours(stock, MLPOffloadStage3)
+    _refuse_another_degree(deepspeed.runtime.engine.DeepSpeedEngine, MLPOffloadStage3, checkpoint)
+    stock._mlp_offload_installed = True
+    _migrate_in_initialize(deepspeed)
+
+
+def _build_ours(stock: Any, ours: type) -> None:
+    """DeepSpeed's ZeRO-3 optimizer class builds `ours` for a config with our section."""
 
     def dispatching_new(cls: type, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's class itself decides what it builds, so the name stays bound to DeepSpeed's class
@@ -47,8 +55,8 @@ def install() -> None:
             # Checked where `initialize` started too (once per config), unless bound before install().
             options.check(ds_config)
             if cls is stock:
-                return object.__new__(MLPOffloadStage3)
-            if not issubclass(cls, MLPOffloadStage3):
+                return object.__new__(ours)
+            if not issubclass(cls, ours):
                 # Another optimizer of DeepSpeed's own that no option of the table names (the one known,
                 # SuperOffload, is refused by its key above): never ignore our section.
                 raise ValueError(
@@ -58,25 +66,27 @@ def install() -> None:
         return object.__new__(cls)
 
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
-    stock.__new__ = staticmethod(dispatching_new)  # type: ignore[method-assign, assignment]
+    stock.__new__ = staticmethod(dispatching_new)
 
-    # A ZeRO checkpoint of another data-parallel degree: refused as stock refuses it, saying how to
-    # convert it (stock's message does not).
-    engine_class = deepspeed.runtime.engine.DeepSpeedEngine
+
+def _refuse_another_degree(engine_class: Any, ours: type, checkpoint: Any) -> None:
+    """A ZeRO checkpoint of another data-parallel degree: refused as stock refuses it, saying how to
+    convert it (stock's message does not)."""
     ds_load_zero_checkpoint = engine_class._load_zero_checkpoint
 
     @functools.wraps(ds_load_zero_checkpoint)
     def load_zero_checkpoint(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool = True) -> Any:
-        if isinstance(engine.optimizer, MLPOffloadStage3):
+        if isinstance(engine.optimizer, ours):
             checkpoint.refuse_another_degree(engine, load_dir, tag, load_optimizer_states)
         return ds_load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states=load_optimizer_states)
 
     engine_class._load_zero_checkpoint = load_zero_checkpoint
-    stock._mlp_offload_installed = True
 
-    # The one-line migration from DeepSpeed's NVMe offload: its config is rewritten before DeepSpeed
-    # reads it (`config.migrate_nvme_offload`). Callers reach `deepspeed.initialize` through the module,
-    # as the frameworks do.
+
+def _migrate_in_initialize(deepspeed: Any) -> None:
+    """The one-line migration from DeepSpeed's NVMe offload: its config is rewritten before DeepSpeed
+    reads it (`config.migrate_nvme_offload`), and our section's options checked. Callers reach
+    `deepspeed.initialize` through the module, as the frameworks do."""
     ds_initialize = deepspeed.initialize
 
     @functools.wraps(ds_initialize)

@@ -253,7 +253,7 @@ class OverlapBackward:
             return self._update_chunk(run, chunk, state_bytes, read_cuts, write_cuts, kept)
 
         # The taken chunks' parameters are in the partitions before step() keeps or undoes them.
-        with opt._mlp_copying_to_device():
+        with opt._mlp_chunk_update.copying_to_device():
             return pipeline.run_step(
                 update,
                 only=taken,
@@ -305,7 +305,7 @@ class OverlapBackward:
         with run.lock:
             run.taken.append(chunk)
         kept_params: list[tuple[int, torch.Tensor]] = []
-        sums = self.optimizer._mlp_fused_update(
+        sums = self.optimizer._mlp_chunk_update.fused(
             chunk,
             state_bytes,
             run.snapshot.steps[i] + 1,

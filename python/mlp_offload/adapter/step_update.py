@@ -14,6 +14,7 @@ import torch
 from mlp_offload.adapter import stale_gradients
 from mlp_offload.adapter.overlap_backward import Settled, StepSnapshot
 from mlp_offload.engine.pipeline import StepStats
+from mlp_offload.engine.planning import StepParts, StepTimes
 
 if TYPE_CHECKING:
     from mlp_offload.adapter.zero3 import MLPOffloadStage3
@@ -62,7 +63,7 @@ class StepUpdate:
                 subgroup_done(i)
         if opt._mlp_fused is not None:
             ran_in_backward = self.settled.stats is not None
-            with opt._mlp_copying_to_device():
+            with opt._mlp_chunk_update.copying_to_device():
                 stats = pipeline.run_step(
                     functools.partial(self.fused_chunk, subgroup_done=subgroup_done),
                     drain=False,
@@ -93,7 +94,7 @@ class StepUpdate:
         t = time.perf_counter()
         i = opt._mlp_state.chunks[chunk][0]
         try:
-            sums = opt._mlp_fused_update(
+            sums = opt._mlp_chunk_update.fused(
                 chunk,
                 state_bytes,
                 self.snapshot.steps[i] + 1,
@@ -108,7 +109,7 @@ class StepUpdate:
                 opt._unflatten_partitioned_parameters(i)
                 # The copies to the device are queued on this thread's stream; the forward's all-gather
                 # runs on another.
-                opt._mlp_sync_copies()
+                opt._mlp_chunk_update.sync_copies()
                 subgroup_done(i)
             return sums
         finally:
@@ -120,7 +121,7 @@ class StepUpdate:
         opt = self.optimizer
         t = time.perf_counter()
         i, first, count = opt._mlp_state.chunks[chunk]
-        opt._mlp_bind_chunk(chunk, state_bytes, self.snapshot.steps[i], self.stale_ranges)
+        opt._mlp_chunk_update.bind(chunk, state_bytes, self.snapshot.steps[i], self.stale_ranges)
         try:
             if opt._muon_update_lacks_loss_scale(i):
                 opt.fp32_partitioned_groups_flat[i].grad.mul_(opt.loss_scale)
@@ -147,13 +148,9 @@ class StepUpdate:
         opt._mlp_planner.after_step(
             opt._mlp_store,
             stats,
-            self.end - self.start,
-            self.record["fwd_bwd"],
-            self.record["backward_secs"],
-            self.compute_secs,
-            overlap=overlap,
-            grads_final=self.record["grads_final"],
-            overlap_backward=self.settled.record,
-            stale=self.record["stale"],
+            StepTimes(
+                self.end - self.start, self.record["fwd_bwd"], self.record["backward_secs"], self.compute_secs
+            ),
+            StepParts(overlap, self.record["grads_final"], self.settled.record, self.record["stale"]),
         )
         opt._mlp_fp32_grads.clear()

@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
@@ -59,18 +58,19 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from mlp_offload.adapter import checkpoint, stale_gradients
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
+from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, StepSnapshot
 from mlp_offload.adapter.step_update import StepUpdate
 from mlp_offload.common.config import MLPOffloadConfig, from_ds_config
 from mlp_offload.engine import fused_update, memory, overlap
-from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.engine.overlap import UpdateInFlight, update_thread
-from mlp_offload.engine.pipeline import KeptCopy, StepStats
+from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import (
     UpdatePlanner,
     cache_chunks,
     host_memory_budget,
     kept_copies_room,
+    start_line,
     update_chunk,
 )
 from mlp_offload.engine.state import FP32, ChunkedState
@@ -218,9 +218,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         # behind the next forward"). Never allocated where the gradients are on an accelerator: their
         # norms are DeepSpeed's there.
         self._mlp_norm_scratch: torch.Tensor | None = None
-        # Per subgroup, DeepSpeed's first and last gradient slices and the range they span
-        # (`_mlp_half_grad`).
-        self._mlp_half_grads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Which parameters' gradients each boundary reduced, and the factors the steps since applied to
         # the others' (`stale`): a parameter without a gradient is updated as stock DeepSpeed updates it.
         self._mlp_stale = stale_gradients.StaleGradients()
@@ -425,27 +422,21 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         numels = [int(n) for n in self.fp16_partitioned_groups_flat_numel]
         host_memory, budget_source, layout, cache_slots = self._mlp_budget(numels)
         first_half = self.fp16_partitioned_groups_flat[0]
-        # The pass writes the half-precision parameters: into the partition where it is in host memory,
-        # else into a host scratch that is copied to the accelerator's partition (`_mlp_fused_update`).
-        self._mlp_params_on_host = first_half.device.type == "cpu"
+        params_on_host = first_half.device.type == "cpu"
         self._mlp_dtypes = self._mlp_state_dtypes()
         self._mlp_stale.dtype = self._mlp_dtypes.master
         # The chunks keep the state in DeepSpeed's dtypes: the mode's bytes.
         self._mlp_fused, kernel_why = self._mlp_choose_kernel(self._mlp_dtypes, self._mlp_dtypes)
-        # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
-        # stream of its own: on the default one they would wait for the compute queued on it.
-        self._mlp_update_stream = (
-            None if get_accelerator().is_synchronized_device() else get_accelerator().Stream()
-        )
         pages = self._mlp_planner.host_pages()
         try:
-            whys = self._mlp_open_state(
-                numels, host_memory, layout, cache_slots == len(layout.chunks), pages[0]
-            )
+            every_cached = cache_slots == len(layout.chunks)
+            whys = self._mlp_open_state(numels, host_memory, layout, every_cached, params_on_host, pages[0])
         except ValueError as e:
             raise _budget_error(e, host_memory, layout) from None
         whys["kernel"] = kernel_why
-        self._mlp_open_scratch(layout.elements, first_half.element_size())
+        self._mlp_chunk_update = ChunkUpdater(
+            self, layout.elements, first_half.element_size(), params_on_host
+        )
         # Each parameter with a partition here: its id, subgroup, offset in it, elements. DeepSpeed's own
         # test in partition_grads: a partition of padding gets no gradient.
         self._mlp_param_ranges = [
@@ -471,7 +462,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_report_start(numels, host_memory, budget_source, layout, (*pages, page_report), whys, plan)
 
     def _mlp_open_state(
-        self, numels: list[int], host_memory: int, layout: memory.ChunkLayout, every_cached: bool, pages: str
+        self,
+        numels: list[int],
+        host_memory: int,
+        layout: memory.ChunkLayout,
+        every_cached: bool,
+        params_on_host: bool,
+        pages: str,
     ) -> dict[str, str]:
         """Whether the update runs behind `step()` and during backward, and the chunked state over the
         store (its pipeline sizes the cache, "auto": every chunk when all fit, else what the stream
@@ -484,7 +481,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             kept_copies = kept_copies_room(config, host_memory, layout)
         backward = self._mlp_overlap_backward
         backward.on, backward_why = overlap.choose_overlap_backward(
-            config.overlap_backward, fused, not every_cached, self._mlp_params_on_host, kept_copies
+            config.overlap_backward, fused, not every_cached, params_on_host, kept_copies
         )
         self._mlp_state = ChunkedState(
             self._mlp_store,
@@ -508,46 +505,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_planner.overlap_backward = backward.on and pipeline.ascending
         return {"overlap": overlap_why, "overlap_backward": backward_why}
 
-    def _mlp_open_scratch(self, elements: int, half_bytes: int) -> None:
-        """The fp32 gradient chunk of DeepSpeed's passes; with the fused pass and the partitions on an
-        accelerator, the host scratch of the new parameters: two slots of a chunk's half-precision
-        parameters, the pass writing one while the other's copy to the device runs. Registered with the
-        device where DeepSpeed pins (`pin_memory`): those copies then run without the host."""
-        self._mlp_scratch_pool = None
-        if self._mlp_pin and not self._mlp_params_on_host:
-            self._mlp_scratch_pool = PinnedBufferPool(1, elements * FP32.itemsize)
-            buffer = self._mlp_scratch_pool.acquire()
-            assert buffer is not None
-            self._mlp_grad = as_tensor(buffer, FP32)
-        else:
-            self._mlp_grad = torch.empty(elements, dtype=FP32)
-        # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
-        # and each chunk's pass waits for the last copy out of it.
-        self._mlp_scratch_slots = FP32.itemsize // half_bytes
-        # Per slot, the event after its last copy to the device (None: none queued since the last wait).
-        self._mlp_scratch_copies: list[Any] = [None] * self._mlp_scratch_slots
-        self._mlp_scratch_next = 0
-
-    def _mlp_kernel_record(self, why: str) -> dict[str, Any]:
-        """The start record's account of the update's kernel (the fused pass or DeepSpeed's), and why."""
-        record: dict[str, Any] = {
-            "kernel": "deepspeed" if self._mlp_fused is None else "fused",
-            "why": why,
-            "state_dtypes": {
-                "master": fused_update.DTYPES[self._mlp_dtypes.master],
-                "moments": fused_update.DTYPES[self._mlp_dtypes.moments],
-            },
-        }
-        if self._mlp_fused is not None:
-            record.update(
-                simd=self._mlp_fused.kernel.simd,
-                arith=self._mlp_fused.kernel.arith,
-                # `update_threads`: by default torch's intra-op threads, as DeepSpeed's CPU Adam takes
-                # OpenMP's.
-                threads=self._mlp_fused.threads,
-            )
-        return record
-
     def _mlp_report_start(
         self,
         numels: list[int],
@@ -564,76 +521,51 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pipeline = self._mlp_state.pipeline
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         pages, pages_source, page_report = host_pages
-        kernel_record = self._mlp_kernel_record(whys["kernel"])
-        kernel_why, overlap_why, backward_why = whys["kernel"], whys["overlap"], whys["overlap_backward"]
-        grad_bytes = memory.GRAD_BYTES * c
-        self._mlp_planner.emit(
-            {
-                "event": "start",
-                "rank": self._mlp_rank,
-                "paths": config.paths,
-                "subgroups": len(numels),
-                "largest_subgroup_elements": max(numels),
-                "chunks": len(layout.chunks),
-                "chunk_elements": c,
-                "host_memory": host_memory,
-                "host_memory_source": budget_source,
-                "buffers": pipeline.buffer_count,
-                "buffer_bytes": buffer_bytes,
-                "cached_chunks": pipeline.cache_slots,
-                # The pages asked for, why, and how the kernel backed the buffers.
-                "host_pages": {"pages": pages, "source": pages_source, **page_report},
-                # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
-                "update_kernel": kernel_record,
-                # Whether the update runs behind the next forward, and why.
-                "overlap": {"on": self._mlp_overlap, "why": overlap_why},
-                # Whether chunks are updated during backward, and why.
-                "overlap_backward": {
-                    "on": self._mlp_overlap_backward.on,
-                    "why": backward_why,
-                    # Chunks with a second slot on disk, and the bytes the ones added for it took.
-                    "slotted_chunks": len(self._mlp_state.slotted),
-                    "slot_bytes": self._mlp_state.slot_bytes,
-                    # The most kept copies in host memory for cached chunks (made when first wanted).
-                    "kept_copies_limit": pipeline.kept_limit,
-                },
-                "weights": self._mlp_store.weights,
-                # This rank's requests in flight per path, and why.
-                "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
-                # Per path, the node-wide limit of requests in flight on its device (None: no admission).
-                "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
-                "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
-                # Per path, this rank's part of its device's probed bandwidth, which the plan takes.
-                "rank_share": self._mlp_planner.rank_share,
-                # The job's nodes, each path's locality, and this node's part of a shared path among them.
-                "nodes": self._mlp_planner.nodes,
-                "locality": self._mlp_planner.locality,
-                "node_share": self._mlp_planner.node_share,
-                "plan": plan,
-            }
-        )
-        log.info(
-            "mlp-offload: rank %d, %d subgroups in %d chunks of %.1f MiB over %d paths; host memory %.2f GiB "
-            "(%s) = %d chunk buffers + %.1f MiB fp32 gradient, %d chunks cached; %s; update kernel: %s (%s); "
-            "overlap with the next forward: %s; with backward: %s; weights %s; predicted update %.2f s",
-            self._mlp_rank,
-            len(numels),
-            len(layout.chunks),
-            buffer_bytes / 2**20,
-            len(config.paths),
-            host_memory / 2**30,
-            budget_source,
-            pipeline.buffer_count,
-            grad_bytes / 2**20,
-            pipeline.cache_slots,
-            memory.describe_pages(pages, pages_source, page_report),
-            kernel_record["kernel"],
-            kernel_why,
-            overlap_why,
-            backward_why,
-            [round(w, 3) for w in self._mlp_store.weights],
-            plan["predicted_update_secs"] if plan else float("nan"),
-        )
+        record = {
+            "event": "start",
+            "rank": self._mlp_rank,
+            "paths": config.paths,
+            "subgroups": len(numels),
+            "largest_subgroup_elements": max(numels),
+            "chunks": len(layout.chunks),
+            "chunk_elements": c,
+            "host_memory": host_memory,
+            "host_memory_source": budget_source,
+            "buffers": pipeline.buffer_count,
+            "buffer_bytes": buffer_bytes,
+            "cached_chunks": pipeline.cache_slots,
+            # The pages asked for, why, and how the kernel backed the buffers.
+            "host_pages": {"pages": pages, "source": pages_source, **page_report},
+            # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
+            "update_kernel": fused_update.kernel_record(self._mlp_fused, self._mlp_dtypes, whys["kernel"]),
+            # Whether the update runs behind the next forward, and why.
+            "overlap": {"on": self._mlp_overlap, "why": whys["overlap"]},
+            # Whether chunks are updated during backward, and why.
+            "overlap_backward": {
+                "on": self._mlp_overlap_backward.on,
+                "why": whys["overlap_backward"],
+                # Chunks with a second slot on disk, and the bytes the ones added for it took.
+                "slotted_chunks": len(self._mlp_state.slotted),
+                "slot_bytes": self._mlp_state.slot_bytes,
+                # The most kept copies in host memory for cached chunks (made when first wanted).
+                "kept_copies_limit": pipeline.kept_limit,
+            },
+            "weights": self._mlp_store.weights,
+            # This rank's requests in flight per path, and why.
+            "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
+            # Per path, the node-wide limit of requests in flight on its device (None: no admission).
+            "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
+            "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
+            # Per path, this rank's part of its device's probed bandwidth, which the plan takes.
+            "rank_share": self._mlp_planner.rank_share,
+            # The job's nodes, each path's locality, and this node's part of a shared path among them.
+            "nodes": self._mlp_planner.nodes,
+            "locality": self._mlp_planner.locality,
+            "node_share": self._mlp_planner.node_share,
+            "plan": plan,
+        }
+        self._mlp_planner.emit(record)
+        log.info("%s", start_line(record))
 
     # ----------------------------------------------------------------------------------------------
     def _mlp_step_value(self, step: int) -> Any:
@@ -672,29 +604,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             if bound.data_ptr() != whole.data_ptr():
                 whole.copy_(bound)
 
-    def _mlp_bind_chunk(
-        self, chunk: int, state_bytes: torch.Tensor, step: int, stale_ranges: stale_gradients.StaleRanges
-    ) -> None:
-        """Points DeepSpeed's fp32 tensor of the chunk's subgroup, its Adam state and its gradient at the
-        chunk's elements, as if they were the whole subgroup, with the Adam step the subgroup had before
-        this update (CPU Adam counts one per call). `stale_ranges`: the step's gradients from earlier
-        boundaries (`stale`)."""
-        i, first, count = self._mlp_state.chunks[chunk]
-        state = state_bytes.view(FP32)
-        fp32 = self.fp32_partitioned_groups_flat[i]
-        fp32.data = state[:count]
-        adam = self.optimizer.state[fp32]
-        adam["step"] = self._mlp_step_value(step)
-        adam["exp_avg"] = state[count : 2 * count]
-        adam["exp_avg_sq"] = state[2 * count :]
-        grad = self._mlp_grad[:count]
-        # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening),
-        # unless a gradient setter left an fp32 gradient for the subgroup.
-        grad.copy_(self._mlp_gradient(i)[first : first + count])
-        if ranges := stale_ranges.get(i):
-            stale_gradients.apply(grad, first, ranges)
-        fp32.grad = grad
-
     def _mlp_unbind(self, i: int) -> None:
         fp32 = self.fp32_partitioned_groups_flat[i]
         fp32.data = torch.empty(0, dtype=FP32)
@@ -717,147 +626,6 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             clip = torch.clamp(self._mlp_clip_ratio(total_norm), min=1.0)
             combined_scale = clip * self.loss_scale
         return float(1.0 / combined_scale)
-
-    def _mlp_fused_update(
-        self,
-        chunk: int,
-        state_bytes: torch.Tensor,
-        step: int,
-        grad_scale: float,
-        groups: list[dict[str, Any]],
-        read_cuts: list[int] | None,
-        write_cuts: list[int] | None,
-        kept_params: list[tuple[int, torch.Tensor]] | None = None,
-        kept_state: KeptCopy | None = None,
-        stale_ranges: stale_gradients.StaleRanges | None = None,
-    ) -> tuple[list[int] | None, list[int] | None]:
-        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`fused_update.FusedAdam`): the same
-        bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
-        the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
-        the state's checksums as read and as written, cut at the store's stripes. `groups`: the
-        optimizer's param groups as the step saw them. `kept_params`, `kept_state`: see
-        `FusedAdam.update` (`kept_state.filled` is set once the pass ran). `stale_ranges`: the step's
-        gradients from earlier boundaries (`stale`)."""
-        assert self._mlp_fused is not None
-        i, first, count = self._mlp_state.chunks[chunk]
-        group = groups[self.sub_group_to_group_id[i]]
-        half = self.fp16_partitioned_groups_flat[i].data[first : first + count]
-        grad = self._mlp_gradient(i)[first : first + count]
-        ranges = None if stale_ranges is None else stale_ranges.get(i)
-        master = self._mlp_dtypes.master
-        if ranges and stale_gradients.touches(first, count, ranges):
-            # Parameters of the chunk got no gradient at this boundary: its gradient in the master
-            # weights' dtype (DeepSpeed's gradient buffer's), those parameters' through the factors since
-            # theirs. In the chunk's fp32 gradient buffer of the budget, where the parameters are on the
-            # host (it is unused then); else a buffer of its own.
-            buffer = (
-                self._mlp_grad.view(master) if self._mlp_params_on_host else torch.empty(count, dtype=master)
-            )
-            widened = buffer[:count]
-            widened.copy_(grad)
-            stale_gradients.apply(widened, first, ranges)
-            grad = widened
-        elif master != FP32 and grad.dtype != master:
-            # A gradient setter's: DeepSpeed's buffer holds it in the master weights' dtype.
-            grad = grad.to(master)
-        params = half
-        slot = self._mlp_scratch_next
-        if not self._mlp_params_on_host:
-            # The partition is on the accelerator: the pass writes the new parameters into a slot of the
-            # host scratch (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use),
-            # copied over after it as they are, on this thread's stream, while the next chunk's pass
-            # writes the other slot (half-precision parameters; fp32 ones have one slot). Its narrowing
-            # is the one DeepSpeed's copy does on the host before that copy (`fused_update.self_check`).
-            # Where the pass is to keep what it overwrites, it first gets the parameters as they are.
-            self._mlp_scratch_next = (slot + 1) % self._mlp_scratch_slots
-            self._mlp_wait_for_scratch(slot)
-            c = self._mlp_grad.numel()
-            params = self._mlp_grad.view(half.dtype)[slot * c : slot * c + count]
-            if kept_params is not None:
-                params.copy_(half)
-        sums = self._mlp_fused.update(
-            state_bytes,
-            grad,
-            params,
-            grad_scale=grad_scale,
-            step=step,
-            group=group,
-            read_cuts=read_cuts,
-            write_cuts=write_cuts,
-            kept_params=kept_params,
-            kept_state=None if kept_state is None else kept_state.state,
-        )
-        if kept_state is not None:
-            kept_state.filled = True
-        if params is not half:
-            if self._mlp_scratch_pool is None:
-                half.copy_(params)
-            else:
-                # From memory registered with the device: a copy that runs without the host, whose
-                # event says when the slot may be written again; the subgroup's last chunk waits for
-                # every one of its copies (`_mlp_sync_copies`).
-                half.copy_(params, non_blocking=True)
-                copied = get_accelerator().Event()
-                copied.record()
-                self._mlp_scratch_copies[slot] = copied
-        adam = self.optimizer.state[self.fp32_partitioned_groups_flat[i]]
-        adam["step"] = self._mlp_step_value(step)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in adam:
-                adam[key] = torch.empty(0, dtype=FP32)
-        return sums
-
-    def _mlp_wait_for_scratch(self, slot: int) -> None:
-        """Waits until the last copy to the device out of scratch `slot` has read it."""
-        copied, self._mlp_scratch_copies[slot] = self._mlp_scratch_copies[slot], None
-        if copied is not None:
-            copied.synchronize()
-
-    @contextlib.contextmanager
-    def _mlp_copying_to_device(self) -> Iterator[None]:
-        """A run of the update over chunks: its copies to the device on the update's own stream (on
-        the thread's default one they would wait for the compute queued there: backward's, or the next
-        forward's), every one waited for before it ends, raising or not."""
-        with get_accelerator().stream(self._mlp_update_stream):
-            try:
-                yield
-            finally:
-                self._mlp_sync_copies()
-
-    def _mlp_sync_copies(self) -> None:
-        """Waits for every copy to the device this thread queued: the new parameters are in the
-        partitions, and every scratch slot free."""
-        if not self._mlp_params_on_host and self._mlp_update_stream is not None:
-            get_accelerator().current_stream().synchronize()
-        self._mlp_scratch_copies = [None] * self._mlp_scratch_slots
-
-    def _mlp_gradient(self, i: int) -> torch.Tensor:
-        """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
-        half-precision one DeepSpeed reduced (converted by the caller)."""
-        fp32 = self._mlp_fp32_grads.get(i)
-        return fp32 if fp32 is not None else self._mlp_half_grad(i)
-
-    def _mlp_param_half_grad(self, pid: int) -> torch.Tensor:
-        """Parameter `pid`'s slice of DeepSpeed's host gradient buffer (half precision)."""
-        slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
-        return slices[self.param_dict[pid].ds_id]
-
-    def _mlp_half_grad(self, i: int) -> torch.Tensor:
-        """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
-        slices = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
-        params = self.fp16_groups[i]
-        first, last = slices[params[0].ds_id], slices[params[-1].ds_id]
-        known = self._mlp_half_grads.get(i)
-        if known is not None and known[0] is first and known[1] is last:
-            # DeepSpeed's slices of the buffer as they were: the same range (asked for once per chunk,
-            # on caches the last chunk's pass has just flushed, where each torch call costs most).
-            return known[2]
-        n = int(self.fp16_partitioned_groups_flat_numel[i])
-        # The buffer lays partitions out subgroup after subgroup in this order: one contiguous range.
-        whole = first.as_strided((n,), (1,), first.storage_offset())
-        assert last.storage_offset() + last.numel() == whole.storage_offset() + n, "gradient layout changed"
-        self._mlp_half_grads[i] = (first, last, whole)
-        return whole
 
     # ----------------------------------------------------------------------------------------------
     # The update behind the next forward
@@ -963,7 +731,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         undone first, as for any read before `step()`). The views of the gradient buffer kept from
         step to step go too: they would keep its memory past the move."""
         self._mlp_settle()
-        self._mlp_half_grads.clear()
+        self._mlp_chunk_update.half_grads.clear()
         super().offload_states(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
@@ -1084,7 +852,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         buffer holds it (the update during backward left their chunks to this step); this step's factor
         is the one `unscale_and_clip_grads` applies. After the update during backward has ended: it reads
         what this changes. With their record."""
-        stale_ranges = self._mlp_stale.taken(step_factor, self._mlp_param_ranges, self._mlp_param_half_grad)
+        stale_ranges = self._mlp_stale.taken(
+            step_factor, self._mlp_param_ranges, self._mlp_chunk_update.param_half_grad
+        )
         record = {
             "params": sum(len(ranges) for ranges in stale_ranges.values()),
             # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
@@ -1165,12 +935,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 if self._mlp_overlap or self._mlp_overlap_backward.on:
                     self._mlp_update_thread.shutdown()
                 self._mlp_state.pipeline.close()
-                if self._mlp_scratch_pool is not None:
-                    # Every copy out of it ended with the update that queued it (`_mlp_sync_copies`).
-                    self._mlp_scratch_pool.close()
+                if (chunk_update := getattr(self, "_mlp_chunk_update", None)) is not None:
+                    chunk_update.close()
                 # What the engine held of DeepSpeed's host memory between steps goes with it.
                 self._mlp_norm_scratch = None
-                self._mlp_half_grads.clear()
         self._mlp_store.close()
         self._mlp_planner.close()
         super_destroy = getattr(super(), "destroy", None)

@@ -203,7 +203,8 @@ def plan_at(
     return layout, plan
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _check_plan_args(args: argparse.Namespace) -> None:
+    """`--nodes` and `--locality` refused as they are wrong, before anything is probed."""
     if args.nodes < 1:
         raise ValueError(f"--nodes: {args.nodes} is not a number of nodes")
     if args.locality is not None and (
@@ -213,6 +214,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"--locality: {','.join(args.locality)}: one of node-local or shared per path, for "
             f"{len(args.dirs)} paths"
         )
+
+
+def _plans_by_budget(
+    profile: profiles.Profile, numels: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The plan at each of `PLAN_FRACTIONS` of the whole state as `host_memory` (at least two chunks)."""
+    whole = memory.whole_state_bytes(numels, state_bytes=args.state_bytes)
+    by_budget = []
+    for fraction in PLAN_FRACTIONS:
+        budget = max(int(whole * fraction), 2 * args.state_bytes * memory.chunk_align(args.state_bytes))
+        budget_layout, budget_plan = plan_at(profile, numels, budget, args)
+        by_budget.append(
+            {
+                "host_memory": budget,
+                "fraction_of_state": fraction,
+                "chunks": len(budget_layout.chunks),
+                "cached_chunks": budget_plan["cached_subgroups"],
+                "predicted_update_secs": budget_plan["predicted_update_secs"],
+            }
+        )
+    return by_budget
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    _check_plan_args(args)
     group = min(args.sub_group_size, args.params)
     numels = [group] * (args.params // group) + ([args.params % group] if args.params % group else [])
     # A budget that holds no chunk is refused before the paths are probed, not after.
@@ -228,22 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         print(source, file=sys.stderr)
-    probes = profile.probes
     layout, plan = plan_at(profile, numels, args.host_memory, args)
-    whole = memory.whole_state_bytes(numels, state_bytes=args.state_bytes)
-    by_budget = []
-    for fraction in PLAN_FRACTIONS:
-        budget = max(int(whole * fraction), 2 * args.state_bytes * memory.chunk_align(args.state_bytes))
-        budget_layout, budget_plan = plan_at(profile, numels, budget, args)
-        by_budget.append(
-            {
-                "host_memory": budget,
-                "fraction_of_state": fraction,
-                "chunks": len(budget_layout.chunks),
-                "cached_chunks": budget_plan["cached_subgroups"],
-                "predicted_update_secs": budget_plan["predicted_update_secs"],
-            }
-        )
+    by_budget = _plans_by_budget(profile, numels, args)
     workload = {
         "params": args.params,
         "sub_group_size": group,
@@ -251,30 +263,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "chunks": len(layout.chunks),
         "state_bytes_per_param": args.state_bytes,
         "bytes_per_chunk": layout.buffer_bytes,
-        "whole_state_bytes": whole,
+        "whole_state_bytes": memory.whole_state_bytes(numels, state_bytes=args.state_bytes),
         "host_memory": args.host_memory,
         "adam_bytes_per_s": args.adam_bytes_per_s,
         "fwd_bwd_secs": args.fwd_bwd_secs,
         "nodes": args.nodes,
     }
-    localities = profile.localities(args.locality)
-    node_shares = profile.node_share(args.nodes, args.locality)
     if args.json:
         print(
             json.dumps(
                 {
                     "workload": workload,
                     "profile_source": profile.source,
-                    "paths": probes,
-                    "locality": localities,
-                    "node_share": node_shares,
+                    "paths": profile.probes,
+                    "locality": profile.localities(args.locality),
+                    "node_share": profile.node_share(args.nodes, args.locality),
                     "plan": plan,
                     "by_host_memory": by_budget,
                 },
                 indent=2,
             )
         )
-        return 0
+    else:
+        _print_plan(profile, args, workload, plan, by_budget)
+    return 0
+
+
+def _print_plan(
+    profile: profiles.Profile,
+    args: argparse.Namespace,
+    workload: dict[str, Any],
+    plan: dict[str, Any],
+    by_budget: list[dict[str, Any]],
+) -> None:
+    """`mlp-offload plan`'s tables: the paths as probed and planned, the update's prediction, and the
+    prediction as host memory grows."""
+    probes = profile.probes
     header = [
         "path",
         "device",
@@ -299,22 +323,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for p, w, n in zip(probes, plan["weights"], plan["max_inflight"], strict=True)
     ]
     print("\n".join(render_table(header, rows)))
+    localities = profile.localities(args.locality)
+    node_shares = profile.node_share(args.nodes, args.locality)
     for p, locality, share in zip(probes, localities, node_shares, strict=True):
         if locality == "shared" and args.nodes > 1:
             print(
                 f"{p['path']}: shared by {args.nodes} nodes, each planned with {share:.2f} of its "
                 f"figures alone; {profiles.across_nodes_note(p, args.nodes)}"
             )
+    w = workload
     print(
-        f"\n{len(numels)} subgroups of up to {group:,} parameters in {len(layout.chunks)} chunks of "
-        f"{layout.buffer_bytes / 2**20:,.1f} MiB of state ({args.state_bytes} bytes a parameter); "
-        f"{plan['cached_subgroups']} chunks stay in host memory"
+        f"\n{w['subgroups']} subgroups of up to {w['sub_group_size']:,} parameters in {w['chunks']} chunks "
+        f"of {w['bytes_per_chunk'] / 2**20:,.1f} MiB of state ({w['state_bytes_per_param']} bytes a "
+        f"parameter); {plan['cached_subgroups']} chunks stay in host memory"
     )
     print(f"I/O floor of the update phase: {plan['io_floor_secs']:.2f} s")
     if plan["hidden_io_secs"] > 0:
         print(f"of which forward and backward hide: {plan['hidden_io_secs']:.2f} s")
     print(f"predicted update phase: {plan['predicted_update_secs']:.2f} s")
-    print(f"\nthe update as host memory grows (the whole state takes {whole / 2**30:,.2f} GiB):")
+    whole_gib = w["whole_state_bytes"] / 2**30
+    print(f"\nthe update as host memory grows (the whole state takes {whole_gib:,.2f} GiB):")
     rows = [
         [
             f"{b['host_memory'] / 2**30:,.2f} GiB",
@@ -325,10 +353,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for b in by_budget
     ]
     print("\n".join(render_table(["host_memory", "of the state", "chunks cached", "predicted update"], rows)))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Longer than 80 lines for a reason: one declaration per option of every command, read as a list.
     parser = argparse.ArgumentParser(prog="mlp-offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     probe = sub.add_parser(

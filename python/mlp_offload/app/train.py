@@ -161,42 +161,11 @@ def ds_config(
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    _set_up_environment()
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise SystemExit(
-            "mlp-offload train needs Hugging Face transformers: pip install 'mlp-offload[train]'"
-        ) from None
+def _train(engine: Any, corpus: Any, args: argparse.Namespace) -> list[dict[str, float]]:
+    """The training loop: each step on random windows of the corpus, timed (`timed_iteration`), with a
+    progress bar (or a line every 10 steps) and, after the warm-up, when the rest will end."""
     import torch
 
-    import mlp_offload
-    from mlp_offload.app.models import llama
-
-    if args.steps <= WARMUP_STEPS:
-        raise ValueError(f"--steps: {args.steps}; give more than the {WARMUP_STEPS} warm-up steps")
-    paths = [str(Path(p).resolve()) for p in args.paths]
-    for p in paths:
-        Path(p).mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    telemetry = args.out / "telemetry.jsonl"
-    telemetry.unlink(missing_ok=True)
-
-    text = resources.files("mlp_offload.app").joinpath("data/corpus.txt").read_bytes()
-    corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    torch.manual_seed(args.seed)
-    model = llama(args.size, vocab=256, max_seq=args.seq)
-    params = sum(p.numel() for p in model.parameters())
-    dtype, why = compute_dtype(args.dtype, args.size, args.micro_batch * args.seq)
-    print(
-        f"training a {params / 1e6:.1f}M-parameter LLaMA-style model on {len(text):,} bytes of text, "
-        f"{args.steps} steps, in {dtype} ({why}); optimizer state on {', '.join(paths)}",
-        file=sys.stderr,
-    )
-    engine, optimizer, _, _ = mlp_offload.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config(args, paths, telemetry, dtype)
-    )
     windows = torch.Generator().manual_seed(args.seed + 1)
     steps: list[dict[str, float]] = []
     bar = None
@@ -237,6 +206,46 @@ def run(args: argparse.Namespace) -> int:
             )
     if bar is not None:
         bar.close()
+    return steps
+
+
+def run(args: argparse.Namespace) -> int:
+    _set_up_environment()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "mlp-offload train needs Hugging Face transformers: pip install 'mlp-offload[train]'"
+        ) from None
+    import torch
+
+    import mlp_offload
+    from mlp_offload.app.models import llama
+
+    if args.steps <= WARMUP_STEPS:
+        raise ValueError(f"--steps: {args.steps}; give more than the {WARMUP_STEPS} warm-up steps")
+    paths = [str(Path(p).resolve()) for p in args.paths]
+    for p in paths:
+        Path(p).mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    telemetry = args.out / "telemetry.jsonl"
+    telemetry.unlink(missing_ok=True)
+
+    text = resources.files("mlp_offload.app").joinpath("data/corpus.txt").read_bytes()
+    corpus = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    torch.manual_seed(args.seed)
+    model = llama(args.size, vocab=256, max_seq=args.seq)
+    params = sum(p.numel() for p in model.parameters())
+    dtype, why = compute_dtype(args.dtype, args.size, args.micro_batch * args.seq)
+    print(
+        f"training a {params / 1e6:.1f}M-parameter LLaMA-style model on {len(text):,} bytes of text, "
+        f"{args.steps} steps, in {dtype} ({why}); optimizer state on {', '.join(paths)}",
+        file=sys.stderr,
+    )
+    engine, optimizer, _, _ = mlp_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(args, paths, telemetry, dtype)
+    )
+    steps = _train(engine, corpus, args)
     # The store alone then holds the trained state, ready to be copied.
     optimizer.mlp_offload_flush()
     summary = {

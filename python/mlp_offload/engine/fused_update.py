@@ -555,3 +555,16 @@ def choose_update_kernel(
             + ("" if dtypes.is_fp32 else f" (and the state in half precision, {dtypes}, needs it)")
         )
     return fused, why
+
+
+def kernel_record(fused: FusedAdam | None, dtypes: StateDtypes, why: str) -> dict[str, Any]:
+    """The start record's account of the update's kernel (the fused pass or DeepSpeed's), and why."""
+    record: dict[str, Any] = {
+        "kernel": "deepspeed" if fused is None else "fused",
+        "why": why,
+        "state_dtypes": {"master": DTYPES[dtypes.master], "moments": DTYPES[dtypes.moments]},
+    }
+    if fused is not None:
+        # `update_threads`: by default torch's intra-op threads, as DeepSpeed's CPU Adam takes OpenMP's.
+        record.update(simd=fused.kernel.simd, arith=fused.kernel.arith, threads=fused.threads)
+    return record

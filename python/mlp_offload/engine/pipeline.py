@@ -446,7 +446,6 @@ class ChunkPipeline:
         ready: Callable[[int, float], bool | None] | None,
         ends_step: bool,
     ) -> StepStats:
-        sums_here = checksums_in_update and self.store.checksum
         n = len(self.sizes)
         order = self._order if only is None else list(only)
         if self._ascending:
@@ -465,152 +464,44 @@ class ChunkPipeline:
                 handle.wait()
                 stats.write_wait_seconds += time.perf_counter() - t
                 self._free.append(buffer)
-        to_read = deque(i for i in order if i not in self._resident and i not in retained)
-        reading: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
-        writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
-
-        def reclaim(block: bool) -> bool:
-            """Frees the buffer of the oldest write if it is done (or, with `block`, once it is)."""
-            if not writing or not (block or writing[0][2].done()):
-                return False
-            _, buffer, handle = writing.popleft()
-            t = time.perf_counter()
-            handle.wait()
-            stats.write_wait_seconds += time.perf_counter() - t
-            self._free.append(buffer)
-            return True
-
-        def read_ahead() -> None:
-            while to_read:
-                buffer = self._take_buffer()
-                if buffer is None:
-                    if not reclaim(block=False):
-                        return
-                    continue
-                i = to_read.popleft()
-                view = self.view(i, buffer)
-                reading[i] = (buffer, self.store.read(self.keys[i], view, verify=not sums_here))
-                stats.reads += 1
-                stats.bytes_read += self.sizes[i]
-
+        loop = _StepLoop(self, update, checksums_in_update, staged, order, keep, retained, stats)
         for i in order:
-            read_ahead()
-            if ready is not None:
-                while (go := ready(i, 0.02)) is None:
-                    read_ahead()
-                if not go:
-                    # Reads ahead of a part that ends here are dropped, their buffers free.
-                    stats.reads_dropped += len(reading)
-                    for buffer, handle in reading.values():
-                        try:
-                            handle.wait()
-                        except Exception:
-                            # Read again, and its error raised, by the part that updates the chunk.
-                            pass
-                        self._free.append(buffer)
-                    reading.clear()
-                    break
-            was_read = cached = False
-            if i in self._resident:
-                buffer = self._resident.pop(i)
-                stats.cached += 1
-                cached = True
-            elif i in retained:
-                # Its write from the last step reads this buffer: let it finish before changing it.
-                buffer, handle = retained.pop(i)
-                t = time.perf_counter()
-                handle.wait()
-                stats.write_wait_seconds += time.perf_counter() - t
-                stats.retained += 1
-                # Its buffer holds the store's state, and the cache keeps it: with kept copies, staged
-                # in place as a resident chunk is (the first step after the initial writes).
-                cached = bool(self.kept_limit) and i in keep
-            else:
-                while i not in reading:
-                    # Every buffer is resident or held by a write in flight: the oldest write frees
-                    # one. (Reads go out in order, and at least one buffer is not a cache slot.)
-                    if not writing:
-                        raise RuntimeError(f"chunk {i}: no buffer to read into and no write to wait for")
-                    reclaim(block=True)
-                    read_ahead()
-                buffer, handle = reading.pop(i)
-                t = time.perf_counter()
-                handle.wait()
-                stats.read_wait_seconds += time.perf_counter() - t
-                was_read = True
-            view = self.view(i, buffer)
-            sums = None
-            # A cached chunk in a staged part: the pass copies its state before into a kept copy.
-            kept = self._kept_free.pop() if staged and cached else None
-            copy = None if kept is None else KeptCopy(self.view(i, kept[1]))
-            extra = {} if copy is None else {"kept": copy}
-            try:
-                if not checksums_in_update:
-                    update(i, view, **extra)
-                else:
-                    # Without the store's checksums, no cuts: the update hashes nothing.
-                    check = self.store.read_check(self.keys[i]) if was_read and sums_here else None
-                    read_cuts = check.starts if check is not None and check.has_sums else None
-                    write_cuts = None if i in keep or not sums_here else self.store.write_cuts(self.sizes[i])
-                    read_sums, write_sums = update(i, view, read_cuts, write_cuts, **extra)
-            except BaseException:
-                if kept is not None and copy is not None:
-                    self._resident[i] = buffer
-                    if copy.filled:
-                        # Staged: `discard` gives the state before back.
-                        self._kept_held[i] = kept
-                        stats.staged.append(i)
-                    else:
-                        # The pass checks its arguments before it touches memory: the buffer is as it was.
-                        self._kept_free.append(kept)
-                raise
-            if kept is not None:
-                self._resident[i] = buffer
-                self._kept_held[i] = kept
-                stats.staged.append(i)
-                continue
-            if sums_here:
-                if check is not None and read_cuts is not None:
-                    # Raises CorruptObjectError naming the stripe's file: nothing made of it is kept.
-                    self.store.verify(check, read_sums)
-                if write_cuts is not None:
-                    sums = (write_cuts, write_sums)
-            if i in keep and not staged:
-                self._resident[i] = buffer
-            else:
-                writing.append((i, buffer, self.store.write(self.keys[i], view, sums=sums, staged=staged)))
-                stats.writes += 1
-                stats.bytes_written += self.sizes[i]
-                if staged:
-                    stats.staged.append(i)
+            loop.read_ahead()
+            if ready is not None and not loop.wait_ready(i, ready):
+                break
+            loop.run_chunk(i)
         if drain:
-            while reclaim(block=True):
+            while loop.reclaim(block=True):
                 pass
         if staged:
-            self._staged_held.update((i, (buffer, handle)) for i, buffer, handle in writing)
+            self._staged_held.update((i, (buffer, handle)) for i, buffer, handle in loop.writing)
         else:
-            self._retained = {i: (buffer, handle) for i, buffer, handle in writing}
+            self._retained = {i: (buffer, handle) for i, buffer, handle in loop.writing}
         # The whole step's order, also after a part of it (`only`).
         self._order = next_order(
             self._order, set(self._resident), set(self._retained), ascending=self._ascending
         )
         stats.seconds = time.perf_counter() - start
-        # Since the end of the last step: writes that ran on during forward and backward count here.
-        before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
-        self._snapshot = after
-        for b, a in zip(before, after, strict=True):
-            stats.per_path.append(
-                {
-                    "read_bytes": a["bytes_read"] - b["bytes_read"],
-                    "read_busy_secs": (a["read_busy_ns"] - b["read_busy_ns"]) / 1e9,
-                    "write_bytes": a["bytes_written"] - b["bytes_written"],
-                    "write_busy_secs": (a["write_busy_ns"] - b["write_busy_ns"]) / 1e9,
-                    "busy_secs": (a["busy_ns"] - b["busy_ns"]) / 1e9,
-                }
-            )
+        stats.per_path.extend(self._path_figures())
         if ends_step:
             self._step += 1
         return stats
+
+    def _path_figures(self) -> list[dict[str, float]]:
+        """Per path, the bytes and busy seconds since the end of the last step: writes that ran on during
+        forward and backward count in this one."""
+        before, after = self._snapshot, [r["stats"] for r in self.store.path_reports()]
+        self._snapshot = after
+        return [
+            {
+                "read_bytes": a["bytes_read"] - b["bytes_read"],
+                "read_busy_secs": (a["read_busy_ns"] - b["read_busy_ns"]) / 1e9,
+                "write_bytes": a["bytes_written"] - b["bytes_written"],
+                "write_busy_secs": (a["write_busy_ns"] - b["write_busy_ns"]) / 1e9,
+                "busy_secs": (a["busy_ns"] - b["busy_ns"]) / 1e9,
+            }
+            for b, a in zip(before, after, strict=True)
+        ]
 
     def flush(self) -> None:
         """Writes the cached chunks back and waits for every write, so the store alone holds the current
@@ -637,3 +528,163 @@ class ChunkPipeline:
         self._resident.clear()
         self._free.clear()
         self._pool.close()
+
+
+class _StepLoop:
+    """One `run_step`'s chunk loop (`ChunkPipeline._run_step`): the reads ahead, the writes behind, and
+    each chunk's buffer and update. `keep`: the chunks the cache keeps after this step; `retained`: the
+    chunks whose last writes still hold their buffers."""
+
+    def __init__(
+        self,
+        pipeline: ChunkPipeline,
+        update: Callable[..., Any],
+        checksums_in_update: bool,
+        staged: bool,
+        order: list[int],
+        keep: set[int],
+        retained: dict[int, tuple[_core.HostBuffer, _core.IoHandle]],
+        stats: StepStats,
+    ) -> None:
+        self.pipeline = pipeline
+        self.update = update
+        self.checksums_in_update = checksums_in_update
+        self.sums_here = checksums_in_update and pipeline.store.checksum
+        self.staged = staged
+        self.keep = keep
+        self.retained = retained
+        self.stats = stats
+        self.to_read = deque(i for i in order if i not in pipeline._resident and i not in retained)
+        self.reading: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
+        self.writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
+
+    def _wait_write(self, handle: _core.IoHandle) -> None:
+        t = time.perf_counter()
+        handle.wait()
+        self.stats.write_wait_seconds += time.perf_counter() - t
+
+    def reclaim(self, block: bool) -> bool:
+        """Frees the buffer of the oldest write if it is done (or, with `block`, once it is)."""
+        if not self.writing or not (block or self.writing[0][2].done()):
+            return False
+        _, buffer, handle = self.writing.popleft()
+        self._wait_write(handle)
+        self.pipeline._free.append(buffer)
+        return True
+
+    def read_ahead(self) -> None:
+        """Reads the next chunks into every buffer free, or freed by a write done."""
+        p = self.pipeline
+        while self.to_read:
+            buffer = p._take_buffer()
+            if buffer is None:
+                if not self.reclaim(block=False):
+                    return
+                continue
+            i = self.to_read.popleft()
+            view = p.view(i, buffer)
+            self.reading[i] = (buffer, p.store.read(p.keys[i], view, verify=not self.sums_here))
+            self.stats.reads += 1
+            self.stats.bytes_read += p.sizes[i]
+
+    def wait_ready(self, i: int, ready: Callable[[int, float], bool | None]) -> bool:
+        """Waits until `ready` says whether chunk `i` goes (reading ahead meanwhile). A part that ends
+        here drops its reads ahead, their buffers free."""
+        while (go := ready(i, 0.02)) is None:
+            self.read_ahead()
+        if go:
+            return True
+        self.stats.reads_dropped += len(self.reading)
+        for buffer, handle in self.reading.values():
+            try:
+                handle.wait()
+            except Exception:
+                # Read again, and its error raised, by the part that updates the chunk.
+                pass
+            self.pipeline._free.append(buffer)
+        self.reading.clear()
+        return False
+
+    def buffer_of(self, i: int) -> tuple[_core.HostBuffer, bool, bool]:
+        """Chunk `i`'s buffer with its state: cached, retained from its last write, or read. Returns it,
+        whether it was read, and whether it is cached (a staged update keeps a copy of it)."""
+        p, stats = self.pipeline, self.stats
+        if i in p._resident:
+            stats.cached += 1
+            return p._resident.pop(i), False, True
+        if i in self.retained:
+            # Its write from the last step reads this buffer: let it finish before changing it.
+            buffer, handle = self.retained.pop(i)
+            self._wait_write(handle)
+            stats.retained += 1
+            # Its buffer holds the store's state, and the cache keeps it: with kept copies, staged in
+            # place as a resident chunk is (the first step after the initial writes).
+            return buffer, False, bool(p.kept_limit) and i in self.keep
+        while i not in self.reading:
+            # Every buffer is resident or held by a write in flight: the oldest write frees one. (Reads
+            # go out in order, and at least one buffer is not a cache slot.)
+            if not self.writing:
+                raise RuntimeError(f"chunk {i}: no buffer to read into and no write to wait for")
+            self.reclaim(block=True)
+            self.read_ahead()
+        buffer, handle = self.reading.pop(i)
+        t = time.perf_counter()
+        handle.wait()
+        stats.read_wait_seconds += time.perf_counter() - t
+        return buffer, True, False
+
+    def run_chunk(self, i: int) -> None:
+        """Chunk `i`'s update in its buffer, then its write (or its place in the cache)."""
+        p, stats = self.pipeline, self.stats
+        buffer, was_read, cached = self.buffer_of(i)
+        view = p.view(i, buffer)
+        # A cached chunk in a staged part: the pass copies its state before into a kept copy.
+        kept = p._kept_free.pop() if self.staged and cached else None
+        copy = None if kept is None else KeptCopy(p.view(i, kept[1]))
+        try:
+            sums = self._update(i, view, was_read, copy)
+        except BaseException:
+            if kept is not None and copy is not None:
+                p._resident[i] = buffer
+                if copy.filled:
+                    # Staged: `discard` gives the state before back.
+                    p._kept_held[i] = kept
+                    stats.staged.append(i)
+                else:
+                    # The pass checks its arguments before it touches memory: the buffer is as it was.
+                    p._kept_free.append(kept)
+            raise
+        if kept is not None:
+            p._resident[i] = buffer
+            p._kept_held[i] = kept
+            stats.staged.append(i)
+        elif i in self.keep and not self.staged:
+            p._resident[i] = buffer
+        else:
+            self.writing.append((i, buffer, p.store.write(p.keys[i], view, sums=sums, staged=self.staged)))
+            stats.writes += 1
+            stats.bytes_written += p.sizes[i]
+            if self.staged:
+                stats.staged.append(i)
+
+    def _update(
+        self, i: int, view: torch.Tensor, was_read: bool, copy: KeptCopy | None
+    ) -> tuple[list[int], list[int]] | None:
+        """Runs the update on chunk `i`'s state; with the checksums in it, verifies the read's and
+        returns the write's (its cuts and sums), else None."""
+        p = self.pipeline
+        extra = {} if copy is None else {"kept": copy}
+        if not self.checksums_in_update:
+            self.update(i, view, **extra)
+            return None
+        # Without the store's checksums, no cuts: the update hashes nothing.
+        check = p.store.read_check(p.keys[i]) if was_read and self.sums_here else None
+        read_cuts = check.starts if check is not None and check.has_sums else None
+        write_cuts = None if i in self.keep or not self.sums_here else p.store.write_cuts(p.sizes[i])
+        read_sums, write_sums = self.update(i, view, read_cuts, write_cuts, **extra)
+        if copy is not None or not self.sums_here:
+            return None
+        if check is not None and read_cuts is not None:
+            # Raises CorruptObjectError naming the stripe's file: nothing made of it is kept.
+            p.store.verify(check, read_sums)
+        return None if write_cuts is None else (write_cuts, write_sums)

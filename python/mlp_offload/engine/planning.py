@@ -11,6 +11,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
 import torch
@@ -239,6 +240,54 @@ def chunk_order_pays(
     return hidden > extra, hidden, extra
 
 
+@dataclass
+class StepTimes:
+    """A step's times, in seconds: its update (inside `step()`, or behind it until it ended), forward
+    and backward since the last step ended (None for the first), backward alone (every micro-batch),
+    and the update's compute (Adam and the gradient conversion, every chunk)."""
+
+    update_secs: float
+    fwd_bwd_secs: float | None
+    backward_secs: float
+    compute_secs: float
+
+
+@dataclass
+class StepParts:
+    """The step record's parts the engine knows: `overlap`, with the update behind `step()`, when
+    `step()` returned and how long the next forward waited for subgroups; `grads_final`, the boundary's
+    backward time and, per chunk, how long before its end the chunk's gradient was final
+    (`overlap.GradsFinal`); `overlap_backward`, the update during backward and whether it was kept;
+    `stale`, the parameters this boundary gave no gradient, updated with an earlier one
+    (`mlp_offload.adapter.stale_gradients`)."""
+
+    overlap: dict[str, float] | None = None
+    grads_final: dict[str, Any] | None = None
+    overlap_backward: dict[str, Any] | None = None
+    stale: dict[str, int] | None = None
+
+
+def start_line(record: dict[str, Any]) -> str:
+    """The start-up line of a start record (`MLPOffloadStage3`'s, the telemetry's first)."""
+    pages = record["host_pages"]
+    page_report = {k: v for k, v in pages.items() if k not in ("pages", "source")}
+    described_pages = memory.describe_pages(pages["pages"], pages["source"], page_report)
+    grad_mib = memory.GRAD_BYTES * record["chunk_elements"] / 2**20
+    kernel = record["update_kernel"]
+    weights = [round(w, 3) for w in record["weights"]]
+    predicted = record["plan"]["predicted_update_secs"] if record["plan"] else float("nan")
+    r = record
+    return (
+        f"mlp-offload: rank {r['rank']}, {r['subgroups']} subgroups in {r['chunks']} chunks of "
+        f"{r['buffer_bytes'] / 2**20:.1f} MiB over {len(r['paths'])} paths; host memory "
+        f"{r['host_memory'] / 2**30:.2f} GiB ({r['host_memory_source']}) = {r['buffers']} chunk "
+        f"buffers + {grad_mib:.1f} MiB fp32 gradient, {r['cached_chunks']} chunks cached; "
+        f"{described_pages}; update kernel: {kernel['kernel']} ({kernel['why']}); overlap with the next "
+        f"forward: {r['overlap']['why']}; with backward: {r['overlap_backward']['why']}; weights "
+        f"{weights}; predicted update {predicted:.2f} s"
+    )
+
+
 class UpdatePlanner:
     """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
     records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
@@ -447,25 +496,9 @@ class UpdatePlanner:
         plan["max_inflight"] = [self.max_inflight()[0]] * len(plan["max_inflight"])
         return plan
 
-    def after_step(
-        self,
-        store: ObjectStore,
-        stats: StepStats,
-        seconds: float,
-        fwd_bwd: float | None,
-        backward_secs: float,
-        compute_secs: float,
-        overlap: dict[str, float] | None = None,
-        grads_final: dict[str, Any] | None = None,
-        overlap_backward: dict[str, Any] | None = None,
-        stale: dict[str, int] | None = None,
-    ) -> None:
+    def after_step(self, store: ObjectStore, stats: StepStats, times: StepTimes, parts: StepParts) -> None:
         """The tuner's move (the store's next writes take it), the next step's prediction, and this
-        step's record. `overlap`: with the update behind `step()`, when `step()` returned and how long
-        the next forward waited for subgroups. `grads_final`: the boundary's backward time and, per
-        chunk, how long before its end the chunk's gradient was final (`overlap.GradsFinal`).
-        `overlap_backward`: the update during backward, and whether it was kept. `stale`: the parameters this
-        boundary gave no gradient, updated with an earlier one (`mlp_offload.adapter.stale_gradients`)."""
+        step's record."""
         moved = None
         if self.tuner is not None:
             # Every rank's tuner sees the same step and so makes the same move.
@@ -474,6 +507,47 @@ class UpdatePlanner:
             if moved is not None:
                 store.weights = moved
         predicted, predicted_after_backward = self.prediction, self.prediction_after_backward
+        self._predict(stats, times, parts)
+        fwd_bwd = times.fwd_bwd_secs
+        self.emit(
+            {
+                "event": "step",
+                "rank": self.rank,
+                "step": stats.step,
+                "update_secs": times.update_secs,
+                "pipeline_secs": stats.seconds,
+                "read_wait_secs": stats.read_wait_seconds,
+                "write_wait_secs": stats.write_wait_seconds,
+                "reads": stats.reads,
+                "reads_dropped": stats.reads_dropped,
+                "writes": stats.writes,
+                "cached": stats.cached,
+                "retained": stats.retained,
+                # The chunks the pipeline keeps in host memory across steps now (chunk order keeps fewer).
+                "cached_chunks": self._pipeline.cache_slots if self._pipeline is not None else None,
+                "paths": self._path_records(store, stats),
+                "weights_next": moved,
+                "compute_secs": times.compute_secs,
+                # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
+                "forward_secs": fwd_bwd - times.backward_secs if fwd_bwd is not None else None,
+                "backward_secs": times.backward_secs,
+                "fwd_bwd_secs": fwd_bwd,
+                # Made before this step, from the steps before it (the start-up plan's for the first two).
+                "predicted_update_secs": predicted,
+                # With the update during backward on: what it leaves after backward, made before this step
+                # (a step that does not try it, or undoes it, runs the whole update in step()).
+                "predicted_after_backward_secs": predicted_after_backward,
+                "overlap": parts.overlap,
+                "grads_final": parts.grads_final,
+                "overlap_backward": parts.overlap_backward,
+                "stale": parts.stale,
+            }
+        )
+
+    def _predict(self, stats: StepStats, times: StepTimes, parts: StepParts) -> None:
+        """The next step's prediction, from what the last steps measured: forward and backward (which
+        hide the write-back), Adam and the gradient conversion per chunk, and each path's bandwidth in
+        the recent steps (not the tuner's smoothed figure, which starts from the probe's)."""
         rates = [
             (p["read_bytes"] + p["write_bytes"]) / p["busy_secs"] if p["busy_secs"] > 0 else 0.0
             for p in stats.per_path
@@ -484,40 +558,40 @@ class UpdatePlanner:
             r / memory.local_ranks() if way == "turns" else r
             for r, way in zip(rates, self._ways, strict=True)
         ]
-        if fwd_bwd is not None and all(r > 0 for r in rates):
+        if times.fwd_bwd_secs is not None and all(r > 0 for r in rates):
             # Only steps in which every path moved bytes say what each path gives.
             self._measured.append(rates)
-        if self.profile is not None and fwd_bwd is not None:
-            # The next step's prediction, from what the last steps measured: forward and backward (which
-            # hide the write-back), Adam and the gradient conversion per chunk, and each path's bandwidth
-            # in the recent steps (not the tuner's smoothed figure, which starts from the probe's).
-            assert self._pipeline is not None
-            measured = (
-                [statistics.median(step[i] for step in self._measured) for i in range(len(rates))]
-                if self._measured
-                # No step moved bytes on every path yet (or everything is cached): the tuner's figures.
-                else (self.tuner.estimates if self.tuner is not None else None)
+        if self.profile is None or times.fwd_bwd_secs is None:
+            return
+        assert self._pipeline is not None
+        measured = (
+            [statistics.median(step[i] for step in self._measured) for i in range(len(rates))]
+            if self._measured
+            # No step moved bytes on every path yet (or everything is cached): the tuner's figures.
+            else (self.tuner.estimates if self.tuner is not None else None)
+        )
+        # The chunks the update during backward updated, when kept, are not in this step's compute.
+        backward = parts.overlap_backward
+        committed = backward["chunks"] if backward is not None and backward["kept"] else 0
+        adam_secs_per_chunk = times.compute_secs / max(1, len(self._pipeline.sizes) - committed)
+        self.prediction = self._replan(
+            fwd_bwd_secs=times.fwd_bwd_secs,
+            adam_secs_per_chunk=adam_secs_per_chunk,
+            measured_bytes_per_s=measured,
+            # At the tuner's split, which the next step's writes use; without a tuner the plan's.
+            weights=self.tuner.weights if self.tuner is not None else None,
+        )["predicted_update_secs"]
+        if self.overlap_backward and parts.grads_final is not None:
+            self.prediction_after_backward = self._left_after_backward(
+                self.prediction, parts.grads_final, adam_secs_per_chunk
             )
-            # The chunks the update during backward updated, when kept, are not in this step's compute.
-            kept = overlap_backward is not None and overlap_backward["kept"]
-            committed = overlap_backward["chunks"] if overlap_backward is not None and kept else 0
-            adam_secs_per_chunk = compute_secs / max(1, len(self._pipeline.sizes) - committed)
-            self.prediction = self._replan(
-                fwd_bwd_secs=fwd_bwd,
-                adam_secs_per_chunk=adam_secs_per_chunk,
-                measured_bytes_per_s=measured,
-                # At the tuner's split, which the next step's writes use; without a tuner the plan's.
-                weights=self.tuner.weights if self.tuner is not None else None,
-            )["predicted_update_secs"]
-            if self.overlap_backward and grads_final is not None:
-                self.prediction_after_backward = self._left_after_backward(
-                    self.prediction, grads_final, adam_secs_per_chunk
-                )
-        per_path = []
-        reports = store.path_reports()
-        for path, p, report in zip(self.config.paths, stats.per_path, reports, strict=True):
+
+    def _path_records(self, store: ObjectStore, stats: StepStats) -> list[dict[str, Any]]:
+        """The step record's figures per path."""
+        records = []
+        for path, p, report in zip(self.config.paths, stats.per_path, store.path_reports(), strict=True):
             moved_bytes = p["read_bytes"] + p["write_bytes"]
-            per_path.append(
+            records.append(
                 {
                     "path": path,
                     "read_bytes": p["read_bytes"],
@@ -532,40 +606,7 @@ class UpdatePlanner:
                     "node_inflight_max": report["stats"]["node_inflight_max"],
                 }
             )
-        self.emit(
-            {
-                "event": "step",
-                "rank": self.rank,
-                "step": stats.step,
-                "update_secs": seconds,
-                "pipeline_secs": stats.seconds,
-                "read_wait_secs": stats.read_wait_seconds,
-                "write_wait_secs": stats.write_wait_seconds,
-                "reads": stats.reads,
-                "reads_dropped": stats.reads_dropped,
-                "writes": stats.writes,
-                "cached": stats.cached,
-                "retained": stats.retained,
-                # The chunks the pipeline keeps in host memory across steps now (chunk order keeps fewer).
-                "cached_chunks": self._pipeline.cache_slots if self._pipeline is not None else None,
-                "paths": per_path,
-                "weights_next": moved,
-                "compute_secs": compute_secs,
-                # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
-                "forward_secs": fwd_bwd - backward_secs if fwd_bwd is not None else None,
-                "backward_secs": backward_secs,
-                "fwd_bwd_secs": fwd_bwd,
-                # Made before this step, from the steps before it (the start-up plan's for the first two).
-                "predicted_update_secs": predicted,
-                # With the update during backward on: what it leaves after backward, made before this step
-                # (a step that does not try it, or undoes it, runs the whole update in step()).
-                "predicted_after_backward_secs": predicted_after_backward,
-                "overlap": overlap,
-                "grads_final": grads_final,
-                "overlap_backward": overlap_backward,
-                "stale": stale,
-            }
-        )
+        return records
 
     def update_secs_to_plan_by(self) -> float | None:
         """The update's time the plan of the update during backward goes by: the performance model's

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -469,6 +470,81 @@ class AcrossNodesError(RuntimeError):
     and its error."""
 
 
+@dataclass
+class _AcrossNodesJob:
+    """`measure_across_nodes`'s ranks, as this one sees them: the job's size, this rank's host, the
+    nodes' hosts in rank order, whether this rank measures for its node (`leader`), a window's seconds,
+    the file's bytes and the I/O engine."""
+
+    world: int
+    host: str
+    hosts: list[str]
+    leader: bool
+    secs: float
+    working_bytes: int
+    engine: str
+
+    def gather(self, path: str, said: Any) -> list[Any]:
+        """Every collective of the measurement is an all-gather of (host, what this rank has to say), so
+        that a node whose measurement fails tells the others at the next one and every rank raises
+        there, instead of the others waiting in a barrier until the process group times out."""
+        import torch.distributed as dist
+
+        heard: list[Any] = [None] * self.world
+        dist.all_gather_object(heard, (self.host, said))
+        failed = [f"{h}: {s['error']}" for h, s in heard if isinstance(s, dict) and "error" in s]
+        if failed:
+            raise AcrossNodesError(f"measuring {path} across nodes failed on {'; '.join(failed)}")
+        return heard
+
+    def window(self, path: str, k: int) -> float | None:
+        """Window `k`'s seconds for this node (None: it sits out). Windows 0..nodes-1: node k alone;
+        window `nodes`, longer: all of them, whose aggregate the plan divides (on a network file system
+        a short window is noisy)."""
+        self.gather(path, None)
+        nodes = len(self.hosts)
+        if k == nodes:
+            return TOGETHER_WINDOWS * self.secs
+        return self.secs if self.hosts[k] == self.host else None
+
+    def measure(self, path: str, p: dict[str, Any]) -> dict[str, Any]:
+        """One shared path (its probe `p`) measured from every node: alone in turn, then together."""
+        nodes = len(self.hosts)
+        rates = None
+        try:
+            if self.leader:
+                rates = _core.probe_shared_path(
+                    path,
+                    chunk_size=p["best_read"]["chunk_size"],
+                    max_inflight=p["best_read"]["max_inflight"],
+                    pages=p["pages"]["chosen"],
+                    expected_bytes_per_s=p["mixed_bytes_per_s"],
+                    working_bytes=self.working_bytes,
+                    steps=nodes + 1,
+                    step=functools.partial(self.window, path),
+                    engine=self.engine,
+                )
+            else:
+                for k in range(nodes + 1):
+                    self.window(path, k)
+        except AcrossNodesError:
+            raise
+        except Exception as e:
+            # This node failed between two collectives: the others wait in the next one; say why there.
+            with contextlib.suppress(AcrossNodesError):
+                self.gather(path, {"error": f"{type(e).__name__}: {e}"})
+            raise
+        by_host = {h: r for h, r in self.gather(path, rates) if r is not None}
+        return {
+            "hosts": self.hosts,
+            "alone_bytes_per_s": [by_host[h][k] for k, h in enumerate(self.hosts)],
+            "together_bytes_per_s": [by_host[h][nodes] for h in self.hosts],
+            "secs": self.secs,
+            "together_secs": TOGETHER_WINDOWS * self.secs,
+            "probed_at": time.time(),
+        }
+
+
 def measure_across_nodes(
     profile: Profile,
     options: ProbeOptions,
@@ -504,68 +580,18 @@ def measure_across_nodes(
     dist.all_gather_object(votes, missing)
     todo = sorted({i for v in votes for i in v})
     leader = rank == next(r for r, (h, _) in enumerate(everyone) if h == host)
-    working = options.sustained_bytes or ACROSS_NODES_WORKING_BYTES
-    secs = options.together_secs or ACROSS_NODES_SECS
-
-    # Every collective below is an all-gather of (host, what this rank has to say), so that a node
-    # whose measurement fails tells the others at the next one and every rank raises there, instead
-    # of the others waiting in a barrier until the process group times out.
-    def gather(path: str, said: Any) -> list[Any]:
-        heard: list[Any] = [None] * world
-        dist.all_gather_object(heard, (host, said))
-        failed = [f"{h}: {s['error']}" for h, s in heard if isinstance(s, dict) and "error" in s]
-        if failed:
-            raise AcrossNodesError(f"measuring {path} across nodes failed on {'; '.join(failed)}")
-        return heard
-
-    def windows(path: str) -> Callable[[int], float | None]:
-        def step(k: int) -> float | None:
-            # Windows 0..nodes-1: node k alone; window `nodes`, longer: all of them, whose aggregate
-            # the plan divides (on a network file system a short window is noisy).
-            gather(path, None)
-            if k == nodes:
-                return TOGETHER_WINDOWS * secs
-            return secs if hosts[k] == host else None
-
-        return step
-
+    job = _AcrossNodesJob(
+        world,
+        host,
+        hosts,
+        leader,
+        options.together_secs or ACROSS_NODES_SECS,
+        options.sustained_bytes or ACROSS_NODES_WORKING_BYTES,
+        options.engine,
+    )
     for i in todo:
         p, path = profile.probes[i], profile.paths[i]
-        step = windows(path)
-        rates = None
-        try:
-            if leader:
-                rates = _core.probe_shared_path(
-                    path,
-                    chunk_size=p["best_read"]["chunk_size"],
-                    max_inflight=p["best_read"]["max_inflight"],
-                    pages=p["pages"]["chosen"],
-                    expected_bytes_per_s=p["mixed_bytes_per_s"],
-                    working_bytes=working,
-                    steps=nodes + 1,
-                    step=step,
-                    engine=options.engine,
-                )
-            else:
-                for k in range(nodes + 1):
-                    step(k)
-        except AcrossNodesError:
-            raise
-        except Exception as e:
-            # This node failed between two collectives: the others wait in the next one; say why there.
-            with contextlib.suppress(AcrossNodesError):
-                gather(path, {"error": f"{type(e).__name__}: {e}"})
-            raise
-        by_host = {h: r for h, r in gather(path, rates) if r is not None}
-        measured = {
-            "hosts": hosts,
-            "alone_bytes_per_s": [by_host[h][k] for k, h in enumerate(hosts)],
-            "together_bytes_per_s": [by_host[h][nodes] for h in hosts],
-            "secs": secs,
-            "together_secs": TOGETHER_WINDOWS * secs,
-            "probed_at": time.time(),
-        }
-        p.setdefault("across_nodes", {})[str(nodes)] = measured
+        p.setdefault("across_nodes", {})[str(nodes)] = job.measure(path, p)
         if progress is not None:
             progress(f"{path}: shared by {nodes} nodes: {across_nodes_note(p, nodes)}")
     if todo and leader and save:
