@@ -76,6 +76,8 @@ impl NodeAdmission {
     /// when no process has it. A set found with another limit takes `limit` when none of its requests
     /// is held, else keeps its own (with a warning): the ranks of one job ask for the same.
     pub fn open(device_id: &str, limit: u32) -> Result<Self> {
+        // Longer than 80 lines for a reason: System V's steps in their order (the key file, the set made
+        // or found, its limit checked and taken), each checked where it is made.
         if limit == 0 || limit > MAX_LIMIT {
             return Err(Error::config(
                 "device_inflight",

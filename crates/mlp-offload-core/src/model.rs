@@ -111,6 +111,77 @@ pub fn plan_split(
     work: &UpdateWorkload,
     split: Option<&[f64]>,
 ) -> Result<Plan> {
+    let buffers = check_workload(paths, work)?;
+    let (r, w_bytes) = (
+        work.read_bytes_per_subgroup as f64,
+        work.write_bytes_per_subgroup as f64,
+    );
+    let devices = devices(paths, r, w_bytes);
+    if devices.is_empty() {
+        return Err(Error::config(
+            "paths",
+            "no path has a usable read and write bandwidth",
+        ));
+    }
+    let (weights, shares) = match split {
+        None => own_split(paths.len(), &devices),
+        Some(split) => given_split(paths.len(), &devices, split)?,
+    };
+    // The slowest device's time for its share of one subgroup: 1 / speed at the model's own split.
+    let io_secs_per_subgroup = devices
+        .iter()
+        .zip(&shares)
+        .map(|(d, share)| share * d.cost)
+        .fold(0.0, f64::max);
+    // The first read of a step overlaps no write and the last write no read: each runs at the
+    // one-direction bandwidth, the slowest device's stripe deciding.
+    let alone = |bytes: f64, bw: fn(&PathProfile) -> f64| -> f64 {
+        devices
+            .iter()
+            .zip(&shares)
+            .map(|(d, &share)| {
+                let best = d.members.iter().map(|&i| bw(&paths[i])).fold(0.0, f64::max);
+                if usable(best) {
+                    share * bytes / best
+                } else {
+                    // No one-direction figure: its part of the mixed cost.
+                    share * d.cost * bytes / (r + w_bytes)
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    let cached_subgroups = (buffers - work.pipeline_buffers).min(work.subgroups);
+    let times = predict(
+        work,
+        cached_subgroups,
+        io_secs_per_subgroup,
+        alone(r, |p| p.read_bytes_per_s),
+        alone(w_bytes, |p| p.write_bytes_per_s),
+    );
+    let path_bytes_per_s = weights
+        .iter()
+        .map(|w| w * (r + w_bytes) / io_secs_per_subgroup)
+        .collect();
+    Ok(Plan {
+        path_bytes_per_s,
+        weights,
+        max_inflight: paths.iter().map(|p| p.best_inflight.max(1)).collect(),
+        cached_subgroups,
+        io_secs_per_subgroup,
+        io_floor_secs: times.io_floor_secs,
+        hidden_io_secs: times.hidden_io_secs,
+        predicted_update_secs: times.predicted_update_secs,
+    })
+}
+
+/// A bandwidth the model can divide by.
+fn usable(bw: f64) -> bool {
+    bw.is_finite() && bw > 0.0
+}
+
+/// The subgroup buffers the workload's host memory holds; an error naming the key where there are no
+/// paths, no subgroups, or too few buffers for the pipeline.
+fn check_workload(paths: &[PathProfile], work: &UpdateWorkload) -> Result<usize> {
     if paths.is_empty() {
         return Err(Error::config(
             "paths",
@@ -132,136 +203,140 @@ pub fn plan_split(
             ),
         ));
     }
-    let (r, w_bytes) = (
-        work.read_bytes_per_subgroup as f64,
-        work.write_bytes_per_subgroup as f64,
-    );
-    let usable = |bw: f64| bw.is_finite() && bw > 0.0;
-    // Figures measured with every path at once already show what shared devices give each path: a
-    // device then gives the sum of its paths' figures. Otherwise paths on one device share the best
-    // figure of any of them. Either way a device's share is split evenly among its paths: on one file
-    // system they are alike, and how the probe's concurrent figure fell between them is noise (1:3 to
-    // 1:10 on one disk here), which would starve one of them.
+    Ok(buffers)
+}
+
+/// A device of the paths: its id, its seconds per subgroup if it held all of it (reads and writes
+/// sharing it), and its paths.
+struct Device {
+    id: String,
+    cost: f64,
+    members: Vec<usize>,
+}
+
+/// Seconds a path needs per subgroup (`r` bytes read, `w` written) if it held all of it, reads and
+/// writes sharing it; None without a usable figure. `concurrent`: the figures were measured with
+/// every path at once.
+fn path_cost(p: &PathProfile, r: f64, w: f64, concurrent: bool) -> Option<f64> {
+    if concurrent {
+        return p
+            .concurrent_bytes_per_s
+            .filter(|bw| usable(*bw))
+            .map(|bw| (r + w) / bw);
+    }
+    if let Some(mixed) = p.mixed_bytes_per_s {
+        return usable(mixed).then(|| (r + w) / mixed);
+    }
+    let needed = |bw: f64, bytes: f64| bytes == 0.0 || usable(bw);
+    if !needed(p.read_bytes_per_s, r) || !needed(p.write_bytes_per_s, w) {
+        return None;
+    }
+    let part = |bytes: f64, bw: f64| if bytes == 0.0 { 0.0 } else { bytes / bw };
+    Some(part(r, p.read_bytes_per_s) + part(w, p.write_bytes_per_s))
+}
+
+/// The paths grouped by device, those without a usable figure left out. Figures measured with every
+/// path at once already show what shared devices give each path: a device then gives the sum of its
+/// paths' figures. Otherwise paths on one device share the best figure of any of them. Either way a
+/// device's share is split evenly among its paths: on one file system they are alike, and how the
+/// probe's concurrent figure fell between them is noise (1:3 to 1:10 on one disk here), which would
+/// starve one of them.
+fn devices(paths: &[PathProfile], r: f64, w: f64) -> Vec<Device> {
     let concurrent = paths.iter().all(|p| p.concurrent_bytes_per_s.is_some());
-    // Seconds a path needs per subgroup if it held all of it, reads and writes sharing it.
-    let cost = |p: &PathProfile| -> Option<f64> {
-        if concurrent {
-            return p
-                .concurrent_bytes_per_s
-                .filter(|bw| usable(*bw))
-                .map(|bw| (r + w_bytes) / bw);
-        }
-        if let Some(mixed) = p.mixed_bytes_per_s {
-            return usable(mixed).then(|| (r + w_bytes) / mixed);
-        }
-        let needed = |bw: f64, bytes: f64| bytes == 0.0 || usable(bw);
-        if !needed(p.read_bytes_per_s, r) || !needed(p.write_bytes_per_s, w_bytes) {
-            return None;
-        }
-        let part = |bytes: f64, bw: f64| if bytes == 0.0 { 0.0 } else { bytes / bw };
-        Some(part(r, p.read_bytes_per_s) + part(w_bytes, p.write_bytes_per_s))
-    };
-    // Group paths by device: a device's share is split evenly among its paths.
-    let mut devices: Vec<(String, f64, Vec<usize>)> = Vec::new();
+    let mut devices: Vec<Device> = Vec::new();
     for (i, p) in paths.iter().enumerate() {
-        let Some(c) = cost(p) else { continue };
-        match devices.iter_mut().find(|(id, _, _)| *id == p.device_id) {
-            Some((_, device_cost, members)) => {
-                *device_cost = if concurrent {
+        let Some(c) = path_cost(p, r, w, concurrent) else {
+            continue;
+        };
+        match devices.iter_mut().find(|d| d.id == p.device_id) {
+            Some(d) => {
+                d.cost = if concurrent {
                     // Measured at once: the device moves what its paths moved together.
-                    1.0 / (1.0 / *device_cost + 1.0 / c)
+                    1.0 / (1.0 / d.cost + 1.0 / c)
                 } else {
                     // Measured one path at a time, each shows the whole device: keep the best.
-                    device_cost.min(c)
+                    d.cost.min(c)
                 };
-                members.push(i);
+                d.members.push(i);
             }
-            None => devices.push((p.device_id.clone(), c, vec![i])),
+            None => devices.push(Device {
+                id: p.device_id.clone(),
+                cost: c,
+                members: vec![i],
+            }),
         }
     }
-    if devices.is_empty() {
+    devices
+}
+
+/// The model's own split: minimising the slowest device's time, max_g f_g c_g with sum f_g = 1, gives
+/// f_g ∝ 1/c_g; each device's share split evenly among its paths. Returns the paths' weights and the
+/// devices' shares.
+fn own_split(paths: usize, devices: &[Device]) -> (Vec<f64>, Vec<f64>) {
+    let speed: f64 = devices.iter().map(|d| 1.0 / d.cost).sum();
+    let shares: Vec<f64> = devices.iter().map(|d| (1.0 / d.cost) / speed).collect();
+    let mut weights = vec![0.0; paths];
+    for (d, share) in devices.iter().zip(&shares) {
+        for &i in &d.members {
+            weights[i] = share / d.members.len() as f64;
+        }
+    }
+    (weights, shares)
+}
+
+/// A split chosen elsewhere, normalised, and the devices' shares of it; an error naming `weights`
+/// where it is not one finite, non-negative weight per path (not all zero), or weighs a path without
+/// a usable figure.
+fn given_split(paths: usize, devices: &[Device], split: &[f64]) -> Result<(Vec<f64>, Vec<f64>)> {
+    if split.len() != paths
+        || split.iter().any(|w| !w.is_finite() || *w < 0.0)
+        || split.iter().sum::<f64>() <= 0.0
+    {
         return Err(Error::config(
-            "paths",
-            "no path has a usable read and write bandwidth",
+            "weights",
+            format!("{split:?}: need {paths} finite, non-negative weights, not all zero"),
         ));
     }
-    // Minimising the slowest device's time, max_g f_g c_g with sum f_g = 1, gives f_g ∝ 1/c_g.
-    let speed: f64 = devices.iter().map(|(_, c, _)| 1.0 / c).sum();
-    let (weights, shares) = match split {
-        None => {
-            let shares: Vec<f64> = devices.iter().map(|(_, c, _)| (1.0 / c) / speed).collect();
-            let mut weights = vec![0.0; paths.len()];
-            for ((_, _, members), share) in devices.iter().zip(&shares) {
-                for &i in members {
-                    weights[i] = share / members.len() as f64;
-                }
-            }
-            (weights, shares)
-        }
-        Some(split) => {
-            if split.len() != paths.len()
-                || split.iter().any(|w| !w.is_finite() || *w < 0.0)
-                || split.iter().sum::<f64>() <= 0.0
-            {
-                return Err(Error::config(
-                    "weights",
-                    format!(
-                        "{split:?}: need {} finite, non-negative weights, not all zero",
-                        paths.len()
-                    ),
-                ));
-            }
-            let weights = normalise(split);
-            if let Some(i) = (0..paths.len())
-                .find(|&i| weights[i] > 0.0 && !devices.iter().any(|(_, _, m)| m.contains(&i)))
-            {
-                return Err(Error::config(
-                    "weights",
-                    format!("path {i} has weight {} but no usable bandwidth", weights[i]),
-                ));
-            }
-            let shares: Vec<f64> = devices
-                .iter()
-                .map(|(_, _, members)| members.iter().map(|&i| weights[i]).sum())
-                .collect();
-            (weights, shares)
-        }
-    };
-    // The slowest device's time for its share of one subgroup: 1 / speed at the model's own split.
-    let io_secs_per_subgroup = devices
+    let weights = normalise(split);
+    if let Some(i) =
+        (0..paths).find(|&i| weights[i] > 0.0 && !devices.iter().any(|d| d.members.contains(&i)))
+    {
+        return Err(Error::config(
+            "weights",
+            format!("path {i} has weight {} but no usable bandwidth", weights[i]),
+        ));
+    }
+    let shares: Vec<f64> = devices
         .iter()
-        .zip(&shares)
-        .map(|((_, c, _), share)| share * c)
-        .fold(0.0, f64::max);
-    // The first read of a step overlaps no write and the last write no read: each runs at the
-    // one-direction bandwidth, the slowest device's stripe deciding.
-    let alone = |bytes: f64, bw: fn(&PathProfile) -> f64| -> f64 {
-        devices
-            .iter()
-            .zip(&shares)
-            .map(|((_, c, members), &share)| {
-                let best = members.iter().map(|&i| bw(&paths[i])).fold(0.0, f64::max);
-                if usable(best) {
-                    share * bytes / best
-                } else {
-                    // No one-direction figure: its part of the mixed cost.
-                    share * c * bytes / (r + w_bytes)
-                }
-            })
-            .fold(0.0, f64::max)
-    };
-    let first_read_secs = alone(r, |p| p.read_bytes_per_s);
-    let last_write_secs = alone(w_bytes, |p| p.write_bytes_per_s);
-    let cached_subgroups = (buffers - work.pipeline_buffers).min(work.subgroups);
+        .map(|d| d.members.iter().map(|&i| weights[i]).sum())
+        .collect();
+    Ok((weights, shares))
+}
+
+/// The plan's times for one update phase.
+struct UpdateTimes {
+    io_floor_secs: f64,
+    hidden_io_secs: f64,
+    predicted_update_secs: f64,
+}
+
+/// The update phase's times: `t` seconds of I/O per uncached subgroup, the first read and the last
+/// write alone taking `first_read_secs` and `last_write_secs`.
+fn predict(
+    work: &UpdateWorkload,
+    cached_subgroups: usize,
+    t: f64,
+    first_read_secs: f64,
+    last_write_secs: f64,
+) -> UpdateTimes {
     let uncached = (work.subgroups - cached_subgroups) as f64;
-    let io_floor_secs = uncached * io_secs_per_subgroup;
+    let io_floor_secs = uncached * t;
     let adam = work.adam_secs_per_subgroup.max(0.0);
-    let t = io_secs_per_subgroup;
     let n = work.subgroups as f64;
     // Storage working while forward and backward run: the previous step's last writes, at most the
     // pipeline's buffers' worth. Their buffers keep the state, so the next step also skips those
     // subgroups' reads (the same I/O time, saved rather than hidden).
-    let hidden_secs = if uncached > 0.0 {
+    let hidden_io_secs = if uncached > 0.0 {
         work.fwd_bwd_secs
             .max(0.0)
             .min(work.pipeline_buffers as f64 * t)
@@ -271,9 +346,9 @@ pub fn plan_split(
     };
     let predicted_update_secs = if uncached == 0.0 {
         n * adam
-    } else if hidden_secs > 0.0 {
+    } else if hidden_io_secs > 0.0 {
         // The first reads ran during backward and the last writes run into the next forward.
-        (io_floor_secs - hidden_secs + adam).max(n * adam)
+        (io_floor_secs - hidden_io_secs + adam).max(n * adam)
     } else {
         // Bound by I/O: reads of one subgroup overlap writes of another, but the first read and the
         // last write run alone, and the last update sits between its read and its write. Bound by
@@ -283,20 +358,11 @@ pub fn plan_split(
         let exposed = (first_read_secs - cached_subgroups as f64 * adam).max(0.0) + last_write_secs;
         io_bound.max(n * adam + exposed)
     };
-    let path_bytes_per_s = weights
-        .iter()
-        .map(|w| w * (r + w_bytes) / io_secs_per_subgroup)
-        .collect();
-    Ok(Plan {
-        path_bytes_per_s,
-        weights,
-        max_inflight: paths.iter().map(|p| p.best_inflight.max(1)).collect(),
-        cached_subgroups,
-        io_secs_per_subgroup,
+    UpdateTimes {
         io_floor_secs,
-        hidden_io_secs: hidden_secs,
+        hidden_io_secs,
         predicted_update_secs,
-    })
+    }
 }
 
 /// Keeps the placement weights balanced while training runs, so a path that slows down (a busy parallel
@@ -369,6 +435,18 @@ struct Trial {
 struct Move {
     stage: Stage,
     with_busy: bool,
+}
+
+/// What `WeightTuner::judge` found of a move on trial.
+enum Verdict {
+    /// Too few steps after it yet.
+    Waiting,
+    /// Slower: undone, back to these weights.
+    Undone(Vec<f64>),
+    /// No slower: kept, the next move goes further that way.
+    Kept,
+    /// Far slower: a path changed under it; back to the weights before it, a new search at once.
+    PathsChanged,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -471,28 +549,7 @@ impl WeightTuner {
     /// whatever the split should make short); returns the new weights when they moved. A path that
     /// moved nothing keeps its estimate; a path with weight 0 stays out.
     pub fn observe(&mut self, samples: &[PathSample], step_secs: f64) -> Result<Option<Vec<f64>>> {
-        if samples.len() != self.weights.len() {
-            return Err(Error::config(
-                "samples",
-                format!("{} samples for {} paths", samples.len(), self.weights.len()),
-            ));
-        }
-        if let Some(bad) = samples
-            .iter()
-            .map(|s| s.busy_secs)
-            .find(|b| !b.is_finite() || *b < 0.0)
-        {
-            return Err(Error::config(
-                "samples",
-                format!("busy_secs {bad} is not a finite, non-negative time"),
-            ));
-        }
-        if !(step_secs.is_finite() && step_secs > 0.0) {
-            return Err(Error::config(
-                "step_secs",
-                format!("{step_secs} is not a positive time"),
-            ));
-        }
+        self.check_observation(samples, step_secs)?;
         // Only paths in the split that moved bytes this step say anything about the balance.
         let active: Vec<usize> = (0..samples.len())
             .filter(|&i| {
@@ -517,61 +574,16 @@ impl WeightTuner {
             secs: step_secs,
             busy_secs: samples.iter().map(|s| s.busy_secs).collect(),
         });
-        // A search that the paths changing restarted moves at once, from the steps it has.
+        // A search that the paths changing restarted moves at once, from the steps it has; a move
+        // undone that way starts a new search from the weights before it at once.
         let mut restarted = false;
-        // Whether a move was undone and a new search starts from the weights before it at once.
         let mut moved_back = false;
         if let Some(trial) = self.trial.take() {
-            if self.judged.len() < JUDGED_STEPS {
-                self.trial = Some(trial);
-                return Ok(None);
-            }
-            let after = self.judged_secs();
-            if after > CHANGED_RATIO * trial.before_secs {
-                // Far slower than a move of a few percent can make it: a path changed under the move
-                // (or the move went far off). Back to the weights before it, and from there a new
-                // search at once, the way busy time points in the steps that showed the change.
-                self.restart_search();
-                self.weights = trial.before;
-                self.reference_secs = None;
-                moved_back = true;
-                restarted = true;
-            } else if after > trial.before_secs {
-                // Slower than before the move: undo it and take smaller steps.
-                let mut smallest = true;
-                for (i, d) in trial.directions.iter().enumerate() {
-                    if *d != 0 {
-                        smallest &= self.steps[i] <= MIN_STEP;
-                        self.steps[i] = halved(self.steps[i]);
-                        self.last_direction[i] = 0;
-                    }
-                }
-                match trial.kind.stage {
-                    // The first move of a search: try the other way next.
-                    Stage::First => {
-                        let back = trial.directions.iter().map(|d| -d).collect();
-                        let with_busy = !trial.kind.with_busy;
-                        let stage = Stage::OtherWay;
-                        self.next = Some((back, Move { stage, with_busy }));
-                    }
-                    // Both ways were slower: the split is as good as the step time can tell.
-                    Stage::OtherWay if smallest => self.cooldown = COOLDOWN_STEPS,
-                    // Too far, or both ways slower at a larger step: a new search from here.
-                    Stage::OtherWay | Stage::Further => {}
-                }
-                return Ok(Some(self.set_weights(trial.before)));
-            } else {
-                // Kept: keep going that way, the step doubling, until a move makes the step slower.
-                for (i, d) in trial.directions.iter().enumerate() {
-                    if *d != 0 {
-                        self.last_direction[i] = *d;
-                    }
-                }
-                let further = Move {
-                    stage: Stage::Further,
-                    ..trial.kind
-                };
-                self.next = Some((trial.directions, further));
+            match self.judge(trial) {
+                Verdict::Waiting => return Ok(None),
+                Verdict::Undone(before) => return Ok(Some(self.set_weights(before))),
+                Verdict::Kept => {}
+                Verdict::PathsChanged => (moved_back, restarted) = (true, true),
             }
         } else if let Some(reference) = self.reference_secs {
             if step_secs > CHANGED_RATIO * reference || step_secs * CHANGED_RATIO < reference {
@@ -591,6 +603,93 @@ impl WeightTuner {
             None if moved_back => Some(self.set_weights(self.weights.clone())),
             None => None,
         })
+    }
+
+    /// The samples and the step's time refused, naming what is wrong, unless one sample per path, each
+    /// a finite, non-negative busy time, and a positive step.
+    fn check_observation(&self, samples: &[PathSample], step_secs: f64) -> Result<()> {
+        if samples.len() != self.weights.len() {
+            return Err(Error::config(
+                "samples",
+                format!("{} samples for {} paths", samples.len(), self.weights.len()),
+            ));
+        }
+        if let Some(bad) = samples
+            .iter()
+            .map(|s| s.busy_secs)
+            .find(|b| !b.is_finite() || *b < 0.0)
+        {
+            return Err(Error::config(
+                "samples",
+                format!("busy_secs {bad} is not a finite, non-negative time"),
+            ));
+        }
+        if !(step_secs.is_finite() && step_secs > 0.0) {
+            return Err(Error::config(
+                "step_secs",
+                format!("{step_secs} is not a positive time"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A move on trial, judged once `JUDGED_STEPS` steps after it are in.
+    fn judge(&mut self, trial: Trial) -> Verdict {
+        if self.judged.len() < JUDGED_STEPS {
+            self.trial = Some(trial);
+            return Verdict::Waiting;
+        }
+        let after = self.judged_secs();
+        if after > CHANGED_RATIO * trial.before_secs {
+            // Far slower than a move of a few percent can make it: a path changed under the move (or
+            // the move went far off). Back to the weights before it, and from there a new search at
+            // once, the way busy time points in the steps that showed the change.
+            self.restart_search();
+            self.weights = trial.before;
+            self.reference_secs = None;
+            return Verdict::PathsChanged;
+        }
+        if after > trial.before_secs {
+            self.undo(&trial);
+            return Verdict::Undone(trial.before);
+        }
+        // Kept: keep going that way, the step doubling, until a move makes the step slower.
+        for (i, d) in trial.directions.iter().enumerate() {
+            if *d != 0 {
+                self.last_direction[i] = *d;
+            }
+        }
+        let further = Move {
+            stage: Stage::Further,
+            ..trial.kind
+        };
+        self.next = Some((trial.directions, further));
+        Verdict::Kept
+    }
+
+    /// A move that made the steps slower than before it: smaller steps, and what to try next.
+    fn undo(&mut self, trial: &Trial) {
+        let mut smallest = true;
+        for (i, d) in trial.directions.iter().enumerate() {
+            if *d != 0 {
+                smallest &= self.steps[i] <= MIN_STEP;
+                self.steps[i] = halved(self.steps[i]);
+                self.last_direction[i] = 0;
+            }
+        }
+        match trial.kind.stage {
+            // The first move of a search: try the other way next.
+            Stage::First => {
+                let back = trial.directions.iter().map(|d| -d).collect();
+                let with_busy = !trial.kind.with_busy;
+                let stage = Stage::OtherWay;
+                self.next = Some((back, Move { stage, with_busy }));
+            }
+            // Both ways were slower: the split is as good as the step time can tell.
+            Stage::OtherWay if smallest => self.cooldown = COOLDOWN_STEPS,
+            // Too far, or both ways slower at a larger step: a new search from here.
+            Stage::OtherWay | Stage::Further => {}
+        }
     }
 
     /// Every path's step back to `CHANGED_STEP`, and the next search the way busy time points.

@@ -373,6 +373,8 @@ pub fn probe_path(
     Ok(probes.remove(0))
 }
 
+/// One path's probe: the sweep of settings, the best again with 4 KiB pages, and the sustained figures
+/// with the pages chosen.
 fn sweep(
     dir: &Path,
     probe_file: &ProbeFile,
@@ -380,6 +382,81 @@ fn sweep(
     buf: &mut AlignedBuf,
     progress: &mut dyn FnMut(&str),
 ) -> Result<PathProbe> {
+    let tier = &probe_file.tier;
+    let (samples, engine_kind) = sweep_settings(dir, probe_file, opts, buf, progress)?;
+    let (huge_read, best_read) = best_of(&samples, "read");
+    let (huge_write, best_write) = best_of(&samples, "write");
+    // The best settings again with 4 KiB pages, then the sustained figures with the pages that won.
+    let pages = compare_pages(
+        dir,
+        probe_file,
+        opts,
+        buf,
+        (best_read, huge_read),
+        (best_write, huge_write),
+    )?;
+    progress(&format!(
+        "{}: host buffers of 4 KiB pages: read {}, write {:.0} MiB/s; of huge pages ({} of {} MiB huge): read {}, write {:.0} MiB/s: {} pages chosen",
+        dir.display(),
+        describe(pages.rates.small_read_bytes_per_s, pages.small_read_device.as_ref()),
+        pages.rates.small_write_bytes_per_s / (1 << 20) as f64,
+        pages.huge_buffer.huge_bytes() >> 20,
+        pages.huge_buffer.bytes >> 20,
+        describe(pages.rates.huge_read_bytes_per_s, pages.huge_read_device.as_ref()),
+        pages.rates.huge_write_bytes_per_s / (1 << 20) as f64,
+        pages.chosen.name(),
+    ));
+    let mut small_buf;
+    let buf = if pages.chosen == Pages::Huge {
+        buf
+    } else {
+        small_buf = probe_buffer(opts, Pages::Small)?;
+        &mut small_buf
+    };
+    let mut sustained = Sustained {
+        dir,
+        probe_file,
+        opts,
+        pages: pages.chosen,
+        buf,
+        progress,
+    };
+    let (write_bps, write_device) = sustained.measure("write", best_write, Some(Op::Write))?;
+    let (read_bps, read_device) = sustained.measure("read", best_read, Some(Op::Read))?;
+    let (mixed, mixed_device) = sustained.measure("mixed read+write", best_read, None)?;
+    Ok(PathProbe {
+        path: dir.to_path_buf(),
+        read_bytes_per_s: read_bps,
+        write_bytes_per_s: write_bps,
+        mixed_bytes_per_s: mixed,
+        concurrent_bytes_per_s: None,
+        best_read,
+        best_write,
+        pages,
+        read_device,
+        write_device,
+        mixed_device,
+        engine: engine_kind,
+        direct_io: tier.direct_io,
+        device_id: tier.device_id.clone(),
+        device_name: tier.device_name.clone(),
+        fs_type: tier.fs_type.clone(),
+        mount_source: tier.mount_source.clone(),
+        locality: tier.locality,
+        samples,
+        sharing: None,
+    })
+}
+
+/// Every chunk size and depth of the options, a write then a read of the probe file at each: the
+/// samples, and the engine that ran them.
+fn sweep_settings(
+    dir: &Path,
+    probe_file: &ProbeFile,
+    opts: &ProbeOptions,
+    buf: &mut AlignedBuf,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<ProbeSample>, EngineKind)> {
     let (tier, file, bytes) = (&probe_file.tier, &probe_file.file, probe_file.bytes);
     let mut engine_kind = EngineKind::Threads;
     let mut samples = Vec::new();
@@ -415,113 +492,83 @@ fn sweep(
             }
         }
     }
-    let best = |op: &str| {
-        samples
-            .iter()
-            .filter(|s| s.op == op)
-            .max_by(|a, b| a.bytes_per_s.total_cmp(&b.bytes_per_s))
-            .map(|s| {
-                (
-                    s.bytes_per_s,
-                    PathLimits {
-                        chunk_size: s.chunk_size,
-                        max_inflight: s.max_inflight,
-                    },
-                )
+    Ok((samples, engine_kind))
+}
+
+/// The fastest sample of `op` ("read" or "write"): its rate and settings.
+fn best_of(samples: &[ProbeSample], op: &str) -> (f64, PathLimits) {
+    samples
+        .iter()
+        .filter(|s| s.op == op)
+        .max_by(|a, b| a.bytes_per_s.total_cmp(&b.bytes_per_s))
+        .map(|s| {
+            (
+                s.bytes_per_s,
+                PathLimits {
+                    chunk_size: s.chunk_size,
+                    max_inflight: s.max_inflight,
+                },
+            )
+        })
+        .expect("at least one sample per op")
+}
+
+/// The sustained figures of a path, at the best settings, over the whole working set, through host
+/// buffers of the pages chosen.
+struct Sustained<'a> {
+    dir: &'a Path,
+    probe_file: &'a ProbeFile,
+    opts: &'a ProbeOptions,
+    pages: Pages,
+    buf: &'a mut AlignedBuf,
+    progress: &'a mut dyn FnMut(&str),
+}
+
+impl Sustained<'_> {
+    /// One sustained figure at `limits`: of `op`, or with `None` of reads and writes mixed.
+    fn measure(
+        &mut self,
+        label: &str,
+        limits: PathLimits,
+        op: Option<Op>,
+    ) -> Result<(f64, Option<BlockActivity>)> {
+        let (dir, probe_file) = (self.dir, self.probe_file);
+        let (tier, file) = (&probe_file.tier, &probe_file.file);
+        let engine = open_engine(self.opts.engine, &dir.to_string_lossy(), limits, None)?;
+        let mut write_buf = AlignedBuf::with_pages(limits.chunk_size, false, self.pages)?;
+        write_buf.as_mut_slice().fill(0x5a);
+        let (total, align) = (probe_file.sustained_bytes, tier.alignment());
+        let buf = &mut *self.buf;
+        let (rate, device) = observe(&tier.device_id, || {
+            sustained(total, align, |offset, window| {
+                let start = Instant::now();
+                let moved = match op {
+                    Some(op) => {
+                        run(&*engine, op, file, buf, offset, window, tier.direct_io)?;
+                        window
+                    }
+                    None => mixed_pass(
+                        &*engine,
+                        probe_file,
+                        offset,
+                        window,
+                        buf,
+                        &mut write_buf,
+                        limits.chunk_size,
+                    )?,
+                };
+                Ok((moved, start.elapsed().as_secs_f64()))
             })
-            .expect("at least one sample per op")
-    };
-    let (huge_read, best_read) = best("read");
-    let (huge_write, best_write) = best("write");
-    // The best settings again with 4 KiB pages, then the sustained figures with the pages that won.
-    let pages = compare_pages(
-        dir,
-        probe_file,
-        opts,
-        buf,
-        (best_read, huge_read),
-        (best_write, huge_write),
-    )?;
-    progress(&format!(
-        "{}: host buffers of 4 KiB pages: read {}, write {:.0} MiB/s; of huge pages ({} of {} MiB huge): read {}, write {:.0} MiB/s: {} pages chosen",
-        dir.display(),
-        describe(pages.rates.small_read_bytes_per_s, pages.small_read_device.as_ref()),
-        pages.rates.small_write_bytes_per_s / (1 << 20) as f64,
-        pages.huge_buffer.huge_bytes() >> 20,
-        pages.huge_buffer.bytes >> 20,
-        describe(pages.rates.huge_read_bytes_per_s, pages.huge_read_device.as_ref()),
-        pages.rates.huge_write_bytes_per_s / (1 << 20) as f64,
-        pages.chosen.name(),
-    ));
-    let mut small_buf;
-    let buf = if pages.chosen == Pages::Huge {
-        buf
-    } else {
-        small_buf = probe_buffer(opts, Pages::Small)?;
-        &mut small_buf
-    };
-    // The sustained figures, at the best settings, over the whole working set.
-    let mut sustained_of =
-        |label: &str, limits: PathLimits, op: Option<Op>| -> Result<(f64, Option<BlockActivity>)> {
-            let engine = open_engine(opts.engine, &dir.to_string_lossy(), limits, None)?;
-            let mut write_buf = AlignedBuf::with_pages(limits.chunk_size, false, pages.chosen)?;
-            write_buf.as_mut_slice().fill(0x5a);
-            let (total, align) = (probe_file.sustained_bytes, tier.alignment());
-            let (rate, device) = observe(&tier.device_id, || {
-                sustained(total, align, |offset, window| {
-                    let start = Instant::now();
-                    let moved = match op {
-                        Some(op) => {
-                            run(&*engine, op, file, buf, offset, window, tier.direct_io)?;
-                            window
-                        }
-                        None => mixed_pass(
-                            &*engine,
-                            probe_file,
-                            offset,
-                            window,
-                            buf,
-                            &mut write_buf,
-                            limits.chunk_size,
-                        )?,
-                    };
-                    Ok((moved, start.elapsed().as_secs_f64()))
-                })
-            });
-            let rate = rate?;
-            progress(&format!(
-                "{}: {label}, sustained over {} MiB: {}",
-                dir.display(),
-                probe_file.sustained_bytes >> 20,
-                describe(rate, device.as_ref())
-            ));
-            Ok((rate, device))
-        };
-    let (write_bps, write_device) = sustained_of("write", best_write, Some(Op::Write))?;
-    let (read_bps, read_device) = sustained_of("read", best_read, Some(Op::Read))?;
-    let (mixed, mixed_device) = sustained_of("mixed read+write", best_read, None)?;
-    Ok(PathProbe {
-        path: dir.to_path_buf(),
-        read_bytes_per_s: read_bps,
-        write_bytes_per_s: write_bps,
-        mixed_bytes_per_s: mixed,
-        concurrent_bytes_per_s: None,
-        best_read,
-        best_write,
-        pages,
-        read_device,
-        write_device,
-        mixed_device,
-        engine: engine_kind,
-        direct_io: tier.direct_io,
-        device_id: tier.device_id.clone(),
-        device_name: tier.device_name.clone(),
-        fs_type: tier.fs_type.clone(),
-        mount_source: tier.mount_source.clone(),
-        locality: tier.locality,
-        samples,
-        sharing: None,
-    })
+        });
+        let rate = rate?;
+        (self.progress)(&format!(
+            "{}: {label}, sustained over {} MiB: {}",
+            dir.display(),
+            probe_file.sustained_bytes >> 20,
+            describe(rate, device.as_ref())
+        ));
+        Ok((rate, device))
+    }
 }
 
 /// Measures the best read and write settings again with a host buffer of 4 KiB pages, beside the sweep's

@@ -354,6 +354,8 @@ pub unsafe fn update_at(
     threads: usize,
     cuts: Cuts<'_>,
 ) -> Result<ChunkSums> {
+    // Longer than 80 lines for a reason: every address checked, naming its array, before any memory is
+    // touched, then one call per gradient element type, each written out in full by rustfmt.
     let (state, stored) = state;
     // Every array starts aligned for its elements where the state does for its widest
     // (`StateKinds::layout`).
@@ -484,6 +486,8 @@ unsafe fn update_with_params<G: Elem>(
     threads: usize,
     cuts: Cuts<'_>,
 ) -> Result<ChunkSums> {
+    // Longer than 80 lines for a reason: one call per parameter element type (and none), each written
+    // out in full by rustfmt, after the parameters' own checks.
     // SAFETY: the caller's promise for `params`.
     unsafe {
         match params {

@@ -43,6 +43,7 @@ mod lock;
 mod manifest;
 mod read_write;
 mod slots;
+
 #[cfg(test)]
 mod tests;
 
@@ -474,50 +475,14 @@ impl ObjectStore {
         let _submitting = entry.submit_lock.lock().expect("submit lock");
         // Never read an object before its last write has completed.
         wait_for(&entry, |op| op == Op::Write);
-        let (slot, stripes, checksums, strides) = {
-            let record = entry.record.lock().expect("record lock");
-            if record.size != len as u64 {
-                return Err(Error::config(
-                    "buffer",
-                    format!(
-                        "object {key:?} has {} bytes but the buffer has {len}",
-                        record.size
-                    ),
-                ));
-            }
-            let Some(slot) = record.active else {
-                return Err(Error::Corrupt {
-                    key: key.to_string(),
-                    path: self.object_path(record.layouts[0].first().map_or(0, |s| s.path), key),
-                    reason: "it has no complete contents (never written, or its last write failed)"
-                        .into(),
-                });
-            };
-            (
-                slot,
-                record.layouts[slot as usize].clone(),
-                record.checksums[slot as usize].clone(),
-                record.slot_strides.clone(),
-            )
-        };
+        let ActiveVersion {
+            slot,
+            stripes,
+            checksums,
+            strides,
+        } = self.active_version(key, &entry, len)?;
         let files = entry.stripe_files(&stripes);
-        for (stripe, file) in stripes.iter().zip(&files) {
-            let needed = u64::from(slot) * strides[stripe.path] + stripe.len;
-            let have = file
-                .primary()
-                .metadata()
-                .map_err(|e| Error::io("stat", &file.path, e))?
-                .len();
-            if have < needed {
-                return Err(Error::Corrupt {
-                    key: key.to_string(),
-                    path: file.path.clone(),
-                    reason: format!(
-                        "the file is truncated: {have} bytes, at least {needed} expected"
-                    ),
-                });
-            }
-        }
+        self.check_not_truncated(key, &stripes, &files, slot, &strides)?;
         let completion = Completion::new();
         completion.keep_alive(keepalive);
         let verify = verify && self.config.checksum && checksums.iter().any(Option::is_some);
@@ -525,29 +490,8 @@ impl ObjectStore {
             self.submit_stripes(Op::Read, &entry, &stripes, slot, buf, &completion);
         } else {
             let sums = PieceSums::new(ranges_of(&stripes));
-            {
-                let (key, sums) = (key.to_string(), sums.clone());
-                let paths: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
-                completion.set_finisher(move |result| {
-                    result?;
-                    let actual = sums.range_sums();
-                    for ((actual, expected), path) in actual.iter().zip(&checksums).zip(&paths) {
-                        match expected {
-                            Some(expected) if expected != actual => {
-                                return Err(Error::Corrupt {
-                                    key: key.clone(),
-                                    path: path.clone(),
-                                    reason: format!(
-                                        "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
-                                    ),
-                                })
-                            }
-                            _ => {}
-                        }
-                    }
-                    Ok(())
-                });
-            }
+            let paths = files.iter().map(|f| f.path.clone()).collect();
+            completion.set_finisher(checksums_checked(key, sums.clone(), checksums, paths));
             // The transfers report to a completion of their own. When they are done, the pieces are
             // hashed on the checksum threads as parts of the caller's, which waits for them: the path's
             // I/O thread goes back to its queue at once.
@@ -573,6 +517,65 @@ impl ObjectStore {
             .push((Op::Read, completion.clone()));
         completion.seal();
         Ok(completion)
+    }
+
+    /// The object's current version: its slot, stripes, their checksums and the slots' strides. An
+    /// error naming the buffer where its size is not the object's, or the object where it has no
+    /// complete version.
+    fn active_version(&self, key: &str, entry: &ObjectEntry, len: usize) -> Result<ActiveVersion> {
+        let record = entry.record.lock().expect("record lock");
+        if record.size != len as u64 {
+            return Err(Error::config(
+                "buffer",
+                format!(
+                    "object {key:?} has {} bytes but the buffer has {len}",
+                    record.size
+                ),
+            ));
+        }
+        let Some(slot) = record.active else {
+            return Err(Error::Corrupt {
+                key: key.to_string(),
+                path: self.object_path(record.layouts[0].first().map_or(0, |s| s.path), key),
+                reason: "it has no complete contents (never written, or its last write failed)"
+                    .into(),
+            });
+        };
+        Ok(ActiveVersion {
+            slot,
+            stripes: record.layouts[slot as usize].clone(),
+            checksums: record.checksums[slot as usize].clone(),
+            strides: record.slot_strides.clone(),
+        })
+    }
+
+    /// Each stripe's file long enough to hold the stripe in `slot`; else an error naming the file.
+    fn check_not_truncated(
+        &self,
+        key: &str,
+        stripes: &[Stripe],
+        files: &[Arc<IoFile>],
+        slot: u8,
+        strides: &[u64],
+    ) -> Result<()> {
+        for (stripe, file) in stripes.iter().zip(files) {
+            let needed = u64::from(slot) * strides[stripe.path] + stripe.len;
+            let have = file
+                .primary()
+                .metadata()
+                .map_err(|e| Error::io("stat", &file.path, e))?
+                .len();
+            if have < needed {
+                return Err(Error::Corrupt {
+                    key: key.to_string(),
+                    path: file.path.clone(),
+                    reason: format!(
+                        "the file is truncated: {have} bytes, at least {needed} expected"
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Removes an object and its files, after its in-flight operations finish. The manifest forgets it
@@ -760,5 +763,43 @@ fn warn_about_shared_devices(tiers: &[TierInfo]) {
                 );
             }
         }
+    }
+}
+
+/// An object's current version, as a read takes it (`ObjectStore::active_version`).
+struct ActiveVersion {
+    slot: u8,
+    stripes: Vec<Stripe>,
+    checksums: Vec<Option<u32>>,
+    strides: Vec<u64>,
+}
+
+/// A verifying read's finisher: once its transfers and hashing are done, each stripe's sum against
+/// the stored one (a stripe stored without one is not checked); a mismatch names the stripe's file.
+fn checksums_checked(
+    key: &str,
+    sums: Arc<PieceSums>,
+    checksums: Vec<Option<u32>>,
+    paths: Vec<PathBuf>,
+) -> impl FnOnce(Result<()>) -> Result<()> + Send + 'static {
+    let key = key.to_string();
+    move |result| {
+        result?;
+        let actual = sums.range_sums();
+        for ((actual, expected), path) in actual.iter().zip(&checksums).zip(&paths) {
+            match expected {
+                Some(expected) if expected != actual => {
+                    return Err(Error::Corrupt {
+                        key: key.clone(),
+                        path: path.clone(),
+                        reason: format!(
+                            "checksum mismatch: stored crc32c {expected:#010x}, read {actual:#010x}"
+                        ),
+                    })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }
