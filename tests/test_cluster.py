@@ -38,6 +38,13 @@ if why := cluster_unavailable():
 pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("two nodes"), pytest.mark.timeout(900)]
 
 RANKS = 4
+# Converts checkpoint folders to universal ones in one process: argv[1] is tests/support, then pairs of
+# (checkpoint folder, universal folder).
+CONVERT_PAIRS = (
+    "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+    "from deepspeed_runs import convert_to_universal; "
+    "[convert_to_universal(Path(a), Path(b)) for a, b in zip(sys.argv[2::2], sys.argv[3::2])]"
+)
 
 
 @pytest.fixture
@@ -253,10 +260,13 @@ def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volum
     # on 2 nodes of 1 rank each: ours from ours', stock from stock's.
     universal = {**case, "steps": 6, "resume_at": 3, "ds_options": {"checkpoint.load_universal": True}}
     universal.pop("save_at")
+    # Both in one process on node 0 (one DeepSpeed import in its namespace), as `convert_to_universal`
+    # runs the converter.
+    folders = [
+        f"{cluster.shared}/{kind}-{name}/ckpt" for name in ("stock", "ours") for kind in ("ckpt", "universal")
+    ]
+    cluster.run(0, [sys.executable, "-c", CONVERT_PAIRS, str(HARNESS.parent), *folders])
     for name, ours in (("stock", False), ("ours", True)):
-        converter = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--num_extract_workers"]
-        converter += ["1", "--num_merge_workers", "1", "--input_folder", f"{cluster.shared}/ckpt-{name}/ckpt"]
-        cluster.run(0, [*converter, "--output_folder", f"{cluster.shared}/universal-{name}/ckpt"])
         full = {**universal, "checkpoint_dir": str(cluster.shared / f"universal-{name}")}
         if ours:
             full["mlp_offload"] = section(cluster, "universal")

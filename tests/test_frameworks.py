@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from deepspeed_runs import HarnessRun, assert_bit_equal, free_port, harness_env, run_harness
+from deepspeed_runs import (
+    HarnessRun,
+    assert_bit_equal,
+    convert_to_universal,
+    free_port,
+    harness_env,
+    run_harness,
+)
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
@@ -33,9 +40,10 @@ def train(
     tmp_path: Path,
     name: str,
     variant: dict[str, Any] | None = None,
+    ranks: int = 1,
 ) -> dict[str, Any]:
-    """One run of `frameworks_harness.py`, a process of its own (forked from the harness server, which
-    has imported the frameworks once, on the CPU)."""
+    """One run of `frameworks_harness.py`, a process of its own per rank (forked from the harness server,
+    which has imported the frameworks once, on the CPU); rank 0's result."""
     spec = tmp_path / f"{name}.json"
     spec.write_text(
         json.dumps(
@@ -46,17 +54,25 @@ def train(
             }
         )
     )
-    run = HarnessRun(
-        spec,
-        tmp_path / f"{name}.pt",
-        tmp_path / f"{name}.log",
-        harness_env(MASTER_PORT=str(free_port())),
-        harness="frameworks_harness",
-        cwd=tmp_path,
-    )
-    exits = run_harness([run], timeout=600)
-    assert exits == [0], f"{name}: exit {exits[0]}\n{run.log.read_text()[-8000:]}"
-    result: dict[str, Any] = torch.load(run.out, weights_only=False)
+    # One node: the local world is the world, as torchrun says.
+    env = harness_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+    if ranks > 1:
+        env["OMP_NUM_THREADS"] = str(max(1, 2 // ranks))
+    runs = [
+        HarnessRun(
+            spec,
+            tmp_path / f"{name}.rank{rank}.pt",
+            tmp_path / f"{name}.rank{rank}.log",
+            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            harness="frameworks_harness",
+            cwd=tmp_path,
+        )
+        for rank in range(ranks)
+    ]
+    exits = run_harness(runs, timeout=600)
+    for run, code in zip(runs, exits, strict=True):
+        assert code == 0, f"{name}: exit {code}\n{run.log.read_text()[-8000:]}"
+    result: dict[str, Any] = torch.load(runs[0].out, weights_only=False)
     return result
 
 
@@ -94,6 +110,27 @@ def test_the_trainer_resumes_its_checkpoint_in_a_new_process_as_stock_does(
         )
     assert resumed["ours"]["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
     assert len(resumed["ours"]["losses"]) == 8
+    assert_bit_equal(resumed["ours"], resumed["stock"])
+
+
+def test_the_trainer_resumes_on_another_number_of_ranks_as_stock_does(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """The Trainer on 2 ranks saves its checkpoints every 3 of 6 steps. The user converts the first with
+    DeepSpeed's converter (`ds_to_universal`, into `global_step3_universal` beside it), sets
+    `checkpoint.load_universal` in the config and resumes on 1 rank from the same folder
+    (`resume_from_checkpoint`): bit for bit what stock's resume the same way from its own gives."""
+    resumed = {}
+    for name, paths in (("stock", None), ("ours", probed_paths(1))):
+        job: dict[str, Any] = {"steps": 6, "save_steps": 3, "output_dir": f"{name}-output"}
+        train("trainer", paths, tmp_path, f"{name}-saves", job, ranks=2)
+        saved = tmp_path / f"{name}-output" / "checkpoint-3"
+        assert (saved / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").exists()
+        convert_to_universal(saved / "global_step3", saved / "global_step3_universal")
+        universal = {"resume_from": "checkpoint-3", "config": {"checkpoint": {"load_universal": True}}}
+        resumed[name] = train("trainer", paths, tmp_path, f"{name}-resumed", {**job, **universal})
+    assert resumed["ours"]["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
+    assert len(resumed["ours"]["losses"]) == 6
     assert_bit_equal(resumed["ours"], resumed["stock"])
 
 

@@ -74,8 +74,10 @@ def save(engine: Any, losses: list[float], out: str) -> None:
 
 
 def with_variant(config: dict[str, Any], paths: list[str] | None, variant: dict[str, Any]) -> None:
-    """Our section where `paths` are given, and the variant's keys (the spec's `variant`) in `config`."""
+    """Our section where `paths` are given, and the variant's keys (the spec's `variant`) in `config`:
+    `zero` into its ZeRO section, `config` at its top (as `checkpoint.load_universal`)."""
     config["zero_optimization"].update(variant.get("zero", {}))
+    config.update(variant.get("config", {}))
     if paths is not None:
         # The README's section (the paths alone) with the variant's keys.
         config["mlp_offload"] = {"paths": paths, **variant.get("section", {})}
