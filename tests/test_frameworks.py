@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from deepspeed_runs import (
-    HarnessRun,
     assert_bit_equal,
     convert_to_universal,
     free_port,
-    harness_env,
+    rank_runs,
     run_harness,
 )
 
@@ -54,21 +53,9 @@ def train(
             }
         )
     )
-    # One node: the local world is the world, as torchrun says.
-    env = harness_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
-    if ranks > 1:
-        env["OMP_NUM_THREADS"] = str(max(1, 2 // ranks))
-    runs = [
-        HarnessRun(
-            spec,
-            tmp_path / f"{name}.rank{rank}.pt",
-            tmp_path / f"{name}.rank{rank}.log",
-            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            harness="frameworks_harness",
-            cwd=tmp_path,
-        )
-        for rank in range(ranks)
-    ]
+    runs = rank_runs(
+        spec, tmp_path, name, ranks, harness="frameworks_harness", cwd=tmp_path, MASTER_PORT=str(free_port())
+    )
     exits = run_harness(runs, timeout=600)
     for run, code in zip(runs, exits, strict=True):
         assert code == 0, f"{name}: exit {code}\n{run.log.read_text()[-8000:]}"

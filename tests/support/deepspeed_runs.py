@@ -387,21 +387,7 @@ def run_case(
     case = {**case, "port": free_port()}
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps(case))
-    # The machine's cores shared among the ranks.
-    # One node: the local world is the world, as torchrun and DeepSpeed's launcher say.
-    env = harness_env(
-        OMP_NUM_THREADS=str(max(1, 2 // ranks)), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks)
-    )
-    runs = [
-        HarnessRun(
-            spec,
-            tmp_path / f"{name}.rank{rank}.pt",
-            tmp_path / f"{name}.rank{rank}.log",
-            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            cgroup,
-        )
-        for rank in range(ranks)
-    ]
+    runs = rank_runs(spec, tmp_path, name, ranks, cgroup=cgroup)
     exits = run_harness(runs)
     if any(code != 0 for code in exits):
         raise AssertionError(failed_runs(name, runs, exits))
@@ -415,6 +401,39 @@ def run_case(
     if ranks > 1:
         results[0]["ranks"] = results
     return results[0]
+
+
+def rank_runs(
+    spec: Path,
+    tmp_path: Path,
+    name: str,
+    ranks: int,
+    cgroup: Path | None = None,
+    harness: str = "zero3_harness",
+    cwd: Path | None = None,
+    **env_overrides: str,
+) -> list[HarnessRun]:
+    """One `HarnessRun` of `spec` per rank of one node, its result and log in `tmp_path` under `name`:
+    the machine's cores shared among the ranks, and the local world the world, as torchrun and
+    DeepSpeed's launcher say; `env_overrides` on top."""
+    env = harness_env(
+        OMP_NUM_THREADS=str(max(1, 2 // ranks)),
+        WORLD_SIZE=str(ranks),
+        LOCAL_WORLD_SIZE=str(ranks),
+        **env_overrides,
+    )
+    return [
+        HarnessRun(
+            spec,
+            tmp_path / f"{name}.rank{rank}.pt",
+            tmp_path / f"{name}.rank{rank}.log",
+            {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cgroup,
+            harness,
+            cwd,
+        )
+        for rank in range(ranks)
+    ]
 
 
 def section(paths: list[Path], **extra: Any) -> dict[str, Any]:
