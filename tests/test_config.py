@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mlp_offload.common.config import from_ds_config, migrate_nvme_offload
+from mlp_offload.common import config_reference
+from mlp_offload.common.config import MLPOffloadConfig, from_ds_config, migrate_nvme_offload
 
 NVME = {
     "device": "nvme",
@@ -101,3 +103,21 @@ def test_path_locality_is_per_path() -> None:
     section = {"paths": ["/a", "/b"], "path_locality": ["node-local", "shared"]}
     parsed = from_ds_config({"mlp_offload": section})
     assert parsed is not None and parsed.path_locality == ["node-local", "shared"]
+
+
+def test_the_config_page_is_the_code() -> None:
+    """docs/config.md is what `MLPOffloadConfig` says: every key, its type, default and docstring."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert page.read_text() == config_reference.markdown(), (
+        "docs/config.md differs from MLPOffloadConfig: "
+        "`python -m mlp_offload.common.config_reference > docs/config.md`"
+    )
+
+
+def test_every_key_has_one_line_and_a_type() -> None:
+    """Each key's docstring opens with its one line, and its type reads as words (none is left as
+    Python's own repr)."""
+    docs = config_reference.field_docs()
+    for name, info in MLPOffloadConfig.model_fields.items():
+        assert docs[name].split("\n\n", 1)[0].endswith("."), name
+        assert "typing" not in config_reference.field_type_words(info), name

@@ -36,11 +36,15 @@ class MLPOffloadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     paths: list[str] = Field(min_length=1)
-    """Storage directories, any number (node-local NVMe, a parallel file system...). Each rank uses its
-    own `rank<N>` subdirectory in each."""
+    """Storage directories for the optimizer state, any number.
+
+    Node-local NVMe, a parallel file system, ...: every path at once. Each rank uses its own `rank<N>`
+    subdirectory in each."""
 
     host_memory: Size | Literal["auto", "deepspeed"] = "auto"
-    """Host memory for the optimizer state: one pool of chunk buffers (the cache and the stream) plus one
+    """Host memory for the state's chunk buffers (the cache and the stream) and one chunk's fp32 gradient.
+
+    Host memory for the optimizer state: one pool of chunk buffers (the cache and the stream) plus one
     chunk's fp32 gradient, in bytes or as `"16G"`. `"auto"`: what this rank can spare (the memory available
     at start-up, cgroup limits included, less a margin of 15% of RAM or at least 2 GiB, divided among the
     node's local ranks), never less than `"deepspeed"` and never more than the whole state needs.
@@ -48,34 +52,46 @@ class MLPOffloadConfig(BaseModel):
     largest subgroup x 4 bytes (for comparisons at equal memory)."""
 
     weights: list[float] | Literal["auto", "equal"] = "auto"
-    """How each subgroup's state is split across `paths`. `"auto"`: the performance model's split from
+    """How each subgroup's state is split across `paths`.
+
+    How each subgroup's state is split across `paths`. `"auto"`: the performance model's split from
     the saved probe profile of these paths (probed at start-up when there is none or it is stale);
     `"equal"`: the same share everywhere; or one weight per path."""
 
     path_locality: list[Literal["node-local", "shared"]] | Literal["auto"] = "auto"
-    """Per path, whether only this node reaches it (`"node-local"`) or every node of the job mounts the
+    """Per path, whether only this node reaches it or every node of the job mounts it.
+
+    Per path, whether only this node reaches it (`"node-local"`) or every node of the job mounts the
     same directory (`"shared"`). With `weights: "auto"`, a job of several nodes measures each shared
     path's bandwidth from all its nodes at once at start-up (once; the profile keeps it), and plans each
     node with its part. `"auto"`: from the file system's type: network and parallel file systems
     (Lustre, GPFS, BeeGFS, NFS, CephFS, GlusterFS, ...) are shared, the rest node-local."""
 
     adapt: bool = True
-    """After every step, move share from the busiest path to the idler ones; a move is kept only if the
+    """Move share between paths after every step, keeping a move only if the updates after it were no slower.
+
+    After every step, move share from the busiest path to the idler ones; a move is kept only if the
     two updates after it were no slower than the two before (`WeightTuner`, docs/model.md)."""
 
     cache_chunks: int | Literal["auto"] = "auto"
-    """Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`:
+    """Chunks kept in host memory across steps (each skips a read and a write a step).
+
+    Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`:
     every buffer `host_memory` holds, the stream's included (a step then reads and writes only what
     does not fit); a number: that many, the other buffers written back at the end of every step."""
 
     update_chunk: Size | Literal["auto"] = "auto"
-    """Bytes of state (the master weights and both Adam moments: 12 bytes per element in fp32, 10 or 6
+    """Bytes of state per chunk: the unit of the streaming update's I/O, memory and compute.
+
+    Bytes of state (the master weights and both Adam moments: 12 bytes per element in fp32, 10 or 6
     with DeepSpeed's state in half precision) per chunk, the unit of the streaming update's I/O, memory
     and compute. `"auto"`: up to 48 MiB, smaller when `host_memory` would otherwise hold fewer than 24
     chunks."""
 
     host_pages: Literal["auto", "huge", "small"] = "auto"
-    """The pages of the host buffers (the cache and the stream). Huge (2 MiB) pages reach a device in
+    """The pages of the host buffers: huge (2 MiB) or 4 KiB.
+
+    The pages of the host buffers (the cache and the stream). Huge (2 MiB) pages reach a device in
     whole requests, where 4 KiB pages scattered in RAM split each request into many small ones.
     `"huge"`: huge pages the machine reserved (`MAP_HUGETLB`) where enough are free, else transparent
     ones; memory too fragmented for them leaves part in 4 KiB pages, as the start-up line reports.
@@ -83,7 +99,9 @@ class MLPOffloadConfig(BaseModel):
     some path; huge without a profile); `"small"`: 4 KiB pages."""
 
     update_kernel: Literal["auto", "fused", "deepspeed"] = "auto"
-    """How each chunk is updated. `"fused"`: one pass over its memory in the Rust core (the gradient's
+    """How each chunk is updated: one fused pass in the Rust core, or DeepSpeed's own passes.
+
+    How each chunk is updated. `"fused"`: one pass over its memory in the Rust core (the gradient's
     widening and unscaling, DeepSpeed's CPU Adam, the half-precision copy), bit for bit what DeepSpeed's
     passes give; checked at start-up against DeepSpeed's own kernel on this CPU, and refused, naming what
     differed, if it does not agree. `"auto"`: the fused pass where it agrees, else DeepSpeed's passes,
@@ -93,7 +111,9 @@ class MLPOffloadConfig(BaseModel):
     such a config is refused at start."""
 
     update_threads: Annotated[int, Field(ge=1, strict=True)] | Literal["auto"] = "auto"
-    """Threads of the fused pass (`update_kernel`), each over its own range of a chunk. `"auto"`: torch's
+    """Threads of the fused pass, each over its own range of a chunk.
+
+    Threads of the fused pass (`update_kernel`), each over its own range of a chunk. `"auto"`: torch's
     intra-op threads (`torch.get_num_threads()`), as DeepSpeed's CPU Adam takes OpenMP's. Under torchrun
     with several ranks a node that is 1 unless `OMP_NUM_THREADS` is set. With the parameters on an
     accelerator the host's cores are idle while the update runs behind the forward, and the update runs
@@ -102,7 +122,9 @@ class MLPOffloadConfig(BaseModel):
     threads beside the caller's (`mlp-update-N`) start at the first pass and stay, idle between passes."""
 
     overlap: bool | Literal["auto"] = "auto"
-    """Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
+    """Run the update behind the next forward: `step()` returns once the step's outcome is decided.
+
+    Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
     clipping) is decided, and each parameter's fetch in the next forward waits for its own subgroup only;
     whatever else reads parameters, state or gradients (the next backward and step, checkpoints, the
     `safe_get/set` helpers, `destroy`) waits for the whole update. Every step then goes in the order the
@@ -113,33 +135,15 @@ class MLPOffloadConfig(BaseModel):
     turns it on). The start-up line says which, and why."""
 
     overlap_backward: bool | Literal["auto"] = "auto"
-    """Update chunks during backward (at an accumulation boundary): each once its gradients are final, at the
-    step's outcome expected (no overflow, the gradients unclipped, the hyperparameters as backward began), a
-    streamed chunk's new version written beside the old one on disk. `step()` keeps those versions when the
-    outcome is that one, and otherwise forgets them and restores the parameters, then updates as without it;
-    so is anything that reads parameters or state in between (an eval forward, a checkpoint). Bit for bit
-    the same as without it, on the CPU and on a GPU (where the pass writes the half-precision parameters
-    through a host scratch). It needs the fused pass; the cached chunks are the first ones (as with
-    `overlap`), updated in `step()`. Where every chunk stays in host memory, the chunks updated during
-    backward are cached ones, each updated in its buffer while the pass copies its state before into a kept
-    copy in host memory (one more write of the state, no more reads), which an undo copies back: as many
-    kept copies as `host_memory` leaves room for beyond the state (with `"auto"`, what this rank can spare),
-    made the first time the plan wants them and given back when it wants fewer; `"auto"` does this only with
-    the parameters on an accelerator (on the CPU backward's compute runs on the cores the update would). A
-    streamed chunk updated during backward needs a second slot on disk for its new version: every chunk has
-    one with `shadow_slots: true`; otherwise the chunk gets its own the first time, and keeps it (its
-    state's bytes again). It needs the steps in chunk order, whose cache is the first chunks and leaves the
-    stream its buffers: with the whole pool as cache that is up to 12 chunks fewer cached, each read and
-    written every step. On a GPU a backward is short (0.2 s at 1B on an H100, against a 4.8 s streamed
-    update). `"auto"`: the plan goes to chunk order only where what could run during the last backward
-    outweighs that I/O (from when each chunk's gradient was final, and the update's predicted, else
-    measured, time per chunk; at once where the cache loses nothing); then after each boundary it takes the
-    chunks whose update could begin before backward ends, and gives the streamed ones second slots while
-    every path keeps a tenth of its file system free. None at the first boundary, whose gradients' times it
-    waits for. `true`: chunk order and every streamed chunk (every chunk, where all are cached), their
-    second slots made at start-up. After a step whose gradients were clipped it is not tried (it would be
-    undone) until a step whose gradients were not; it stops as soon as the gradients' norm so far proves the
-    step clipped or not finite. Each step's record says what it did, and why."""
+    """Update chunks during backward as their gradients become final; `step()` keeps or undoes them.
+
+    At an accumulation boundary each chunk is updated once its gradients are final, at the step's outcome
+    expected then (no overflow, the gradients unclipped, the hyperparameters as backward began); `step()`
+    keeps the new versions where the outcome is that one, else forgets them and updates as without it, and
+    so does anything that reads parameters or state in between. Bit for bit the same as without it. It
+    needs the fused pass and the steps in chunk order. `"auto"`: where the plan finds that the update
+    could run during backward, of the chunks whose update could begin before backward ends; `true`: every
+    chunk it may take. Each step's record says what it did, and why (docs/design/overlap-backward.md)."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
@@ -148,11 +152,15 @@ class MLPOffloadConfig(BaseModel):
     """Bytes per I/O request (4M by default)."""
 
     max_inflight: int | None = Field(default=None, ge=1)
-    """Requests in flight per path, for this rank. By default the count at which the probe moved the most
+    """Requests in flight per path, for this rank.
+
+    Requests in flight per path, for this rank. By default the count at which the probe moved the most
     with the store's requests (reads and writes together; the largest over the paths), else 8."""
 
     device_inflight: int | Literal["auto", "off"] = "auto"
-    """Requests in flight on each path's device for the whole node, all its ranks together (node-wide
+    """Requests in flight on each path's device for the whole node, all its ranks together.
+
+    Requests in flight on each path's device for the whole node, all its ranks together (node-wide
     admission): every rank takes one of them for each request it submits and gives it back when the
     request completes, waiting its turn in the kernel when none is free; a rank that dies gives back
     what it held at once. `"auto"`: on when the node runs more than one rank and the probe found the
@@ -162,7 +170,9 @@ class MLPOffloadConfig(BaseModel):
     `max_inflight` alone."""
 
     device_sharing: Literal["auto", "shared", "turns"] = "auto"
-    """How the node's ranks share a device under `device_inflight`. `"shared"`: each takes one request
+    """How the node's ranks share a device under `device_inflight`: interleaved, or by turns.
+
+    How the node's ranks share a device under `device_inflight`. `"shared"`: each takes one request
     at a time, so their requests interleave; `"turns"`: a rank takes the whole limit for a turn (256 MiB
     of requests, or until it has nothing more to do), then the next in the kernel's queue. `"auto"`:
     what the probe measured faster for the device with this many ranks at once (`"shared"` unless
@@ -172,7 +182,9 @@ class MLPOffloadConfig(BaseModel):
     """A CRC32C of every stripe, checked on every read."""
 
     shadow_slots: bool = False
-    """Two slots per chunk on disk, so a failed write leaves the previous state readable, at twice the
+    """Two slots per chunk on disk, so a failed write leaves the previous state readable.
+
+    Two slots per chunk on disk, so a failed write leaves the previous state readable, at twice the
     disk space. Off by default: one copy, as DeepSpeed keeps, but for the chunks `overlap_backward`
     updates during backward, which get a second one for their staged versions; checkpoints protect the
     state, and checksums make a torn write an error, never wrong numbers."""
