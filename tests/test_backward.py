@@ -20,7 +20,7 @@ from deepspeed_runs import (
     section,
     stock_side,
 )
-from mlp_offload.engine import planning
+from mlp_offload.engine import planning, telemetry
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -158,6 +158,8 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     assert start["overlap_backward"]["on"], start["overlap_backward"]
     records = [r for r in ours["telemetry"] if r["event"] in ("step", "skipped")]
     assert len(records) == 6
+    # Every record, and each one it holds, has the keys `engine.telemetry` documents.
+    assert [m for r in ours["telemetry"] for m in telemetry.mismatches(r)] == []
     check_chunk_counts(start, [r for r in records if r["event"] == "step"])
     what, _, at = outcome.partition(" at ")
     streamed = start["chunks"] - start["cached_chunks"]

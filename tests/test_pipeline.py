@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from mlp_offload.engine.overlap import UpdateInFlight, update_thread
 from mlp_offload.engine.pipeline import ChunkPipeline, KeptCopy, next_order
 from mlp_offload.engine.planning import StepParts, StepTimes, UpdatePlanner
 from mlp_offload.engine.state import ChunkedState
+from mlp_offload.engine.telemetry import BackwardStep, GradsFinal
 
 
 class Bumps:
@@ -511,10 +512,11 @@ def test_the_plan_predicts_what_the_update_during_backward_leaves_after_it(tmp_p
     planner._pipeline = stream  # type: ignore[assignment]
     # Chunks 1, 2, 3 stream, final 2, 1 and 0 s before a 2 s backward's end; 1 s each of a 3 s update:
     # chunks 1 and 2 run during backward, chunk 3 after it.
-    grads = {"backward_secs": 2.0, "lead_secs": [0.0, 2.0, 1.0, 0.0]}
+    grads: GradsFinal = {"backward_secs": 2.0, "lead_secs": [0.0, 2.0, 1.0, 0.0]}
     assert planner._left_after_backward(3.0, grads) == pytest.approx(1.0)
     # Gradients final only at backward's end: the whole update is left.
-    assert planner._left_after_backward(3.0, {"backward_secs": 2.0, "lead_secs": [0.0] * 4}) == 3.0
+    at_the_end: GradsFinal = {"backward_secs": 2.0, "lead_secs": [0.0] * 4}
+    assert planner._left_after_backward(3.0, at_the_end) == 3.0
     # A chunk took 2 s during the recent backwards (the median of their measures): chunk 1 runs from 0
     # to 2 s, chunk 2 begins at backward's end. 1 s of the update (chunk 1's, inside step()) is not left.
     for secs in (2.0, 2.0, 0.1):
@@ -894,7 +896,9 @@ def test_the_adam_time_per_chunk_counts_only_the_chunks_updated_inside_step(work
             planner = UpdatePlanner(MLPOffloadConfig(paths=[str(work_dirs[0])]), rank=0)
             planner.profile, planner._pipeline = fast_profile(work_dirs[:1]), pipeline
             stats = pipeline.run_step(lambda i, view: None, drain=False)
-            overlap_backward = {"chunks": kept_chunks, "kept": True} if kept_chunks else None
+            # Only the keys the prediction reads.
+            kept = cast(BackwardStep, {"chunks": kept_chunks, "kept": True})
+            overlap_backward = kept if kept_chunks else None
             times = StepTimes(stats.seconds, 0.01, 0.0, compute_secs)
             planner.after_step(store, stats, times, StepParts(overlap_backward=overlap_backward))
             predictions.append(planner.prediction)

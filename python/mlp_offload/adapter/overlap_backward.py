@@ -34,6 +34,7 @@ from deepspeed.accelerator import get_accelerator
 
 from mlp_offload.engine.pipeline import KeptCopy, StepStats
 from mlp_offload.engine.planning import chunks_backward_may_take, secs_per_chunk_in_backward
+from mlp_offload.engine.telemetry import BackwardStep, GradsFinal
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -106,7 +107,7 @@ class BoundaryEnd:
     why the update during backward was not tried."""
 
     leads: list[float]
-    record: dict[str, Any]
+    record: GradsFinal
     changed: bool
     skipped: str | None
 
@@ -118,7 +119,7 @@ class Settled:
     update leaves out."""
 
     stats: StepStats | None
-    record: dict[str, Any] | None
+    record: BackwardStep | None
     committed: set[int]
     # Whether it is on and none began at this boundary (nor was undone before step()): the second slots
     # long unused go back after the step's update too (`ChunkedState.give_back_idle_slots`).
@@ -137,7 +138,7 @@ class OverlapBackward:
         self.begun = False
         self.current: BackwardUpdate | None = None
         # What a reader that undid it before step() left for step()'s record.
-        self.abandoned: dict[str, Any] | None = None
+        self.abandoned: BackwardStep | None = None
         # Whether the last step's gradients were scaled by 1/loss_scale alone (not clipped): it assumes
         # so, and is not tried after a step that was clipped (it would be undone as long as clipping goes
         # on); an unclipped step turns it back on.
@@ -386,14 +387,17 @@ class OverlapBackward:
         self.last_boundary_backward = max(0.0, backward_end - backward_start)
         if self.on and not opt._mlp_state.pipeline.ascending:
             opt._mlp_planner.weigh_chunk_order(leads, self.last_boundary_backward)
-        record = {"backward_secs": self.last_boundary_backward, "lead_secs": [round(t, 3) for t in leads]}
+        record: GradsFinal = {
+            "backward_secs": self.last_boundary_backward,
+            "lead_secs": [round(t, 3) for t in leads],
+        }
         skipped, self.skipped = self.skipped, None
         changed = bool(grads.changed)
         if run is None:
             grads.reset()
         return BoundaryEnd(leads, record, changed, skipped)
 
-    def skipped_step(self, run: BackwardUpdate | None) -> dict[str, Any] | None:
+    def skipped_step(self, run: BackwardUpdate | None) -> BackwardStep | None:
         """An fp16 overflow skips the update: what the update during backward changed is undone. Its
         record."""
         record, self.abandoned = self.abandoned, None
@@ -464,7 +468,7 @@ class OverlapBackward:
 
     def finish(
         self, run: BackwardUpdate, keep: bool, why: str, redo: bool = False
-    ) -> tuple[StepStats, dict[str, Any]]:
+    ) -> tuple[StepStats, BackwardStep]:
         """Ends the update: waits for it (stopped first unless `keep`), and keeps its versions (`keep`) or
         forgets them and restores the parameters and Adam steps it changed (`redo`: all but the
         parameters, which the update that follows at once writes again). Returns its figures and its
@@ -502,7 +506,7 @@ class OverlapBackward:
             adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
             adam["step"] = opt._mlp_step_value(run.snapshot.steps[i])
 
-    def record(self, run: BackwardUpdate | None, in_backward: int, kept: bool, why: str) -> dict[str, Any]:
+    def record(self, run: BackwardUpdate | None, in_backward: int, kept: bool, why: str) -> BackwardStep:
         """The step record's account of the update during backward (`run`; None: not tried)."""
         state = self.optimizer._mlp_state
         pipeline = state.pipeline

@@ -15,6 +15,7 @@ from mlp_offload.adapter import stale_gradients
 from mlp_offload.adapter.overlap_backward import Settled, StepSnapshot
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
+from mlp_offload.engine.telemetry import OverlapStep
 
 if TYPE_CHECKING:
     from mlp_offload.adapter.zero3 import MLPOffloadStage3
@@ -141,7 +142,7 @@ class StepUpdate:
         """The step's record (`UpdatePlanner.after_step`), once its update ended; `waited_secs`: with the
         update behind `step()`, how long the next forward waited for subgroups."""
         opt = self.optimizer
-        overlap = None
+        overlap: OverlapStep | None = None
         if waited_secs is not None:
             returned = self.returned if self.returned is not None else time.perf_counter()
             overlap = {"step_returned_secs": returned - self.start, "forward_waited_secs": waited_secs}

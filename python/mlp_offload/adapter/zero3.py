@@ -75,6 +75,7 @@ from mlp_offload.engine.planning import (
 )
 from mlp_offload.engine.state import FP32, ChunkedState
 from mlp_offload.engine.store import ObjectStore
+from mlp_offload.engine.telemetry import StaleStep, StartRecord
 
 log = logging.getLogger("mlp_offload")
 
@@ -521,7 +522,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pipeline = self._mlp_state.pipeline
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         pages, pages_source, page_report = host_pages
-        record = {
+        record: StartRecord = {
             "event": "start",
             "rank": self._mlp_rank,
             "paths": config.paths,
@@ -535,7 +536,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             "buffer_bytes": buffer_bytes,
             "cached_chunks": pipeline.cache_slots,
             # The pages asked for, why, and how the kernel backed the buffers.
-            "host_pages": {"pages": pages, "source": pages_source, **page_report},
+            "host_pages": {
+                "pages": pages,
+                "source": pages_source,
+                "bytes": page_report["bytes"],
+                "reserved_huge_bytes": page_report["reserved_huge_bytes"],
+                "transparent_huge_bytes": page_report["transparent_huge_bytes"],
+            },
             # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
             "update_kernel": fused_update.kernel_record(self._mlp_fused, self._mlp_dtypes, whys["kernel"]),
             # Whether the update runs behind the next forward, and why.
@@ -847,7 +854,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_last_step_end = time.perf_counter()
         self._mlp_fp32_grads.clear()
 
-    def _mlp_take_stale(self, step_factor: float) -> tuple[stale_gradients.StaleRanges, dict[str, int]]:
+    def _mlp_take_stale(self, step_factor: float) -> tuple[stale_gradients.StaleRanges, StaleStep]:
         """The parameters this boundary gave no gradient, updated with their last one as DeepSpeed's
         buffer holds it (the update during backward left their chunks to this step); this step's factor
         is the one `unscale_and_clip_grads` applies. After the update during backward has ended: it reads
@@ -855,7 +862,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         stale_ranges = self._mlp_stale.taken(
             step_factor, self._mlp_param_ranges, self._mlp_chunk_update.param_half_grad
         )
-        record = {
+        record: StaleStep = {
             "params": sum(len(ranges) for ranges in stale_ranges.values()),
             # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
             "kept_bytes": self._mlp_stale.kept_bytes(),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mlp_offload import _core
+from mlp_offload.engine.telemetry import UpdateKernel
 
 log = logging.getLogger("mlp_offload")
 
@@ -557,14 +558,18 @@ def choose_update_kernel(
     return fused, why
 
 
-def kernel_record(fused: FusedAdam | None, dtypes: StateDtypes, why: str) -> dict[str, Any]:
+def kernel_record(fused: FusedAdam | None, dtypes: StateDtypes, why: str) -> UpdateKernel:
     """The start record's account of the update's kernel (the fused pass or DeepSpeed's), and why."""
-    record: dict[str, Any] = {
+    record: UpdateKernel = {
         "kernel": "deepspeed" if fused is None else "fused",
         "why": why,
         "state_dtypes": {"master": DTYPES[dtypes.master], "moments": DTYPES[dtypes.moments]},
     }
     if fused is not None:
         # `update_threads`: by default torch's intra-op threads, as DeepSpeed's CPU Adam takes OpenMP's.
-        record.update(simd=fused.kernel.simd, arith=fused.kernel.arith, threads=fused.threads)
+        record["simd"], record["arith"], record["threads"] = (
+            fused.kernel.simd,
+            fused.kernel.arith,
+            fused.threads,
+        )
     return record

@@ -22,6 +22,16 @@ from mlp_offload.common.config import MLPOffloadConfig
 from mlp_offload.engine import memory, profiles
 from mlp_offload.engine.pipeline import ChunkPipeline, StepStats
 from mlp_offload.engine.store import ObjectStore
+from mlp_offload.engine.telemetry import (
+    BackwardStep,
+    GradsFinal,
+    OverlapStep,
+    PathStep,
+    SkippedRecord,
+    StaleStep,
+    StartRecord,
+    StepRecord,
+)
 
 log = logging.getLogger("mlp_offload")
 
@@ -261,16 +271,16 @@ class StepParts:
     `stale`, the parameters this boundary gave no gradient, updated with an earlier one
     (`mlp_offload.adapter.stale_gradients`)."""
 
-    overlap: dict[str, float] | None = None
-    grads_final: dict[str, Any] | None = None
-    overlap_backward: dict[str, Any] | None = None
-    stale: dict[str, int] | None = None
+    overlap: OverlapStep | None = None
+    grads_final: GradsFinal | None = None
+    overlap_backward: BackwardStep | None = None
+    stale: StaleStep | None = None
 
 
-def start_line(record: dict[str, Any]) -> str:
+def start_line(record: StartRecord) -> str:
     """The start-up line of a start record (`MLPOffloadStage3`'s, the telemetry's first)."""
     pages = record["host_pages"]
-    page_report = {k: v for k, v in pages.items() if k not in ("pages", "source")}
+    page_report = {k: pages[k] for k in ("bytes", "reserved_huge_bytes", "transparent_huge_bytes")}
     described_pages = memory.describe_pages(pages["pages"], pages["source"], page_report)
     grad_mib = memory.GRAD_BYTES * record["chunk_elements"] / 2**20
     kernel = record["update_kernel"]
@@ -340,8 +350,9 @@ class UpdatePlanner:
         """The telemetry records in memory: the start, then the newest `RECORDS_KEPT` others."""
         return [*self._start, *self._recent]
 
-    def emit(self, record: dict[str, Any]) -> None:
-        (self._start if record.get("event") == "start" else self._recent).append(record)
+    def emit(self, record: StartRecord | StepRecord | SkippedRecord) -> None:
+        """Keeps the record and writes its JSON line (`engine.telemetry` has the records' keys)."""
+        (self._start if record["event"] == "start" else self._recent).append(dict(record))
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
@@ -509,40 +520,39 @@ class UpdatePlanner:
         predicted, predicted_after_backward = self.prediction, self.prediction_after_backward
         self._predict(stats, times, parts)
         fwd_bwd = times.fwd_bwd_secs
-        self.emit(
-            {
-                "event": "step",
-                "rank": self.rank,
-                "step": stats.step,
-                "update_secs": times.update_secs,
-                "pipeline_secs": stats.seconds,
-                "read_wait_secs": stats.read_wait_seconds,
-                "write_wait_secs": stats.write_wait_seconds,
-                "reads": stats.reads,
-                "reads_dropped": stats.reads_dropped,
-                "writes": stats.writes,
-                "cached": stats.cached,
-                "retained": stats.retained,
-                # The chunks the pipeline keeps in host memory across steps now (chunk order keeps fewer).
-                "cached_chunks": self._pipeline.cache_slots if self._pipeline is not None else None,
-                "paths": self._path_records(store, stats),
-                "weights_next": moved,
-                "compute_secs": times.compute_secs,
-                # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
-                "forward_secs": fwd_bwd - times.backward_secs if fwd_bwd is not None else None,
-                "backward_secs": times.backward_secs,
-                "fwd_bwd_secs": fwd_bwd,
-                # Made before this step, from the steps before it (the start-up plan's for the first two).
-                "predicted_update_secs": predicted,
-                # With the update during backward on: what it leaves after backward, made before this step
-                # (a step that does not try it, or undoes it, runs the whole update in step()).
-                "predicted_after_backward_secs": predicted_after_backward,
-                "overlap": parts.overlap,
-                "grads_final": parts.grads_final,
-                "overlap_backward": parts.overlap_backward,
-                "stale": parts.stale,
-            }
-        )
+        record: StepRecord = {
+            "event": "step",
+            "rank": self.rank,
+            "step": stats.step,
+            "update_secs": times.update_secs,
+            "pipeline_secs": stats.seconds,
+            "read_wait_secs": stats.read_wait_seconds,
+            "write_wait_secs": stats.write_wait_seconds,
+            "reads": stats.reads,
+            "reads_dropped": stats.reads_dropped,
+            "writes": stats.writes,
+            "cached": stats.cached,
+            "retained": stats.retained,
+            # The chunks the pipeline keeps in host memory across steps now (chunk order keeps fewer).
+            "cached_chunks": self._pipeline.cache_slots if self._pipeline is not None else None,
+            "paths": self._path_records(store, stats),
+            "weights_next": moved,
+            "compute_secs": times.compute_secs,
+            # Since the last step ended: forward (and whatever else ran) and backward, every micro-batch.
+            "forward_secs": fwd_bwd - times.backward_secs if fwd_bwd is not None else None,
+            "backward_secs": times.backward_secs,
+            "fwd_bwd_secs": fwd_bwd,
+            # Made before this step, from the steps before it (the start-up plan's for the first two).
+            "predicted_update_secs": predicted,
+            # With the update during backward on: what it leaves after backward, made before this step
+            # (a step that does not try it, or undoes it, runs the whole update in step()).
+            "predicted_after_backward_secs": predicted_after_backward,
+            "overlap": parts.overlap,
+            "grads_final": parts.grads_final,
+            "overlap_backward": parts.overlap_backward,
+            "stale": parts.stale,
+        }
+        self.emit(record)
 
     def _predict(self, stats: StepStats, times: StepTimes, parts: StepParts) -> None:
         """The next step's prediction, from what the last steps measured: forward and backward (which
@@ -586,16 +596,16 @@ class UpdatePlanner:
                 self.prediction, parts.grads_final, adam_secs_per_chunk
             )
 
-    def _path_records(self, store: ObjectStore, stats: StepStats) -> list[dict[str, Any]]:
+    def _path_records(self, store: ObjectStore, stats: StepStats) -> list[PathStep]:
         """The step record's figures per path."""
-        records = []
+        records: list[PathStep] = []
         for path, p, report in zip(self.config.paths, stats.per_path, store.path_reports(), strict=True):
             moved_bytes = p["read_bytes"] + p["write_bytes"]
             records.append(
                 {
                     "path": path,
-                    "read_bytes": p["read_bytes"],
-                    "write_bytes": p["write_bytes"],
+                    "read_bytes": int(p["read_bytes"]),
+                    "write_bytes": int(p["write_bytes"]),
                     "busy_secs": p["busy_secs"],
                     "bytes_per_s": moved_bytes / stats.seconds if stats.seconds > 0 else 0.0,
                     # This rank's most requests in flight on the path so far; with node-wide admission,
@@ -671,7 +681,7 @@ class UpdatePlanner:
         return statistics.median(self._backward_chunks) if self._backward_chunks else None
 
     def _left_after_backward(
-        self, update_secs: float, grads_final: dict[str, Any], adam_secs_per_chunk: float = 0.0
+        self, update_secs: float, grads_final: GradsFinal, adam_secs_per_chunk: float = 0.0
     ) -> float:
         """Of an update predicted to take `update_secs` inside `step()`, what the update during backward
         leaves after backward: the cached chunks' compute (`adam_secs_per_chunk` each) and the streamed

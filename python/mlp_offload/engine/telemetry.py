@@ -1,0 +1,300 @@
+"""The telemetry's records: what `optimizer.mlp_offload_telemetry` holds and `telemetry_file` has one JSON
+line each of. The start record comes first, then one step record per step (a skipped step's instead of it
+where an fp16 overflow skipped the update). Each key's type and one line are here; `docs/telemetry.md` is
+generated from them (`python -m mlp_offload.engine.telemetry > docs/telemetry.md`) and
+`tests/test_telemetry.py` checks the page and that a run's records have these keys."""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Annotated, Any, Literal, TypedDict, Union, get_args, get_origin, get_type_hints
+
+
+class HostPages(TypedDict):
+    """The host buffers' pages: asked for, why, and how the kernel backed them."""
+
+    pages: Annotated[str, "The pages asked for: `huge` or `small`."]
+    source: Annotated[str, "Why: the config, or what the probe measured."]
+    bytes: Annotated[int, "The buffers' bytes."]
+    reserved_huge_bytes: Annotated[int, "Of them, in huge pages the machine reserved (`MAP_HUGETLB`)."]
+    transparent_huge_bytes: Annotated[int, "Of them, in transparent huge pages."]
+
+
+class UpdateKernel(TypedDict, total=False):
+    """Which update runs per chunk, and why."""
+
+    kernel: Annotated[str, "`fused` (one pass in the Rust core) or `deepspeed` (DeepSpeed's passes)."]
+    why: Annotated[str, "Why, in words."]
+    state_dtypes: Annotated[
+        dict[str, str], "The master weights' and the moments' dtypes (`master`, `moments`)."
+    ]
+    simd: Annotated[str, "The fused pass's SIMD path (fused only)."]
+    arith: Annotated[dict[str, Any], "DeepSpeed's build's arithmetic the pass reproduces (fused only)."]
+    threads: Annotated[int, "The fused pass's threads, `update_threads` (fused only)."]
+
+
+class OnAndWhy(TypedDict):
+    """Whether a feature is on, and why."""
+
+    on: Annotated[bool, "Whether it is on."]
+    why: Annotated[str, "Why, in words."]
+
+
+class BackwardAtStart(TypedDict):
+    """Whether chunks are updated during backward (`overlap_backward`), and why."""
+
+    on: Annotated[bool, "Whether it is on."]
+    why: Annotated[str, "Why, in words."]
+    slotted_chunks: Annotated[int, "Chunks with a second slot on disk."]
+    slot_bytes: Annotated[int, "The bytes the slots added for it took."]
+    kept_copies_limit: Annotated[int, "The most kept copies in host memory for cached chunks."]
+
+
+class InflightCount(TypedDict):
+    """This rank's requests in flight per path, and why."""
+
+    count: Annotated[int, "Requests in flight per path."]
+    source: Annotated[str, "Why: the config, or the probe."]
+
+
+class StartRecord(TypedDict):
+    """The first record: the budget, the chunks, the kernel, the overlaps and the plan."""
+
+    event: Annotated[Literal["start"], "`start`."]
+    rank: Annotated[int, "The rank."]
+    paths: Annotated[list[str], "The storage paths."]
+    subgroups: Annotated[int, "DeepSpeed's subgroups on this rank."]
+    largest_subgroup_elements: Annotated[int, "The largest subgroup's elements."]
+    chunks: Annotated[int, "The chunks the subgroups are cut into."]
+    chunk_elements: Annotated[int, "A chunk's most elements."]
+    host_memory: Annotated[int, "The state's host memory, in bytes."]
+    host_memory_source: Annotated[str, "How it was chosen (`host_memory`)."]
+    buffers: Annotated[int, "Chunk buffers in the pool (the cache and the stream)."]
+    buffer_bytes: Annotated[int, "A chunk buffer's bytes."]
+    cached_chunks: Annotated[int, "Chunks kept in host memory across steps."]
+    host_pages: Annotated[HostPages, "The host buffers' pages."]
+    update_kernel: Annotated[UpdateKernel, "Which update runs per chunk, and why."]
+    overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
+    overlap_backward: Annotated[BackwardAtStart, "Whether chunks are updated during backward, and why."]
+    weights: Annotated[list[float], "Each path's share of every chunk."]
+    max_inflight: Annotated[InflightCount, "This rank's requests in flight per path, and why."]
+    device_inflight: Annotated[list[int | None], "Per path, the node-wide limit on its device (null: none)."]
+    device_sharing: Annotated[list[str], "Per path, how the node's ranks share its device."]
+    rank_share: Annotated[list[float] | None, "Per path, this rank's part of its device's probed bandwidth."]
+    nodes: Annotated[int, "The job's nodes."]
+    locality: Annotated[list[str] | None, "Per path, `node-local` or `shared`."]
+    node_share: Annotated[list[float] | None, "Per path, this node's part of a shared path's bandwidth."]
+    plan: Annotated[
+        dict[str, Any] | None, "The performance model's plan (docs/model.md); null without a profile."
+    ]
+
+
+class PathStep(TypedDict):
+    """One path's figures in a step."""
+
+    path: Annotated[str, "The path."]
+    read_bytes: Annotated[int, "Bytes read since the last step ended."]
+    write_bytes: Annotated[int, "Bytes written since the last step ended."]
+    busy_secs: Annotated[float, "Seconds with a request in flight."]
+    bytes_per_s: Annotated[float, "Bytes moved over the step's pipeline seconds."]
+    inflight_max: Annotated[int, "This rank's most requests in flight on the path so far."]
+    device_inflight: Annotated[int | None, "The device's node-wide limit (null: no admission)."]
+    node_inflight_max: Annotated[
+        int | None, "The most requests in flight on the device, all ranks, seen so far."
+    ]
+
+
+class OverlapStep(TypedDict):
+    """With the update behind `step()`: when `step()` returned and how long the next forward waited."""
+
+    step_returned_secs: Annotated[float, "Seconds from `step()`'s start to its return."]
+    forward_waited_secs: Annotated[float, "Seconds the next forward waited for subgroups."]
+
+
+class GradsFinal(TypedDict):
+    """When each chunk's gradient was final."""
+
+    backward_secs: Annotated[float, "The boundary's backward's seconds."]
+    lead_secs: Annotated[list[float], "Per chunk, how long before backward's end its gradient was final."]
+
+
+class BackwardStep(TypedDict):
+    """What the update during backward did at this boundary (`overlap_backward`)."""
+
+    chunks: Annotated[int, "Chunks it took."]
+    in_backward: Annotated[int, "Of them, those whose update ended before backward did."]
+    chunk_secs: Annotated[float | None, "What a chunk took during backward, measured (null: too few)."]
+    kept: Annotated[bool, "Whether `step()` kept its versions."]
+    figures: Annotated[
+        dict[str, int] | None, "Its part of the step's reads, reads_dropped, cached, retained, writes."
+    ]
+    why: Annotated[str, "Why it was kept, undone or not tried."]
+    secs: Annotated[float, "Seconds from its start to its end."]
+    planned: Annotated[int, "Chunks the plan chose."]
+    slotted: Annotated[int, "Of them, those with a second slot to stage into."]
+    stopped: Annotated[str | None, "Why it stopped before every chunk was taken (null: it did not)."]
+    slotted_chunks: Annotated[int, "Chunks with a second slot on disk."]
+    slot_bytes: Annotated[int, "The bytes the slots added took."]
+    slots_short: Annotated[str | None, "Why adding slots stopped short (null: it did not)."]
+    slots_given_back: Annotated[int, "Slots given back after the plan stopped choosing them."]
+    slot_bytes_given_back: Annotated[int, "Their bytes."]
+    kept_copies: Annotated[int, "Kept copies in host memory (cached chunks' states before)."]
+    kept_bytes: Annotated[int, "Their bytes."]
+    kept_short: Annotated[str | None, "Why making kept copies stopped short (null: it did not)."]
+    chunk_order: Annotated[bool, "Whether the steps go in chunk order, which it needs."]
+    chunk_order_why: Annotated[str, "What the plan found of chunk order."]
+
+
+class StaleStep(TypedDict):
+    """The parameters this boundary gave no gradient, updated with an earlier one as stock updates them."""
+
+    params: Annotated[int, "Parameters updated with an earlier gradient."]
+    kept_bytes: Annotated[int, "The bytes of those kept in fp32, outside `host_memory`."]
+    diverged: Annotated[
+        int, "Parameters whose gradients came in earlier micro-steps only (a warning names them)."
+    ]
+
+
+class StepRecord(TypedDict):
+    """One per step, once its update ended."""
+
+    event: Annotated[Literal["step"], "`step`."]
+    rank: Annotated[int, "The rank."]
+    step: Annotated[int, "The step."]
+    update_secs: Annotated[float, "The update's seconds, inside `step()` or behind it."]
+    pipeline_secs: Annotated[float, "The chunk loop's seconds."]
+    read_wait_secs: Annotated[float, "Seconds the loop waited for reads."]
+    write_wait_secs: Annotated[float, "Seconds the loop waited for writes."]
+    reads: Annotated[int, "Chunks read."]
+    reads_dropped: Annotated[int, "Reads ahead of a part that ended before their chunks, read again."]
+    writes: Annotated[int, "Chunks written."]
+    cached: Annotated[int, "Chunks updated in the cache."]
+    retained: Annotated[int, "Chunks updated in the buffer their last write left."]
+    cached_chunks: Annotated[int | None, "Chunks the pipeline keeps in host memory across steps now."]
+    paths: Annotated[list[PathStep], "Per path, its figures."]
+    weights_next: Annotated[list[float] | None, "The tuner's next weights (null: no move)."]
+    compute_secs: Annotated[float, "The update's compute: Adam and the gradient conversion, every chunk."]
+    forward_secs: Annotated[float | None, "Since the last step ended, less backward (null at the first)."]
+    backward_secs: Annotated[float, "Backward's seconds, every micro-batch."]
+    fwd_bwd_secs: Annotated[float | None, "Since the last step ended (null at the first)."]
+    predicted_update_secs: Annotated[float | None, "The update's time, predicted before this step."]
+    predicted_after_backward_secs: Annotated[
+        float | None, "With `overlap_backward`: what it leaves after backward, predicted before this step."
+    ]
+    overlap: Annotated[OverlapStep | None, "With the update behind `step()`: when it returned, and the wait."]
+    grads_final: Annotated[GradsFinal | None, "When each chunk's gradient was final."]
+    overlap_backward: Annotated[
+        BackwardStep | None, "The update during backward (null: off, or nothing to say)."
+    ]
+    stale: Annotated[StaleStep | None, "The parameters updated with an earlier gradient."]
+
+
+class SkippedRecord(TypedDict):
+    """In place of a step record where an fp16 overflow skipped the update."""
+
+    event: Annotated[Literal["skipped"], "`skipped`."]
+    rank: Annotated[int, "The rank."]
+    loss_scale: Annotated[float, "The loss scale after the overflow."]
+    overlap_backward: Annotated[BackwardStep | None, "The update during backward, undone."]
+
+
+RECORDS: tuple[type, ...] = (StartRecord, StepRecord, SkippedRecord)
+
+
+def keys_of(record_type: type) -> dict[str, tuple[Any, str]]:
+    """Each key of a record type: its type and its one line."""
+    hints = get_type_hints(record_type, include_extras=True)
+    return {name: get_args(hint)[:2] for name, hint in hints.items()}
+
+
+def type_words(hint: Any) -> str:
+    """A key's type as the JSON holds it."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " \\| ".join(type_words(a) for a in args)
+    if origin is Literal:
+        return " \\| ".join(f"`{json.dumps(a)}`" for a in args)
+    if origin is list:
+        item = type_words(args[0])
+        return f"list of ({item})" if "|" in item else f"list of {item}"
+    if origin is dict:
+        return f"object of {type_words(args[1])}"
+    if hint is type(None):
+        return "`null`"
+    if isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__annotations__"):
+        return f"[{hint.__name__}](#{hint.__name__.lower()})"
+    return {bool: "bool", int: "int", float: "float", str: "string", Any: "any"}.get(hint, str(hint))
+
+
+def _nested(record_type: type, seen: list[type]) -> None:
+    for hint, _ in keys_of(record_type).values():
+        for t in (hint, *get_args(hint), *(a for g in get_args(hint) for a in get_args(g))):
+            if isinstance(t, type) and hasattr(t, "__total__") and t not in seen:
+                seen.append(t)
+                _nested(t, seen)
+
+
+def _record_type(hint: Any) -> type | None:
+    """The record type a key's type holds (itself, or within `| None`), if it holds one."""
+    for t in (hint, *get_args(hint)):
+        if isinstance(t, type) and hasattr(t, "__total__"):
+            return t
+    return None
+
+
+def mismatches(record: dict[str, Any], record_type: type | None = None, where: str = "") -> list[str]:
+    """Where `record` (and the records it holds) has keys its type does not, or lacks required ones."""
+    if record_type is None:
+        by_event = {get_args(keys_of(r)["event"][0])[0]: r for r in RECORDS}
+        record_type = by_event.get(record.get("event"))
+        if record_type is None:
+            return [f"{where}event {record.get('event')!r}: no such record"]
+    keys = keys_of(record_type)
+    required = getattr(record_type, "__required_keys__", frozenset(keys))
+    found = [f"{where}{k}: not in {record_type.__name__}" for k in record if k not in keys]
+    found += [f"{where}{k}: missing" for k in keys if k in required and k not in record]
+    for name, (hint, _) in keys.items():
+        value, inner = record.get(name), get_args(hint)
+        nested = _record_type(hint)
+        if nested is not None and isinstance(value, dict):
+            found += mismatches(value, nested, f"{where}{name}.")
+        elif inner and get_origin(hint) is list and (item := _record_type(inner[0])) and value:
+            for i, v in enumerate(value):
+                found += mismatches(v, item, f"{where}{name}[{i}].")
+    return found
+
+
+def markdown() -> str:
+    """`docs/telemetry.md`: one table per record, then one per record they hold."""
+    seen: list[type] = list(RECORDS)
+    for record_type in RECORDS:
+        _nested(record_type, seen)
+    lines = [
+        "# Telemetry",
+        "",
+        "Generated from `mlp_offload/engine/telemetry.py` (`python -m mlp_offload.engine.telemetry > "
+        "docs/telemetry.md`); `tests/test_telemetry.py` checks this page and a run's records against it.",
+        "`optimizer.mlp_offload_telemetry` holds the records, and `telemetry_file` has one JSON line "
+        "each: the start record first, then one step record per step (a skipped record where an fp16 "
+        "overflow skipped the update). A step's record comes once its update ends: "
+        "`optimizer.mlp_offload_wait()` waits for it.",
+    ]
+    for record_type in seen:
+        doc = (record_type.__doc__ or "").strip()
+        lines += [
+            "",
+            f"## {record_type.__name__}",
+            "",
+            doc,
+            "",
+            "| key | type | what it is |",
+            "|---|---|---|",
+        ]
+        for name, (hint, line) in keys_of(record_type).items():
+            lines.append(f"| `{name}` | {type_words(hint)} | {line} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
