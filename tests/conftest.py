@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # OpenMP's waiting threads sleep at once (libgomp spins first by default). Two pytest workers on two cores
 # each run torch and DeepSpeed's CPU Adam on two OpenMP threads: spinning, the waiting threads took the
-# cores from the working ones (docs/testing.md, "OpenMP's threads wait passively").
+# cores from the working ones (docs/history/testing.md, "OpenMP's threads wait passively").
 # Set before torch loads libgomp, which reads it once; every run and harness server started from here
 # inherits it. The threads, and what each computes, are the same either way.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
