@@ -9,9 +9,8 @@ import ast
 import inspect
 import json
 import textwrap
-import types
 import typing
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 from annotated_types import Ge, Gt, MinLen
 from pydantic import BeforeValidator
@@ -20,6 +19,7 @@ from pydantic_core import PydanticUndefined
 
 from mlp_offload.common import config as config_module
 from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.common.type_words import type_words
 
 # Pages that explain a key at length, where one is written.
 DESIGN_PAGES = {"overlap_backward": "design/overlap-backward.md"}
@@ -43,34 +43,23 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-def type_words(annotation: Any) -> str:
-    """A field's type as the section's JSON holds it: `size` (bytes, or a string such as `"16G"`),
-    `int`, the literal strings, lists."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        if any(isinstance(m, BeforeValidator) and m.func is config_module._size for m in args[1:]):
-            return "size"
-        bounds = [m for m in args[1:] if isinstance(m, FieldInfo)]
-        words = type_words(args[0])
-        for info in bounds:
-            words += "".join(_bound_words(m) for m in info.metadata)
-        return words
-    if origin in (Union, types.UnionType):
-        return " \\| ".join(type_words(a) for a in args)
-    if origin is Literal:
-        return " \\| ".join(f"`{json.dumps(a)}`" for a in args)
-    if origin is list:
-        item = type_words(args[0])
-        return f"list of ({item})" if "|" in item else f"list of {item}"
-    if annotation is type(None):
-        return "`null`"
-    return {bool: "bool", int: "int", float: "float", str: "string"}.get(annotation, str(annotation))
+def _config_words(annotation: Any) -> str | None:
+    """The config's own types: `size` (bytes, or a string such as `"16G"`), and a bounded `int`."""
+    if get_origin(annotation) is not Annotated:
+        return None
+    args = get_args(annotation)
+    if any(isinstance(m, BeforeValidator) and m.func is config_module._size for m in args[1:]):
+        return "size"
+    words = type_words(args[0], _config_words)
+    for info in (m for m in args[1:] if isinstance(m, FieldInfo)):
+        words += "".join(_bound_words(m) for m in info.metadata)
+    return words
 
 
 def field_type_words(info: FieldInfo) -> str:
     """A field's type with its bounds (`Field(ge=...)`), which bound its value where it is not null."""
     bounds = "".join(_bound_words(m) for m in info.metadata)
-    words = type_words(info.annotation)
+    words = type_words(info.annotation, _config_words)
     if bounds and words.endswith(" \\| `null`"):
         return words.removesuffix(" \\| `null`") + bounds + " \\| `null`"
     return words + bounds

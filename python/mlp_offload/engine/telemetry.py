@@ -6,9 +6,9 @@ generated from them (`python -m mlp_offload.engine.telemetry > docs/telemetry.md
 
 from __future__ import annotations
 
-import json
-import types
-from typing import Annotated, Any, Literal, TypedDict, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, TypedDict, get_args, get_origin, get_type_hints
+
+from mlp_offload.common.type_words import type_words
 
 
 class HostPages(TypedDict):
@@ -208,23 +208,11 @@ def keys_of(record_type: type) -> dict[str, tuple[Any, str]]:
     return {name: get_args(hint)[:2] for name, hint in hints.items()}
 
 
-def type_words(hint: Any) -> str:
-    """A key's type as the JSON holds it."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        return " \\| ".join(type_words(a) for a in args)
-    if origin is Literal:
-        return " \\| ".join(f"`{json.dumps(a)}`" for a in args)
-    if origin is list:
-        item = type_words(args[0])
-        return f"list of ({item})" if "|" in item else f"list of {item}"
-    if origin is dict:
-        return f"object of {type_words(args[1])}"
-    if hint is type(None):
-        return "`null`"
-    if isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__annotations__"):
+def _record_words(hint: Any) -> str | None:
+    """A record held in another, as a link to its table."""
+    if isinstance(hint, type) and hasattr(hint, "__total__"):
         return f"[{hint.__name__}](#{hint.__name__.lower()})"
-    return {bool: "bool", int: "int", float: "float", str: "string", Any: "any"}.get(hint, str(hint))
+    return None
 
 
 def _nested(record_type: type, seen: list[type]) -> None:
@@ -292,7 +280,7 @@ def markdown() -> str:
             "|---|---|---|",
         ]
         for name, (hint, line) in keys_of(record_type).items():
-            lines.append(f"| `{name}` | {type_words(hint)} | {line} |")
+            lines.append(f"| `{name}` | {type_words(hint, _record_words)} | {line} |")
     return "\n".join(lines) + "\n"
 
 
