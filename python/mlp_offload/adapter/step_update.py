@@ -3,6 +3,7 @@ operations, chunk by chunk, through the pipeline; inside `step()`, or behind it 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ class StepUpdate:
     before this update and the param groups as the step saw them; `grad_scale`: what the fused pass
     multiplies every gradient by (DeepSpeed's passes compute it themselves from `scaled_norm`);
     `settled`: the update during backward, whose kept chunks are done; `stale_ranges`: the step's
-    gradients from earlier boundaries; `record`: the step record's parts known before the update."""
+    gradients from earlier boundaries; `fwd_bwd_secs`, `backward_secs` and `parts`: the step record's
+    times and parts known before the update (`finish` adds its own)."""
 
     optimizer: MLPOffloadStage3
     start: float
@@ -36,7 +38,9 @@ class StepUpdate:
     scaled_norm: Any
     settled: Settled
     stale_ranges: stale_gradients.StaleRanges
-    record: dict[str, Any]
+    fwd_bwd_secs: float | None
+    backward_secs: float
+    parts: StepParts
     # Per subgroup, its chunks still to update (its parameters are whole again after the last).
     remaining: list[int] = field(init=False)
     compute_secs: float = 0.0
@@ -149,9 +153,7 @@ class StepUpdate:
         opt._mlp_planner.after_step(
             opt._mlp_store,
             stats,
-            StepTimes(
-                self.end - self.start, self.record["fwd_bwd"], self.record["backward_secs"], self.compute_secs
-            ),
-            StepParts(overlap, self.record["grads_final"], self.settled.record, self.record["stale"]),
+            StepTimes(self.end - self.start, self.fwd_bwd_secs, self.backward_secs, self.compute_secs),
+            dataclasses.replace(self.parts, overlap=overlap),
         )
         opt._mlp_fp32_grads.clear()

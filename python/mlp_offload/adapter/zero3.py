@@ -66,6 +66,7 @@ from mlp_offload.engine import fused_update, memory, overlap
 from mlp_offload.engine.overlap import UpdateInFlight, update_thread
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import (
+    StepParts,
     UpdatePlanner,
     cache_chunks,
     host_memory_budget,
@@ -522,6 +523,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         pipeline = self._mlp_state.pipeline
         c, buffer_bytes = layout.elements, layout.buffer_bytes
         pages, pages_source, page_report = host_pages
+        reports = self._mlp_store.path_reports()
         record: StartRecord = {
             "event": "start",
             "rank": self._mlp_rank,
@@ -561,8 +563,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # This rank's requests in flight per path, and why.
             "max_inflight": {"count": self._mlp_inflight_count[0], "source": self._mlp_inflight_count[1]},
             # Per path, the node-wide limit of requests in flight on its device (None: no admission).
-            "device_inflight": [r["device_inflight"] for r in self._mlp_store.path_reports()],
-            "device_sharing": [r["device_sharing"] for r in self._mlp_store.path_reports()],
+            "device_inflight": [r["device_inflight"] for r in reports],
+            "device_sharing": [r["device_sharing"] for r in reports],
             # Per path, this rank's part of its device's probed bandwidth, which the plan takes.
             "rank_share": self._mlp_planner.rank_share,
             # The job's nodes, each path's locality, and this node's part of a shared path among them.
@@ -802,12 +804,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             scaled_global_grad_norm,
             settled,
             stale_ranges,
-            {
-                "fwd_bwd": fwd_bwd,
-                "backward_secs": backward_secs,
-                "grads_final": boundary.record,
-                "stale": stale_record,
-            },
+            fwd_bwd,
+            backward_secs,
+            StepParts(grads_final=boundary.record, overlap_backward=settled.record, stale=stale_record),
         )
         if self._mlp_overlap:
             steps = snapshot.steps

@@ -460,9 +460,7 @@ class ChunkPipeline:
             # The last step's final writes come last in chunk order: their buffers serve the stream now.
             for i in [i for i in retained if i not in keep]:
                 buffer, handle = retained.pop(i)
-                t = time.perf_counter()
-                handle.wait()
-                stats.write_wait_seconds += time.perf_counter() - t
+                stats.write_wait_seconds += _waited(handle)
                 self._free.append(buffer)
         loop = _StepLoop(self, update, checksums_in_update, staged, order, keep, retained, stats)
         for i in order:
@@ -530,6 +528,13 @@ class ChunkPipeline:
         self._pool.close()
 
 
+def _waited(handle: _core.IoHandle) -> float:
+    """Waits for a read or write; the seconds it took (raises what it raised)."""
+    t = time.perf_counter()
+    handle.wait()
+    return time.perf_counter() - t
+
+
 class _StepLoop:
     """One `run_step`'s chunk loop (`ChunkPipeline._run_step`): the reads ahead, the writes behind, and
     each chunk's buffer and update. `keep`: the chunks the cache keeps after this step; `retained`: the
@@ -559,9 +564,7 @@ class _StepLoop:
         self.writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
 
     def _wait_write(self, handle: _core.IoHandle) -> None:
-        t = time.perf_counter()
-        handle.wait()
-        self.stats.write_wait_seconds += time.perf_counter() - t
+        self.stats.write_wait_seconds += _waited(handle)
 
     def reclaim(self, block: bool) -> bool:
         """Frees the buffer of the oldest write if it is done (or, with `block`, once it is)."""
@@ -628,9 +631,7 @@ class _StepLoop:
             self.reclaim(block=True)
             self.read_ahead()
         buffer, handle = self.reading.pop(i)
-        t = time.perf_counter()
-        handle.wait()
-        stats.read_wait_seconds += time.perf_counter() - t
+        stats.read_wait_seconds += _waited(handle)
         return buffer, True, False
 
     def run_chunk(self, i: int) -> None:

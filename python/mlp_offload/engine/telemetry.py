@@ -208,9 +208,14 @@ def keys_of(record_type: type) -> dict[str, tuple[Any, str]]:
     return {name: get_args(hint)[:2] for name, hint in hints.items()}
 
 
+def _is_record(hint: Any) -> bool:
+    """Whether a type is one of these records (a TypedDict)."""
+    return isinstance(hint, type) and hasattr(hint, "__total__")
+
+
 def _record_words(hint: Any) -> str | None:
     """A record held in another, as a link to its table."""
-    if isinstance(hint, type) and hasattr(hint, "__total__"):
+    if _is_record(hint):
         return f"[{hint.__name__}](#{hint.__name__.lower()})"
     return None
 
@@ -218,7 +223,7 @@ def _record_words(hint: Any) -> str | None:
 def _nested(record_type: type, seen: list[type]) -> None:
     for hint, _ in keys_of(record_type).values():
         for t in (hint, *get_args(hint), *(a for g in get_args(hint) for a in get_args(g))):
-            if isinstance(t, type) and hasattr(t, "__total__") and t not in seen:
+            if _is_record(t) and t not in seen:
                 seen.append(t)
                 _nested(t, seen)
 
@@ -226,7 +231,7 @@ def _nested(record_type: type, seen: list[type]) -> None:
 def _record_type(hint: Any) -> type | None:
     """The record type a key's type holds (itself, or within `| None`), if it holds one."""
     for t in (hint, *get_args(hint)):
-        if isinstance(t, type) and hasattr(t, "__total__"):
+        if _is_record(t):
             return t
     return None
 

@@ -482,7 +482,7 @@ impl ObjectStore {
             strides,
         } = self.active_version(key, &entry, len)?;
         let files = entry.stripe_files(&stripes);
-        self.check_not_truncated(key, &stripes, &files, slot, &strides)?;
+        check_not_truncated(key, &stripes, &files, slot, &strides)?;
         let completion = Completion::new();
         completion.keep_alive(keepalive);
         let verify = verify && self.config.checksum && checksums.iter().any(Option::is_some);
@@ -547,35 +547,6 @@ impl ObjectStore {
             checksums: record.checksums[slot as usize].clone(),
             strides: record.slot_strides.clone(),
         })
-    }
-
-    /// Each stripe's file long enough to hold the stripe in `slot`; else an error naming the file.
-    fn check_not_truncated(
-        &self,
-        key: &str,
-        stripes: &[Stripe],
-        files: &[Arc<IoFile>],
-        slot: u8,
-        strides: &[u64],
-    ) -> Result<()> {
-        for (stripe, file) in stripes.iter().zip(files) {
-            let needed = u64::from(slot) * strides[stripe.path] + stripe.len;
-            let have = file
-                .primary()
-                .metadata()
-                .map_err(|e| Error::io("stat", &file.path, e))?
-                .len();
-            if have < needed {
-                return Err(Error::Corrupt {
-                    key: key.to_string(),
-                    path: file.path.clone(),
-                    reason: format!(
-                        "the file is truncated: {have} bytes, at least {needed} expected"
-                    ),
-                });
-            }
-        }
-        Ok(())
     }
 
     /// Removes an object and its files, after its in-flight operations finish. The manifest forgets it
@@ -802,4 +773,30 @@ fn checksums_checked(
         }
         Ok(())
     }
+}
+
+/// Each stripe's file long enough to hold the stripe in `slot`; else an error naming the file.
+fn check_not_truncated(
+    key: &str,
+    stripes: &[Stripe],
+    files: &[Arc<IoFile>],
+    slot: u8,
+    strides: &[u64],
+) -> Result<()> {
+    for (stripe, file) in stripes.iter().zip(files) {
+        let needed = u64::from(slot) * strides[stripe.path] + stripe.len;
+        let have = file
+            .primary()
+            .metadata()
+            .map_err(|e| Error::io("stat", &file.path, e))?
+            .len();
+        if have < needed {
+            return Err(Error::Corrupt {
+                key: key.to_string(),
+                path: file.path.clone(),
+                reason: format!("the file is truncated: {have} bytes, at least {needed} expected"),
+            });
+        }
+    }
+    Ok(())
 }
