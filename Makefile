@@ -57,8 +57,8 @@ gpu-report: ## every GPU check and measurement, part by part (PARTS="bitexact e2
 .PHONY: format
 format: ## format Rust and Python sources
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests benches
-	$(VENV)/bin/ruff check --fix -q python tests benches
+	$(VENV)/bin/ruff format python tests benches scripts
+	$(VENV)/bin/ruff check --fix -q python tests benches scripts
 
 .PHONY: lint
 lint: ## check formatting, clippy -D warnings, ruff, mypy and the .pyi against the module (both halves at once)
@@ -71,9 +71,9 @@ lint-rust: ## lint's Rust half: formatting and clippy -D warnings
 
 .PHONY: lint-python
 lint-python: ## lint's Python half: ruff, mypy (single-threaded: clippy runs beside it) and the .pyi
-	$(VENV)/bin/ruff format --check -q python tests benches
-	$(VENV)/bin/ruff check -q python tests benches
-	$(VENV)/bin/mypy python/mlp_offload tests benches
+	$(VENV)/bin/ruff format --check -q python tests benches scripts
+	$(VENV)/bin/ruff check -q python tests benches scripts
+	$(VENV)/bin/mypy python/mlp_offload tests benches scripts
 	$(VENV)/bin/python -m mypy.stubtest mlp_offload._core
 
 .PHONY: test-rust
@@ -97,6 +97,10 @@ deepspeed-aio: setup ## build DeepSpeed's async I/O op (its NVMe offload; 7-8 mi
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
 	  $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
 	$(PY) -m pytest -q tests/test_options.py -k offload_param
+
+.PHONY: docs-pages
+docs-pages: ## write the pages generated from the code (config, telemetry, options, troubleshooting, the README's refusals)
+	$(PY) scripts/docs_pages.py
 
 .PHONY: test-deepspeed
 test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engine swapped in (DEEPSPEED_TESTS=checkout or tests dir; else ../shared/deepspeed-tests; skips, saying so, when neither is there)

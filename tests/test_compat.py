@@ -10,6 +10,7 @@ import pytest
 
 import mlp_offload
 from mlp_offload.adapter import compat
+from mlp_offload.adapter.troubleshooting import met
 from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
 STAGE3 = compat.STAGE3
@@ -91,6 +92,7 @@ def test_an_untested_deepspeed_warns_once_naming_what_differs(
     assert len(found) == 1, "one warning per process"
     for text in says:
         assert text in str(found[0].message)
+    assert met("deepspeed-version", str(found[0].message)), found[0].message
 
 
 def test_another_deepspeed_series_is_refused_naming_the_tested_versions(

@@ -109,8 +109,7 @@ def test_the_config_page_is_the_code() -> None:
     """docs/config.md is what `MLPOffloadConfig` says: every key, its type, default and docstring."""
     page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert page.read_text() == config_reference.markdown(), (
-        "docs/config.md differs from MLPOffloadConfig: "
-        "`python -m mlp_offload.common.config_reference > docs/config.md`"
+        "docs/config.md differs from MLPOffloadConfig: `make docs-pages`"
     )
 
 

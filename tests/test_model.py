@@ -176,7 +176,12 @@ def test_requests_in_flight_follow_the_config_or_the_probe(
     ],
 )
 def test_the_start_up_line_says_what_pages_the_kernel_gave(report: dict, words: str) -> None:
+    """Fewer huge pages than asked for read as troubleshooting's entry says."""
+    from mlp_offload.adapter.troubleshooting import met
     from mlp_offload.engine.memory import describe_pages
 
-    assert words in describe_pages("huge", "configured", report)
+    line = describe_pages("huge", "configured", report)
+    assert words in line
+    short = report["reserved_huge_bytes"] + report["transparent_huge_bytes"] < report["bytes"]
+    assert met("huge-pages-short", line) == short, line
     assert describe_pages("small", "configured", report) == "host buffers in 4 KiB pages (configured)"

@@ -253,7 +253,7 @@ def test_every_option_is_bit_equal_to_stock_or_refused_by_name(
 
 def test_the_options_page_is_the_table() -> None:
     assert (ROOT / "docs" / "options.md").read_text() == options.markdown(), (
-        "docs/options.md differs from the table: `python -m mlp_offload.adapter.options > docs/options.md`"
+        "docs/options.md differs from the table: `make docs-pages`"
     )
 
 

@@ -17,6 +17,7 @@ from deepspeed_runs import (
     run_case,
     section,
 )
+from mlp_offload.adapter.troubleshooting import met
 
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)
@@ -25,28 +26,35 @@ pytestmark = pytest.mark.deepspeed
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("extra", "message", "entry"),
     [
-        ({"bogus": 1}, r"mlp_offload\.bogus"),
-        ({"host_memory": "1K"}, r"mlp_offload\.host_memory"),
+        ({"bogus": 1}, r"mlp_offload\.bogus", "section-key"),
+        ({"host_memory": "1K"}, r"mlp_offload\.host_memory", "host-memory"),
         # 3 buffers of 24 KiB chunks, all 3 asked to cache: none left to stream the other chunks through.
-        ({"host_memory": "100K", "update_chunk": "24K", "cache_chunks": 3}, r"mlp_offload\.cache_chunks"),
-        ({"weights": [1.0, 2.0]}, r"mlp_offload\.weights"),
-        ({"paths": []}, r"mlp_offload\.paths"),
+        (
+            {"host_memory": "100K", "update_chunk": "24K", "cache_chunks": 3},
+            r"mlp_offload\.cache_chunks",
+            "host-memory",
+        ),
+        ({"weights": [1.0, 2.0]}, r"mlp_offload\.weights", "section-key"),
+        ({"paths": []}, r"mlp_offload\.paths", "section-key"),
     ],
 )
 def test_bad_sections_are_named_before_the_first_step(
-    extra: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
+    extra: dict[str, Any], message: str, entry: str, work_dirs: list[Path], tmp_path: Path
 ) -> None:
+    """Each named as troubleshooting's entry says (`docs/troubleshooting.md`)."""
     case = {"mlp_offload": {**section(work_dirs[:1]), **extra}, "steps": 1}
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError, match=message) as e:
         run_case(case, tmp_path, "bad")
+    assert met(entry, str(e.value)), str(e.value)[-2000:]
 
 
 def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
     missing = work_dirs[0] / "not-there"
-    with pytest.raises(AssertionError, match=str(missing)):
+    with pytest.raises(AssertionError, match=str(missing)) as e:
         run_case({"mlp_offload": section([missing]), "steps": 1}, tmp_path, "missing")
+    assert met("missing-path", str(e.value)), str(e.value)[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -93,7 +101,7 @@ def test_a_path_that_refuses_o_direct_is_named_in_a_warning(tmp_path: Path) -> N
         ours = run_case({"steps": 2, "mlp_offload": section([mnt])}, tmp_path, "ramfs")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-    warning = [line for line in ours["output"].splitlines() if "refuses O_DIRECT" in line]
+    warning = [line for line in ours["output"].splitlines() if met("o-direct-refused", line)]
     assert warning and str(mnt) in warning[0], ours["output"][-2000:]
     stock = run_case({"steps": 2}, tmp_path, "stock")
     assert_bit_equal(ours, stock)

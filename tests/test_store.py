@@ -18,6 +18,7 @@ import torch
 
 import mlp_offload
 from mlp_offload import CorruptObjectError, ObjectStore
+from mlp_offload.adapter.troubleshooting import met
 
 SIZES = [1, 511, 4096, 4097, 65_543, (1 << 20) + 3, 5 << 20]
 
@@ -175,6 +176,7 @@ def test_a_damaged_object_raises_corrupt_object_error(
             store.read("x", torch.empty_like(data)).wait()
     assert isinstance(e.value, OSError) and e.value.errno == errno.EIO
     assert e.value.filename == str(path) and says in str(e.value) and '"x"' in str(e.value)
+    assert met("corrupt", str(e.value)), e.value
 
 
 def test_out_of_space_names_the_path_and_keeps_other_objects(engine: str, small_tmpfs: Path) -> None:
@@ -184,6 +186,7 @@ def test_out_of_space_names_the_path_and_keeps_other_objects(engine: str, small_
         with pytest.raises(OSError) as e:
             store.write("too-big", torch.zeros(4 << 20, dtype=torch.uint8))
         assert e.value.errno == errno.ENOSPC and "too-big.mlpo" in e.value.filename
+        assert met("enospc", str(e.value)), e.value
         back = torch.empty_like(old)
         store.read("kept", back).wait()
         assert torch.equal(back, old)
@@ -368,7 +371,7 @@ def test_a_second_store_on_the_same_directory_is_refused_naming_the_holder(work_
         with pytest.raises(BlockingIOError) as e:
             ObjectStore(paths)
         assert e.value.errno == errno.EWOULDBLOCK and e.value.filename == str(paths[0] / "rank0")
-        assert f"process {holder.pid} " in str(e.value)
+        assert f"process {holder.pid} " in str(e.value) and met("in-use", str(e.value)), e.value
         ObjectStore(paths, rank=1).close()
     finally:
         holder.communicate("")

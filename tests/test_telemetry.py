@@ -15,8 +15,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "telemetry.md"
 
 def test_the_telemetry_page_is_the_code() -> None:
     assert PAGE.read_text() == telemetry.markdown(), (
-        "docs/telemetry.md differs from engine/telemetry.py: "
-        "`python -m mlp_offload.engine.telemetry > docs/telemetry.md`"
+        "docs/telemetry.md differs from engine/telemetry.py: `make docs-pages`"
     )
 
 

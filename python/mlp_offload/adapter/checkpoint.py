@@ -20,7 +20,7 @@ from deepspeed.runtime.zero import stage3
 from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from mlp_offload.adapter import stale_gradients
+from mlp_offload.adapter import stale_gradients, troubleshooting
 from mlp_offload.engine.state import FP32, STATE_TENSORS
 
 # DeepSpeed's own class (`install()` leaves the name bound to it).
@@ -58,14 +58,16 @@ def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
     fp32_groups = saved[FP32_FLAT_GROUPS]
     if len(fp32_groups) != len(subgroups):
         raise ValueError(
-            f"checkpoint: {len(fp32_groups)} fp32 subgroups, this engine has {len(subgroups)} "
-            "(another model, sub_group_size or data-parallel degree)"
+            troubleshooting.CHECKPOINT_LAYOUT.message(
+                theirs=f"{len(fp32_groups)} fp32 subgroups", ours=len(subgroups)
+            )
         )
     for i, n in enumerate(numels):
         if fp32_groups[i].numel() != n:
             raise ValueError(
-                f"checkpoint: subgroup {i} has {fp32_groups[i].numel():,} fp32 elements, this engine's "
-                f"{n:,} (another model, sub_group_size or data-parallel degree)"
+                troubleshooting.CHECKPOINT_LAYOUT.message(
+                    theirs=f"subgroup {i} has {fp32_groups[i].numel():,} fp32 elements", ours=f"{n:,}"
+                )
             )
     state = opt._mlp_state
     # The store alone then holds the current state (what is kept when the moments are not loaded), and
@@ -101,11 +103,7 @@ def refuse_another_degree(engine: Any, load_dir: str, tag: Any, load_optimizer_s
         return
     folder = os.path.join(load_dir, str(tag))
     raise ZeRORuntimeException(
-        f"mlp_offload: the checkpoint {folder} was saved at a data-parallel degree of {saved}; this job "
-        f"has {now}. Convert it to a universal checkpoint, which loads at any degree: "
-        f"`python -m deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder "
-        f'{folder}_universal`, then set "checkpoint": {{"load_universal": true}} in the DeepSpeed '
-        f"config and load tag {str(tag) + '_universal'!r}"
+        troubleshooting.ANOTHER_DEGREE.message(folder=folder, saved=saved, now=now, tag=f"{tag}_universal")
     )
 
 
@@ -133,13 +131,12 @@ def _mapped(folder: str, key: str, name: str) -> torch.Tensor:
     copied out of it comes into memory, and only while it is referenced."""
     path = os.path.join(folder, f"{key}.pt")
     if not os.path.isfile(path):
-        raise FileNotFoundError(errno.ENOENT, f"universal checkpoint: no {key} for parameter {name}", path)
+        missing = troubleshooting.UNIVERSAL_MISSING.message(what=f"{key} for parameter {name}")
+        raise FileNotFoundError(errno.ENOENT, missing, path)
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if isinstance(saved, dict):
         if saved.get(EP_IS_EXPERT_PARAM, False):
-            raise NotImplementedError(
-                f"mlp_offload: {path}: expert-parallel universal state is not supported"
-            )
+            raise NotImplementedError(troubleshooting.UNIVERSAL_EXPERT.message(path=path))
         saved = saved[PARAM]
     return saved
 
@@ -160,9 +157,14 @@ def universal_parts(opt: Any, zero: str, keys: tuple[str, ...]) -> list[list[Uni
                 numel = _mapped(folder, key, name).numel()
                 if numel != param.ds_numel:
                     raise ValueError(
-                        f"universal checkpoint {zero}: parameter {name}'s {key} has {numel:,} elements, "
-                        f"the model's {tuple(param.ds_shape)} has {param.ds_numel:,} (a checkpoint of "
-                        "another model?)"
+                        troubleshooting.UNIVERSAL_SIZE.message(
+                            folder=zero,
+                            name=name,
+                            key=key,
+                            numel=numel,
+                            shape=tuple(param.ds_shape),
+                            model=param.ds_numel,
+                        )
                     )
             partition_group = opt._get_param_partition_group(param)
             ranks, rank = dist.get_world_size(group=partition_group), dist.get_rank(group=partition_group)
@@ -218,7 +220,8 @@ def _load_universal_state(opt: Any, zero: str) -> None:
     checkpoint's first param group; the half-precision partitions from the master weights."""
     optim_path = os.path.join(zero, "optimizer_state.pt")
     if not os.path.isfile(optim_path):
-        raise FileNotFoundError(errno.ENOENT, "universal checkpoint: no optimizer global state", optim_path)
+        missing = troubleshooting.UNIVERSAL_MISSING.message(what="optimizer global state")
+        raise FileNotFoundError(errno.ENOENT, missing, optim_path)
     parts = universal_parts(opt, zero, UNIVERSAL_KEYS)
     # The converter copies rank 0's whole ZeRO optimizer file there (its partition's state too): mapped,
     # only what is read of it (the loss scaler, the step, the hyperparameters) comes into memory.

@@ -13,7 +13,7 @@ import functools
 import os
 from typing import Any
 
-from mlp_offload.adapter import compat, options
+from mlp_offload.adapter import compat, options, troubleshooting
 from mlp_offload.common.config import SECTION, migrate_nvme_offload
 
 
@@ -23,8 +23,11 @@ def install() -> None:
 
     if not deepspeed.__version__.startswith(compat.SUPPORTED_SERIES):
         raise RuntimeError(
-            f"mlp-offload supports DeepSpeed {compat.SUPPORTED_SERIES}x (tested with "
-            f"{', '.join(compat.TESTED_DEEPSPEED)}); this is {deepspeed.__version__}"
+            troubleshooting.SERIES.message(
+                series=compat.SUPPORTED_SERIES,
+                tested=", ".join(compat.TESTED_DEEPSPEED),
+                version=deepspeed.__version__,
+            )
         )
     from deepspeed.runtime.zero import stage3
 
@@ -59,10 +62,7 @@ def _build_ours(stock: Any, ours: type) -> None:
             if not issubclass(cls, ours):
                 # Another optimizer of DeepSpeed's own that no option of the table names (the one known,
                 # SuperOffload, is refused by its key above): never ignore our section.
-                raise ValueError(
-                    f"{SECTION}: this config makes DeepSpeed build {cls.__name__}, whose optimizer state "
-                    f"mlp_offload does not hold; remove what selects it or the {SECTION!r} section"
-                )
+                raise ValueError(troubleshooting.ANOTHER_ZERO_OPTIMIZER.message(optimizer=cls.__name__))
         return object.__new__(cls)
 
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.

@@ -6,7 +6,7 @@ No option trains and differs. The table lists every field of DeepSpeed's config 
 its offload, ZenFlow and leaf-module sections), `bf16`, `fp16`, `torch_autocast`, `data_types`, the
 gradient settings and the optimizer's params; a field a new DeepSpeed adds fails the table's test until
 it has a row, and a user who sets an option no row lists is warned by name at start (`check`).
-`docs/options.md` is rendered from the table (`python -m mlp_offload.adapter.options`).
+`docs/options.md` is rendered from the table (`make docs-pages`).
 """
 
 from __future__ import annotations
@@ -317,6 +317,9 @@ def check(config: dict[str, Any]) -> None:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode()).hexdigest()
     if digest in _CHECKED:
         return
+    # Here, not at the top: the registry renders this module's table.
+    from mlp_offload.adapter import troubleshooting
+
     names = _field_names()
     problems, unlisted = [], []
     zero = _section(config, Z)
@@ -330,17 +333,15 @@ def check(config: dict[str, Any]) -> None:
                 unlisted.append(key)
         elif option.refused is not None and option.refused(value):
             problems.append(
-                f"{key}: {value!r}: {option.what}; mlp_offload does not reproduce it; {option.instead}"
+                troubleshooting.OPTION.message(
+                    key=key, value=repr(value), what=option.what, instead=option.instead
+                )
             )
     if problems:
         raise ValueError("; ".join(problems))
     _CHECKED.add(digest)
     if unlisted:
-        log.warning(
-            "mlp_offload: %s: not in mlp-offload's option table (docs/options.md), so not checked against "
-            "stock DeepSpeed; a DeepSpeed newer than the one it was tested with may have added them",
-            ", ".join(unlisted),
-        )
+        log.warning("%s", troubleshooting.UNLISTED_OPTION.message(keys=", ".join(unlisted)))
 
 
 def markdown() -> str:
@@ -348,7 +349,7 @@ def markdown() -> str:
     lines = [
         "# DeepSpeed's options with mlp-offload",
         "",
-        "Generated from `mlp_offload/adapter/options.py` (`python -m mlp_offload.adapter.options`); "
+        "Generated from `mlp_offload/adapter/options.py` (`make docs-pages`); "
         "`tests/test_options.py` runs each row against stock DeepSpeed and checks this page. Every option "
         "is bit-equal to stock DeepSpeed with the same option, or refused at start naming the key; none "
         "trains and differs. An option set in these sections that no row lists is named in a warning at "
@@ -363,7 +364,3 @@ def markdown() -> str:
     lines += ["", "## Optimizers", "", "| optimizer | with mlp-offload |", "|---|---|"]
     lines += [f"| {name} | {verdict} |" for name, verdict in OPTIMIZERS]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

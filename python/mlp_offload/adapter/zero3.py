@@ -56,7 +56,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from mlp_offload.adapter import checkpoint, stale_gradients
+from mlp_offload.adapter import checkpoint, stale_gradients, troubleshooting
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, StepSnapshot
@@ -94,15 +94,13 @@ ADAM_OPTIMIZERS = (DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)
 def _check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, an optimizer whose state the store does not hold."""
     if not isinstance(optimizer, ADAM_OPTIMIZERS):
+        kind = type(optimizer)
         raise ValueError(
-            f"mlp_offload: the optimizer is {type(optimizer).__module__}.{type(optimizer).__qualname__}; "
-            "mlp-offload runs DeepSpeed's CPU Adam/AdamW or torch's Adam/AdamW (state: exp_avg, exp_avg_sq)"
+            troubleshooting.OPTIMIZER.message(optimizer=f"{kind.__module__}.{kind.__qualname__}")
         )
     for group in optimizer.param_groups:
         if group.get("amsgrad"):
-            raise ValueError(
-                "mlp_offload: optimizer param 'amsgrad': true is not supported (it keeps a third moment)"
-            )
+            raise ValueError(troubleshooting.AMSGRAD.message())
 
 
 def _offload_device(offload: Any) -> str:
@@ -128,10 +126,9 @@ def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]
     )
     if elements > int(params_offload.max_in_cpu):
         raise ValueError(
-            f"zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload past "
-            f"offload_param.max_in_cpu ({int(params_offload.max_in_cpu):,} elements; this rank's partitions "
-            f"hold {elements:,}): raise max_in_cpu to {elements:,} or more, or offload the parameters to "
-            '"cpu"'
+            troubleshooting.PARAMS_ON_NVME.message(
+                max_in_cpu=int(params_offload.max_in_cpu), elements=elements
+            )
         )
 
 
@@ -152,8 +149,9 @@ def _budget_error(error: ValueError, host_memory: int, layout: memory.ChunkLayou
     """`error`, whose text begins with a key of our section, named as the config's key
     (mlp_offload.host_memory, mlp_offload.cache_chunks), with what the budget holds."""
     return ValueError(
-        f"mlp_offload.{error} (host_memory {host_memory:,} holds {layout.buffers} buffers "
-        f"of {layout.buffer_bytes:,} bytes)"
+        troubleshooting.HOST_MEMORY.message(
+            problem=error, host_memory=host_memory, buffers=layout.buffers, buffer_bytes=layout.buffer_bytes
+        )
     )
 
 
@@ -172,14 +170,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     ):
         config = from_ds_config(ds_config)
         if config is None:
-            raise ValueError(f"mlp_offload: the DeepSpeed config has no {'mlp_offload'!r} section")
+            raise ValueError(troubleshooting.NO_SECTION.message())
         offload = kwargs.get("offload_optimizer_config")
         if offload is None or _offload_device(offload) != "cpu":
-            raise ValueError(
-                'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host '
-                'memory); it replaces the NVMe swapping itself. An "nvme" section is rewritten for it by '
-                "mlp_offload.initialize, and by deepspeed.initialize after mlp_offload.install()"
-            )
+            raise ValueError(troubleshooting.OFFLOAD_DEVICE.message())
         # DeepSpeed's options are checked before this (`adapter.options`); the objects here.
         _check_optimizer(init_optimizer)
         _check_params_offload(

@@ -44,12 +44,10 @@ class MLPOffloadConfig(BaseModel):
     host_memory: Size | Literal["auto", "deepspeed"] = "auto"
     """Host memory for the state's chunk buffers (the cache and the stream) and one chunk's fp32 gradient.
 
-    Host memory for the optimizer state: one pool of chunk buffers (the cache and the stream) plus one
-    chunk's fp32 gradient, in bytes or as `"16G"`. `"auto"`: what this rank can spare (the memory available
-    at start-up, cgroup limits included, less a margin of 15% of RAM or at least 2 GiB, divided among the
-    node's local ranks), never less than `"deepspeed"` and never more than the whole state needs.
-    `"deepspeed"`: what stock DeepSpeed pins for its NVMe offload, `offload_optimizer.buffer_count` x the
-    largest subgroup x 4 bytes (for comparisons at equal memory)."""
+    A number of bytes, or a size such as `"16G"`. `"auto"`: what this rank can spare at start-up (the
+    memory available, cgroup limits included, less a margin, divided among the node's local ranks), never
+    less than `"deepspeed"` and never more than the whole state needs. `"deepspeed"`: what stock
+    DeepSpeed pins for its NVMe offload, for comparisons at equal memory."""
 
     weights: list[float] | Literal["auto", "equal"] = "auto"
     """How each subgroup's state is split across `paths`.
@@ -91,48 +89,35 @@ class MLPOffloadConfig(BaseModel):
     host_pages: Literal["auto", "huge", "small"] = "auto"
     """The pages of the host buffers: huge (2 MiB) or 4 KiB.
 
-    The pages of the host buffers (the cache and the stream). Huge (2 MiB) pages reach a device in
-    whole requests, where 4 KiB pages scattered in RAM split each request into many small ones.
-    `"huge"`: huge pages the machine reserved (`MAP_HUGETLB`) where enough are free, else transparent
-    ones; memory too fragmented for them leaves part in 4 KiB pages, as the start-up line reports.
-    `"auto"`: what the probe measured on these paths (huge unless they moved 5% less than 4 KiB pages on
-    some path; huge without a profile); `"small"`: 4 KiB pages."""
+    `"huge"`: 2 MiB pages, which reach a device in whole requests: reserved ones (`MAP_HUGETLB`) where
+    enough are free, else transparent ones; the start-up line reports any part left in 4 KiB pages.
+    `"small"`: 4 KiB pages. `"auto"`: huge, unless the probe measured them moving 5% less than 4 KiB
+    pages on some path (huge without a probe profile)."""
 
     update_kernel: Literal["auto", "fused", "deepspeed"] = "auto"
     """How each chunk is updated: one fused pass in the Rust core, or DeepSpeed's own passes.
 
-    How each chunk is updated. `"fused"`: one pass over its memory in the Rust core (the gradient's
-    widening and unscaling, DeepSpeed's CPU Adam, the half-precision copy), bit for bit what DeepSpeed's
-    passes give; checked at start-up against DeepSpeed's own kernel on this CPU, and refused, naming what
-    differed, if it does not agree. `"auto"`: the fused pass where it agrees, else DeepSpeed's passes,
-    saying why. `"deepspeed"`: DeepSpeed's passes. Optimizers other than DeepSpeed's CPU Adam (torch's
-    Adam, AdamW) always run their own. DeepSpeed's state in half precision (bf16 or fp16 master weights,
-    bf16 moments) runs on the fused pass only: with `"deepspeed"`, or where the check does not agree,
-    such a config is refused at start."""
+    `"fused"`: one pass, bit for bit what DeepSpeed's passes give; checked at start-up against DeepSpeed's
+    CPU Adam on this CPU, and refused, naming what differed, if it does not agree. `"deepspeed"`:
+    DeepSpeed's passes. `"auto"`: the fused pass where it agrees, else DeepSpeed's passes, saying why.
+    Optimizers other than DeepSpeed's CPU Adam run their own; DeepSpeed's state in half precision needs
+    the fused pass."""
 
     update_threads: Annotated[int, Field(ge=1, strict=True)] | Literal["auto"] = "auto"
     """Threads of the fused pass, each over its own range of a chunk.
 
-    Threads of the fused pass (`update_kernel`), each over its own range of a chunk. `"auto"`: torch's
-    intra-op threads (`torch.get_num_threads()`), as DeepSpeed's CPU Adam takes OpenMP's. Under torchrun
-    with several ranks a node that is 1 unless `OMP_NUM_THREADS` is set. With the parameters on an
-    accelerator the host's cores are idle while the update runs behind the forward, and the update runs
-    at the host's memory rate: more threads than torch's may move more bytes a second, or none
-    (`make bench-kernel` measures the pass per thread count). The start-up record says how many. The
-    threads beside the caller's (`mlp-update-N`) start at the first pass and stay, idle between passes."""
+    A number: that many. `"auto"`: torch's intra-op threads (`torch.get_num_threads()`), as DeepSpeed's
+    CPU Adam takes OpenMP's; under torchrun with several ranks a node that is 1 unless `OMP_NUM_THREADS`
+    is set. More may move more bytes a second, or none: `make bench-kernel` measures the pass per thread
+    count. The start-up record says how many."""
 
     overlap: bool | Literal["auto"] = "auto"
     """Run the update behind the next forward: `step()` returns once the step's outcome is decided.
 
-    Run the update behind the next forward: `step()` returns once the step's outcome (overflow, norm,
-    clipping) is decided, and each parameter's fetch in the next forward waits for its own subgroup only;
-    whatever else reads parameters, state or gradients (the next backward and step, checkpoints, the
-    `safe_get/set` helpers, `destroy`) waits for the whole update. Every step then goes in the order the
-    forward needs the parameters, the first chunks cached. Bit for bit the same as without it. It needs
-    the fused pass (`update_kernel`), whose compute releases the GIL; with DeepSpeed's passes the update
-    runs inside `step()`. `"auto"`: on when every chunk stays in host memory; where the state streams,
-    chunk order moves more bytes (fewer chunks cached) than a short forward hides, so it is off (`true`
-    turns it on). The start-up line says which, and why."""
+    `true`: the update runs on behind `step()` in chunk order, each parameter's fetch in the next forward
+    waiting for its own subgroup only; bit for bit the same. It needs the fused pass (`update_kernel`).
+    `false`: inside `step()`. `"auto"`: on when every chunk stays in host memory, off where the state
+    streams. The start-up line says which, and why."""
 
     overlap_backward: bool | Literal["auto"] = "auto"
     """Update chunks during backward as their gradients become final; `step()` keeps or undoes them.
@@ -160,23 +145,18 @@ class MLPOffloadConfig(BaseModel):
     device_inflight: int | Literal["auto", "off"] = "auto"
     """Requests in flight on each path's device for the whole node, all its ranks together.
 
-    Requests in flight on each path's device for the whole node, all its ranks together (node-wide
-    admission): every rank takes one of them for each request it submits and gives it back when the
-    request completes, waiting its turn in the kernel when none is free; a rank that dies gives back
-    what it held at once. `"auto"`: on when the node runs more than one rank and the probe found the
-    device moving 5% more under a node-wide limit than with each rank at its own, at what one rank
-    would put in flight alone (`max_inflight`), or more where the probe found the device fastest with
-    more bytes in flight; a number: on, at that count; `"off"`: each rank is bounded by its own
-    `max_inflight` alone."""
+    A number: on, at that count, each rank taking one of them for every request it submits and giving it
+    back when the request completes. `"auto"`: on when the node runs more than one rank and the probe
+    found a node-wide limit faster, at what one rank would put in flight alone (`max_inflight`) or more.
+    `"off"`: each rank at its own `max_inflight`."""
 
     device_sharing: Literal["auto", "shared", "turns"] = "auto"
     """How the node's ranks share a device under `device_inflight`: interleaved, or by turns.
 
-    How the node's ranks share a device under `device_inflight`. `"shared"`: each takes one request
-    at a time, so their requests interleave; `"turns"`: a rank takes the whole limit for a turn (256 MiB
-    of requests, or until it has nothing more to do), then the next in the kernel's queue. `"auto"`:
-    what the probe measured faster for the device with this many ranks at once (`"shared"` unless
-    turns moved 5% more; `"shared"` without a measurement)."""
+    `"shared"`: each rank takes one request at a time, so their requests interleave. `"turns"`: a rank
+    takes the whole limit for a turn (256 MiB of requests, or until it has nothing more to do), then the
+    next in the kernel's queue. `"auto"`: `"turns"` where the probe measured them moving 5% more with
+    this many ranks, else `"shared"`."""
 
     checksum: bool = True
     """A CRC32C of every stripe, checked on every read."""

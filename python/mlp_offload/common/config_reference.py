@@ -1,6 +1,6 @@
 """`docs/config.md`, the reference of the `"mlp_offload"` section, generated from `MLPOffloadConfig`: each
 field's type, default and docstring (its first paragraph is the key's one line, the rest its details).
-`python -m mlp_offload.common.config_reference > docs/config.md` writes it; `tests/test_config.py` checks
+`make docs-pages` writes it; `tests/test_config.py` checks
 that the page is what the code says."""
 
 from __future__ import annotations
@@ -22,7 +22,16 @@ from mlp_offload.common.config import MLPOffloadConfig
 from mlp_offload.common.type_words import type_words
 
 # Pages that explain a key at length, where one is written.
-DESIGN_PAGES = {"overlap_backward": "design/overlap-backward.md"}
+DESIGN_PAGES = {
+    "host_memory": "design/host-memory.md",
+    "host_pages": "design/host-memory.md",
+    "update_kernel": "design/update-kernel.md",
+    "update_threads": "design/update-kernel.md",
+    "overlap": "design/overlap.md",
+    "overlap_backward": "design/overlap-backward.md",
+    "device_inflight": "design/admission.md",
+    "device_sharing": "design/admission.md",
+}
 
 
 def field_docs() -> dict[str, str]:
@@ -89,7 +98,7 @@ def markdown() -> str:
         '# The `"mlp_offload"` section',
         "",
         "Generated from `MLPOffloadConfig` "
-        "(`python -m mlp_offload.common.config_reference > docs/config.md`); `tests/test_config.py` "
+        "(`make docs-pages`); `tests/test_config.py` "
         "checks this page against the code. The section goes beside ZeRO-3 with the optimizer offloaded "
         '(`"offload_optimizer": {"device": "cpu"}`, or DeepSpeed\'s NVMe section as it is); `paths` is '
         "the one key it needs. An unknown key is an error that names it.",
@@ -114,7 +123,3 @@ def markdown() -> str:
         if name in DESIGN_PAGES:
             lines += [f"More: [{DESIGN_PAGES[name]}]({DESIGN_PAGES[name]}).", ""]
     return "\n".join(lines).rstrip() + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

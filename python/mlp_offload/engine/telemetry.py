@@ -1,7 +1,7 @@
 """The telemetry's records: what `optimizer.mlp_offload_telemetry` holds and `telemetry_file` has one JSON
 line each of. The start record comes first, then one step record per step (a skipped step's instead of it
 where an fp16 overflow skipped the update). Each key's type and one line are here; `docs/telemetry.md` is
-generated from them (`python -m mlp_offload.engine.telemetry > docs/telemetry.md`) and
+generated from them (`make docs-pages`) and
 `tests/test_telemetry.py` checks the page and that a run's records have these keys."""
 
 from __future__ import annotations
@@ -266,8 +266,8 @@ def markdown() -> str:
     lines = [
         "# Telemetry",
         "",
-        "Generated from `mlp_offload/engine/telemetry.py` (`python -m mlp_offload.engine.telemetry > "
-        "docs/telemetry.md`); `tests/test_telemetry.py` checks this page and a run's records against it.",
+        "Generated from `mlp_offload/engine/telemetry.py` (`make docs-pages`); `tests/test_telemetry.py` "
+        "checks this page and a run's records against it.",
         "`optimizer.mlp_offload_telemetry` holds the records, and `telemetry_file` has one JSON line "
         "each: the start record first, then one step record per step (a skipped record where an fp16 "
         "overflow skipped the update). A step's record comes once its update ends: "
@@ -287,7 +287,3 @@ def markdown() -> str:
         for name, (hint, line) in keys_of(record_type).items():
             lines.append(f"| `{name}` | {type_words(hint, _record_words)} | {line} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown(), end="")

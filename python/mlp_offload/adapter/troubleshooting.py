@@ -1,0 +1,414 @@
+"""Every error and warning a user can meet, with its cause and its fix: one registry.
+
+Two kinds of entry. The adapter's refusals (and its warning about an option the table does not list)
+are formatted from their entry (`Trouble.message`, `FORMATTED_HERE`), so a text and its page cannot
+drift apart; `tests/test_troubleshooting.py` checks that every error the adapter raises at a user comes
+from here. The others are texts of the core, the engine and the config's validation (a full disk, a
+store in use, io_uring not permitted, ...; `MET_BY_TESTS`): a test that meets each for real matches the
+entry's `pattern`, and the registry's test checks that every one has such a test. The option table's
+refusals (`adapter.options`) are one entry, `OPTION`, and a table on the page.
+
+`docs/troubleshooting.md` and the README's row of refusals are rendered from here
+(`make docs-pages`) and checked by the registry's test.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass
+
+from mlp_offload.adapter import options
+
+REFUSAL, FAULT, WARNING = "refused at start", "an error", "a warning"
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """One message: its name (how code and tests refer to it, and its anchor on the page), its title on
+    the page, its text with `{field}`s where it names something, what it is (`REFUSAL`, `FAULT` or
+    `WARNING`), why it happens and what to do. `short`, for a refusal, is its phrase in the README's row
+    of refusals."""
+
+    name: str
+    title: str
+    says: str
+    kind: str
+    cause: str
+    fix: str
+    short: str = ""
+
+    def message(self, **fields: object) -> str:
+        """The text to raise or log, its fields filled in."""
+        return self.says.format(**fields)
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        """What the message looks like: its literal parts in order, anything in place of a field."""
+        parsed = string.Formatter().parse(self.says)
+        parts = [re.escape(text) + ("" if field is None else ".+?") for text, field, _, _ in parsed]
+        return re.compile("".join(parts), re.DOTALL)
+
+    def shown(self) -> str:
+        """The text as the page shows it: each field as `<field>`."""
+        return re.sub(r"\{(\w+)[^}]*\}", r"<\1>", self.says.replace("{{", "{").replace("}}", "}"))
+
+
+SERIES = Trouble(
+    "deepspeed-series",
+    "DeepSpeed of another series",
+    "mlp-offload supports DeepSpeed {series}x (tested with {tested}); this is {version}",
+    REFUSAL,
+    "the engine overrides and calls DeepSpeed's ZeRO-3 code of one series; another series changes it",
+    'install the tested series: `pip install "deepspeed>=0.19,<0.20"`',
+    "DeepSpeed outside 0.19",
+)
+OPTION = Trouble(
+    "option",
+    "A DeepSpeed option it does not reproduce",
+    "{key}: {value}: {what}; mlp_offload does not reproduce it; {instead}",
+    REFUSAL,
+    "a DeepSpeed option whose result mlp-offload does not reproduce bit for bit (the table below lists "
+    "each, and `docs/options.md` every option)",
+    "what the message says after the last `;`, or remove the `mlp_offload` section to run stock",
+)
+OPTIMIZER = Trouble(
+    "optimizer",
+    "An optimizer other than Adam or AdamW",
+    "mlp_offload: the optimizer is {optimizer}; mlp-offload runs DeepSpeed's CPU Adam/AdamW or torch's "
+    "Adam/AdamW (state: exp_avg, exp_avg_sq)",
+    REFUSAL,
+    "the store holds Adam's state: the master weights and two moments per element",
+    '`"optimizer": {"type": "AdamW", ...}` in the config, `DeepSpeedCPUAdam`, or `torch.optim.AdamW`',
+    "an optimizer other than Adam or AdamW (Muon, SGD, Lamb, ...)",
+)
+AMSGRAD = Trouble(
+    "amsgrad",
+    "AMSGrad",
+    "mlp_offload: optimizer param 'amsgrad': true is not supported (it keeps a third moment)",
+    REFUSAL,
+    "AMSGrad keeps a third per-element tensor, which the store does not hold",
+    "set `amsgrad` to false",
+)
+ANOTHER_ZERO_OPTIMIZER = Trouble(
+    "another-zero-optimizer",
+    "Another ZeRO-3 optimizer of DeepSpeed's",
+    "mlp_offload: this config makes DeepSpeed build {optimizer}, whose optimizer state mlp_offload does "
+    "not hold; remove what selects it or the 'mlp_offload' section",
+    REFUSAL,
+    "a setting makes DeepSpeed build another ZeRO-3 optimizer of its own (not one of the option table)",
+    "remove the setting that selects that optimizer, or the `mlp_offload` section",
+)
+NO_SECTION = Trouble(
+    "no-section",
+    "No mlp_offload section",
+    "mlp_offload: the DeepSpeed config has no 'mlp_offload' section",
+    REFUSAL,
+    "mlp-offload's ZeRO-3 optimizer was built directly, for a config without its section",
+    'add `"mlp_offload": {}` (or its `paths`) to the DeepSpeed config',
+)
+OFFLOAD_DEVICE = Trouble(
+    "offload-device",
+    "The optimizer not offloaded",
+    'zero_optimization.offload_optimizer.device: mlp-offload needs "cpu" (CPU Adam on host memory); it '
+    'replaces the NVMe swapping itself. An "nvme" section is rewritten for it by mlp_offload.initialize, '
+    "and by deepspeed.initialize after mlp_offload.install()",
+    REFUSAL,
+    "the optimizer was not offloaded, or offloaded to NVMe without `initialize` or `install()`",
+    'set `offload_optimizer.device` to "cpu" or "nvme" and start through `mlp_offload.initialize` '
+    "or after `mlp_offload.install()`",
+)
+PARAMS_ON_NVME = Trouble(
+    "params-on-nvme",
+    "Parameters on NVMe past max_in_cpu",
+    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload past "
+    "offload_param.max_in_cpu ({max_in_cpu:,} elements; this rank's partitions hold {elements:,}): raise "
+    'max_in_cpu to {elements:,} or more, or offload the parameters to "cpu"',
+    REFUSAL,
+    "past `max_in_cpu` DeepSpeed keeps the parameters' partitions on NVMe alone, where the update cannot "
+    "write them",
+    'raise `offload_param.max_in_cpu` to the count the message names, or set `offload_param.device` to "cpu"',
+    "parameters on NVMe past `offload_param.max_in_cpu`",
+)
+ANOTHER_DEGREE = Trouble(
+    "another-degree",
+    "A checkpoint of another data-parallel degree",
+    "mlp_offload: the checkpoint {folder} was saved at a data-parallel degree of {saved}; this job has "
+    "{now}. Convert it to a universal checkpoint, which loads at any degree: `python -m "
+    "deepspeed.checkpoint.ds_to_universal --input_folder {folder} --output_folder {folder}_universal`, "
+    'then set "checkpoint": {{"load_universal": true}} in the DeepSpeed config and load tag {tag!r}',
+    REFUSAL,
+    "a ZeRO checkpoint holds each rank's partition; another number of ranks partitions differently "
+    "(stock refuses it too)",
+    "convert it with the command the message gives and load the universal tag",
+    "a checkpoint of another data-parallel degree, unconverted",
+)
+CHECKPOINT_LAYOUT = Trouble(
+    "checkpoint-layout",
+    "A checkpoint of another layout",
+    "checkpoint: {theirs}, this engine's {ours} (another model, sub_group_size or data-parallel degree)",
+    REFUSAL,
+    "the checkpoint's subgroups are not this engine's: another model, `sub_group_size` or degree",
+    "load it with the model and `sub_group_size` it was saved with, or convert it to a universal checkpoint",
+)
+UNIVERSAL_MISSING = Trouble(
+    "universal-missing",
+    "A universal checkpoint's file missing",
+    "universal checkpoint: no {what}",
+    REFUSAL,
+    "a file the converter writes is not in the folder (the OSError's filename names it): the conversion "
+    "stopped early, or the tag is not a universal one",
+    "convert the checkpoint again (`ds_to_universal`), and load the tag it wrote",
+)
+UNIVERSAL_SIZE = Trouble(
+    "universal-size",
+    "A universal checkpoint of another model",
+    "universal checkpoint {folder}: parameter {name}'s {key} has {numel:,} elements, the model's "
+    "{shape} has {model:,} (a checkpoint of another model?)",
+    REFUSAL,
+    "the universal checkpoint is of another model, or of another version of this one",
+    "load it into the model it was saved from",
+)
+UNIVERSAL_EXPERT = Trouble(
+    "universal-expert",
+    "Expert-parallel universal state",
+    "mlp_offload: {path}: expert-parallel universal state is not supported",
+    REFUSAL,
+    "a universal checkpoint of expert-parallel (MoE) parameters",
+    "run mixture-of-experts models without the `mlp_offload` section",
+)
+UNLISTED_OPTION = Trouble(
+    "unlisted-option",
+    "An option the table does not list",
+    "mlp_offload: {keys}: not in mlp-offload's option table (docs/options.md), so not checked against "
+    "stock DeepSpeed; a DeepSpeed newer than the one it was tested with may have added them",
+    WARNING,
+    "the config sets an option of the table's sections that the table does not list",
+    "check the option's steps against stock DeepSpeed, or leave it at its default",
+)
+HOST_MEMORY = Trouble(
+    "host-memory",
+    "host_memory too small",
+    "mlp_offload.{problem} (host_memory {host_memory:,} holds {buffers} buffers of {buffer_bytes:,} bytes)",
+    REFUSAL,
+    "`host_memory` holds no chunk beside its gradient, or `cache_chunks` leaves no buffer to stream "
+    "the other chunks through",
+    'raise `host_memory` (or set it to "auto"), lower `update_chunk`, or lower `cache_chunks`',
+)
+
+FORMATTED_HERE = (
+    SERIES,
+    OPTION,
+    OPTIMIZER,
+    AMSGRAD,
+    ANOTHER_ZERO_OPTIMIZER,
+    NO_SECTION,
+    OFFLOAD_DEVICE,
+    PARAMS_ON_NVME,
+    ANOTHER_DEGREE,
+    UNLISTED_OPTION,
+    CHECKPOINT_LAYOUT,
+    UNIVERSAL_MISSING,
+    UNIVERSAL_SIZE,
+    UNIVERSAL_EXPERT,
+    HOST_MEMORY,
+)
+
+MET_BY_TESTS = (
+    Trouble(
+        "section-key",
+        "A bad key or value in the section",
+        "mlp_offload.{key}: {problem}",
+        FAULT,
+        "a key of the `mlp_offload` section that does not exist, or a value of the wrong type or range",
+        "the key's type and range are in `docs/config.md`",
+    ),
+    Trouble(
+        "missing-path",
+        "A path that does not exist",
+        "open storage directory {path}: No such file or directory (os error 2)",
+        FAULT,
+        "a path of `mlp_offload.paths` does not exist (the store creates `rank<N>` in it, not the path)",
+        "create the directory, or fix the path",
+    ),
+    Trouble(
+        "enospc",
+        "No space left on a path (ENOSPC)",
+        "{op} {path}: No space left on device (os error 28)",
+        FAULT,
+        "a path is full (OSError errno ENOSPC, its filename the object's file); the write fails, "
+        "and every object written before stays as it was",
+        "free space, add a path, or give the full one a lower weight; `keep_free` keeps space back",
+    ),
+    Trouble(
+        "in-use",
+        "A store in use by another process",
+        "{path} is in use by {holder} (another store opened the same path and rank); close it, or give "
+        "this one other paths or another rank",
+        FAULT,
+        "another store holds this rank's directory: a second job on the same paths and rank, or a "
+        "process still running (BlockingIOError, errno EWOULDBLOCK; the holder's pid is named)",
+        "stop the process named, or give this job other paths or another rank; a process that died "
+        "released the lock with it",
+    ),
+    Trouble(
+        "corrupt",
+        "A stored object not as written",
+        "object {key} in {path}: {reason}",
+        FAULT,
+        "a stored object is not what was written: a checksum mismatch, a truncated file or a torn "
+        "write (CorruptObjectError, an OSError with errno EIO)",
+        "check the device (`dmesg`); restore the state from the last checkpoint",
+    ),
+    Trouble(
+        "io-uring-asked",
+        "io_uring asked for and not permitted",
+        'engine: "io_uring" was asked for but is unavailable here: {why}',
+        FAULT,
+        "`engine` is `io_uring` where the kernel or a seccomp filter (Docker's default profile, "
+        "`kernel.io_uring_disabled`) refuses `io_uring_setup`",
+        'leave `engine` at "auto" (the thread pool then), or allow io_uring in the container\'s '
+        "seccomp profile",
+    ),
+    Trouble(
+        "io-uring-fallback",
+        "io_uring not permitted (a container's seccomp filter)",
+        "io_uring is unavailable ({why}); using the pread/pwrite thread-pool engine",
+        WARNING,
+        '`engine` "auto" where io_uring is refused (seccomp, `kernel.io_uring_disabled`, an old kernel)',
+        "nothing to do: the thread pool moves the same bytes, at more CPU; allow io_uring to use it",
+    ),
+    Trouble(
+        "o-direct-refused",
+        "A file system without O_DIRECT",
+        "{path} refuses O_DIRECT ({why}); using buffered I/O on this path",
+        WARNING,
+        "the path's file system has no direct I/O (ramfs, some FUSE and network file systems)",
+        "nothing to do, it works through the page cache; for direct I/O, use a file system that has it",
+    ),
+    Trouble(
+        "huge-pages-short",
+        "Fewer huge pages than asked for",
+        "host buffers in huge pages ({source}): {got} of {total} GiB, {small} GiB in 4 KiB pages",
+        WARNING,
+        "in the start-up line: `host_pages` asked for huge pages, and the kernel gave fewer: no pages "
+        "reserved (`vm.nr_hugepages`) and transparent ones off or memory too fragmented",
+        "reserve them before the job (`sysctl vm.nr_hugepages=<host_memory / 2 MiB>`), or enable "
+        "transparent huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`: madvise)",
+    ),
+    Trouble(
+        "deepspeed-version",
+        "A DeepSpeed release it was not tested with",
+        "mlp-offload was tested with DeepSpeed {tested}; this is {version}{differences}. Check a few steps "
+        "against stock DeepSpeed before relying on it.",
+        WARNING,
+        "a DeepSpeed release of the supported series that the engine was not tested with; the warning "
+        "names each function of DeepSpeed the engine relies on that changed",
+        "install the tested release, or compare a few steps with stock DeepSpeed on yours",
+    ),
+)
+
+ENTRIES = (*FORMATTED_HERE, *MET_BY_TESTS)
+BY_NAME = {trouble.name: trouble for trouble in ENTRIES}
+
+
+def met(name: str, text: str) -> bool:
+    """Whether `text` (an error's or the output's) says entry `name`'s message: for the tests that meet
+    each fault for real."""
+    return BY_NAME[name].pattern.search(text) is not None
+
+
+def refused_options() -> list[options.Option]:
+    return [option for option in options.OPTIONS if option.refused is not None]
+
+
+def _short_key(key: str) -> str:
+    key = key.removeprefix(f"{options.Z}.")
+    return "`zenflow.*`" if key.startswith("zenflow.") else f"`{key}`"
+
+
+def readme_row() -> str:
+    """The README's row of refusals: the named refusals and the option table's refused keys."""
+    named = "; ".join(trouble.short for trouble in ENTRIES if trouble.short)
+    keys = ", ".join(dict.fromkeys(_short_key(option.key) for option in refused_options()))
+    return (
+        f"{README_ROW} {named}; these DeepSpeed options "
+        f"([why, and what instead](docs/troubleshooting.md)): {keys} |"
+    )
+
+
+README_ROW = "| refused at start, by name |"
+
+
+def readme(text: str) -> str:
+    """The README's text with its row of refusals rendered from the registry."""
+    lines = text.splitlines(keepends=True)
+    rows = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
+    if len(rows) != 1:
+        raise ValueError(f"README: {len(rows)} lines begin with {README_ROW!r}; it needs one")
+    lines[rows[0]] = readme_row() + "\n"
+    return "".join(lines)
+
+
+def _entry(trouble: Trouble) -> list[str]:
+    return [
+        f'<a id="{trouble.name}"></a>',
+        "",
+        f"### {trouble.title}",
+        "",
+        "```text",
+        trouble.shown(),
+        "```",
+        "",
+        f"**Why**: {trouble.cause}. **Fix**: {trouble.fix}.",
+        "",
+    ]
+
+
+def _entries(kind: str) -> list[str]:
+    return [line for trouble in ENTRIES if trouble.kind == kind for line in _entry(trouble)]
+
+
+def markdown() -> str:
+    """`docs/troubleshooting.md`."""
+    lines = [
+        "# Troubleshooting",
+        "",
+        "Every message mlp-offload gives a user, with its cause and its fix. Generated from "
+        "`mlp_offload/adapter/troubleshooting.py` (`make docs-pages`); "
+        "`tests/test_troubleshooting.py` checks this page, that every refusal comes from that registry, "
+        "and that each fault is met for real by a test matching its text. `<name>` stands for what the "
+        "message names.",
+        "",
+        "## Refused at start",
+        "",
+        "mlp-offload refuses at start what it does not reproduce bit for bit, before any state is "
+        "written: the error names the key or the object, and what to use instead.",
+        "",
+        *_entries(REFUSAL),
+        "### The refused DeepSpeed options",
+        "",
+        f"Each is an `{OPTION.name}` refusal. Every other option is bit-equal to stock "
+        "([`options.md`](options.md)).",
+        "",
+        "| option | refused | why | instead |",
+        "|---|---|---|---|",
+        *(f"| `{o.key}` | {_refused_values(o)} | {o.what} | {o.instead} |" for o in refused_options()),
+        "",
+        "## Errors",
+        "",
+        *_entries(FAULT),
+        "## Warnings",
+        "",
+        "Each is logged (the logger `mlp_offload`, or Python's `warnings`) and the job goes on.",
+        "",
+        *_entries(WARNING),
+    ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _refused_values(option: options.Option) -> str:
+    """The values refused, in words, from what the option row says to use instead."""
+    if option.instead.startswith(("leave it at", "set it to", "use ")):
+        return "any other value"
+    return "any value"
