@@ -106,13 +106,17 @@ docs-pages: ## write the pages generated from the code (config, telemetry, optio
 test-deepspeed: ## DeepSpeed's own ZeRO-3 offload tests, stock and with our engine swapped in (DEEPSPEED_TESTS=checkout or tests dir; else ../shared/deepspeed-tests; skips, saying so, when neither is there)
 	$(PY) tests/deepspeed_suite/run.py
 
+.PHONY: docs
+docs: ## build the docs site into target/site (mkdocs-material; --strict: a broken link, anchor or page fails)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 .PHONY: test
-test: ## everything CI runs: set-up, lint, Rust and Python tests, DeepSpeed's own tests with our engine; each stage's time
-	@bash scripts/stages.sh setup lint test-rust test-python test-deepspeed
+test: ## everything CI runs: set-up, lint, the docs site, Rust and Python tests, DeepSpeed's own tests with our engine; each stage's time
+	@bash scripts/stages.sh setup lint docs test-rust test-python test-deepspeed
 
 .PHONY: test-quick
-test-quick: ## the inner loop, within 5 minutes: lint, cargo test, the Python tests that start no DeepSpeed
-	@bash scripts/stages.sh setup lint test-rust test-python-quick
+test-quick: ## the inner loop, within 5 minutes: lint, the docs site, cargo test, the Python tests that start no DeepSpeed
+	@bash scripts/stages.sh setup lint docs test-rust test-python-quick
 
 .PHONY: run
 run: setup ## the main job: train a small LLaMA-style model, state on the default tiers (TIERS=dir1:dir2, STEPS=100)
