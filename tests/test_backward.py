@@ -57,6 +57,15 @@ BACKWARD_CASES = [
         "planned",
         1,
     ),
+    # Every step clipped: the update during backward is never tried, so the plan never weighs chunk
+    # order, whose smaller cache would cost I/O every step for nothing.
+    (
+        "as the plan chooses, every step clipped",
+        {"clip": 0.05},
+        {"shadow_slots": False, "overlap_backward": "auto"},
+        "never tried",
+        1,
+    ),
     ("and the rest behind the next forward", {}, {"overlap": True}, "kept", 1),
     ("gradient accumulation 2", {"grad_accum": 2}, {}, "kept", 1),
     ("two ranks, a scheduler changing the lr every step", {"scheduler": WARMUP}, {}, "kept", 2),
@@ -170,6 +179,9 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
     if what == "planned":
         check_planned_records(start, records)
         return
+    if what == "never tried":
+        check_never_tried_records(start, records)
+        return
     # Every streamed chunk has its second slot from the start.
     assert start["overlap_backward"]["slotted_chunks"] >= streamed, start["overlap_backward"]
     undone = []
@@ -272,6 +284,18 @@ def check_planned_records(start: dict[str, Any], records: list[dict[str, Any]]) 
     # tried from the first boundary with gradient times unless the plan found nothing to take there.
     assert not in_order_from_start or first == 1 or whys[1] == nothing_begins, whys
     assert sum(r["overlap_backward"]["in_backward"] for r in records) > 0
+
+
+def check_never_tried_records(start: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """`overlap_backward: "auto"` with every step clipped: never tried, the steps never in chunk order,
+    and the whole cache kept every step."""
+    assert start["chunks"] > start["cached_chunks"], start
+    for step, r in enumerate(records):
+        spec = r["overlap_backward"]
+        assert spec["why"].startswith("not tried") and spec["chunks"] == 0, (step, spec)
+        assert not spec["chunk_order"], (step, spec)
+        assert spec["chunk_order_why"] == "not weighed: this step's gradients were clipped", (step, spec)
+        assert step == 0 or r["cached"] == start["cached_chunks"], (step, r)
 
 
 # name, the DeepSpeed side, ranks

@@ -376,8 +376,8 @@ class OverlapBackward:
         self, run: BackwardUpdate | None, backward_start: float, backward_end: float
     ) -> BoundaryEnd:
         """At `step()`: every gradient is the step's now (also where DeepSpeed reduced the last ones in
-        step()); each chunk's lead, kept for the next boundary's plan, which weighs chunk order first
-        where the steps do not go in it yet."""
+        step()); each chunk's lead, kept for the next boundary's plan and for `settle`, which weighs
+        chunk order where the steps do not go in it yet."""
         opt = self.optimizer
         grads = opt._mlp_grads_final
         if run is not None:
@@ -385,8 +385,6 @@ class OverlapBackward:
         leads = grads.leads(backward_end)
         self.last_leads = leads
         self.last_boundary_backward = max(0.0, backward_end - backward_start)
-        if self.on and not opt._mlp_state.pipeline.ascending:
-            opt._mlp_planner.weigh_chunk_order(leads, self.last_boundary_backward)
         record: GradsFinal = {
             "backward_secs": self.last_boundary_backward,
             "lead_secs": [round(t, 3) for t in leads],
@@ -396,6 +394,19 @@ class OverlapBackward:
         if run is None:
             grads.reset()
         return BoundaryEnd(leads, record, changed, skipped)
+
+    def _weigh_chunk_order(self, leads: list[float]) -> None:
+        """Before chunk order, once this step's outcome is known: whether it pays, from this boundary's
+        gradient times (`leads`, `UpdatePlanner.weigh_chunk_order`), where the update during backward
+        could keep a step like this one. After a clipped step it is not tried, so chunk order would only
+        cost its smaller cache."""
+        opt = self.optimizer
+        if not self.on or opt._mlp_state.pipeline.ascending:
+            return
+        if self.likely:
+            opt._mlp_planner.weigh_chunk_order(leads, self.last_boundary_backward)
+        else:
+            opt._mlp_planner.order_why = "not weighed: this step's gradients were clipped"
 
     def skipped_step(self, run: BackwardUpdate | None) -> BackwardStep | None:
         """An fp16 overflow skips the update: what the update during backward changed is undone. Its
@@ -418,6 +429,7 @@ class OverlapBackward:
         """Keeps the update where the step's outcome (`grad_scale`, `groups`) is the one it assumed, else
         undoes it; every chunk is then updated by the step, its parameters written again."""
         likely, self.likely = self.likely, grad_scale == float(1.0 / self.optimizer.loss_scale)
+        self._weigh_chunk_order(boundary.leads)
         record, self.abandoned = self.abandoned, None
         if run is None:
             idle = self.on and record is None
