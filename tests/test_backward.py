@@ -20,6 +20,7 @@ from deepspeed_runs import (
     section,
     stock_side,
 )
+from mlp_offload.adapter import overlap_backward
 from mlp_offload.engine import planning, telemetry
 
 if importlib.util.find_spec("deepspeed") is None:
@@ -31,6 +32,9 @@ pytestmark = pytest.mark.deepspeed
 # A budget that caches every chunk of these rows' model and leaves room for a kept copy of each; one
 # slot per chunk on disk (none is added: the chunks are staged in memory).
 EVERY_CHUNK_CACHED = {"host_memory": "8M", "shadow_slots": False}
+
+# The first step of the loss spike in the row whose steps leave chunk order.
+SPIKE = 3
 
 
 # The streamed chunks updated during backward (`overlap_backward`): DeepSpeed reduces in small buckets,
@@ -64,6 +68,15 @@ BACKWARD_CASES = [
         {"clip": 0.05},
         {"shadow_slots": False, "overlap_backward": "auto"},
         "never tried",
+        1,
+    ),
+    # Clipped from the fourth step on (a loss spike): after three clipped steps in a row the plan leaves
+    # chunk order, and the whole cache comes back.
+    (
+        "as the plan chooses, clipped from the fourth step",
+        {"clip": 50.0, "loss_spike_from": SPIKE, "loss_spike": 1000.0, "steps": 8},
+        {"shadow_slots": False, "overlap_backward": "auto"},
+        "back to the cache's order",
         1,
     ),
     ("and the rest behind the next forward", {}, {"overlap": True}, "kept", 1),
@@ -154,19 +167,19 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     )
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
-        check_backward_records(a, outcome)
+        check_backward_records(a, outcome, case["steps"])
         if (at := case.get("set_params_apart_at")) is not None:
             # Chunks with parameters set apart were taken before the step undid them.
             records = [r for r in a["telemetry"] if r["event"] in ("step", "skipped")]
             assert records[at]["overlap_backward"]["chunks"] > 0, records[at]
 
 
-def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
+def check_backward_records(ours: dict[str, Any], outcome: str, steps: int) -> None:
     """What each step's record says of the update during backward, against the row's `outcome`."""
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
     assert start["overlap_backward"]["on"], start["overlap_backward"]
     records = [r for r in ours["telemetry"] if r["event"] in ("step", "skipped")]
-    assert len(records) == 6
+    assert len(records) == steps
     # Every record, and each one it holds, has the keys `engine.telemetry` documents.
     assert [m for r in ours["telemetry"] for m in telemetry.mismatches(r)] == []
     check_chunk_counts(start, [r for r in records if r["event"] == "step"])
@@ -181,6 +194,9 @@ def check_backward_records(ours: dict[str, Any], outcome: str) -> None:
         return
     if what == "never tried":
         check_never_tried_records(start, records)
+        return
+    if what == "back to the cache's order":
+        check_back_to_the_cache_order(start, records)
         return
     # Every streamed chunk has its second slot from the start.
     assert start["overlap_backward"]["slotted_chunks"] >= streamed, start["overlap_backward"]
@@ -296,6 +312,23 @@ def check_never_tried_records(start: dict[str, Any], records: list[dict[str, Any
         assert not spec["chunk_order"], (step, spec)
         assert spec["chunk_order_why"] == "not weighed: this step's gradients were clipped", (step, spec)
         assert step == 0 or r["cached"] == start["cached_chunks"], (step, r)
+
+
+def check_back_to_the_cache_order(start: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """`overlap_backward: "auto"`, the steps clipped from the fourth on (`SPIKE`): in chunk order before,
+    and at the last of `CLIPPED_STEPS_BACK` clipped steps in a row the cache's order again, whose next
+    step finds the whole cache."""
+    back = SPIKE + overlap_backward.CLIPPED_STEPS_BACK - 1
+    assert back == len(records) - 3, "the row's steps end two steps after the way back"
+    whys = [r["overlap_backward"]["why"] for r in records]
+    assert all(w == "not tried: the last step's gradients were clipped" for w in whys[SPIKE + 1 :]), whys
+    order = [r["overlap_backward"]["chunk_order"] for r in records]
+    assert order[SPIKE - 1 :] == [True] * (back - SPIKE + 1) + [False] * 3, order
+    steps = overlap_backward.CLIPPED_STEPS_BACK
+    why = records[back]["overlap_backward"]["chunk_order_why"]
+    assert why == f"back to the cache's order: {steps} steps in a row clipped", why
+    assert records[back]["cached"] < start["cached_chunks"], records[back]
+    assert [r["cached"] for r in records[back + 1 :]] == [start["cached_chunks"]] * 2, records
 
 
 # name, the DeepSpeed side, ranks

@@ -143,17 +143,20 @@ def test_in_chunk_order_the_first_chunks_stay_and_the_rest_stream(
 
 
 @pytest.mark.parametrize(("chunks", "buffers", "cache", "cached"), IN_CHUNK_ORDER)
-def test_a_pipeline_goes_to_chunk_order_between_steps(
+def test_a_pipeline_goes_to_chunk_order_between_steps_and_back(
     engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, cached: int
 ) -> None:
     """`go_ascending` after steps in the cache's order (the plan choosing the update during backward):
     the chunks its smaller cache does not keep are written back, and from the next step on every step
-    goes in chunk order with the first `cached` chunks kept, each chunk updated once a step, the store
-    exact."""
+    goes in chunk order with the first `cached` chunks kept. `go_latest_first` (the plan giving it up)
+    then brings the cache before back, filled by the next step. Each chunk updated once a step, the
+    store exact."""
     bump = Bumps(chunks)
     with ObjectStore(work_dirs[:2], engine=engine) as store:
         pipeline = ChunkPipeline(store, bump.keys, bump.sizes, buffers, cache_slots=cache)
         assert not pipeline.ascending and pipeline.cache_slots_in_chunk_order == cached
+        latest_first = pipeline.cache_slots
+        assert pipeline.cache_slots_latest_first == latest_first
         pipeline.initialize(lambda i, view: view.fill_(i))
         for _ in range(2):
             bump.seen.append([])
@@ -167,8 +170,20 @@ def test_a_pipeline_goes_to_chunk_order_between_steps(
             assert bump.seen[-1] == list(range(chunks))
             assert stats.writes == chunks - cached and pipeline.resident == list(range(cached))
             assert step == 2 or stats.cached == cached
+        pipeline.go_latest_first()
+        assert not pipeline.ascending and pipeline.cache_slots == latest_first
+        for step in range(5, 8):
+            bump.seen.append([])
+            order = pipeline.order
+            stats = pipeline.run_step(bump, drain=step % 2 == 0)
+            assert sorted(bump.seen[-1]) == list(range(chunks)) and bump.seen[-1] == order
+            # The first step back keeps chunk order's cache; from the next on the whole cache is kept.
+            assert stats.cached == (cached if step == 5 else latest_first)
+            assert stats.writes == chunks - latest_first
+            assert pipeline.resident == sorted(order[chunks - latest_first :])
+            assert len(pipeline.resident) + len(pipeline.retained) <= pipeline.buffer_count
         pipeline.flush()
-        bump.assert_stored(store, 5)
+        bump.assert_stored(store, 8)
 
 
 @pytest.mark.parametrize(

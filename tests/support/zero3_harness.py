@@ -285,6 +285,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             loss = engine(tokens.to(engine.device))
             if step == overflow_at:
                 loss = loss * float("inf")
+            if step >= case.get("loss_spike_from", case.get("steps", 10)):
+                # A loss spike from this step on: gradients this many times larger, clipped where the
+                # steps before were not.
+                loss = loss * case["loss_spike"]
             last_grad = None
             if step == case.get("first_param_grad_not_finite_at"):
                 # Only the first parameter's gradient, final last in backward: the gradients final

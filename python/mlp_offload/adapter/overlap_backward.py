@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 # The update during backward stops when the norms so far clip by more than this (relative): their sum
 # in another order may round differently from DeepSpeed's.
 CLIP_MARGIN = 1e-6
+# Clipped steps in a row after which the steps leave chunk order. Each one there costs the chunks its
+# smaller cache lacks, read and written; the way back to it costs one write of them and one boundary
+# without the update during backward. A single clipped step (a loss spike) is not a reason to leave.
+CLIPPED_STEPS_BACK = 3
 
 
 @dataclass
@@ -143,6 +147,8 @@ class OverlapBackward:
         # so, and is not tried after a step that was clipped (it would be undone as long as clipping goes
         # on); an unclipped step turns it back on.
         self.likely = True
+        # Steps clipped in a row since the plan went to chunk order (`_weigh_chunk_order`).
+        self.clipped_in_chunk_order = 0
         # Why this boundary's update was not tried, for step()'s record.
         self.skipped: str | None = None
         # The boundary's gradient norms so far, squared and summed, to stop it once they prove the step
@@ -395,18 +401,32 @@ class OverlapBackward:
             grads.reset()
         return BoundaryEnd(leads, record, changed, skipped)
 
-    def _weigh_chunk_order(self, leads: list[float]) -> None:
-        """Before chunk order, once this step's outcome is known: whether it pays, from this boundary's
-        gradient times (`leads`, `UpdatePlanner.weigh_chunk_order`), where the update during backward
-        could keep a step like this one. After a clipped step it is not tried, so chunk order would only
-        cost its smaller cache."""
+    def _weigh_chunk_order(self, leads: list[float], staged: bool) -> None:
+        """Once this step's outcome is known, with `overlap_backward: "auto"`. Before chunk order: whether
+        it pays, from this boundary's gradient times (`leads`, `UpdatePlanner.weigh_chunk_order`), where
+        the update during backward could keep a step like this one. After a clipped step it is not tried,
+        so chunk order would only cost its smaller cache: in it, `CLIPPED_STEPS_BACK` clipped steps in a
+        row (and nothing `staged`) take the steps back to the cache's order, until an unclipped one
+        weighs it again."""
         opt = self.optimizer
-        if not self.on or opt._mlp_state.pipeline.ascending:
+        if not self.on or opt._mlp_config.overlap_backward is True or opt._mlp_overlap:
             return
-        if self.likely:
-            opt._mlp_planner.weigh_chunk_order(leads, self.last_boundary_backward)
-        else:
-            opt._mlp_planner.order_why = "not weighed: this step's gradients were clipped"
+        pipeline, planner = opt._mlp_state.pipeline, opt._mlp_planner
+        if not pipeline.ascending:
+            if self.likely:
+                planner.weigh_chunk_order(leads, self.last_boundary_backward)
+            else:
+                planner.order_why = "not weighed: this step's gradients were clipped"
+            self.clipped_in_chunk_order = 0
+            return
+        self.clipped_in_chunk_order = 0 if self.likely else self.clipped_in_chunk_order + 1
+        back = pipeline.cache_slots_latest_first > pipeline.cache_slots
+        if back and not staged and self.clipped_in_chunk_order >= CLIPPED_STEPS_BACK:
+            pipeline.go_latest_first()
+            planner.overlap_backward = False
+            planner.order_why = (
+                f"back to the cache's order: {self.clipped_in_chunk_order} steps in a row clipped"
+            )
 
     def skipped_step(self, run: BackwardUpdate | None) -> BackwardStep | None:
         """An fp16 overflow skips the update: what the update during backward changed is undone. Its
@@ -429,7 +449,7 @@ class OverlapBackward:
         """Keeps the update where the step's outcome (`grad_scale`, `groups`) is the one it assumed, else
         undoes it; every chunk is then updated by the step, its parameters written again."""
         likely, self.likely = self.likely, grad_scale == float(1.0 / self.optimizer.loss_scale)
-        self._weigh_chunk_order(boundary.leads)
+        self._weigh_chunk_order(boundary.leads, staged=run is not None)
         record, self.abandoned = self.abandoned, None
         if run is None:
             idle = self.on and record is None

@@ -22,6 +22,7 @@ With the update overlapped with the next forward or with backward (`ascending`, 
 the first `cache_slots` chunks stay resident and come first with no read, and the rest stream through the
 other buffers, which the writes still in flight from the step before free as they complete. That cache
 leaves the stream its buffers: with every buffer as cache, up to `PIPELINE_BUFFERS` chunks fewer stay.
+`go_latest_first` goes back to the order above, with its cache.
 
 A part of a step may be staged (the update during backward, undone if the step's outcome is another):
 a streamed chunk's new version goes to disk beside its old one; a cached chunk is updated in its buffer,
@@ -152,6 +153,8 @@ class ChunkPipeline:
         # The cache in chunk order: the cached chunks come first and hold their buffers all step, so a
         # cache of every buffer ("auto") leaves the stream its buffers.
         self.cache_slots_in_chunk_order = self.cache_slots
+        # What `go_latest_first` gives back.
+        self.cache_slots_latest_first = self.cache_slots
         if n > self.cache_slots >= self.buffer_count:
             self.cache_slots_in_chunk_order = self.buffer_count - min(
                 PIPELINE_BUFFERS, max(1, self.buffer_count - 1)
@@ -215,6 +218,17 @@ class ChunkPipeline:
                 buffer = self._resident.pop(c)
                 self._retained[c] = (buffer, self.store.write(self.keys[c], self.view(c, buffer)))
         self._order = next_order(self._order, set(self._resident), set(self._retained), ascending=True)
+
+    def go_latest_first(self) -> None:
+        """Back from `go_ascending`: from the next step on, each step in the order that follows from the
+        one before (`next_order`), with the cache it had before chunk order. Nothing is written now: the
+        next step's last chunks fill the larger cache."""
+        self._idle("go_latest_first")
+        if not self._ascending:
+            return
+        self._ascending = False
+        self.cache_slots = self.cache_slots_latest_first
+        self._order = next_order(self._order, set(self._resident), set(self._retained))
 
     @property
     def order(self) -> list[int]:
