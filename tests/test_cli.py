@@ -419,11 +419,12 @@ def test_plan_for_several_nodes_gives_each_its_part_of_the_shared_paths(work_dir
 
 def test_plan_counts_the_states_bytes(work_dirs: list[Path]) -> None:
     """`plan --state-bytes`: the chunks, the whole state and the plan in the mode's bytes (fp32, 10 and 6
-    bytes a parameter), each chunk a whole number of 4 KiB pages for every array."""
+    bytes a parameter, and 8 and 4 with the master weights in the parameters), each chunk a whole number of
+    4 KiB pages for every array."""
     dirs = [str(work_dirs[0])]
     plan = ("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "64M")
     workloads, predicted = {}, {}
-    for state_bytes in (12, 10, 6):
+    for state_bytes in (12, 10, 6, 8, 4):
         out = json.loads(run_cli(*plan, "--json", "-q", "--state-bytes", str(state_bytes), *dirs).stdout)
         workloads[state_bytes], predicted[state_bytes] = out["workload"], out["plan"]["predicted_update_secs"]
     for state_bytes, workload in workloads.items():
@@ -432,8 +433,9 @@ def test_plan_counts_the_states_bytes(work_dirs: list[Path]) -> None:
         assert workload["bytes_per_chunk"] == state_bytes * elements
         assert elements % (1024 if state_bytes == 12 else 2048) == 0, workload
     assert workloads[6]["whole_state_bytes"] < 0.55 * workloads[12]["whole_state_bytes"]
-    assert predicted[6] < predicted[10] < predicted[12]
-    out = run_cli(*plan, "--state-bytes", "8", *dirs, check=False)
+    assert workloads[4]["whole_state_bytes"] < 0.7 * workloads[6]["whole_state_bytes"]
+    assert predicted[4] < predicted[6] < predicted[10] < predicted[12] and predicted[8] < predicted[10]
+    out = run_cli(*plan, "--state-bytes", "7", *dirs, check=False)
     assert out.returncode == 2 and "--state-bytes" in out.stderr, out.stderr
 
 

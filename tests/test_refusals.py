@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from deepspeed_runs import (
+    STATE_MODES,
     assert_bit_equal,
     run_case,
     section,
@@ -48,6 +49,25 @@ def test_bad_sections_are_named_before_the_first_step(
     with pytest.raises(AssertionError, match=message) as e:
         run_case(case, tmp_path, "bad")
     assert met(entry, str(e.value)), str(e.value)[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("ds_side", "extra"),
+    [
+        # DeepSpeed's master weights in fp32: the parameters hold them narrowed.
+        ({}, {}),
+        # In bf16, but the update during backward asked for: its undo needs them apart.
+        (STATE_MODES["bf16 weights and moments"][0], {"overlap_backward": True}),
+    ],
+    ids=["fp32 master weights", "overlap_backward true"],
+)
+def test_master_in_params_true_where_it_cannot_be_is_named(
+    ds_side: dict[str, Any], extra: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
+    case = {**ds_side, "mlp_offload": section(work_dirs[:1], master_in_params=True, **extra), "steps": 1}
+    with pytest.raises(AssertionError, match=r"mlp_offload\.master_in_params: true, but") as e:
+        run_case(case, tmp_path, "bad")
+    assert met("master-in-params", str(e.value)), str(e.value)[-2000:]
 
 
 def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:

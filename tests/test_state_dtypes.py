@@ -3,7 +3,10 @@
 master weights and gradients (`fp16.fp16_master_weights_and_grads`). Each mode trains bit-equal to stock
 DeepSpeed's CPU offload in the same mode, through the engine's paths (every chunk cached with the update
 behind the forward, the state streamed, two ranks, a layer left out of steps, the update during backward
-kept and undone, DeepSpeed's state helpers), and resumes in a new process as stock resumes."""
+kept and undone, DeepSpeed's state helpers), with the master weights in the parameters (`master_in_params`,
+the README's section) and in the store, and resumes in a new process as stock resumes. Parameters changed
+outside the optimizer stop the step with the master weights in the parameters, naming them, and train as
+stock's with them in the store."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import pytest
 
 from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section, stock_resume, stock_side
+from mlp_offload.adapter import troubleshooting
 
 pytestmark = pytest.mark.deepspeed
 
@@ -34,6 +38,17 @@ ROWS: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, int, str | Non
     ("the README's section, accumulation and clipping", BF16_WM, ACCUMULATED, None, 1, None),
     ("the README's section, accumulation and clipping", FP16_W, ACCUMULATED, None, 1, None),
     ("streamed, 2 ranks", BF16_WM, {}, STREAMED, 2, None),
+    # DeepSpeed's fp32-param setters set the master weights apart from the parameters until the step.
+    ("the README's section, DeepSpeed's helpers before step()", BF16_WM, {"helpers_at": 3}, None, 1, None),
+    ("streamed, DeepSpeed's helpers before step()", FP16_W, {"helpers_at": 2}, STREAMED, 1, None),
+    (
+        "streamed, the master weights in the store",
+        BF16_WM,
+        {},
+        {**STREAMED, "master_in_params": False},
+        1,
+        None,
+    ),
     # Stock multiplies the gradient of a layer left out of a step by each step's factor in bf16 (on the
     # tests' GPT: stock's fetch trace fails when the attention model's last layer is left out).
     (
@@ -86,7 +101,8 @@ def test_each_mode_trains_bit_equal_to_stock(
 ) -> None:
     """Every step's loss and gradient norm, the final master weights and moments (in the mode's dtypes)
     and the half-precision partitions equal stock's in the same mode, on every rank; the start-up record
-    names the state's dtypes."""
+    names the state's dtypes, and whether the master weights are in the parameters: unless the section
+    says otherwise, or asks for the update during backward."""
     case = {**_mode_case(mode, ds_side), "steps": STEPS}
     ours_section = (
         {"paths": [str(p) for p in probed_paths(ranks)]} if keys is None else section(work_dirs[:2], **keys)
@@ -97,6 +113,10 @@ def test_each_mode_trains_bit_equal_to_stock(
         assert_bit_equal(a, b)
         start = next(r for r in a["telemetry"] if r["event"] == "start")
         assert start["update_kernel"]["state_dtypes"] == STATE_MODES[mode][1], start["update_kernel"]
+        in_params = (keys or {}).get("master_in_params", "auto") and (keys or {}).get(
+            "overlap_backward"
+        ) is not True
+        assert start["master_in_params"]["on"] == bool(in_params), start["master_in_params"]
         if shows == "in backward":
             steps = [r for r in a["telemetry"] if r["event"] == "step"]
             assert sum(r["overlap_backward"]["in_backward"] for r in steps) > 0, [
@@ -140,3 +160,22 @@ def test_each_mode_resumes_in_a_new_process_as_stock_resumes(
     stock = stock_resume(ds_case, SAVE_AT, ranks, tmp_path)
     for a, b in zip(resumed.get("ranks", [resumed]), stock, strict=True):
         assert_bit_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", [BF16_WM, FP16_W])
+def test_parameters_changed_outside_the_optimizer_stop_the_step_or_are_overwritten_as_stock(
+    mode: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """`GatheredParameters(modifier_rank=0)` changes the last parameters before step 3: stock's step
+    overwrites the change from its master weights. With them in the parameters (`master_in_params`,
+    by default) ours stops that step, naming the parameters' subgroup; with them in the store it trains
+    as stock's, bit for bit."""
+    case = {**_mode_case(mode, {}), "steps": 5, "set_params_apart_at": 3}
+    keys: dict[str, Any] = {**STREAMED, "master_in_params": "auto"}
+    with pytest.raises(AssertionError) as stopped:
+        run_case({**case, "mlp_offload": section(work_dirs[:2], **keys)}, tmp_path, "in-params")
+    assert troubleshooting.met("params-changed", str(stopped.value)), str(stopped.value)[-3000:]
+    stock = run_case(stock_side(case), tmp_path, "stock")
+    keys["master_in_params"] = False
+    ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys)}, tmp_path, "in-store")
+    assert_bit_equal(ours, stock)

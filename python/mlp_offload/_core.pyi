@@ -161,7 +161,10 @@ class AdamKernel:
         moments_dtype: str = "float32",
         stored_master_dtype: str = "float32",
         stored_moments_dtype: str = "float32",
-    ) -> tuple[list[int] | None, list[int] | None, list[tuple[int, bytes]] | None]:
+        master_in_params: bool = False,
+    ) -> tuple[
+        list[int] | None, list[int] | None, list[tuple[int, bytes]] | None, tuple[int | None, int | None]
+    ]:
         """One chunk in place at these addresses (GIL released): `state` its params, exp_avg and
         exp_avg_sq, `count` each in `stored_master_dtype`/`stored_moments_dtype`, laid out as
         `state_layout` says; `grad` and `params` `count` of their dtypes; the bias correction advances
@@ -172,7 +175,10 @@ class AdamKernel:
         (address of as many bytes as the state's), the state before the pass is copied there in the
         pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the state in (each value
         rounded to them as its CPU Adam stores it, kept in its own dtype or in fp32; `grad` and `params`
-        then of the master's dtype)."""
+        then of the master's dtype). With `master_in_params`, `params` are the master weights themselves,
+        `state` and `keep_state` the moments alone (`state_layout(..., master_in_params=True)`),
+        `keep_params` keeps every parameter, and the last item is the parameters' CRC32C as read and as
+        written (where the state's were asked for; else None)."""
 
 @final
 class ObjectStore:
@@ -348,9 +354,12 @@ def block_activity(
     """What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
     direction, mean request sizes, merged shares, mean queue depth, busy share."""
 
-def state_layout(master_dtype: str, moments_dtype: str, count: int) -> tuple[list[int], int]:
+def state_layout(
+    master_dtype: str, moments_dtype: str, count: int, master_in_params: bool = False
+) -> tuple[list[int], int]:
     """Where a chunk of `count` elements keeps a state in these dtypes: each array's first byte
-    (params, exp_avg, exp_avg_sq; the wider arrays first), and the chunk's bytes."""
+    (params, exp_avg, exp_avg_sq; the wider arrays first), and the chunk's bytes. With
+    `master_in_params` the chunk keeps the moments alone (the params' offset is past them)."""
 
 def crc32c(buffer: Any) -> int:
     """The CRC32C of a contiguous buffer-protocol object's bytes (GIL released), as the store keeps it."""

@@ -128,40 +128,47 @@ def _one_nan(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def kernel_digests() -> dict[str, str]:
     """Per row of the table: the SHA-256 of the state, the parameters and the checksums after each of three
-    steps through the fused pass (`simd: "auto"`, the widest this CPU runs)."""
+    steps through the fused pass (`simd: "auto"`, the widest this CPU runs); the half-precision states also
+    with the master weights in the parameters (`master_in_params`: the chunk's bytes the moments alone)."""
     from mlp_offload import _core
 
     digests = {}
     chunks = [(*chunk, "float32", "float32") for chunk in KERNEL_CHUNKS]
     chunks += [(master, master, n, master, moments) for master, moments, n in KERNEL_STATES]
     rows = [
-        (a, arith, chunk, adamw, specials)
+        (a, arith, chunk, adamw, specials, in_params)
         for a, arith in enumerate(KERNEL_ARITHS)
         for chunk in chunks
         for adamw in (True, False)
         for specials in (False, True)
-        if chunk[2] >= 8 or not specials
+        for in_params in (False, True)
+        if (chunk[2] >= 8 or not specials) and (chunk[3] != "float32" or not in_params)
     ]
-    for a, arith, (grad_dtype, params_dtype, n, master, moments), adamw, specials in rows:
+    for a, arith, (grad_dtype, params_dtype, n, master, moments), adamw, specials, in_params in rows:
         weight_decay = 0.01 if adamw else 0.0
         rng = np.random.default_rng([a, n, adamw, specials])
         values = (rng.random(3 * n) * 2 - 1).astype(np.float32)
         values[2 * n :] = np.abs(values[2 * n :])
-        # The state in its dtypes, laid out as the engine keeps it.
+        # The state in its dtypes, laid out as the engine keeps it (the master weights in the parameters
+        # with `in_params`).
         dtypes = (master, moments, moments)
-        offsets, total = _core.state_layout(master, moments, n)
+        offsets, total = _core.state_layout(master, moments, n, in_params)
         raw = np.zeros(total, dtype=np.uint8)
+        params = np.zeros(n, dtype=np.uint16)
         arrays = [
-            raw[at : at + n * (4 if dtype == "float32" else 2)].view(
+            params
+            if in_params and k == 0
+            else raw[at : at + n * (4 if dtype == "float32" else 2)].view(
                 np.float32 if dtype == "float32" else np.uint16
             )
-            for at, dtype in zip(offsets, dtypes, strict=True)
+            for k, (at, dtype) in enumerate(zip(offsets, dtypes, strict=True))
         ]
         for k, (array, dtype) in enumerate(zip(arrays, dtypes, strict=True)):
             array[:] = _rounded(values[k * n : (k + 1) * n], dtype)
         # Cut within the state's bytes, as the store's stripes cut it.
         cuts = ([0, 4 * n], [0, 8 * n]) if total == 12 * n else ([0, 2 * n], [0, 4 * n])
-        params = np.zeros(n, dtype=np.uint16)
+        if in_params:
+            cuts = ([0, total // 2], [0])
         kernel = _core.AdamKernel(ADAM["beta1"], ADAM["beta2"], **arith)
         digest = hashlib.sha256()
         for step in (1, 2, 3):
@@ -184,16 +191,17 @@ def kernel_digests() -> dict[str, str]:
                 moments_dtype=moments,
                 stored_master_dtype=master,
                 stored_moments_dtype=moments,
+                master_in_params=in_params,
                 **ADAM,
             )
             for array, dtype in zip(arrays, dtypes, strict=True):
                 digest.update(_one_nan(array, dtype).tobytes())
             digest.update(_one_nan(params, params_dtype).tobytes())
             if not specials:
-                digest.update(json.dumps(sums[:2]).encode())
+                digest.update(json.dumps(sums[:2] if not in_params else [*sums[:2], sums[3]]).encode())
         key = f"{json.dumps(arith, sort_keys=True)} {grad_dtype}->{params_dtype} n={n} adamw={adamw}"
         if master != "float32" or moments != "float32":
-            key += f" state {master}/{moments}"
+            key += f" state {master}/{moments}{' (master in params)' if in_params else ''}"
         digests[f"{key}{' specials' if specials else ''}"] = digest.hexdigest()
     return digests
 

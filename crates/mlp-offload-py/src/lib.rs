@@ -289,12 +289,14 @@ fn arith_dict(py: Python<'_>, arith: &DeepSpeedArith) -> PyResult<Py<PyAny>> {
     Ok(dict.into_any().unbind())
 }
 
-/// The state's stripe checksums as read and as written, where asked for; and the parameters kept as
-/// they were before the pass (first element, bytes), where asked for.
+/// The state's stripe checksums as read and as written, where asked for; the parameters kept as they
+/// were before the pass (first element, bytes), where asked for; and with the master weights in the
+/// parameters, the parameters' checksums as read and as written, where the state's were asked for.
 type ChunkSumsPy = (
     Option<Vec<u32>>,
     Option<Vec<u32>>,
     Option<Vec<(usize, Py<PyBytes>)>>,
+    (Option<u32>, Option<u32>),
 );
 
 /// DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
@@ -456,12 +458,16 @@ impl AdamKernel {
     /// the pass is copied there in the pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps
     /// the state in (each value of `state` rounded to them as its CPU Adam stores it; the gradient and
     /// the parameters in the master weights' dtype where that is half precision); each array is kept
-    /// in its own dtype or in fp32. Runs without the GIL.
+    /// in its own dtype or in fp32. With `master_in_params`, `params` are the master weights themselves
+    /// (DeepSpeed's half-precision ones), `state` and `keep_state` the moments alone (`state_layout`'s
+    /// with it), `keep_params` keeps every parameter, and the parameters' checksums come back apart.
+    /// Runs without the GIL.
     #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
                         beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
                         read_cuts=None, write_cuts=None, keep_params=false, keep_state=None,
                         master_dtype="float32", moments_dtype="float32",
-                        stored_master_dtype="float32", stored_moments_dtype="float32"))]
+                        stored_master_dtype="float32", stored_moments_dtype="float32",
+                        master_in_params=false))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
@@ -490,6 +496,7 @@ impl AdamKernel {
         moments_dtype: &str,
         stored_master_dtype: &str,
         stored_moments_dtype: &str,
+        master_in_params: bool,
     ) -> PyResult<ChunkSumsPy> {
         let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
         let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
@@ -526,6 +533,7 @@ impl AdamKernel {
                         params.map(|a| (a, params_kind)),
                         keep_params,
                         keep_state,
+                        master_in_params,
                         kinds,
                         count,
                         grad_scale,
@@ -543,7 +551,8 @@ impl AdamKernel {
                 .map(|k| (k.first, PyBytes::new(py, &k.bytes).unbind()))
                 .collect()
         });
-        Ok((sums.read, sums.write, kept))
+        let [params_read, params_write] = sums.params;
+        Ok((sums.read, sums.write, kept, (params_read, params_write)))
     }
 }
 
@@ -886,18 +895,21 @@ impl Drop for PyObjectStore {
 
 /// Facts about one directory: alignment, O_DIRECT support (tested), device identity.
 /// Where a chunk of `count` elements keeps a state in `master_dtype` and `moments_dtype` (torch's
-/// names): each array's first byte (params, exp_avg, exp_avg_sq), and the chunk's bytes.
+/// names): each array's first byte (params, exp_avg, exp_avg_sq), and the chunk's bytes. With
+/// `master_in_params` the chunk keeps the moments alone (the params' offset is past them).
 #[pyfunction]
+#[pyo3(signature = (master_dtype, moments_dtype, count, master_in_params=false))]
 fn state_layout(
     master_dtype: &str,
     moments_dtype: &str,
     count: usize,
+    master_in_params: bool,
 ) -> PyResult<(Vec<usize>, usize)> {
     let kinds = StateKinds {
         master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
         moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
     };
-    let (offsets, total) = kinds.layout(count);
+    let (offsets, total) = kinds.layout_for(count, master_in_params);
     Ok((offsets.to_vec(), total))
 }
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from mlp_offload.adapter import stale_gradients
+from mlp_offload.adapter import master_in_params, stale_gradients
 from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
 from mlp_offload.engine.pipeline import KeptCopy
 from mlp_offload.engine.state import FP32
@@ -109,13 +109,18 @@ class ChunkUpdater:
         the state's checksums as read and as written, cut at the store's stripes. `groups`: the
         optimizer's param groups as the step saw them. `kept_params`, `kept_state`: see
         `FusedAdam.update` (`kept_state.filled` is set once the pass ran). `stale_ranges`: the step's
-        gradients from earlier boundaries (`stale`)."""
+        gradients from earlier boundaries (`stale`). With the master weights in the parameters, the
+        pass starts from those set apart, if any, and checks that nothing else changed the parameters
+        (`master_in_params`)."""
         opt = self.optimizer
         assert opt._mlp_fused is not None
-        i, first, count = opt._mlp_state.chunks[chunk]
+        state = opt._mlp_state
+        i, first, count = state.chunks[chunk]
         group = groups[opt.sub_group_to_group_id[i]]
         half = opt.fp16_partitioned_groups_flat[i].data[first : first + count]
         grad = self._pass_gradient(i, first, count, stale_ranges)
+        in_params = state.stored.master_in_params
+        set_apart = in_params and state.take_master_set_apart(chunk)
         params = half
         slot = self.scratch_next
         if not self.params_on_host:
@@ -124,13 +129,18 @@ class ChunkUpdater:
             # copied over after it as they are, on this thread's stream, while the next chunk's pass
             # writes the other slot (half-precision parameters; fp32 ones have one slot). Its narrowing
             # is the one DeepSpeed's copy does on the host before that copy (`fused_update.self_check`).
-            # Where the pass is to keep what it overwrites, it first gets the parameters as they are.
+            # Where the pass is to keep what it overwrites, or reads the master weights there, it first
+            # gets the parameters as they are.
             self.scratch_next = (slot + 1) % self.scratch_slots
             self._wait_for_scratch(slot)
             c = self.grad.numel()
             params = self.grad.view(half.dtype)[slot * c : slot * c + count]
-            if kept_params is not None:
+            if kept_params is not None or in_params:
                 params.copy_(half)
+        cuts = (read_cuts, write_cuts)
+        if in_params:
+            # The parameters' checksums come with the state's: asked for on every pass.
+            cuts = (read_cuts or [0], write_cuts or [0])
         sums = opt._mlp_fused.update(
             state_bytes,
             grad,
@@ -138,13 +148,17 @@ class ChunkUpdater:
             grad_scale=grad_scale,
             step=step,
             group=group,
-            read_cuts=read_cuts,
-            write_cuts=write_cuts,
+            read_cuts=cuts[0],
+            write_cuts=cuts[1],
             kept_params=kept_params,
             kept_state=None if kept_state is None else kept_state.state,
         )
         if kept_state is not None:
             kept_state.filled = True
+        if in_params:
+            master_in_params.check_params(
+                state, chunk, None if set_apart else sums.params_read, sums.params_write
+            )
         if params is not half:
             if self.scratch_pool is None:
                 half.copy_(params)
@@ -161,7 +175,7 @@ class ChunkUpdater:
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in adam:
                 adam[key] = torch.empty(0, dtype=FP32)
-        return sums
+        return (sums.read if read_cuts else None), (sums.write if write_cuts else None)
 
     def _pass_gradient(
         self, i: int, first: int, count: int, stale_ranges: stale_gradients.StaleRanges | None

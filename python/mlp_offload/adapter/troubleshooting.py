@@ -195,6 +195,33 @@ HOST_MEMORY = Trouble(
     "the other chunks through",
     'raise `host_memory` (or set it to "auto"), lower `update_chunk`, or lower `cache_chunks`',
 )
+MASTER_IN_PARAMS = Trouble(
+    "master-in-params",
+    "master_in_params: true where the parameters do not hold the master weights",
+    'mlp_offload.master_in_params: true, but {why}; use "auto" or false',
+    REFUSAL,
+    "the master weights are kept in the parameters only where DeepSpeed keeps them in the parameters' "
+    "half precision (`bf16_master_weights_and_grads`, `fp16_master_weights_and_grads`), and not with "
+    "`overlap_backward: true`",
+    '`master_in_params: "auto"` keeps them in the parameters where it can, and says why not elsewhere',
+    "`master_in_params: true` where it cannot be",
+)
+PARAMS_CHANGED = Trouble(
+    "params-changed",
+    "Parameters changed outside the optimizer",
+    "mlp_offload: the parameters of subgroup {subgroup} (elements {first} to {last}) changed outside the "
+    "optimizer since its last step; DeepSpeed's step would overwrite that change from its master weights, "
+    "which master_in_params keeps in the parameters, so this step would differ from stock's. It was "
+    "stopped part way: load the last checkpoint",
+    FAULT,
+    "with `master_in_params`, something wrote the half-precision parameters between two steps "
+    "(`GatheredParameters` with a `modifier_rank`, a write to a parameter's `ds_tensor`); stock "
+    "DeepSpeed's next step overwrites such a change from its master weights, which the engine keeps only "
+    "in the parameters",
+    "set the weights through DeepSpeed's `safe_set_full_fp32_param` (the master weights, as stock's next "
+    "step reads them), or set `mlp_offload.master_in_params: false` to keep the master weights apart "
+    "and have the change overwritten as stock does; then load the last checkpoint",
+)
 
 FORMATTED_HERE = (
     SERIES,
@@ -212,6 +239,8 @@ FORMATTED_HERE = (
     UNIVERSAL_SIZE,
     UNIVERSAL_EXPERT,
     HOST_MEMORY,
+    MASTER_IN_PARAMS,
+    PARAMS_CHANGED,
 )
 
 MET_BY_TESTS = (

@@ -56,7 +56,7 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from mlp_offload.adapter import checkpoint, stale_gradients, troubleshooting
+from mlp_offload.adapter import checkpoint, master_in_params, stale_gradients, troubleshooting
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, StepSnapshot
@@ -366,10 +366,17 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """The dtypes DeepSpeed keeps the state in: its master weights' (`master_weights_and_grads_dtype`,
         from `bf16_master_weights_and_grads` or `fp16_master_weights_and_grads`), and its CPU Adam's
         moments (fp32, or with `fp32_optimizer_states` off, as `bf16_optimizer_states` turns it off, the
-        weights'). The store keeps each array in its dtype (`fused_update.StateDtypes.arrays`)."""
+        weights'). The store keeps each array in its dtype (`fused_update.StateDtypes.arrays`), and the
+        master weights in the parameters where they hold their bits (`master_in_params`)."""
         master = self.master_weights_and_grads_dtype
         fp32_moments = getattr(self.optimizer, "fp32_optimizer_states", True)
-        return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master)
+        in_params, _ = self._mlp_master_in_params()
+        return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master, in_params)
+
+    def _mlp_master_in_params(self) -> tuple[bool, str]:
+        """Whether the master weights are kept in the parameters (`master_in_params.choose`), and why."""
+        params = self.fp16_partitioned_groups_flat[0].dtype
+        return master_in_params.choose(self._mlp_config, self.master_weights_and_grads_dtype, params)
 
     def _mlp_choose_kernel(
         self, dtypes: fused_update.StateDtypes, stored: fused_update.StateDtypes
@@ -430,6 +437,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         except ValueError as e:
             raise _budget_error(e, host_memory, layout) from None
         whys["kernel"] = kernel_why
+        whys["master_in_params"] = self._mlp_master_in_params()[1]
         self._mlp_chunk_update = ChunkUpdater(
             self, layout.elements, first_half.element_size(), params_on_host
         )
@@ -479,6 +487,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         backward.on, backward_why = overlap.choose_overlap_backward(
             config.overlap_backward, fused, not every_cached, params_on_host, kept_copies
         )
+        if backward.on and self._mlp_dtypes.master_in_params:
+            backward.on, backward_why = False, master_in_params.BACKWARD_OFF
         self._mlp_state = ChunkedState(
             self._mlp_store,
             numels,
@@ -492,6 +502,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             shadow_slots=config.shadow_slots,
             kept_copies=kept_copies if backward.on else 0,
             stored=self._mlp_dtypes,
+            partition=lambda i: self.fp16_partitioned_groups_flat[i].data,
         )
         pipeline = self._mlp_state.pipeline
         if backward.on and pipeline.cache_slots_in_chunk_order == pipeline.cache_slots:
@@ -541,6 +552,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             },
             # Which update runs per chunk (the fused pass or DeepSpeed's), and why.
             "update_kernel": fused_update.kernel_record(self._mlp_fused, self._mlp_dtypes, whys["kernel"]),
+            # Whether the master weights are kept in the parameters, and why.
+            "master_in_params": {"on": self._mlp_dtypes.master_in_params, "why": whys["master_in_params"]},
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": self._mlp_overlap, "why": whys["overlap"]},
             # Whether chunks are updated during backward, and why.

@@ -169,8 +169,9 @@ def parse_count(text: str) -> int:
 # Budgets of the `plan` table, as fractions of what caching the whole state takes.
 PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
 # `plan --state-bytes`: the states DeepSpeed keeps with ZeRO-3 and an offloaded optimizer (fp32;
-# half-precision master weights beside fp32 moments; bf16 weights and moments).
-STATE_BYTES_CHOICES = (12, 10, 6)
+# half-precision master weights beside fp32 moments; bf16 weights and moments), and the last two with the
+# master weights in the parameters (`master_in_params`).
+STATE_BYTES_CHOICES = (12, 10, 6, 8, 4)
 
 
 def node_part(profile: profiles.Profile, args: argparse.Namespace) -> list[float]:
@@ -402,8 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=STATE_BYTES_CHOICES,
         default=memory.STATE_BYTES,
-        help="bytes of optimizer state a parameter: 12 (fp32), 10 (DeepSpeed's bf16 or fp16 master "
-        "weights with fp32 moments), 6 (bf16 master weights and bf16_optimizer_states)",
+        help="bytes of optimizer state a parameter in the store: 12 (fp32), 10 (DeepSpeed's bf16 or fp16 "
+        "master weights with fp32 moments), 6 (bf16 master weights and bf16_optimizer_states); 8 and 4 are "
+        "those two with the master weights in the parameters (master_in_params, the default there)",
     )
     plan.add_argument(
         "--adam-bytes-per-s",

@@ -130,6 +130,18 @@ class MLPOffloadConfig(BaseModel):
     could run during backward, of the chunks whose update could begin before backward ends; `true`: every
     chunk it may take. Each step's record says what it did, and why (docs/design/overlap-backward.md)."""
 
+    master_in_params: bool | Literal["auto"] = "auto"
+    """Keep DeepSpeed's half-precision master weights in the parameters only, and the moments in the store.
+
+    With DeepSpeed's master weights in the parameters' dtype (`bf16.bf16_master_weights_and_grads`,
+    `fp16.fp16_master_weights_and_grads`), DeepSpeed copies them into the parameters after every step,
+    so the parameters hold their bits: the store keeps the moments alone (8 or 4 bytes a parameter for
+    10 or 6), bit for bit the same. Parameters changed outside the optimizer, which DeepSpeed's master
+    weights would overwrite at the next step, are an error at that step. `"auto"`: on in those modes
+    unless `overlap_backward` is `true` (whose undo needs the master weights apart; `"auto"` turns the
+    update during backward off); `false`: the master weights in the store too. The start-up record says
+    which, and why (docs/design/master-in-params.md)."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

@@ -29,6 +29,7 @@ DESIGN_PAGES = {
     "update_threads": "design/update-kernel.md",
     "overlap": "design/overlap.md",
     "overlap_backward": "design/overlap-backward.md",
+    "master_in_params": "design/master-in-params.md",
     "device_inflight": "design/admission.md",
     "device_sharing": "design/admission.md",
 }

@@ -24,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,51 +39,65 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 @dataclass(frozen=True)
 class StateDtypes:
     """The dtypes DeepSpeed keeps a subgroup's optimizer state in: its master weights (and their
-    gradients: DeepSpeed's `master_weights_and_grads_dtype`) and its Adam moments."""
+    gradients: DeepSpeed's `master_weights_and_grads_dtype`) and its Adam moments; and, for how chunks
+    keep them, whether the master weights are the half-precision parameters themselves
+    (`master_in_params`: a chunk's bytes are its moments alone)."""
 
     master: torch.dtype = torch.float32
     moments: torch.dtype = torch.float32
+    master_in_params: bool = False
 
     @property
     def is_fp32(self) -> bool:
         return self.master == torch.float32 and self.moments == torch.float32
 
     def __str__(self) -> str:
-        return f"master weights {DTYPES[self.master]}, moments {DTYPES[self.moments]}"
+        where = " (in the parameters)" if self.master_in_params else ""
+        return f"master weights {DTYPES[self.master]}{where}, moments {DTYPES[self.moments]}"
 
     @property
     def bytes_per_element(self) -> int:
-        """Bytes of state per parameter kept in these dtypes: 12 in fp32, 10 or 6 in half precision."""
-        return self.master.itemsize + 2 * self.moments.itemsize
+        """Bytes of state per parameter a chunk keeps: 12 in fp32, 10 or 6 in half precision; 8 or 4
+        with the master weights in the parameters."""
+        return (0 if self.master_in_params else self.master.itemsize) + 2 * self.moments.itemsize
 
     def nbytes(self, n: int) -> int:
         """Bytes of a chunk of `n` elements kept in these dtypes."""
         return self.bytes_per_element * n
 
-    def arrays(self, state: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of a chunk's params, exp_avg and exp_avg_sq in `state` (its bytes, any dtype, at least
-        `nbytes(n)`), each in its dtype, where `_core.state_layout` lays them out (the wider arrays
-        first, so each is aligned whatever `n` is)."""
-        offsets, total = _core.state_layout(DTYPES[self.master], DTYPES[self.moments], n)
+    def arrays(self, state: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """Views of the arrays a chunk's bytes keep in `state` (any dtype, at least `nbytes(n)`), each in
+        its dtype, where `_core.state_layout` lays them out (the wider arrays first, so each is aligned
+        whatever `n` is): params, exp_avg and exp_avg_sq, or with `master_in_params` the moments alone."""
+        offsets, total = _core.state_layout(
+            DTYPES[self.master], DTYPES[self.moments], n, self.master_in_params
+        )
         raw = state.view(torch.uint8)[:total]
-        return tuple(  # type: ignore[return-value]
+        kept = zip(offsets, (self.master, self.moments, self.moments), strict=True)
+        return tuple(
             raw[at : at + n * dtype.itemsize].view(dtype)
-            for at, dtype in zip(offsets, (self.master, self.moments, self.moments), strict=True)
+            for k, (at, dtype) in enumerate(kept)
+            if k > 0 or not self.master_in_params
         )
 
     def pack(self, fp32: torch.Tensor) -> torch.Tensor:
         """`[params | exp_avg | exp_avg_sq]` in fp32 (values of these dtypes) as a chunk's bytes kept
-        in them: each value's own bits."""
+        in them: each value's own bits (the moments alone with `master_in_params`)."""
         n = fp32.numel() // 3
         state = torch.empty(self.nbytes(n), dtype=torch.uint8)
-        for k, array in enumerate(self.arrays(state, n)):
+        first = 1 if self.master_in_params else 0
+        for k, array in enumerate(self.arrays(state, n), start=first):
             array.copy_(fp32[k * n : (k + 1) * n])
         return state
 
-    def unpack(self, state: torch.Tensor, n: int) -> torch.Tensor:
+    def unpack(self, state: torch.Tensor, n: int, params: torch.Tensor | None = None) -> torch.Tensor:
         """A chunk's bytes kept in these dtypes as `[params | exp_avg | exp_avg_sq]` in fp32 (widened:
-        exact)."""
-        return torch.cat([array.float() for array in self.arrays(state, n)])
+        exact); with `master_in_params` the master weights are `params`."""
+        arrays = self.arrays(state, n)
+        if self.master_in_params:
+            assert params is not None, "the master weights are the parameters"
+            arrays = (params, *arrays)
+        return torch.cat([array.float() for array in arrays])
 
 
 FP32_STATE = StateDtypes()
@@ -122,6 +136,17 @@ def _state_address(t: torch.Tensor, nbytes: int, what: str) -> int:
     return t.data_ptr()
 
 
+class PassSums(NamedTuple):
+    """A pass's checksums: the state's CRC32C per stripe as read and as written, where asked for; with
+    the master weights in the parameters, the parameters' own as read and as written (where the state's
+    were asked for)."""
+
+    read: list[int] | None
+    write: list[int] | None
+    params_read: int | None = None
+    params_write: int | None = None
+
+
 class FusedAdam:
     """DeepSpeed's update of one chunk as one pass of `kernel`, with `adamw` (DeepSpeed's `adamw_mode`) on
     `threads` threads, the state's values in `dtypes`, its chunks kept in `stored` (by default the same
@@ -155,24 +180,25 @@ class FusedAdam:
         write_cuts: list[int] | None = None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
         kept_state: torch.Tensor | None = None,
-    ) -> tuple[list[int] | None, list[int] | None]:
+    ) -> PassSums:
         """One chunk: `state` its bytes (any dtype: `stored.arrays` lays them out), `grad` its
         half-precision (or fp32) gradient before `grad_scale` (DeepSpeed's `1 / combined_scale`), `params`
-        where the new half-precision parameters go; `step` the Adam step after this update and `group`
-        the chunk's param group (lr, betas, eps, weight decay, bias correction), as DeepSpeed's CPU Adam
-        takes them.
+        where the new half-precision parameters go (with `stored.master_in_params`, the master weights
+        themselves, read and written); `step` the Adam step after this update and `group` the chunk's
+        param group (lr, betas, eps, weight decay, bias correction), as DeepSpeed's CPU Adam takes them.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
-        (the store's stripe starts), where given. Given `kept_params`, the pass appends to it the
-        parameters as they were before it wherever they were not the old weights narrowed, a block at a
-        time (its first element, its values), checked in the pass itself. Given `kept_state` (as many
-        bytes as `state`), the pass copies the state there as it was before it, a block at a
-        time while the block is in the core's cache: the one copy of state kept nowhere else (a cached
-        chunk's) that an undo needs, for one more write and no more reads."""
+        (the store's stripe starts), where given (`PassSums`). Given `kept_params`, the pass appends to
+        it the parameters as they were before it wherever they were not the old weights narrowed (every
+        one, where they are the master weights), a block at a time (its first element, its values),
+        checked in the pass itself. Given `kept_state` (as many bytes as `state`), the pass copies the
+        state there as it was before it, a block at a time while the block is in the core's cache: the
+        one copy of state kept nowhere else (a cached chunk's) that an undo needs, for one more write and
+        no more reads."""
         n = grad.numel()
         beta1, beta2 = group["betas"]
         nbytes = self.stored.nbytes(n)
         # The kernel runs without the GIL: the tensors are the caller's and outlive the call.
-        read, write, kept = self.kernel.update(
+        read, write, kept, (params_read, params_write) = self.kernel.update(
             _state_address(state, nbytes, "state"),
             _address(grad, n, "grad"),
             None if params is None else _address(params, n, "params"),
@@ -197,12 +223,13 @@ class FusedAdam:
             moments_dtype=DTYPES[self.dtypes.moments],
             stored_master_dtype=DTYPES[self.stored.master],
             stored_moments_dtype=DTYPES[self.stored.moments],
+            master_in_params=self.stored.master_in_params,
         )
         if kept_params is not None and kept and params is not None:
             kept_params.extend(
                 (first, torch.frombuffer(bytearray(data), dtype=params.dtype)) for first, data in kept
             )
-        return read, write
+        return PassSums(read, write, params_read, params_write)
 
 
 @dataclass
@@ -326,6 +353,15 @@ def _witness_call(
         return _deepspeed_call(ds_op, 1, group, state, grad, grad_scale, params_dtype, dtypes)
 
 
+def crc32c_of(t: torch.Tensor) -> int:
+    """The CRC32C of a contiguous CPU tensor's bytes, as the store and the pass sum them."""
+    return _core.crc32c(t.view(torch.uint8).numpy())
+
+
+def _listed(crc: int | None) -> list[int] | None:
+    return None if crc is None else [crc]
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same dtype and the same bits in every element (-0.0 is not 0.0; a NaN is its own payload)."""
     as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
@@ -340,19 +376,29 @@ def _first_difference(
     DeepSpeed's, or its checksums from the bytes', in words, or None when every bit agrees."""
     for call in calls:
         n = call.grad.numel()
-        # The state laid out as the job keeps it.
+        # The state laid out as the job keeps it; the master weights in the parameters where it keeps
+        # them there.
         before = fused.stored.pack(call.state)
         packed = before.clone()
         params = None if call.expected_params is None else torch.empty_like(call.expected_params)
+        in_params = fused.stored.master_in_params
+        if in_params:
+            params = call.state[:n].to(fused.dtypes.master)
+        params_before = None if params is None else params.clone()
         sums = fused.update(
             packed, call.grad, params, grad_scale=grad_scale, step=call.step, group=group,
             read_cuts=[0], write_cuts=[0],
         )  # fmt: skip
-        for direction, crc, of in (("read", sums[0], before), ("written", sums[1], packed)):
-            expected = _core.crc32c(of.numpy())
+        directions = [("read", sums.read, before), ("written", sums.write, packed)]
+        if in_params:
+            assert params is not None and params_before is not None
+            directions += [("read", _listed(sums.params_read), params_before)]
+            directions += [("written", _listed(sums.params_write), params)]
+        for direction, crc, of in directions:
+            expected = crc32c_of(of)
             if crc != [expected]:
                 return f"the checksum of a {n}-element chunk as {direction} is {crc}, not [{expected}]"
-        state = fused.stored.unpack(packed, n)
+        state = fused.stored.unpack(packed, n, params)
         for name, ours, theirs in (
             ("params", state[:n], call.expected_state[:n]),
             ("exp_avg", state[n : 2 * n], call.expected_state[n : 2 * n]),

@@ -2,7 +2,15 @@
 (its params, exp_avg and exp_avg_sq in the dtypes DeepSpeed keeps them in, `StateDtypes.arrays`),
 streamed through a `ChunkPipeline`; and the copies between a whole subgroup's `[params | exp_avg |
 exp_avg_sq]` in fp32 (widened: exact) and its chunks, for what needs a subgroup at once (checkpoints,
-DeepSpeed's `safe_get/set_*` helpers)."""
+DeepSpeed's `safe_get/set_*` helpers).
+
+With the master weights in the parameters (`StateDtypes.master_in_params`), a chunk's object keeps its
+moments alone, and its master weights are its part of DeepSpeed's half-precision partition: DeepSpeed
+copies its master weights into the partition after every step, so the two hold the same bits, except
+where something sets the master weights alone (its fp32-param setters, `set_master`). Those are kept
+apart (`master_set_apart`) until the chunk's next update starts from them. Each chunk's parameters'
+CRC32C as the engine left them (`params_crc`) lets the update find parameters changed outside the
+optimizer, which DeepSpeed's master weights would have overwritten."""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from mlp_offload.engine import memory
-from mlp_offload.engine.fused_update import FP32_STATE, StateDtypes
+from mlp_offload.engine.fused_update import FP32_STATE, StateDtypes, crc32c_of, same_bits
 from mlp_offload.engine.pipeline import ChunkPipeline
 from mlp_offload.engine.store import ObjectStore
 
@@ -39,7 +47,9 @@ class ChunkedState:
     `layout.buffers` and `cache_chunks` size the pipeline (see `ChunkPipeline`); `lock` page-locks its
     buffers, of `pages` (`"small"` or `"huge"`); `ascending` runs every step in chunk order;
     `shadow_slots`: the store gives every object two slots; `kept_copies`: see `ChunkPipeline` (every
-    chunk cached); `stored`: the dtypes each chunk keeps its arrays in (`layout.state_bytes` of them).
+    chunk cached); `stored`: the dtypes each chunk keeps its arrays in (`layout.state_bytes` of them);
+    `partition`: subgroup -> its half-precision partition (on the host or an accelerator), where the
+    master weights are kept in the parameters (`stored.master_in_params`).
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -56,14 +66,22 @@ class ChunkedState:
         shadow_slots: bool = False,
         kept_copies: int = 0,
         stored: StateDtypes = FP32_STATE,
+        partition: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         if layout.state_bytes != stored.bytes_per_element:
             raise ValueError(
                 f"a layout of {layout.state_bytes} bytes per element for a state kept in {stored} "
                 f"({stored.bytes_per_element})"
             )
+        if stored.master_in_params and partition is None:
+            raise ValueError(f"a state kept as {stored} needs the partitions that hold its master weights")
         self.store = store
         self.stored = stored
+        self.partition = partition
+        # Per chunk, master weights set apart from its parameters (`set_master`), and its parameters'
+        # CRC32C as the engine last left them; with the master weights in the parameters only.
+        self.master_set_apart: dict[int, torch.Tensor] = {}
+        self.params_crc: dict[int, int] = {}
         self.numels = list(numels)
         self.layout = layout
         # Chunk -> (subgroup, first element, elements); chunks of one subgroup are adjacent.
@@ -119,16 +137,60 @@ class ChunkedState:
     def initialize(self, half_precision: Callable[[int], torch.Tensor]) -> None:
         """Writes every chunk's first state: its part of `half_precision(subgroup)` in the master weights'
         dtype (as DeepSpeed's `.to(master dtype)`: exact from half precision to fp32 or the same dtype),
-        zero moments."""
+        zero moments. With the master weights in the parameters, the moments alone, and the parameters'
+        checksums."""
 
         def fill(chunk: int, state_bytes: torch.Tensor) -> None:
             i, first, count = self.chunks[chunk]
-            params, exp_avg, exp_avg_sq = self.stored.arrays(state_bytes, count)
-            params.copy_(half_precision(i)[first : first + count])
+            *master, exp_avg, exp_avg_sq = self.stored.arrays(state_bytes, count)
+            for params in master:
+                params.copy_(half_precision(i)[first : first + count])
             exp_avg.zero_()
             exp_avg_sq.zero_()
 
         self.pipeline.initialize(fill)
+        if self.stored.master_in_params:
+            for chunk in range(len(self.chunks)):
+                self.note_params(chunk)
+
+    def params(self, chunk: int) -> torch.Tensor:
+        """The chunk's part of its subgroup's half-precision partition, where it lies: with the master
+        weights in the parameters, the master weights themselves."""
+        assert self.partition is not None, "the partitions are known with the master weights in them"
+        i, first, count = self.chunks[chunk]
+        return self.partition(i)[first : first + count]
+
+    def _host_params(self, chunk: int) -> torch.Tensor:
+        """`params(chunk)` in host memory: itself there, else a copy."""
+        return self.params(chunk).to("cpu")
+
+    def note_params(self, chunk: int) -> None:
+        """The chunk's parameters as they are now are its master weights' bits, as the engine left them
+        (`params_crc`)."""
+        self.params_crc[chunk] = crc32c_of(self._host_params(chunk))
+
+    def set_master(self, chunk: int, values: torch.Tensor) -> None:
+        """With the master weights in the parameters: makes `values` (any float dtype, rounded to the
+        master weights' as DeepSpeed's copy into them rounds) the chunk's master weights. Where they are
+        its parameters' bits, the parameters hold them; else they are kept apart until the chunk's next
+        update (`take_master_set_apart`), as DeepSpeed's master weights differ from its parameters
+        until its next step."""
+        master = values.to(device="cpu", dtype=self.stored.master, copy=True)
+        params = self._host_params(chunk)
+        if same_bits(master, params):
+            self.master_set_apart.pop(chunk, None)
+            self.params_crc[chunk] = crc32c_of(params)
+        else:
+            self.master_set_apart[chunk] = master
+
+    def take_master_set_apart(self, chunk: int) -> bool:
+        """Before the chunk's update: master weights kept apart (`set_master`) go into its parameters, from
+        which the update starts, as DeepSpeed's starts from its master weights. Whether there were."""
+        master = self.master_set_apart.pop(chunk, None)
+        if master is None:
+            return False
+        self.params(chunk).copy_(master)
+        return True
 
     def with_second_slots(self, chunks: list[int], keep_free: bool) -> list[int]:
         """Of `chunks`, in order, those with a second slot on disk to stage into: each one without gets
@@ -205,9 +267,25 @@ class ChunkedState:
 
     def current_params(self, chunk: int) -> torch.Tensor:
         """A copy of the chunk's current master weights (in their dtype): its host copy's, else read from
-        the store."""
+        the store; with the master weights in the parameters, those set apart, else the parameters'."""
+        if self.stored.master_in_params:
+            return self._master(chunk).clone()
         count = self.chunks[chunk][2]
         return self.stored.arrays(self._current(chunk, self._scratch()), count)[0].clone()
+
+    def _master(self, chunk: int) -> torch.Tensor:
+        """With the master weights in the parameters: the chunk's in host memory (not to be written)."""
+        set_apart = self.master_set_apart.get(chunk)
+        return set_apart if set_apart is not None else self._host_params(chunk)
+
+    def _arrays(self, chunk: int, chunk_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The chunk's `(params, exp_avg, exp_avg_sq)` in `chunk_state` (its bytes); with the master
+        weights in the parameters, a copy of its master weights first (`set_master` makes an edit of it
+        current)."""
+        arrays = self.stored.arrays(chunk_state, self.chunks[chunk][2])
+        if self.stored.master_in_params:
+            return (self._master(chunk).clone(), *arrays)
+        return arrays
 
     def _current(self, chunk: int, scratch: torch.Tensor) -> torch.Tensor:
         """The chunk's newest bytes: the pipeline's host copy where it has one (edits to it are edits to
@@ -225,7 +303,7 @@ class ChunkedState:
         state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
-            arrays = self.stored.arrays(self._current(chunk, scratch), self.chunks[chunk][2])
+            arrays = self._arrays(chunk, self._current(chunk, scratch))
             for part, array in zip(self._slices(chunk), arrays, strict=True):
                 state[part].copy_(array)
         return state
@@ -240,6 +318,9 @@ class ChunkedState:
 
     def set_chunk_params(self, chunk: int, values: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
         """Makes `values` (the chunk's elements, any float dtype) its master weights; the moments stay."""
+        if self.stored.master_in_params:
+            self.set_master(chunk, values)
+            return
         chunk_state = self._current(chunk, self._scratch() if scratch is None else scratch)
         self.stored.arrays(chunk_state, self.chunks[chunk][2])[0].copy_(values)
         # Written back too where the host copy was edited in place (a retained chunk's store copy).
@@ -261,10 +342,14 @@ class ChunkedState:
     ) -> None:
         """Makes the chunk's state what `fill` writes into its `(params, exp_avg, exp_avg_sq)` (in the
         dtypes the chunk keeps them in) current: in the pipeline's host copy where it has one, and in
-        the store. Only the chunk's bytes are in host memory beside the pipeline's."""
+        the store. Only the chunk's bytes are in host memory beside the pipeline's (and with the master
+        weights in the parameters, a copy of those, made current by `set_master`)."""
         chunk_state = (self._scratch() if scratch is None else scratch)[: self.layout.sizes[chunk]]
-        fill(self.stored.arrays(chunk_state, self.chunks[chunk][2]))
+        arrays = self._arrays(chunk, chunk_state)
+        fill(arrays)
         self.pipeline.replace(chunk, chunk_state)
+        if self.stored.master_in_params:
+            self.set_master(chunk, arrays[0])
 
 
 def _copy_parts(whole: torch.Tensor, parts: list[slice], arrays: tuple[torch.Tensor, ...]) -> None:

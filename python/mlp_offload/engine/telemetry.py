@@ -75,6 +75,11 @@ class StartRecord(TypedDict):
     cached_chunks: Annotated[int, "Chunks kept in host memory across steps."]
     host_pages: Annotated[HostPages, "The host buffers' pages."]
     update_kernel: Annotated[UpdateKernel, "Which update runs per chunk, and why."]
+    master_in_params: Annotated[
+        OnAndWhy,
+        "Whether the master weights are kept in the parameters and the store keeps the moments alone "
+        "(`master_in_params`), and why.",
+    ]
     overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
     overlap_backward: Annotated[BackwardAtStart, "Whether chunks are updated during backward, and why."]
     weights: Annotated[list[float], "Each path's share of every chunk."]

@@ -8,7 +8,7 @@ use super::crc::{fold_splits, run_part_folding};
 use super::dispatch::Simd;
 use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
 use super::pool::run_on_workers;
-use super::state::{elem_bytes_of, Array, Arrays};
+use super::state::{elem_bytes_of, Array, Arrays, KeptArrays};
 #[cfg(target_arch = "x86_64")]
 use super::x86;
 use crate::error::{Error, Result};
@@ -25,12 +25,19 @@ pub struct Chunk<'a, G: Elem, P: Elem> {
     /// narrowed ([`ChunkSums::kept_params`]), so that an update that is undone can give them back
     /// (the old weights alone give back the rest). Needs `params`.
     pub keep_params: bool,
-    /// Where the state as it was before the pass goes (arrays as `state`'s), copied a block
-    /// at a time in the pass itself, while the block is in the core's cache for its update: an update
-    /// of state kept nowhere else (a chunk cached in host memory) that may be undone gives it back from
-    /// here, at the cost of this write alone (no second read of the state).
-    pub keep_state: Option<Arrays<'a>>,
+    /// Where the state as it was before the pass goes (arrays as `state`'s, each one given), copied a
+    /// block at a time in the pass itself, while the block is in the core's cache for its update: an
+    /// update of state kept nowhere else (a chunk cached in host memory) that may be undone gives it
+    /// back from here, at the cost of this write alone (no second read of the state).
+    pub keep_state: Option<KeptArrays<'a>>,
     pub kinds: StateKinds,
+    /// The master weights are the half-precision parameters themselves: `state[0]` is the partition and
+    /// `params` is `None`. DeepSpeed keeps its master weights in the parameters' dtype in these modes and
+    /// copies them into the parameters after every step, so the two hold the same bits and the store
+    /// keeps only the moments ([`StateKinds::moments_layout`]). The parameters' bytes are hashed as one
+    /// more stripe after the moments' ([`ChunkSums::params`]), and `keep_params` keeps every block of them
+    /// (they are the old weights an undo gives back).
+    pub master_in_params: bool,
 }
 
 /// The dtypes `arrays` keep the master weights and the moments in (`exp_avg`'s).
@@ -67,6 +74,9 @@ pub struct ChunkSums {
     pub read: Option<Vec<u32>>,
     pub write: Option<Vec<u32>>,
     pub kept_params: Option<Vec<KeptParams>>,
+    /// With [`Chunk::master_in_params`], the CRC32C of the parameters as read and as written, where
+    /// [`Cuts`] asked for the state's.
+    pub params: [Option<u32>; 2],
 }
 
 /// Parameters as they were before a pass, from element `first` of the chunk on: their bytes, each
@@ -147,10 +157,28 @@ pub fn update<G: Elem, P: Elem>(
     check_chunk(&chunk, arith, cuts)?;
     let keep_params = chunk.keep_params;
     let vector_width = arith.vector_width_for(chunk.kinds);
+    // With the master weights in the parameters, their bytes are one more stripe after the moments'.
+    let in_params = chunk.master_in_params;
+    let stored_bytes = stored_kinds(&chunk.state)
+        .layout_for(chunk.grad.len(), in_params)
+        .1 as u64;
+    let [read_cuts, write_cuts] = [cuts.read, cuts.write].map(|c| {
+        c.map(|c| {
+            let mut c = c.to_vec();
+            if in_params {
+                c.push(stored_bytes);
+            }
+            c
+        })
+    });
+    let cuts = Cuts {
+        read: read_cuts.as_deref(),
+        write: write_cuts.as_deref(),
+    };
     let parts = cut_into_parts(chunk, vector_width, threads, cuts);
     let run = |part: Part<'_, G, P>| run_part(part, grad_scale, k, arith.tail, simd);
     let done: Vec<(Hashed, Option<Vec<KeptParams>>)> = run_on_workers(parts, run)?;
-    let [read, write] = [0, 1].map(|d| {
+    let [mut read, mut write] = [0, 1].map(|d| {
         [cuts.read, cuts.write][d].map(|c| {
             let pieces = done
                 .iter()
@@ -158,6 +186,11 @@ pub fn update<G: Elem, P: Elem>(
                 .collect();
             stripe_sums(c, pieces)
         })
+    });
+    let params = [&mut read, &mut write].map(|sums| {
+        sums.as_mut()
+            .filter(|_| in_params)
+            .and_then(|sums| sums.pop())
     });
     // The parts in order, each's blocks in order.
     let kept_params = keep_params.then(|| {
@@ -169,6 +202,7 @@ pub fn update<G: Elem, P: Elem>(
         read,
         write,
         kept_params,
+        params,
     })
 }
 
@@ -189,39 +223,85 @@ fn check_chunk<G: Elem, P: Elem>(
             ));
         }
     }
-    if chunk.keep_params && chunk.params.is_none() {
+    if chunk.keep_params && chunk.params.is_none() && !chunk.master_in_params {
         return Err(Error::config(
             "keep_params",
             "keeps the parameters before the pass, and no params were given",
         ));
     }
     let stored = stored_kinds(&chunk.state);
+    if chunk.master_in_params {
+        check_master_in_params(chunk, stored)?;
+    }
     if let Some(kept) = &chunk.keep_state {
-        check_arrays("keep_state", kept, n)?;
-        if stored_kinds(kept) != stored {
-            return Err(Error::config(
-                "keep_state",
-                format!(
-                    "{:?} arrays to keep a state in {stored:?}",
-                    stored_kinds(kept)
-                ),
-            ));
-        }
+        check_kept_arrays(kept, &chunk.state, n)?;
     }
     if arith.vector_width == 0 {
         return Err(Error::config("vector_width", "must be at least 1"));
     }
-    chunk
-        .kinds
-        .check(G::KIND, chunk.params.as_ref().map(|_| P::KIND))?;
+    let params_kind = if chunk.master_in_params {
+        Some(stored.master)
+    } else {
+        chunk.params.as_ref().map(|_| P::KIND)
+    };
+    chunk.kinds.check(G::KIND, params_kind)?;
     chunk.kinds.check_stored(stored)?;
-    let total = stored.layout(n).1 as u64;
+    let total = stored.layout_for(n, chunk.master_in_params).1 as u64;
     for (name, c) in [("read_cuts", cuts.read), ("write_cuts", cuts.write)] {
         if let Some(c) = c {
             check_cuts(name, c, total)?;
         }
     }
     Ok(())
+}
+
+/// With the master weights in the parameters: they are in half precision, DeepSpeed's master weights'
+/// dtype, and no other parameters are written; an error naming the argument otherwise.
+fn check_master_in_params<G: Elem, P: Elem>(
+    chunk: &Chunk<'_, G, P>,
+    stored: StateKinds,
+) -> Result<()> {
+    if chunk.params.is_some() {
+        return Err(Error::config(
+            "params",
+            "given beside master weights kept in the parameters: the pass writes the parameters once",
+        ));
+    }
+    if stored.master == Kind::F32 || stored.master != chunk.kinds.master {
+        return Err(Error::config(
+            "master_in_params",
+            format!(
+                "parameters in {:?} for master weights in {:?}: only master weights in the parameters' \
+                 half precision are the parameters",
+                stored.master, chunk.kinds.master
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A kept state's arrays, each given one of `n` elements in its array's dtype: an error naming
+/// `keep_state` otherwise.
+fn check_kept_arrays(kept: &KeptArrays<'_>, state: &Arrays<'_>, n: usize) -> Result<()> {
+    let fits = kept.iter().zip(state).all(|(to, from)| {
+        to.as_ref()
+            .is_none_or(|to| to.len() == n && to.kind() == from.kind())
+    });
+    if fits {
+        return Ok(());
+    }
+    let each = kept.each_ref().map(|to| match to {
+        Some(to) => format!("{} {:?}", to.len(), to.kind()),
+        None => "none".to_string(),
+    });
+    Err(Error::config(
+        "keep_state",
+        format!(
+            "[{}] elements to keep a state of {n} each in {:?}",
+            each.join(", "),
+            stored_kinds(state)
+        ),
+    ))
 }
 
 /// Arrays of `n` elements each, the moments of one dtype: an error naming `name` otherwise.
@@ -257,7 +337,7 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
 ) -> Vec<Part<'a, G, P>> {
     let n = chunk.grad.len();
     let stored = stored_kinds(&chunk.state);
-    let (starts, _) = stored.layout(n);
+    let (starts, _) = stored.layout_for(n, chunk.master_in_params);
     let sizes = [
         stored.master.size(),
         stored.moments.size(),
@@ -296,12 +376,15 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
             }
             None => None,
         };
-        let ks = keep.take().map(|[kp, km, kv]| {
-            let (kp0, kp1) = kp.split_at_mut(len);
-            let (km0, km1) = km.split_at_mut(len);
-            let (kv0, kv1) = kv.split_at_mut(len);
-            keep = Some([kp1, km1, kv1]);
-            [kp0, km0, kv0]
+        let ks = keep.take().map(|arrays| {
+            let (mut this, mut rest) = ([None, None, None], [None, None, None]);
+            for (a, array) in arrays.into_iter().enumerate() {
+                if let Some((x, y)) = array.map(|array| array.split_at_mut(len)) {
+                    (this[a], rest[a]) = (Some(x), Some(y));
+                }
+            }
+            keep = Some(rest);
+            this
         });
         // Of this part, how much lies below `body` (vector arithmetic).
         let vector = body.saturating_sub(first).min(len);
@@ -333,7 +416,9 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
 /// out as [`StateKinds::layout`] says (its values in `kinds`' dtypes, [`Chunk::kinds`]), `keep_state`
 /// (if given) room for as many bytes, `grad` `count` elements of its kind, `params` (if given) `count`
 /// of its kind, kept where they are not the weights narrowed with `keep_params`
-/// ([`Chunk::keep_params`]). Misaligned addresses are an error naming the array.
+/// ([`Chunk::keep_params`]). With `master_in_params` ([`Chunk::master_in_params`]), `state` holds the
+/// moments alone ([`StateKinds::moments_layout`]), `keep_state` room for them, and `params` are the
+/// master weights. Misaligned addresses are an error naming the array.
 ///
 /// # Safety
 /// Every address must point to live memory of that many elements, which nothing else reads or writes
@@ -345,6 +430,7 @@ pub unsafe fn update_at(
     params: Option<(usize, Kind)>,
     keep_params: bool,
     keep_state: Option<usize>,
+    master_in_params: bool,
     kinds: StateKinds,
     count: usize,
     grad_scale: f32,
@@ -358,11 +444,11 @@ pub unsafe fn update_at(
     // touched, then one call per gradient element type, each written out in full by rustfmt.
     let (state, stored) = state;
     // Every array starts aligned for its elements where the state does for its widest
-    // (`StateKinds::layout`).
-    let widest = if stored.master.size() >= stored.moments.size() {
-        stored.master
-    } else {
+    // (`StateKinds::layout`; the moments alone with the master weights in the parameters).
+    let widest = if master_in_params || stored.master.size() < stored.moments.size() {
         stored.moments
+    } else {
+        stored.master
     };
     for (name, address, kind) in [("state", state, widest), ("grad", grad.0, grad.1)]
         .into_iter()
@@ -376,10 +462,31 @@ pub unsafe fn update_at(
             ));
         }
     }
+    let master = if master_in_params {
+        let (at, kind) = params.ok_or_else(|| {
+            Error::config(
+                "params",
+                "none given, and the master weights are kept in the parameters",
+            )
+        })?;
+        if kind != stored.master {
+            return Err(Error::config(
+                "params",
+                format!(
+                    "{kind:?} elements, and the master weights they hold are {:?}",
+                    stored.master
+                ),
+            ));
+        }
+        Some(at)
+    } else {
+        None
+    };
+    let params = if master_in_params { None } else { params };
     // SAFETY: the caller's promise, and the alignment checked above.
-    let state = unsafe { arrays_at(state, stored, count) };
+    let state = unsafe { arrays_at(state, stored, count, master) };
     // SAFETY: as above.
-    let keep_state = keep_state.map(|a| unsafe { arrays_at(a, stored, count) });
+    let keep_state = keep_state.map(|a| unsafe { kept_at(a, stored, count, master_in_params) });
     // SAFETY: as above.
     unsafe {
         match grad.1 {
@@ -389,6 +496,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                master_in_params,
                 kinds,
                 count,
                 grad_scale,
@@ -404,6 +512,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                master_in_params,
                 kinds,
                 count,
                 grad_scale,
@@ -419,6 +528,7 @@ pub unsafe fn update_at(
                 params,
                 keep_params,
                 keep_state,
+                master_in_params,
                 kinds,
                 count,
                 grad_scale,
@@ -432,26 +542,63 @@ pub unsafe fn update_at(
     }
 }
 
-/// The arrays of a state of `count` elements in `stored`'s dtypes at `address`.
+/// The arrays of a state of `count` elements in `stored`'s dtypes at `address`; with `master` (the
+/// parameters' address) the moments alone lie there ([`StateKinds::moments_layout`]) and the master
+/// weights at `master`.
 ///
 /// # Safety
-/// As [`update_at`]: the state's bytes ([`StateKinds::layout`]) live at `address`, aligned for its
-/// widest elements, used by nothing else.
-unsafe fn arrays_at<'a>(address: usize, stored: StateKinds, count: usize) -> Arrays<'a> {
-    let (starts, _) = stored.layout(count);
+/// As [`update_at`]: the state's bytes ([`StateKinds::layout_for`]) live at `address`, aligned for its
+/// widest elements, and `count` master weights at `master`, if given, used by nothing else.
+unsafe fn arrays_at<'a>(
+    address: usize,
+    stored: StateKinds,
+    count: usize,
+    master: Option<usize>,
+) -> Arrays<'a> {
+    let (starts, _) = stored.layout_for(count, master.is_some());
     let kinds = [stored.master, stored.moments, stored.moments];
     std::array::from_fn(|a| {
-        let at = address + starts[a];
+        let at = match master {
+            Some(at) if a == 0 => at,
+            _ => address + starts[a],
+        };
         // SAFETY: the caller's promise; each array starts at a multiple of its element's size
-        // (`StateKinds::layout`), and the three do not overlap.
-        unsafe {
-            match kinds[a] {
-                Kind::F32 => Array::F32(slice_mut(at, count)),
-                Kind::Bf16 => Array::Bf16(slice_mut(at, count)),
-                Kind::F16 => Array::F16(slice_mut(at, count)),
-            }
-        }
+        // (`StateKinds::layout_for`), and the three do not overlap.
+        unsafe { array_at(kinds[a], at, count) }
     })
+}
+
+/// Where a kept state of `count` elements in `stored`'s dtypes goes, at `address`: every array, or the
+/// moments alone with the master weights in the parameters (`keep_params` keeps those).
+///
+/// # Safety
+/// As [`arrays_at`], for room of the state's bytes at `address`.
+unsafe fn kept_at<'a>(
+    address: usize,
+    stored: StateKinds,
+    count: usize,
+    master_in_params: bool,
+) -> KeptArrays<'a> {
+    let (starts, _) = stored.layout_for(count, master_in_params);
+    let kinds = [stored.master, stored.moments, stored.moments];
+    std::array::from_fn(|a| {
+        // SAFETY: as `arrays_at`.
+        (a > 0 || !master_in_params)
+            .then(|| unsafe { array_at(kinds[a], address + starts[a], count) })
+    })
+}
+
+/// # Safety
+/// As [`update_at`]: `count` live, aligned elements of `kind` at `at`, used by nothing else.
+unsafe fn array_at<'a>(kind: Kind, at: usize, count: usize) -> Array<'a> {
+    // SAFETY: the caller's promise.
+    unsafe {
+        match kind {
+            Kind::F32 => Array::F32(slice_mut(at, count)),
+            Kind::Bf16 => Array::Bf16(slice_mut(at, count)),
+            Kind::F16 => Array::F16(slice_mut(at, count)),
+        }
+    }
 }
 
 /// # Safety
@@ -476,7 +623,8 @@ unsafe fn update_with_params<G: Elem>(
     grad: &[G],
     params: Option<(usize, Kind)>,
     keep_params: bool,
-    keep_state: Option<Arrays<'_>>,
+    keep_state: Option<KeptArrays<'_>>,
+    master_in_params: bool,
     kinds: StateKinds,
     count: usize,
     grad_scale: f32,
@@ -499,6 +647,7 @@ unsafe fn update_with_params<G: Elem>(
                     keep_params,
                     keep_state,
                     kinds,
+                    master_in_params,
                 },
                 grad_scale,
                 k,
@@ -515,6 +664,7 @@ unsafe fn update_with_params<G: Elem>(
                     keep_params,
                     keep_state,
                     kinds,
+                    master_in_params,
                 },
                 grad_scale,
                 k,
@@ -531,6 +681,7 @@ unsafe fn update_with_params<G: Elem>(
                     keep_params,
                     keep_state,
                     kinds,
+                    master_in_params,
                 },
                 grad_scale,
                 k,
@@ -547,6 +698,7 @@ unsafe fn update_with_params<G: Elem>(
                     keep_params,
                     keep_state,
                     kinds,
+                    master_in_params,
                 },
                 grad_scale,
                 k,
@@ -579,8 +731,8 @@ pub(super) struct Part<'a, G, P> {
     /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
     pub(super) kept: Option<Vec<KeptParams>>,
     /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
-    /// exp_avg and exp_avg_sq.
-    pub(super) kept_state: Option<Arrays<'a>>,
+    /// exp_avg and exp_avg_sq, where each is kept.
+    pub(super) kept_state: Option<KeptArrays<'a>>,
     pub(super) kinds: StateKinds,
 }
 
@@ -644,6 +796,7 @@ pub(super) fn keep_block<G: Elem, P: Elem>(
 ) {
     if let Some(to) = part.kept_state.as_mut() {
         for (to, from) in to.iter_mut().zip([&part.p, &part.m, &part.v]) {
+            let Some(to) = to else { continue };
             let (to, from) = (to.bytes_mut(b0, b1), from.bytes(b0, b1));
             #[cfg(target_arch = "x86_64")]
             if simd != Simd::Scalar {
@@ -654,7 +807,15 @@ pub(super) fn keep_block<G: Elem, P: Elem>(
             to.copy_from_slice(from);
         }
     }
-    let (Some(kept), Some(o)) = (part.kept.as_mut(), part.o.as_deref()) else {
+    let Some(kept) = part.kept.as_mut() else {
+        return;
+    };
+    let Some(o) = part.o.as_deref() else {
+        // The master weights are the parameters (`Chunk::master_in_params`): every block is kept.
+        kept.push(KeptParams {
+            first: part.first + b0,
+            bytes: part.p.bytes(b0, b1).to_vec(),
+        });
         return;
     };
     if !params_are_weights(&part.p, &o[b0..b1], b0, simd) {

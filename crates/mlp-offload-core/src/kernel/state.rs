@@ -13,6 +13,10 @@ pub enum Array<'a> {
 /// The master weights, `exp_avg` and `exp_avg_sq`, in that order.
 pub type Arrays<'a> = [Array<'a>; 3];
 
+/// Where the state before a pass is copied: the master weights, `exp_avg` and `exp_avg_sq`, each where
+/// it is kept (`None`: not kept here; the master weights kept in the parameters are kept with them).
+pub type KeptArrays<'a> = [Option<Array<'a>>; 3];
+
 /// `[params | exp_avg | exp_avg_sq]` in fp32 (`3 n` elements) as the pass's arrays.
 pub fn fp32_arrays(state: &mut [f32]) -> Arrays<'_> {
     let n = state.len() / 3;
@@ -146,6 +150,24 @@ impl StateKinds {
             [2 * s, 0, s]
         };
         (offsets, w + 2 * s)
+    }
+
+    /// Where a state lies whose master weights are the parameters themselves ([`Chunk::master_in_params`](
+    /// super::pass::Chunk::master_in_params)): the moments alone, `[exp_avg | exp_avg_sq]`, each array's
+    /// first byte (the master weights' as if they followed the moments: where their checksum's stripe
+    /// begins), and the stored bytes, the moments'.
+    pub fn moments_layout(self, n: usize) -> ([usize; 3], usize) {
+        let s = self.moments.size() * n;
+        ([2 * s, 0, s], 2 * s)
+    }
+
+    /// [`Self::layout`], or with the master weights in the parameters [`Self::moments_layout`].
+    pub fn layout_for(self, n: usize, master_in_params: bool) -> ([usize; 3], usize) {
+        if master_in_params {
+            self.moments_layout(n)
+        } else {
+            self.layout(n)
+        }
     }
 
     /// Whether a state rounded to `self` may be kept in `stored`: each array in its own dtype or in

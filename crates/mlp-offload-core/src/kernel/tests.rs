@@ -295,6 +295,7 @@ fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
                             keep_params: false,
                             keep_state: None,
                             kinds: StateKinds::FP32,
+                            master_in_params: false,
                         },
                         0.75,
                         &k,
@@ -312,6 +313,7 @@ fn check_paths<G: Elem, P: Elem>(to_grad: impl Fn(f32) -> G, rng: &mut StdRng) {
                                 read: Some(crc(&state)),
                                 write: Some(crc(&got_state)),
                                 kept_params: None,
+                                params: [None, None],
                             },
                             "{simd:?} n {n}: checksums"
                         );
@@ -382,6 +384,7 @@ fn passes_at_once_share_the_workers_and_each_is_exact() {
                         keep_params: false,
                         keep_state: None,
                         kinds: StateKinds::FP32,
+                        master_in_params: false,
                     };
                     update(chunk, 0.5, k, arith, Simd::detect(), *threads, Cuts::default()).unwrap();
                     assert!(
@@ -503,8 +506,9 @@ fn check_kept_params<P: Elem>(rng: &mut StdRng) {
                             grad: &grad,
                             params: Some(&mut params),
                             keep_params: keep,
-                            keep_state: keep.then(|| fp32_arrays(&mut kept_state)),
+                            keep_state: keep.then(|| fp32_arrays(&mut kept_state).map(Some)),
                             kinds: StateKinds::FP32,
+                            master_in_params: false,
                         },
                         0.5,
                         &k,
@@ -589,6 +593,7 @@ fn without_params_only_the_state_is_written() {
             keep_params: false,
             keep_state: None,
             kinds: StateKinds::FP32,
+            master_in_params: false,
         },
         1.0,
         &k,
@@ -606,6 +611,7 @@ fn without_params_only_the_state_is_written() {
             keep_params: false,
             keep_state: None,
             kinds: StateKinds::FP32,
+            master_in_params: false,
         },
         1.0,
         &k,
@@ -693,6 +699,7 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
                 keep_params: false,
                 keep_state: None,
                 kinds: StateKinds::FP32,
+                master_in_params: false,
             },
             1.0,
             &k,
@@ -786,6 +793,7 @@ fn checksums_are_each_stripes_crc32c_as_read_and_as_written() {
                 read: None,
                 write: Some(vec![written]),
                 kept_params: None,
+                params: [None, None],
             },
             "{simd:?}"
         );
@@ -818,7 +826,10 @@ fn bad_lengths_and_addresses_are_named() {
     let cases: [(&str, &[&str]); 4] = [
         ("a state of 29", &["state", "[9, 9, 11]"]),
         ("keep_params without params", &["keep_params"]),
-        ("a kept state of 29", &["keep_state", "[9, 9, 11]"]),
+        (
+            "a kept state of 29",
+            &["keep_state", "[9 F32, 9 F32, 11 F32]"],
+        ),
         ("params of 9", &["params", "9"]),
     ];
     for (case, words) in cases {
@@ -829,8 +840,10 @@ fn bad_lengths_and_addresses_are_named() {
             grad: &grad,
             params: (case == "params of 9").then_some(&mut params[..]),
             keep_params: case == "keep_params without params",
-            keep_state: (case == "a kept state of 29").then(|| fp32_arrays(&mut kept_state)),
+            keep_state: (case == "a kept state of 29")
+                .then(|| fp32_arrays(&mut kept_state).map(Some)),
             kinds: StateKinds::FP32,
+            master_in_params: false,
         };
         let err = update(chunk, 1.0, &k, &arith, Simd::Scalar, 1, Cuts::default())
             .unwrap_err()
@@ -846,6 +859,7 @@ fn bad_lengths_and_addresses_are_named() {
             None,
             false,
             None,
+            false,
             StateKinds::FP32,
             1,
             1.0,
@@ -945,6 +959,7 @@ fn half_state_update<G: Elem>(
         keep_params: false,
         keep_state: None,
         kinds,
+        master_in_params: false,
     };
     update(chunk, grad_scale, k, arith, simd, threads, Cuts::default()).unwrap();
     (owned.iter().flat_map(Owned::widened).collect(), params)
@@ -1336,6 +1351,7 @@ fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
                 Some((params.as_mut_ptr() as usize, master)),
                 true,
                 Some(kept.as_mut_ptr() as usize),
+                false,
                 kinds,
                 n,
                 1.0,
@@ -1381,5 +1397,224 @@ fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
         assert_eq!(ours, expected_params, "{kinds:?}: params");
         // The parameters were the weights' bits before the pass: none kept.
         assert_eq!(got.kept_params, Some(vec![]), "{kinds:?}: kept params");
+    }
+}
+
+/// `bytes` in words of 4 bytes (zero-padded): aligned for every array of a state.
+fn words_of(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(4)
+        .map(|b| {
+            let mut four = [0u8; 4];
+            four[..b.len()].copy_from_slice(b);
+            u32::from_le_bytes(four)
+        })
+        .collect()
+}
+
+/// The first `len` bytes of `words`.
+fn bytes_of(words: &[u32], len: usize) -> Vec<u8> {
+    words
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .take(len)
+        .collect()
+}
+
+/// The pass over a state laid out whole (`StateKinds::layout`), the parameters written apart, without
+/// sums: the moments' bytes and the parameters' after it.
+fn pass_with_master_stored(
+    kinds: StateKinds,
+    state: &[f32],
+    grad_bytes: &[u8],
+    k: &AdamConstants,
+) -> (Vec<u8>, Vec<u8>) {
+    let n = state.len() / 3;
+    let (offsets, total) = kinds.layout(n);
+    let mut raw = vec![0u8; total];
+    for (a, kind) in [kinds.master, kinds.moments, kinds.moments]
+        .into_iter()
+        .enumerate()
+    {
+        let b = kind_bytes(kind, &state[a * n..][..n]);
+        raw[offsets[a]..][..b.len()].copy_from_slice(&b);
+    }
+    let mut words = words_of(&raw);
+    let mut params = vec![0u16; n];
+    // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
+    unsafe {
+        update_at(
+            (words.as_mut_ptr() as usize, kinds),
+            (grad_bytes.as_ptr() as usize, kinds.master),
+            Some((params.as_mut_ptr() as usize, kinds.master)),
+            false,
+            None,
+            false,
+            kinds,
+            n,
+            1.0,
+            k,
+            &vector_arith(),
+            Simd::detect(),
+            3,
+            Cuts::default(),
+        )
+    }
+    .unwrap();
+    let after = bytes_of(&words, total);
+    let s = kinds.moments.size() * n;
+    let moments = [&after[offsets[1]..][..s], &after[offsets[2]..][..s]].concat();
+    (
+        moments,
+        params.iter().flat_map(|p| p.to_le_bytes()).collect(),
+    )
+}
+
+#[test]
+fn master_weights_in_the_parameters_give_the_pass_with_them_stored() {
+    let mut rng = StdRng::seed_from_u64(71);
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(3, &hyper(1e-3, 0.01, true, true));
+    // master, moments, elements (odd: the arrays' alignment must not depend on it)
+    let cases = [
+        (Kind::Bf16, Kind::Bf16, 2 * BLOCK + 13),
+        (Kind::Bf16, Kind::F32, 2 * BLOCK + 13),
+        (Kind::F16, Kind::F32, 77),
+        (Kind::F16, Kind::F16, 4096),
+    ];
+    for (master, moments, n) in cases {
+        let kinds = StateKinds { master, moments };
+        let (offsets, total) = kinds.moments_layout(n);
+        assert_eq!(
+            (offsets, total),
+            (
+                [2 * moments.size() * n, 0, moments.size() * n],
+                2 * moments.size() * n
+            )
+        );
+        let (mut state, grad32) = inputs(n, &mut rng);
+        for (i, value) in state.iter_mut().enumerate() {
+            *value = stored(if i < n { master } else { moments }, *value);
+        }
+        let grad_bytes = kind_bytes(master, &widened(master, &kind_bytes(master, &grad32)));
+        let (want_moments, want_params) = pass_with_master_stored(kinds, &state, &grad_bytes, &k);
+        // The moments alone, and the parameters holding the master weights.
+        let before = [
+            kind_bytes(moments, &state[n..2 * n]),
+            kind_bytes(moments, &state[2 * n..]),
+        ]
+        .concat();
+        let mut words = words_of(&before);
+        let mut kept = vec![0u32; words.len()];
+        let params_before = kind_bytes(master, &state[..n]);
+        let mut params = words_of(&params_before);
+        let cuts: Vec<u64> = [0, 4096, total as u64 / 2 + 6]
+            .into_iter()
+            .filter(|&c| c < total as u64)
+            .collect();
+        let sums = |b: &[u8]| -> Vec<u32> {
+            cuts.iter()
+                .zip(cuts.iter().skip(1).copied().chain([total as u64]))
+                .map(|(&s, e)| crate::checksum::crc32c(&b[s as usize..e as usize]))
+                .collect()
+        };
+        // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
+        let got = unsafe {
+            update_at(
+                (words.as_mut_ptr() as usize, kinds),
+                (grad_bytes.as_ptr() as usize, master),
+                Some((params.as_mut_ptr() as usize, master)),
+                true,
+                Some(kept.as_mut_ptr() as usize),
+                true,
+                kinds,
+                n,
+                1.0,
+                &k,
+                &vector_arith(),
+                Simd::detect(),
+                3,
+                Cuts {
+                    read: Some(&cuts),
+                    write: Some(&cuts),
+                },
+            )
+        }
+        .unwrap();
+        let (after, params_after) = (bytes_of(&words, total), bytes_of(&params, 2 * n));
+        assert_eq!(after, want_moments, "{kinds:?}: the moments");
+        assert_eq!(params_after, want_params, "{kinds:?}: the parameters");
+        assert_eq!(got.read, Some(sums(&before)), "{kinds:?}: sums as read");
+        assert_eq!(got.write, Some(sums(&after)), "{kinds:?}: sums as written");
+        let crc = crate::checksum::crc32c;
+        assert_eq!(
+            got.params,
+            [Some(crc(&params_before)), Some(crc(&params_after))],
+            "{kinds:?}"
+        );
+        // The moments and every parameter as they were: what an undo gives back.
+        assert_eq!(
+            bytes_of(&kept, total),
+            before,
+            "{kinds:?}: the kept moments"
+        );
+        let kept_params: Vec<u8> = got
+            .kept_params
+            .unwrap()
+            .into_iter()
+            .flat_map(|k| k.bytes)
+            .collect();
+        assert_eq!(kept_params, params_before, "{kinds:?}: the kept parameters");
+    }
+}
+
+#[test]
+fn master_weights_in_the_parameters_need_half_precision_parameters() {
+    let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(1, &hyper(1e-3, 0.0, true, true));
+    let (mut moments, grad, mut params) = ([0u32; 16], [0u16; 8], [0u32; 8]);
+    // kept in, the parameters' dtype, the parameters' address given: the argument the error names
+    let cases = [
+        (StateKinds::FP32, Kind::F32, true, "master_in_params"),
+        (
+            StateKinds {
+                master: Kind::Bf16,
+                moments: Kind::Bf16,
+            },
+            Kind::F16,
+            true,
+            "params",
+        ),
+        (
+            StateKinds {
+                master: Kind::Bf16,
+                moments: Kind::Bf16,
+            },
+            Kind::Bf16,
+            false,
+            "params",
+        ),
+    ];
+    for (kinds, params_kind, given, name) in cases {
+        // SAFETY: every array lives for the call and holds 8 elements of any of these dtypes.
+        let err = unsafe {
+            update_at(
+                (moments.as_mut_ptr() as usize, kinds),
+                (grad.as_ptr() as usize, Kind::Bf16),
+                given.then_some((params.as_mut_ptr() as usize, params_kind)),
+                false,
+                None,
+                true,
+                kinds,
+                8,
+                1.0,
+                &k,
+                &vector_arith(),
+                Simd::Scalar,
+                1,
+                Cuts::default(),
+            )
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(name), "{kinds:?} {params_kind:?}: {err}");
     }
 }

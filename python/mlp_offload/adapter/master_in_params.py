@@ -1,0 +1,78 @@
+"""DeepSpeed's half-precision master weights kept in the parameters only (`master_in_params`).
+
+With `bf16.bf16_master_weights_and_grads` or `fp16.fp16_master_weights_and_grads`, DeepSpeed keeps its
+master weights in the parameters' dtype and copies them into the half-precision partition after every
+step (`_reassign_or_swap_out_partitioned_parameters`), so the partition holds their bits. The chunks then
+keep the moments alone (`StateDtypes.master_in_params`), and the fused pass reads and writes the master
+weights in the partition itself: a third fewer bytes to store and move in the 6-byte mode, a fifth in
+the 10-byte ones, bit for bit the same.
+
+Where they could part, the engine follows DeepSpeed. Its fp32-param setters set the master weights alone:
+those are kept apart until the chunk's next update (`ChunkedState.set_master`). Anything that changes
+the parameters alone (`GatheredParameters` with a `modifier_rank`, a write to `ds_tensor`) DeepSpeed's
+next step overwrites from its master weights, which this engine no longer has: each pass sums the
+parameters as it reads them, and a sum that is not the one the engine left is an error at that step
+(`check_params`), never a silent difference. The update during backward would need the master weights
+apart to undo a chunk, so `"auto"` turns it off, and `overlap_backward: true` keeps them in the store.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mlp_offload.adapter import troubleshooting
+from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.engine.fused_update import DTYPES
+
+if TYPE_CHECKING:
+    from mlp_offload.engine.state import ChunkedState
+
+# Why the update during backward is off where the master weights are in the parameters.
+BACKWARD_OFF = (
+    "off: the master weights are kept in the parameters (master_in_params), and undoing a chunk's "
+    "update would need them apart (master_in_params: false keeps them in the store)"
+)
+
+
+def choose(config: MLPOffloadConfig, master: torch.dtype, params: torch.dtype) -> tuple[bool, str]:
+    """Whether the master weights are kept in the parameters, and why, in words for the start record;
+    `master_in_params: true` where they cannot be is refused, saying why."""
+    setting = config.master_in_params
+    if setting is False:
+        return False, "off in the config"
+    why_not = None
+    if master == torch.float32 or master != params:
+        why_not = (
+            f"DeepSpeed's master weights are {DTYPES[master]} and the parameters {DTYPES[params]}, so "
+            "the parameters do not hold their bits"
+        )
+    elif config.overlap_backward is True:
+        why_not = (
+            "overlap_backward is true, and undoing a chunk's update during backward needs the master "
+            "weights apart from the parameters"
+        )
+    if why_not is None:
+        return True, (
+            f"on: DeepSpeed's master weights are the parameters' {DTYPES[master]}, copied into them after "
+            "every step; the store keeps the moments alone"
+        )
+    if setting is True:
+        raise ValueError(troubleshooting.MASTER_IN_PARAMS.message(why=why_not))
+    return False, f"off: {why_not}"
+
+
+def check_params(state: ChunkedState, chunk: int, as_read: int | None, as_written: int | None) -> None:
+    """After a chunk's pass: the parameters it read as the master weights were those the engine left
+    (`ChunkedState.params_crc`), else the step is stopped, naming them; the sum as written is the next
+    pass's to meet. A chunk whose master weights were set apart (`take_master_set_apart`) is not
+    checked: DeepSpeed's step starts from those, whatever the parameters hold."""
+    expected = state.params_crc.get(chunk)
+    if as_read is not None and expected is not None and as_read != expected:
+        i, first, count = state.chunks[chunk]
+        raise RuntimeError(
+            troubleshooting.PARAMS_CHANGED.message(subgroup=i, first=first, last=first + count - 1)
+        )
+    if as_written is not None:
+        state.params_crc[chunk] = as_written
