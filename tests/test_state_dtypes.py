@@ -41,6 +41,16 @@ ROWS: list[tuple[str, str, dict[str, Any], dict[str, Any] | None, int, str | Non
     # DeepSpeed's fp32-param setters set the master weights apart from the parameters until the step.
     ("the README's section, DeepSpeed's helpers before step()", BF16_WM, {"helpers_at": 3}, None, 1, None),
     ("streamed, DeepSpeed's helpers before step()", FP16_W, {"helpers_at": 2}, STREAMED, 1, None),
+    # A partition on an accelerator's path, on the CPU: the pass reads the master weights from the host
+    # scratch the parameters are copied into, and writes them back through it.
+    (
+        "streamed, the partitions through the host scratch, DeepSpeed's helpers before step()",
+        BF16_WM,
+        {"params_through_scratch": True, "helpers_at": 3},
+        STREAMED,
+        1,
+        None,
+    ),
     (
         "streamed, the master weights in the store",
         BF16_WM,

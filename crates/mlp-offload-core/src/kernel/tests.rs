@@ -1276,19 +1276,89 @@ fn widened(kind: Kind, bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// The half-precision states of the tables: master, moments, elements (odd: the arrays' alignment must
+/// not depend on it).
+const HALF_STATES: [(Kind, Kind, usize); 4] = [
+    (Kind::Bf16, Kind::Bf16, 2 * BLOCK + 13),
+    (Kind::Bf16, Kind::F32, 2 * BLOCK + 13),
+    (Kind::F16, Kind::F32, 77),
+    (Kind::F16, Kind::F16, 4096),
+];
+
+/// Random `[params | exp_avg | exp_avg_sq]` of `n` elements, each a value of its dtype in `kinds`, and a
+/// gradient's bytes in the master weights' dtype.
+fn rounded_inputs(kinds: StateKinds, n: usize, rng: &mut StdRng) -> (Vec<f32>, Vec<u8>) {
+    let (mut state, grad32) = inputs(n, rng);
+    for (i, value) in state.iter_mut().enumerate() {
+        *value = stored(if i < n { kinds.master } else { kinds.moments }, *value);
+    }
+    let m = kinds.master;
+    (state, kind_bytes(m, &widened(m, &kind_bytes(m, &grad32))))
+}
+
+/// The CRC32C of each stripe of `bytes`, cut at `cuts`.
+fn stripe_crcs(cuts: &[u64], bytes: &[u8]) -> Vec<u32> {
+    cuts.iter()
+        .zip(cuts.iter().skip(1).copied().chain([bytes.len() as u64]))
+        .map(|(&s, e)| crate::checksum::crc32c(&bytes[s as usize..e as usize]))
+        .collect()
+}
+
+/// Cuts within `total` bytes of a state, as the store's stripes cut it.
+fn some_cuts(total: usize) -> Vec<u64> {
+    [0, 4096, total as u64 / 2 + 6, total as u64 - 2]
+        .into_iter()
+        .filter(|&c| c < total as u64)
+        .collect()
+}
+
+/// One pass at raw addresses, on 3 threads of the widest SIMD here: the state in `words`, laid out for
+/// `kinds` (the moments alone with `master_in_params`), the gradient's `grad` bytes, `n` parameters at
+/// `params`; keeping the parameters and the state into `kept` where given, summed at `cuts`.
+#[allow(clippy::too_many_arguments)]
+fn pass_at(
+    words: &mut [u32],
+    grad: &[u8],
+    params: usize,
+    kept: Option<&mut [u32]>,
+    master_in_params: bool,
+    kinds: StateKinds,
+    n: usize,
+    k: &AdamConstants,
+    cuts: Option<&[u64]>,
+) -> ChunkSums {
+    let keep = kept.is_some();
+    // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
+    unsafe {
+        update_at(
+            (words.as_mut_ptr() as usize, kinds),
+            (grad.as_ptr() as usize, kinds.master),
+            Some((params, kinds.master)),
+            keep,
+            kept.map(|kept| kept.as_mut_ptr() as usize),
+            master_in_params,
+            kinds,
+            n,
+            1.0,
+            k,
+            &vector_arith(),
+            Simd::detect(),
+            3,
+            Cuts {
+                read: cuts,
+                write: cuts,
+            },
+        )
+    }
+    .unwrap()
+}
+
 #[test]
 fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
     let mut rng = StdRng::seed_from_u64(69);
     let arith = vector_arith();
     let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(2, &hyper(1e-3, 0.01, true, true));
-    // master, moments, elements (odd: the arrays' alignment must not depend on it)
-    let cases = [
-        (Kind::Bf16, Kind::Bf16, 2 * BLOCK + 13),
-        (Kind::Bf16, Kind::F32, 2 * BLOCK + 13),
-        (Kind::F16, Kind::F32, 77),
-        (Kind::F16, Kind::F16, 4096),
-    ];
-    for (master, moments, n) in cases {
+    for (master, moments, n) in HALF_STATES {
         let kinds = StateKinds { master, moments };
         let (offsets, total) = kinds.layout(n);
         let sizes = [master.size(), moments.size(), moments.size()];
@@ -1306,25 +1376,16 @@ fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
             (0..3).all(|a| offsets[a] % sizes[a] == 0),
             "{kinds:?}: {offsets:?}"
         );
-        let (mut state, grad32) = inputs(n, &mut rng);
-        for (i, value) in state.iter_mut().enumerate() {
-            *value = stored(if i < n { master } else { moments }, *value);
-        }
+        let (state, grad_bytes) = rounded_inputs(kinds, n, &mut rng);
         // The state in its layout, in words of 4 bytes (aligned for every array).
-        let mut words = vec![0u32; total.div_ceil(4)];
-        let bytes =
-            |w: &[u32]| -> Vec<u8> { w.iter().flat_map(|x| x.to_le_bytes()).take(total).collect() };
-        let mut raw = bytes(&words);
+        let bytes = |w: &[u32]| bytes_of(w, total);
+        let mut raw = vec![0u8; total];
         let dtypes = [master, moments, moments];
         for a in 0..3 {
             let b = kind_bytes(dtypes[a], &state[a * n..][..n]);
             raw[offsets[a]..][..b.len()].copy_from_slice(&b);
         }
-        for (w, b) in words.iter_mut().zip(raw.chunks(4)) {
-            let mut four = [0u8; 4];
-            four[..b.len()].copy_from_slice(b);
-            *w = u32::from_le_bytes(four);
-        }
+        let mut words = words_of(&raw);
         let before = bytes(&words);
         let mut kept = vec![0u32; words.len()];
         // The parameters, the weights' bits (as the last pass left them).
@@ -1332,40 +1393,20 @@ fn a_state_kept_in_its_own_dtypes_is_laid_out_summed_and_kept() {
             .chunks_exact(2)
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
             .collect();
-        let cuts: Vec<u64> = [0, 4096, total as u64 / 2 + 6, total as u64 - 2]
-            .into_iter()
-            .filter(|&c| c < total as u64)
-            .collect();
-        let sums = |b: &[u8]| -> Vec<u32> {
-            cuts.iter()
-                .zip(cuts.iter().skip(1).copied().chain([total as u64]))
-                .map(|(&s, e)| crate::checksum::crc32c(&b[s as usize..e as usize]))
-                .collect()
-        };
-        let grad_bytes = kind_bytes(master, &widened(master, &kind_bytes(master, &grad32)));
-        // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
-        let got = unsafe {
-            update_at(
-                (words.as_mut_ptr() as usize, kinds),
-                (grad_bytes.as_ptr() as usize, master),
-                Some((params.as_mut_ptr() as usize, master)),
-                true,
-                Some(kept.as_mut_ptr() as usize),
-                false,
-                kinds,
-                n,
-                1.0,
-                &k,
-                &arith,
-                Simd::detect(),
-                3,
-                Cuts {
-                    read: Some(&cuts),
-                    write: Some(&cuts),
-                },
-            )
-        }
-        .unwrap();
+        let cuts = some_cuts(total);
+        let sums = |b: &[u8]| stripe_crcs(&cuts, b);
+        let (address, kept_at) = (params.as_mut_ptr() as usize, Some(&mut kept[..]));
+        let got = pass_at(
+            &mut words,
+            &grad_bytes,
+            address,
+            kept_at,
+            false,
+            kinds,
+            n,
+            &k,
+            Some(&cuts),
+        );
         let after = bytes(&words);
         assert_eq!(bytes(&kept), before, "{kinds:?}: the kept state");
         assert_eq!(got.read, Some(sums(&before)), "{kinds:?}: sums as read");
@@ -1441,26 +1482,10 @@ fn pass_with_master_stored(
     }
     let mut words = words_of(&raw);
     let mut params = vec![0u16; n];
-    // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
-    unsafe {
-        update_at(
-            (words.as_mut_ptr() as usize, kinds),
-            (grad_bytes.as_ptr() as usize, kinds.master),
-            Some((params.as_mut_ptr() as usize, kinds.master)),
-            false,
-            None,
-            false,
-            kinds,
-            n,
-            1.0,
-            k,
-            &vector_arith(),
-            Simd::detect(),
-            3,
-            Cuts::default(),
-        )
-    }
-    .unwrap();
+    let address = params.as_mut_ptr() as usize;
+    pass_at(
+        &mut words, grad_bytes, address, None, false, kinds, n, k, None,
+    );
     let after = bytes_of(&words, total);
     let s = kinds.moments.size() * n;
     let moments = [&after[offsets[1]..][..s], &after[offsets[2]..][..s]].concat();
@@ -1474,14 +1499,7 @@ fn pass_with_master_stored(
 fn master_weights_in_the_parameters_give_the_pass_with_them_stored() {
     let mut rng = StdRng::seed_from_u64(71);
     let k = AdamBias::new(0.9, 0.999, BiasSqrt::Float).constants(3, &hyper(1e-3, 0.01, true, true));
-    // master, moments, elements (odd: the arrays' alignment must not depend on it)
-    let cases = [
-        (Kind::Bf16, Kind::Bf16, 2 * BLOCK + 13),
-        (Kind::Bf16, Kind::F32, 2 * BLOCK + 13),
-        (Kind::F16, Kind::F32, 77),
-        (Kind::F16, Kind::F16, 4096),
-    ];
-    for (master, moments, n) in cases {
+    for (master, moments, n) in HALF_STATES {
         let kinds = StateKinds { master, moments };
         let (offsets, total) = kinds.moments_layout(n);
         assert_eq!(
@@ -1491,11 +1509,7 @@ fn master_weights_in_the_parameters_give_the_pass_with_them_stored() {
                 2 * moments.size() * n
             )
         );
-        let (mut state, grad32) = inputs(n, &mut rng);
-        for (i, value) in state.iter_mut().enumerate() {
-            *value = stored(if i < n { master } else { moments }, *value);
-        }
-        let grad_bytes = kind_bytes(master, &widened(master, &kind_bytes(master, &grad32)));
+        let (state, grad_bytes) = rounded_inputs(kinds, n, &mut rng);
         let (want_moments, want_params) = pass_with_master_stored(kinds, &state, &grad_bytes, &k);
         // The moments alone, and the parameters holding the master weights.
         let before = [
@@ -1507,39 +1521,20 @@ fn master_weights_in_the_parameters_give_the_pass_with_them_stored() {
         let mut kept = vec![0u32; words.len()];
         let params_before = kind_bytes(master, &state[..n]);
         let mut params = words_of(&params_before);
-        let cuts: Vec<u64> = [0, 4096, total as u64 / 2 + 6]
-            .into_iter()
-            .filter(|&c| c < total as u64)
-            .collect();
-        let sums = |b: &[u8]| -> Vec<u32> {
-            cuts.iter()
-                .zip(cuts.iter().skip(1).copied().chain([total as u64]))
-                .map(|(&s, e)| crate::checksum::crc32c(&b[s as usize..e as usize]))
-                .collect()
-        };
-        // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
-        let got = unsafe {
-            update_at(
-                (words.as_mut_ptr() as usize, kinds),
-                (grad_bytes.as_ptr() as usize, master),
-                Some((params.as_mut_ptr() as usize, master)),
-                true,
-                Some(kept.as_mut_ptr() as usize),
-                true,
-                kinds,
-                n,
-                1.0,
-                &k,
-                &vector_arith(),
-                Simd::detect(),
-                3,
-                Cuts {
-                    read: Some(&cuts),
-                    write: Some(&cuts),
-                },
-            )
-        }
-        .unwrap();
+        let cuts = some_cuts(total);
+        let sums = |b: &[u8]| stripe_crcs(&cuts, b);
+        let (address, kept_at) = (params.as_mut_ptr() as usize, Some(&mut kept[..]));
+        let got = pass_at(
+            &mut words,
+            &grad_bytes,
+            address,
+            kept_at,
+            true,
+            kinds,
+            n,
+            &k,
+            Some(&cuts),
+        );
         let (after, params_after) = (bytes_of(&words, total), bytes_of(&params, 2 * n));
         assert_eq!(after, want_moments, "{kinds:?}: the moments");
         assert_eq!(params_after, want_params, "{kinds:?}: the parameters");
