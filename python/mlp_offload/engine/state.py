@@ -280,11 +280,10 @@ class ChunkedState:
 
     def _arrays(self, chunk: int, chunk_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The chunk's `(params, exp_avg, exp_avg_sq)` in `chunk_state` (its bytes); with the master
-        weights in the parameters, a copy of its master weights first (`set_master` makes an edit of it
-        current)."""
+        weights in the parameters, its master weights first (`_master`: to read, not to write)."""
         arrays = self.stored.arrays(chunk_state, self.chunks[chunk][2])
         if self.stored.master_in_params:
-            return (self._master(chunk).clone(), *arrays)
+            return (self._master(chunk), *arrays)
         return arrays
 
     def _current(self, chunk: int, scratch: torch.Tensor) -> torch.Tensor:
@@ -346,6 +345,9 @@ class ChunkedState:
         weights in the parameters, a copy of those, made current by `set_master`)."""
         chunk_state = (self._scratch() if scratch is None else scratch)[: self.layout.sizes[chunk]]
         arrays = self._arrays(chunk, chunk_state)
+        if self.stored.master_in_params:
+            # `fill` writes a copy: setting the master weights leaves the parameters as they are.
+            arrays = (arrays[0].clone(), *arrays[1:])
         fill(arrays)
         self.pipeline.replace(chunk, chunk_state)
         if self.stored.master_in_params:
