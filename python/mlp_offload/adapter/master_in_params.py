@@ -65,14 +65,11 @@ def choose(config: MLPOffloadConfig, master: torch.dtype, params: torch.dtype) -
 
 def check_params(state: ChunkedState, chunk: int, as_read: int | None, as_written: int | None) -> None:
     """After a chunk's pass: the parameters it read as the master weights were those the engine left
-    (`ChunkedState.params_crc`), else the step is stopped, naming them; the sum as written is the next
-    pass's to meet. A chunk whose master weights were set apart (`take_master_set_apart`) is not
-    checked: DeepSpeed's step starts from those, whatever the parameters hold."""
-    expected = state.params_crc.get(chunk)
-    if as_read is not None and expected is not None and as_read != expected:
+    (`ChunkedState.params_as_left`), else the step is stopped, naming them. A chunk whose master weights
+    were set apart (`take_master_set_apart`) is passed `as_read` None: DeepSpeed's step starts from
+    those, whatever the parameters hold."""
+    if not state.params_as_left(chunk, as_read, as_written):
         i, first, count = state.chunks[chunk]
         raise RuntimeError(
             troubleshooting.PARAMS_CHANGED.message(subgroup=i, first=first, last=first + count - 1)
         )
-    if as_written is not None:
-        state.params_crc[chunk] = as_written

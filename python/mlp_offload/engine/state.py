@@ -169,6 +169,15 @@ class ChunkedState:
         (`params_crc`)."""
         self.params_crc[chunk] = crc32c_of(self._host_params(chunk))
 
+    def params_as_left(self, chunk: int, as_read: int | None, as_written: int | None) -> bool:
+        """After a pass that read the chunk's parameters as its master weights: whether they were as the
+        engine left them (their CRC32C `as_read` against `params_crc`; True where either is unknown).
+        The sum `as_written` is the next pass's to meet."""
+        expected = self.params_crc.get(chunk)
+        if as_written is not None:
+            self.params_crc[chunk] = as_written
+        return as_read is None or expected is None or as_read == expected
+
     def set_master(self, chunk: int, values: torch.Tensor) -> None:
         """With the master weights in the parameters: makes `values` (any float dtype, rounded to the
         master weights' as DeepSpeed's copy into them rounds) the chunk's master weights. Where they are
