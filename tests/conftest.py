@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -27,6 +28,43 @@ ENGINES = ["io_uring", "threads"]
 # Tests whose ranks share the work disk's device through node-wide admission run one after another, never
 # beside each other (`pytest -n`): one node-wide semaphore per device and user.
 ONE_NODE = pytest.mark.xdist_group("node-wide admission")
+
+# The modules every test of which starts DeepSpeed (a training run, or its CPU Adam op): their tests are
+# marked `deepspeed`, which `make test-python-quick` leaves out (`-m "not deepspeed"`), and where DeepSpeed
+# is not installed each module is skipped before it is imported. Modules of which only some tests start
+# DeepSpeed mark those tests themselves.
+NEEDS_DEEPSPEED = {
+    "test_backward.py",
+    "test_bitexact.py",
+    "test_checkpoints.py",
+    "test_cluster.py",
+    "test_compat.py",
+    "test_faults.py",
+    "test_frameworks.py",
+    "test_harness.py",
+    "test_kernel.py",
+    "test_megatron.py",
+    "test_options.py",
+    "test_refusals.py",
+    "test_state_dtypes.py",
+    "test_wheel.py",
+}
+
+
+class _WithoutDeepSpeed(pytest.Module):
+    """A module of `NEEDS_DEEPSPEED` where DeepSpeed is not installed: skipped, never imported."""
+
+    def collect(self) -> list[pytest.Item | pytest.Collector]:
+        pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    if module_path.name not in NEEDS_DEEPSPEED:
+        return None
+    installed = importlib.util.find_spec("deepspeed") is not None
+    module = (pytest.Module if installed else _WithoutDeepSpeed).from_parent(parent, path=module_path)
+    module.add_marker(pytest.mark.deepspeed)
+    return module
 
 
 @pytest.fixture(params=ENGINES)

@@ -4,7 +4,6 @@ between backward and step is the model before the step."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,6 @@ from deepspeed_runs import (
 )
 from mlp_offload.adapter import overlap_backward
 from mlp_offload.engine import planning, telemetry
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
-
 
 # A budget that caches every chunk of these rows' model and leaves room for a kept copy of each; one
 # slot per chunk on disk (none is added: the chunks are staged in memory).

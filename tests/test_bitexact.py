@@ -6,7 +6,6 @@ cpu` bit for bit, in every configuration below, with the update behind the next 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,6 @@ from deepspeed_runs import (
     section,
     stock_side,
 )
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
-
 
 ONE_CYCLE = {
     "type": "OneCycle",

@@ -4,7 +4,6 @@ without its ZeRO files."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,6 @@ from deepspeed_runs import (
     run_case,
     section,
 )
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
-
 
 # name, the paths ours saves on (indices into work_dirs; None: stock saves), the paths ours resumes on
 # (None: stock resumes)

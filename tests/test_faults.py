@@ -23,11 +23,6 @@ from deepspeed_runs import (
     section,
 )
 
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
-
 
 @pytest.mark.parametrize(
     ("shadow_slots", "ds_case", "extra"),

@@ -26,11 +26,8 @@ from deepspeed_runs import (
     run_harness,
 )
 
-pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
-
-pytestmark = pytest.mark.deepspeed
 
 
 def train(

@@ -3,7 +3,6 @@ imports little that its server had not preloaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,6 @@ from deepspeed_runs import (
     runs_are_forked,
     section,
 )
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
-
 
 TEST_TIMEOUT_S = 240
 

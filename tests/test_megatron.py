@@ -31,7 +31,6 @@ from megatron_tree import (
 )
 
 pytestmark = [
-    pytest.mark.deepspeed,
     # On one worker: one tree and data set, each stock run and checkpoint made once for every row.
     pytest.mark.xdist_group("megatron"),
     pytest.mark.skipif(not SNAPSHOT.exists(), reason=f"Megatron-DeepSpeed's snapshot is absent: {SNAPSHOT}"),

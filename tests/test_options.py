@@ -6,7 +6,6 @@ config models, and `docs/options.md` is the table rendered."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 from pathlib import Path
@@ -16,13 +15,7 @@ import pytest
 
 from conftest import ONE_NODE
 from deepspeed_runs import AIO_BUILT, assert_bit_equal, run_case, section
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
 from mlp_offload.adapter import options
-
-pytestmark = pytest.mark.deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
 Z, OO, OP, OPT = "zero_optimization", options.OO, options.OP, options.OPT

@@ -4,7 +4,6 @@ warning."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -19,11 +18,6 @@ from deepspeed_runs import (
     section,
 )
 from mlp_offload.adapter.troubleshooting import met
-
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
-
-pytestmark = pytest.mark.deepspeed
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,6 @@ from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section, stock_resume, stock_side
 from mlp_offload.adapter import troubleshooting
 
-pytestmark = pytest.mark.deepspeed
-
 STEPS = 6
 # The update during backward: small reduce buckets (chunks' gradients final before backward ends) and no
 # clipping (a clipped step's is not tried); our section's keys for it, and for the state streamed.

@@ -26,7 +26,7 @@ from deepspeed_runs import free_port
 # which builds the wheel once: two builds at once race in the one cargo target directory. `make setup`
 # built the module the same way (`make build-dev`), so the build here reuses its crates and only packs
 # the wheel (a full release build took both cores for 1-4 minutes beside the other worker's tests).
-pytestmark = [pytest.mark.deepspeed, pytest.mark.xdist_group("the wheel")]
+pytestmark = pytest.mark.xdist_group("the wheel")
 ROOT = Path(__file__).resolve().parent.parent
 DEV_BIN = Path(sys.executable).parent
 
