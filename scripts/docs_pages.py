@@ -11,11 +11,18 @@ from mlp_offload.common import config_reference
 from mlp_offload.engine import telemetry
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def troubleshooting_page() -> str:
+    """The registry's page with the option table's refusals, which the table renders."""
+    return troubleshooting.markdown(options.refusals_markdown())
+
+
 PAGES = {
     "docs/config.md": config_reference.markdown,
     "docs/telemetry.md": telemetry.markdown,
     "docs/options.md": options.markdown,
-    "docs/troubleshooting.md": troubleshooting.markdown,
+    "docs/troubleshooting.md": troubleshooting_page,
 }
 
 
@@ -23,7 +30,7 @@ def main() -> None:
     for name, render in PAGES.items():
         (ROOT / name).write_text(render())
     readme = ROOT / "README.md"
-    readme.write_text(troubleshooting.readme(readme.read_text()))
+    readme.write_text(troubleshooting.readme(readme.read_text(), options.readme_keys()))
     print(f"wrote {', '.join(PAGES)} and README.md's row of refusals")
 
 

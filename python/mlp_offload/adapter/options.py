@@ -6,7 +6,9 @@ No option trains and differs. The table lists every field of DeepSpeed's config 
 its offload, ZenFlow and leaf-module sections), `bf16`, `fp16`, `torch_autocast`, `data_types`, the
 gradient settings and the optimizer's params; a field a new DeepSpeed adds fails the table's test until
 it has a row, and a user who sets an option no row lists is warned by name at start (`check`).
-`docs/options.md` is rendered from the table (`make docs-pages`).
+`docs/options.md` is rendered from the table (`make docs-pages`), and so are the refused rows' parts of
+the troubleshooting page and of the README's row of refusals (`refusals_markdown`, `readme_keys`): the
+registry (`troubleshooting`) is what this module's messages come from, and imports nothing of it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from mlp_offload.adapter import troubleshooting
 
 log = logging.getLogger("mlp_offload")
 
@@ -317,9 +321,6 @@ def check(config: dict[str, Any]) -> None:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=repr).encode()).hexdigest()
     if digest in _CHECKED:
         return
-    # Here, not at the top: the registry renders this module's table.
-    from mlp_offload.adapter import troubleshooting
-
     names = _field_names()
     problems, unlisted = [], []
     zero = _section(config, Z)
@@ -364,3 +365,42 @@ def markdown() -> str:
     lines += ["", "## Optimizers", "", "| optimizer | with mlp-offload |", "|---|---|"]
     lines += [f"| {name} | {verdict} |" for name, verdict in OPTIMIZERS]
     return "\n".join(lines) + "\n"
+
+
+def refused_options() -> list[Option]:
+    """The table's refused rows, in its order."""
+    return [option for option in OPTIONS if option.refused is not None]
+
+
+def _refused_values(option: Option) -> str:
+    """The values refused, in words, from what the option row says to use instead."""
+    if option.instead.startswith(("leave it at", "set it to", "use ")):
+        return "any other value"
+    return "any value"
+
+
+def refusals_markdown() -> list[str]:
+    """The troubleshooting page's section of the refused options (its lines, the blank one after it
+    included): one row each, every one an `OPTION` refusal of the registry."""
+    return [
+        "### The refused DeepSpeed options",
+        "",
+        f"Each is an `{troubleshooting.OPTION.name}` refusal. Every other option is bit-equal to stock "
+        "([`options.md`](options.md)).",
+        "",
+        "| option | refused | why | instead |",
+        "|---|---|---|---|",
+        *(f"| `{o.key}` | {_refused_values(o)} | {o.what} | {o.instead} |" for o in refused_options()),
+        "",
+    ]
+
+
+def _short_key(key: str) -> str:
+    key = key.removeprefix(f"{Z}.")
+    return "`zenflow.*`" if key.startswith("zenflow.") else f"`{key}`"
+
+
+def readme_keys() -> list[str]:
+    """The refused keys as the README's row of refusals names them: without `zero_optimization.`, in
+    backticks, ZenFlow's as one, each once."""
+    return list(dict.fromkeys(_short_key(option.key) for option in refused_options()))

@@ -8,17 +8,18 @@ store in use, io_uring not permitted, ...; `MET_BY_TESTS`): a test that meets ea
 entry's `pattern`, and the registry's test checks that every one has such a test. The option table's
 refusals (`adapter.options`) are one entry, `OPTION`, and a table on the page.
 
-`docs/troubleshooting.md` and the README's row of refusals are rendered from here
-(`make docs-pages`) and checked by the registry's test.
+`docs/troubleshooting.md` and the README's row of refusals are rendered from here (`make docs-pages`)
+and checked by the registry's test. The option table renders its own parts of them
+(`options.refusals_markdown`, `options.readme_keys`), which are handed in: the table's check raises
+this registry's messages, so this module imports nothing of the table.
 """
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from mlp_offload.adapter import options
 
 REFUSAL, FAULT, WARNING = "refused at start", "an error", "a warning"
 
@@ -347,19 +348,11 @@ def met(name: str, text: str) -> bool:
     return BY_NAME[name].pattern.search(text) is not None
 
 
-def refused_options() -> list[options.Option]:
-    return [option for option in options.OPTIONS if option.refused is not None]
-
-
-def _short_key(key: str) -> str:
-    key = key.removeprefix(f"{options.Z}.")
-    return "`zenflow.*`" if key.startswith("zenflow.") else f"`{key}`"
-
-
-def readme_row() -> str:
-    """The README's row of refusals: the named refusals and the option table's refused keys."""
+def readme_row(option_keys: Sequence[str]) -> str:
+    """The README's row of refusals: the named refusals and the option table's refused keys
+    (`options.readme_keys()`)."""
     named = "; ".join(trouble.short for trouble in ENTRIES if trouble.short)
-    keys = ", ".join(dict.fromkeys(_short_key(option.key) for option in refused_options()))
+    keys = ", ".join(option_keys)
     return (
         f"{README_ROW} {named}; these DeepSpeed options "
         f"([why, and what instead](docs/troubleshooting.md)): {keys} |"
@@ -369,13 +362,14 @@ def readme_row() -> str:
 README_ROW = "| refused at start, by name |"
 
 
-def readme(text: str) -> str:
-    """The README's text with its row of refusals rendered from the registry."""
+def readme(text: str, option_keys: Sequence[str]) -> str:
+    """The README's text with its row of refusals rendered from the registry and the option table's
+    refused keys (`options.readme_keys()`)."""
     lines = text.splitlines(keepends=True)
     rows = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
     if len(rows) != 1:
         raise ValueError(f"README: {len(rows)} lines begin with {README_ROW!r}; it needs one")
-    lines[rows[0]] = readme_row() + "\n"
+    lines[rows[0]] = readme_row(option_keys) + "\n"
     return "".join(lines)
 
 
@@ -398,8 +392,9 @@ def _entries(kind: str) -> list[str]:
     return [line for trouble in ENTRIES if trouble.kind == kind for line in _entry(trouble)]
 
 
-def markdown() -> str:
-    """`docs/troubleshooting.md`."""
+def markdown(option_refusals: Sequence[str]) -> str:
+    """`docs/troubleshooting.md`, the option table's section of refusals (`options.refusals_markdown()`)
+    after the named refusals."""
     lines = [
         "# Troubleshooting",
         "",
@@ -415,15 +410,7 @@ def markdown() -> str:
         "written: the error names the key or the object, and what to use instead.",
         "",
         *_entries(REFUSAL),
-        "### The refused DeepSpeed options",
-        "",
-        f"Each is an `{OPTION.name}` refusal. Every other option is bit-equal to stock "
-        "([`options.md`](options.md)).",
-        "",
-        "| option | refused | why | instead |",
-        "|---|---|---|---|",
-        *(f"| `{o.key}` | {_refused_values(o)} | {o.what} | {o.instead} |" for o in refused_options()),
-        "",
+        *option_refusals,
         "## Errors",
         "",
         *_entries(FAULT),
@@ -434,10 +421,3 @@ def markdown() -> str:
         *_entries(WARNING),
     ]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _refused_values(option: options.Option) -> str:
-    """The values refused, in words, from what the option row says to use instead."""
-    if option.instead.startswith(("leave it at", "set it to", "use ")):
-        return "any other value"
-    return "any value"
