@@ -82,13 +82,14 @@ def main() -> int:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     from mlp_offload import _core
+    from mlp_offload.adapter import kernel_check
     from mlp_offload.engine import fused_update
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     n, threads = args.elements, torch.get_num_threads()
     param = torch.nn.Parameter(torch.zeros(4))
     ds = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01, adamw_mode=True)
-    fused, why = fused_update.self_check(ds, dtype, dtype, simd=args.simd)
+    fused, why = kernel_check.self_check(ds, dtype, dtype, simd=args.simd)
     if fused is None:
         raise SystemExit(f"the fused kernel cannot be used here: {why}")
     # Where the fused pass folds its checksums into the SIMD loop (VPCLMULQDQ), the same pass hashing
@@ -96,11 +97,12 @@ def main() -> int:
     blockwise = None
     unfolded = {"avx512-clmul": "avx512", "avx2-clmul": "avx2"}.get(fused.kernel.simd)
     if unfolded is not None:
-        blockwise, why = fused_update.self_check(ds, dtype, dtype, simd=unfolded)
+        blockwise, why = kernel_check.self_check(ds, dtype, dtype, simd=unfolded)
         if blockwise is None:
             raise SystemExit(f"the fused kernel without VPCLMULQDQ cannot be used here: {why}")
     group = ds.param_groups[0]
     beta1, beta2 = group["betas"]
+    record = fused_update.adam_group(group, fused.adamw)
     generator = torch.Generator().manual_seed(0)
     chunks = []
     for _ in range(args.chunks):
@@ -144,15 +146,15 @@ def main() -> int:
         half.copy_(p)
 
     def fused_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
-        fused.update(state, grad, half, grad_scale=scale, step=step[0], group=group)
+        fused.update(state, grad, half, grad_scale=scale, step=step[0], group=record)
 
     def fused_pass_shifted(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
-        fused.update(state, grad, shifted[id(state)], grad_scale=scale, step=step[0], group=group)
+        fused.update(state, grad, shifted[id(state)], grad_scale=scale, step=step[0], group=record)
 
     def fused_pass_summing(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         # One stripe (one path), as read and as written.
         fused.update(
-            state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0]
+            state, grad, half, grad_scale=scale, step=step[0], group=record, read_cuts=[0], write_cuts=[0]
         )
 
     def torch_check_then_pass(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
@@ -163,7 +165,7 @@ def main() -> int:
     def pass_keeping(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         kept: list[tuple[int, torch.Tensor]] = []
         fused.update(
-            state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0],
+            state, grad, half, grad_scale=scale, step=step[0], group=record, read_cuts=[0], write_cuts=[0],
             kept_params=kept,
         )  # fmt: skip
 
@@ -171,14 +173,14 @@ def main() -> int:
         kept: list[tuple[int, torch.Tensor]] = []
         # A cached chunk's state is not hashed (it is neither read from nor written to the store).
         fused.update(
-            state, grad, half, grad_scale=scale, step=step[0], group=group, kept_params=kept,
+            state, grad, half, grad_scale=scale, step=step[0], group=record, kept_params=kept,
             kept_state=kept_states[id(state)],
         )  # fmt: skip
 
     def blockwise_summing(state: torch.Tensor, grad: torch.Tensor, half: torch.Tensor) -> None:
         assert blockwise is not None
         blockwise.update(
-            state, grad, half, grad_scale=scale, step=step[0], group=group, read_cuts=[0], write_cuts=[0]
+            state, grad, half, grad_scale=scale, step=step[0], group=record, read_cuts=[0], write_cuts=[0]
         )
 
     def with_checksums(update: Callable[..., None]) -> Callable[..., None]:

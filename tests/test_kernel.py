@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from mlp_offload import _core
+from mlp_offload.engine import fused_update
+from mlp_offload.engine.state_dtypes import FP32_STATE, StateDtypes
 
 # DeepSpeed builds its CPU Adam just in time, once, into target/ (as the harness's runs do).
-from mlp_offload.engine import fused_update
-
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / "target" / "torch_extensions")
@@ -27,6 +27,8 @@ os.environ.setdefault(
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+from mlp_offload.adapter import kernel_check
 
 # Sizes: within one vector, every tail length of a 16-wide build, several vectors, a chunk's worth.
 SIZES = [1, 5, 15, 16, 17, 31, 33, 127, 128, 129, 1000, 4096 + 13]
@@ -47,10 +49,10 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 STATE_DTYPES = {
     "fp32 state": None,
-    "bf16 weights": fused_update.StateDtypes(BF16, FP32),
-    "bf16 weights and moments": fused_update.StateDtypes(BF16, BF16),
-    "fp16 weights": fused_update.StateDtypes(FP16, FP32),
-    "fp16 weights and moments": fused_update.StateDtypes(FP16, FP16),
+    "bf16 weights": StateDtypes(BF16, FP32),
+    "bf16 weights and moments": StateDtypes(BF16, BF16),
+    "fp16 weights": StateDtypes(FP16, FP32),
+    "fp16 weights and moments": StateDtypes(FP16, FP16),
 }
 
 
@@ -89,7 +91,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_every_element_is_deepspeeds(name: str, settings: dict[str, Any], half: str) -> None:
     dtype = HALF[half]
     ds = optimizer(**settings)
-    fused, why = fused_update.self_check(ds, dtype, dtype)
+    fused, why = kernel_check.self_check(ds, dtype, dtype)
     assert fused is not None, why
     _run_beside_deepspeed(ds, fused, dtype, None, f"{name}, {half}")
 
@@ -103,7 +105,7 @@ def test_every_element_of_a_state_in_half_precision_is_deepspeeds(
     assert state_dtypes is not None
     dtype = state_dtypes.master
     ds = optimizer(**settings, fp32_optimizer_states=state_dtypes.moments == FP32)
-    fused, why = fused_update.self_check(ds, dtype, dtype, dtypes=state_dtypes)
+    fused, why = kernel_check.self_check(ds, dtype, dtype, dtypes=state_dtypes)
     assert fused is not None, why
     _run_beside_deepspeed(ds, fused, dtype, state_dtypes, f"{name}, {dtypes}")
 
@@ -112,13 +114,14 @@ def _run_beside_deepspeed(
     ds: Any,
     fused: fused_update.FusedAdam,
     dtype: torch.dtype,
-    state_dtypes: fused_update.StateDtypes | None,
+    state_dtypes: StateDtypes | None,
     what: str,
 ) -> None:
     """Calls of every size at `STEPS` through DeepSpeed's kernel (its optimizer's op and id) and ours, in
     step: every output the same bits. `state_dtypes`: the state in half precision (None: fp32)."""
     group = ds.param_groups[0]
     beta1, beta2 = group["betas"]
+    record = fused_update.adam_group(group, fused.adamw)
     generator = torch.Generator().manual_seed(7)
     # Two kernels in step: DeepSpeed's own (through the optimizer's op and id) and ours.
     for call, step in enumerate(STEPS):
@@ -147,7 +150,7 @@ def _run_beside_deepspeed(
             # Ours on the state laid out as the engine keeps it (`fused.stored`: the dtypes' own bytes).
             packed = fused.stored.pack(state)
             our_params = torch.empty(n, dtype=dtype)
-            fused.update(packed, grad, our_params, grad_scale=scale, step=step, group=group)
+            fused.update(packed, grad, our_params, grad_scale=scale, step=step, group=record)
             ours = fused.stored.unpack(packed, n)
             for name, a, b in (("state", ours, theirs), ("params", our_params, their_params)):
                 agree = same(a, b)
@@ -159,33 +162,33 @@ def _run_beside_deepspeed(
 def test_the_check_names_what_it_cannot_fuse() -> None:
     param = torch.nn.Parameter(torch.zeros(4))
     torch_adam = torch.optim.AdamW([param])
-    fused, why = fused_update.self_check(torch_adam, torch.bfloat16, torch.bfloat16)
+    fused, why = kernel_check.self_check(torch_adam, torch.bfloat16, torch.bfloat16)
     assert fused is None and "AdamW" in why
-    assert fused_update.choose_update_kernel("auto", torch_adam, torch.bfloat16, torch.bfloat16)[0] is None
+    assert kernel_check.choose_update_kernel("auto", torch_adam, torch.bfloat16, torch.bfloat16)[0] is None
     with pytest.raises(ValueError, match=r"mlp_offload\.update_kernel.*AdamW"):
-        fused_update.choose_update_kernel("fused", torch_adam, torch.bfloat16, torch.bfloat16)
-    fused, why = fused_update.choose_update_kernel("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
+        kernel_check.choose_update_kernel("fused", torch_adam, torch.bfloat16, torch.bfloat16)
+    fused, why = kernel_check.choose_update_kernel("deepspeed", optimizer(), torch.bfloat16, torch.bfloat16)
     assert fused is None and why == "configured"
     # The state in half precision runs on the fused pass only.
-    half_state = fused_update.StateDtypes(BF16, FP32)
+    half_state = StateDtypes(BF16, FP32)
     with pytest.raises(ValueError, match=r'update_kernel: "deepspeed" runs on fp32 state only.*"auto"'):
-        fused_update.choose_update_kernel("deepspeed", optimizer(), BF16, BF16, dtypes=half_state)
+        kernel_check.choose_update_kernel("deepspeed", optimizer(), BF16, BF16, dtypes=half_state)
     with pytest.raises(ValueError, match=r"update_kernel: 'auto'.*AdamW.*half precision.*needs it"):
-        fused_update.choose_update_kernel("auto", torch_adam, BF16, BF16, dtypes=half_state)
+        kernel_check.choose_update_kernel("auto", torch_adam, BF16, BF16, dtypes=half_state)
 
 
 def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
     """The check fails, naming the output, for an arithmetic DeepSpeed's build does not have: so a CPU or
     compiler whose DeepSpeed differs gets DeepSpeed's kernel, not wrong bits."""
     ds = optimizer(adamw_mode=True, weight_decay=0.01)
-    fused, _ = fused_update.self_check(ds, torch.bfloat16, torch.bfloat16)
+    fused, _ = kernel_check.self_check(ds, torch.bfloat16, torch.bfloat16)
     assert fused is not None
     found = fused.kernel.arith
     for wrong in (
         {**found, "others": not found["others"]},
         {**found, "vector_width": 8 if found["vector_width"] != 8 else 16},
     ):
-        calls = fused_update._deepspeed_reference(
+        calls = kernel_check._deepspeed_reference(
             ds.ds_opt_adam,
             ds.param_groups[0],
             True,
@@ -193,10 +196,11 @@ def test_a_wrong_arithmetic_is_caught_by_the_check() -> None:
             torch.bfloat16,
             torch.bfloat16,
             torch.Generator().manual_seed(1),
-            fused_update.FP32_STATE,
+            FP32_STATE,
         )
         bad = fused_update.FusedAdam(_core.AdamKernel(*ds.defaults["betas"], **wrong), adamw=True, threads=1)
-        difference = fused_update._first_difference(calls, bad, ds.param_groups[0], 0.5)
+        group = fused_update.adam_group(ds.param_groups[0], True)
+        difference = kernel_check._first_difference(calls, bad, group, 0.5)
         assert difference is not None and "differ from DeepSpeed's" in difference, wrong
 
 
@@ -216,7 +220,7 @@ def test_bad_kernel_settings_are_named(kwargs: dict[str, Any], key: str) -> None
 
 def test_bad_tensors_are_named() -> None:
     fused = fused_update.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=1)
-    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    group = _core.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
     state, grad = torch.zeros(30), torch.zeros(10, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"state: .* 120 contiguous bytes .* not 116"):
         fused.update(state[:29].clone(), grad, None, grad_scale=1.0, step=1, group=group)
@@ -228,12 +232,58 @@ def test_bad_tensors_are_named() -> None:
         fused.update(state, torch.zeros(10, dtype=torch.int32), None, grad_scale=1.0, step=1, group=group)
 
 
+# The records the kernel takes, each refusing bad input by the name of the argument: the keywords given
+# to `_core.StateLayout` (beside fp32 master weights and moments) and to `_core.ChunkArrays` (beside a
+# state, a bf16 gradient and a count), and the argument the `ValueError` names, where either record
+# refuses it or `AdamKernel.update` refuses the two together.
+RECORD_ROWS: list[tuple[str, dict[str, Any], dict[str, Any], str]] = [
+    ("a dtype no torch name spells", {"master": "bf16"}, {}, "master"),
+    ("a stored dtype no torch name spells", {"stored_moments": "fp32"}, {}, "stored_moments"),
+    ("fp16 moments beside bf16 master weights", {"master": "bfloat16", "moments": "float16"}, {}, "moments"),
+    (
+        "bf16 kept where fp16 values are",
+        {"master": "float16", "stored_master": "bfloat16"},
+        {},
+        "stored_master",
+    ),
+    ("fp32 master weights in the parameters", {"master_in_params": True}, {}, "master_in_params"),
+    ("a gradient dtype no torch name spells", {}, {"grad_dtype": "int8"}, "grad_dtype"),
+    ("params without their dtype", {}, {"params": 4096}, "params_dtype"),
+    ("keep_params without params", {}, {"keep_params": True}, "keep_params"),
+    (
+        "master weights in the parameters, and no params",
+        {"master": "bfloat16", "moments": "bfloat16", "master_in_params": True},
+        {},
+        "params",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("layout_keys", "arrays_keys", "key"),
+    [row[1:] for row in RECORD_ROWS],
+    ids=[row[0] for row in RECORD_ROWS],
+)
+def test_bad_records_are_named(layout_keys: dict[str, Any], arrays_keys: dict[str, Any], key: str) -> None:
+    state, grad = torch.zeros(30), torch.zeros(10, dtype=torch.bfloat16)
+    group = _core.AdamGroup(1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(ValueError, match=rf"^{key}: "):
+        layout = _core.StateLayout(**{"master": "float32", "moments": "float32"} | layout_keys)
+        at: dict[str, Any] = {"state": state.data_ptr(), "grad": grad.data_ptr(), "grad_dtype": "bfloat16"}
+        arrays = _core.ChunkArrays(**at | {"count": 10} | arrays_keys)
+        _core.AdamKernel(0.9, 0.999).update(arrays, layout, group, step=1, grad_scale=1.0, threads=1)
+    # The free function the layout's `offsets` replaced is gone.
+    assert not hasattr(_core, "state_layout")
+
+
 def test_a_process_forked_after_a_pass_starts_its_own_threads() -> None:
     """The pass's worker threads are kept between passes, in the process that started them: a child
     forked after a pass (a data loader's worker, a framework's helper process) has none of them, and its
     passes start their own, end, and compute what the parent's did."""
     fused = fused_update.FusedAdam(_core.AdamKernel(0.9, 0.999), adamw=True, threads=3)
-    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    group = fused_update.adam_group(
+        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}, True
+    )
     n = 1 << 16
     state, grad = inputs(n, torch.bfloat16, torch.Generator().manual_seed(3), specials=False)
     want, want_params = state.clone(), torch.empty(n, dtype=torch.bfloat16)

@@ -4,13 +4,16 @@ from collections.abc import Callable
 from typing import Any, Self, final
 
 __all__ = [
+    "AdamGroup",
     "AdamKernel",
+    "ChunkArrays",
     "CorruptObjectError",
     "HostBuffer",
     "HostBufferPool",
     "IoHandle",
     "ObjectStore",
     "ReadCheck",
+    "StateLayout",
     "WeightTuner",
     "__version__",
     "block_activity",
@@ -22,7 +25,6 @@ __all__ = [
     "probe_bandwidth",
     "probe_directory",
     "probe_shared_path",
-    "state_layout",
 ]
 
 __version__: str
@@ -77,6 +79,110 @@ class HostBufferPool:
     def locked(self) -> bool: ...
 
 @final
+class StateLayout:
+    """How a chunk keeps a state: `master`, `moments` the dtypes DeepSpeed keeps it in (torch's names:
+    "float32", "bfloat16", "float16"; each value rounded to them as its CPU Adam stores it),
+    `stored_master`, `stored_moments` the dtypes the chunk keeps each array in (None: the same; fp32 may
+    hold values of a narrower one), and whether the master weights are the half-precision parameters
+    themselves (`master_in_params`: the chunk keeps its moments alone). Checked once here: a
+    `ValueError` naming the argument where DeepSpeed keeps no such state."""
+
+    def __new__(
+        cls,
+        master: str,
+        moments: str,
+        *,
+        stored_master: str | None = None,
+        stored_moments: str | None = None,
+        master_in_params: bool = False,
+    ) -> Self: ...
+    @property
+    def master(self) -> str: ...
+    @property
+    def moments(self) -> str: ...
+    @property
+    def stored_master(self) -> str:
+        """The dtype the chunk keeps the master weights in (`master` where none was given)."""
+    @property
+    def stored_moments(self) -> str:
+        """The dtype the chunk keeps the moments in (`moments` where none was given)."""
+    @property
+    def master_in_params(self) -> bool: ...
+    def offsets(self, count: int) -> tuple[list[int], int]:
+        """Where a chunk of `count` elements keeps the state: each array's first byte (params, exp_avg,
+        exp_avg_sq; the wider arrays first; with `master_in_params` the params' is past the moments),
+        and the chunk's bytes."""
+
+@final
+class AdamGroup:
+    """Adam's hyperparameters of one param group, as DeepSpeed's CPU Adam takes them (`adamw`: its
+    `adamw_mode`); made once per param group and step (`engine.fused_update.adam_group`)."""
+
+    def __new__(
+        cls,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        adamw: bool,
+    ) -> Self: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def beta1(self) -> float: ...
+    @property
+    def beta2(self) -> float: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def bias_correction(self) -> bool: ...
+    @property
+    def adamw(self) -> bool: ...
+
+@final
+class ChunkArrays:
+    """One chunk's addresses and element types for `AdamKernel.update`: `state` its bytes (laid out as
+    the update's `StateLayout.offsets` says), `grad` `count` elements of `grad_dtype`, `params` `count`
+    of `params_dtype` where the new half-precision parameters go (with `StateLayout.master_in_params`,
+    the master weights themselves), if anywhere; `keep_state` room for as many bytes as the state's,
+    where the state before the pass is copied; `keep_params`: the parameters before the pass come back
+    where they are not the old weights narrowed (needs `params`). Checked once here: a `ValueError`
+    naming the argument."""
+
+    def __new__(
+        cls,
+        state: int,
+        grad: int,
+        grad_dtype: str,
+        count: int,
+        *,
+        params: int | None = None,
+        params_dtype: str | None = None,
+        keep_state: int | None = None,
+        keep_params: bool = False,
+    ) -> Self: ...
+    @property
+    def state(self) -> int: ...
+    @property
+    def grad(self) -> int: ...
+    @property
+    def grad_dtype(self) -> str: ...
+    @property
+    def count(self) -> int: ...
+    @property
+    def params(self) -> int | None: ...
+    @property
+    def params_dtype(self) -> str | None: ...
+    @property
+    def keep_state(self) -> int | None: ...
+    @property
+    def keep_params(self) -> bool: ...
+
+@final
 class AdamKernel:
     """DeepSpeed's CPU Adam update of one chunk in one pass, with the gradient's widening and unscaling and
     the half-precision copy (see `mlp_offload.engine.fused_update`), keeping DeepSpeed's per-optimizer
@@ -111,15 +217,9 @@ class AdamKernel:
     def witness(
         self,
         other: AdamKernel,
+        group: AdamGroup,
         *,
         step: int,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        adamw: bool,
         grad_scale: float,
         master_dtype: str,
         moments_dtype: str,
@@ -129,56 +229,38 @@ class AdamKernel:
     ) -> tuple[float, float, float, int] | None:
         """One element's inputs `(param, exp_avg, exp_avg_sq, grad_bits)` whose outputs with this
         kernel's arithmetic (its vector code's with `vector`, else its scalar loop's) differ from
-        `other`'s at Adam step `step` (the bias state not advanced), the state in these dtypes; None if
-        no random element from `seed` does."""
+        `other`'s at Adam step `step` with `group`'s hyperparameters (the bias state not advanced), the
+        state in these dtypes; None if no random element from `seed` does."""
     def vector_width_for(self, master_dtype: str, moments_dtype: str) -> int:
         """The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every
         element takes the scalar loop)."""
     def update(
         self,
-        state: int,
-        grad: int,
-        params: int | None,
+        arrays: ChunkArrays,
+        layout: StateLayout,
+        group: AdamGroup,
         *,
-        count: int,
-        grad_dtype: str,
-        params_dtype: str,
-        grad_scale: float,
         step: int,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        adamw: bool,
+        grad_scale: float,
         threads: int,
         read_cuts: list[int] | None = None,
         write_cuts: list[int] | None = None,
-        keep_params: bool = False,
-        keep_state: int | None = None,
-        master_dtype: str = "float32",
-        moments_dtype: str = "float32",
-        stored_master_dtype: str = "float32",
-        stored_moments_dtype: str = "float32",
-        master_in_params: bool = False,
     ) -> tuple[
         list[int] | None, list[int] | None, list[tuple[int, bytes]] | None, tuple[int | None, int | None]
     ]:
-        """One chunk in place at these addresses (GIL released): `state` its params, exp_avg and
-        exp_avg_sq, `count` each in `stored_master_dtype`/`stored_moments_dtype`, laid out as
-        `state_layout` says; `grad` and `params` `count` of their dtypes; the bias correction advances
-        as DeepSpeed's would at `step`.
+        """One chunk in place at `arrays`' addresses (GIL released), its state laid out as `layout`
+        says, with `group`'s hyperparameters, on `threads` threads; the bias correction advances as
+        DeepSpeed's would at `step`, the gradient multiplied by `grad_scale` first.
         Returns the state's CRC32C per stripe as read and as written, cut at `read_cuts`/`write_cuts`
-        (stripe starts), where given; and with `keep_params`, the parameters before the pass that were
-        not the old weights narrowed, a block at a time: (first element, their bytes). With `keep_state`
-        (address of as many bytes as the state's), the state before the pass is copied there in the
-        pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps the state in (each value
-        rounded to them as its CPU Adam stores it, kept in its own dtype or in fp32; `grad` and `params`
-        then of the master's dtype). With `master_in_params`, `params` are the master weights themselves,
-        `state` and `keep_state` the moments alone (`state_layout(..., master_in_params=True)`),
-        `keep_params` keeps every parameter, and the last item is the parameters' CRC32C as read and as
-        written (where the state's were asked for; else None)."""
+        (stripe starts), where given; and with `arrays.keep_params`, the parameters before the pass that
+        were not the old weights narrowed, a block at a time: (first element, their bytes). With
+        `arrays.keep_state`, the state before the pass is copied there in the pass. Each value is
+        rounded to `layout`'s dtypes as DeepSpeed's CPU Adam stores it (`grad` and `params` then of the
+        master weights' dtype where that is half precision). With `layout.master_in_params`, `params`
+        are the master weights themselves (a `ValueError` naming `params` where none are given), the
+        state and the kept state the moments alone, `keep_params` keeps every parameter, and the last
+        item is the parameters' CRC32C as read and as written (where the state's were asked for; else
+        None)."""
 
 @final
 class ObjectStore:
@@ -353,13 +435,6 @@ def block_activity(
 ) -> dict[str, Any]:
     """What reached the device between two `block_counters` readings `secs` apart: bytes and requests per
     direction, mean request sizes, merged shares, mean queue depth, busy share."""
-
-def state_layout(
-    master_dtype: str, moments_dtype: str, count: int, master_in_params: bool = False
-) -> tuple[list[int], int]:
-    """Where a chunk of `count` elements keeps a state in these dtypes: each array's first byte
-    (params, exp_avg, exp_avg_sq; the wider arrays first), and the chunk's bytes. With
-    `master_in_params` the chunk keeps the moments alone (the params' offset is past them)."""
 
 def crc32c(buffer: Any) -> int:
     """The CRC32C of a contiguous buffer-protocol object's bytes (GIL released), as the store keeps it."""

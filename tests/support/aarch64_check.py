@@ -152,7 +152,8 @@ def kernel_digests() -> dict[str, str]:
         # The state in its dtypes, laid out as the engine keeps it (the master weights in the parameters
         # with `in_params`).
         dtypes = (master, moments, moments)
-        offsets, total = _core.state_layout(master, moments, n, in_params)
+        layout = _core.StateLayout(master, moments, master_in_params=in_params)
+        offsets, total = layout.offsets(n)
         raw = np.zeros(total, dtype=np.uint8)
         params = np.zeros(n, dtype=np.uint16)
         arrays = [
@@ -170,29 +171,27 @@ def kernel_digests() -> dict[str, str]:
         if in_params:
             cuts = ([0, total // 2], [0])
         kernel = _core.AdamKernel(ADAM["beta1"], ADAM["beta2"], **arith)
+        group = _core.AdamGroup(**ADAM, weight_decay=weight_decay, adamw=adamw)
         digest = hashlib.sha256()
         for step in (1, 2, 3):
             grad = _bits(rng, n, grad_dtype, specials)
-            sums = kernel.update(
+            at = _core.ChunkArrays(
                 raw.ctypes.data,
                 grad.ctypes.data,
-                params.ctypes.data,
-                count=n,
-                grad_dtype=grad_dtype,
+                grad_dtype,
+                n,
+                params=params.ctypes.data,
                 params_dtype=params_dtype,
-                grad_scale=0.5,
+            )
+            sums = kernel.update(
+                at,
+                layout,
+                group,
                 step=step,
-                adamw=adamw,
-                weight_decay=weight_decay,
+                grad_scale=0.5,
                 threads=2,
                 read_cuts=cuts[0],
                 write_cuts=cuts[1],
-                master_dtype=master,
-                moments_dtype=moments,
-                stored_master_dtype=master,
-                stored_moments_dtype=moments,
-                master_in_params=in_params,
-                **ADAM,
             )
             for array, dtype in zip(arrays, dtypes, strict=True):
                 digest.update(_one_nan(array, dtype).tobytes())

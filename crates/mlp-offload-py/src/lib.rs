@@ -8,8 +8,8 @@ use std::time::Duration;
 use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
 use mlp_offload_core::kernel::{
-    update_at, witness, AdamBias, AdamHyper, BiasSqrt, Cuts, DeepSpeedArith, Kind, MomentFma, Simd,
-    StateKinds, TailFma,
+    update_at, witness, AdamBias, AdamHyper, BiasSqrt, ChunkAt, Cuts, DeepSpeedArith, Kind,
+    MomentFma, Simd, StateKinds, StateLayout, TailFma,
 };
 use mlp_offload_core::model::{
     pages_choice as choose_pages, plan_split, PageRates, PathProfile, PathSample, UpdateWorkload,
@@ -289,6 +289,278 @@ fn arith_dict(py: Python<'_>, arith: &DeepSpeedArith) -> PyResult<Py<PyAny>> {
     Ok(dict.into_any().unbind())
 }
 
+/// torch's name of a dtype (`Kind::parse`'s).
+fn dtype_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::F32 => "float32",
+        Kind::Bf16 => "bfloat16",
+        Kind::F16 => "float16",
+    }
+}
+
+/// How a chunk keeps a state (`StateLayout`): parsed and checked once, where it is made.
+#[pyclass(module = "mlp_offload._core", name = "StateLayout", frozen)]
+struct PyStateLayout {
+    layout: StateLayout,
+}
+
+#[pymethods]
+impl PyStateLayout {
+    #[new]
+    #[pyo3(signature = (master, moments, *, stored_master=None, stored_moments=None,
+                        master_in_params=false))]
+    fn new(
+        master: &str,
+        moments: &str,
+        stored_master: Option<&str>,
+        stored_moments: Option<&str>,
+        master_in_params: bool,
+    ) -> PyResult<Self> {
+        let kinds = StateKinds {
+            master: Kind::parse("master", master).map_err(to_py)?,
+            moments: Kind::parse("moments", moments).map_err(to_py)?,
+        };
+        let stored = StateKinds {
+            master: match stored_master {
+                Some(name) => Kind::parse("stored_master", name).map_err(to_py)?,
+                None => kinds.master,
+            },
+            moments: match stored_moments {
+                Some(name) => Kind::parse("stored_moments", name).map_err(to_py)?,
+                None => kinds.moments,
+            },
+        };
+        let layout = StateLayout::new(kinds, stored, master_in_params).map_err(to_py)?;
+        Ok(PyStateLayout { layout })
+    }
+
+    #[getter]
+    fn master(&self) -> &'static str {
+        dtype_name(self.layout.kinds.master)
+    }
+
+    #[getter]
+    fn moments(&self) -> &'static str {
+        dtype_name(self.layout.kinds.moments)
+    }
+
+    #[getter]
+    fn stored_master(&self) -> &'static str {
+        dtype_name(self.layout.stored.master)
+    }
+
+    #[getter]
+    fn stored_moments(&self) -> &'static str {
+        dtype_name(self.layout.stored.moments)
+    }
+
+    #[getter]
+    fn master_in_params(&self) -> bool {
+        self.layout.master_in_params
+    }
+
+    /// Where a chunk of `count` elements keeps the state: each array's first byte (params, exp_avg,
+    /// exp_avg_sq; the wider arrays first; with `master_in_params` the params' is past the moments),
+    /// and the chunk's bytes.
+    fn offsets(&self, count: usize) -> (Vec<usize>, usize) {
+        let (offsets, total) = self.layout.offsets(count);
+        (offsets.to_vec(), total)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StateLayout('{}', '{}', stored_master='{}', stored_moments='{}', master_in_params={})",
+            self.master(),
+            self.moments(),
+            self.stored_master(),
+            self.stored_moments(),
+            if self.layout.master_in_params {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+/// Adam's hyperparameters of one param group (`AdamHyper`).
+#[pyclass(module = "mlp_offload._core", name = "AdamGroup", frozen)]
+struct PyAdamGroup {
+    hyper: AdamHyper,
+}
+
+#[pymethods]
+impl PyAdamGroup {
+    #[new]
+    fn new(
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        bias_correction: bool,
+        adamw: bool,
+    ) -> Self {
+        PyAdamGroup {
+            hyper: AdamHyper {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                bias_correction,
+                adamw,
+            },
+        }
+    }
+
+    #[getter]
+    fn lr(&self) -> f32 {
+        self.hyper.lr
+    }
+
+    #[getter]
+    fn beta1(&self) -> f32 {
+        self.hyper.beta1
+    }
+
+    #[getter]
+    fn beta2(&self) -> f32 {
+        self.hyper.beta2
+    }
+
+    #[getter]
+    fn eps(&self) -> f32 {
+        self.hyper.eps
+    }
+
+    #[getter]
+    fn weight_decay(&self) -> f32 {
+        self.hyper.weight_decay
+    }
+
+    #[getter]
+    fn bias_correction(&self) -> bool {
+        self.hyper.bias_correction
+    }
+
+    #[getter]
+    fn adamw(&self) -> bool {
+        self.hyper.adamw
+    }
+
+    fn __repr__(&self) -> String {
+        let h = &self.hyper;
+        let py_bool = |b: bool| if b { "True" } else { "False" };
+        format!(
+            "AdamGroup(lr={:?}, beta1={:?}, beta2={:?}, eps={:?}, weight_decay={:?}, \
+             bias_correction={}, adamw={})",
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.eps,
+            h.weight_decay,
+            py_bool(h.bias_correction),
+            py_bool(h.adamw)
+        )
+    }
+}
+
+/// One chunk's addresses and element types (`ChunkAt`): parsed and checked once, where it is made.
+#[pyclass(module = "mlp_offload._core", name = "ChunkArrays", frozen)]
+struct PyChunkArrays {
+    at: ChunkAt,
+}
+
+#[pymethods]
+impl PyChunkArrays {
+    #[new]
+    #[pyo3(signature = (state, grad, grad_dtype, count, *, params=None, params_dtype=None,
+                        keep_state=None, keep_params=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        state: usize,
+        grad: usize,
+        grad_dtype: &str,
+        count: usize,
+        params: Option<usize>,
+        params_dtype: Option<&str>,
+        keep_state: Option<usize>,
+        keep_params: bool,
+    ) -> PyResult<Self> {
+        let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
+        let params = match (params, params_dtype) {
+            (Some(at), Some(name)) => Some((at, Kind::parse("params_dtype", name).map_err(to_py)?)),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(to_py(Error::config(
+                    "params_dtype",
+                    "none given for the params given",
+                )))
+            }
+            (None, Some(_)) => {
+                return Err(to_py(Error::config("params_dtype", "given without params")))
+            }
+        };
+        if keep_params && params.is_none() {
+            return Err(to_py(Error::config(
+                "keep_params",
+                "keeps the parameters before the pass, and no params were given",
+            )));
+        }
+        Ok(PyChunkArrays {
+            at: ChunkAt {
+                state,
+                grad: (grad, grad_kind),
+                params,
+                keep_state,
+                keep_params,
+                count,
+            },
+        })
+    }
+
+    #[getter]
+    fn state(&self) -> usize {
+        self.at.state
+    }
+
+    #[getter]
+    fn grad(&self) -> usize {
+        self.at.grad.0
+    }
+
+    #[getter]
+    fn grad_dtype(&self) -> &'static str {
+        dtype_name(self.at.grad.1)
+    }
+
+    #[getter]
+    fn count(&self) -> usize {
+        self.at.count
+    }
+
+    #[getter]
+    fn params(&self) -> Option<usize> {
+        self.at.params.map(|(at, _)| at)
+    }
+
+    #[getter]
+    fn params_dtype(&self) -> Option<&'static str> {
+        self.at.params.map(|(_, kind)| dtype_name(kind))
+    }
+
+    #[getter]
+    fn keep_state(&self) -> Option<usize> {
+        self.at.keep_state
+    }
+
+    #[getter]
+    fn keep_params(&self) -> bool {
+        self.at.keep_params
+    }
+}
+
 /// The state's stripe checksums as read and as written, where asked for; the parameters kept as they
 /// were before the pass (first element, bytes), where asked for; and with the master weights in the
 /// parameters, the parameters' checksums as read and as written, where the state's were asked for.
@@ -371,27 +643,21 @@ impl AdamKernel {
     }
 
     /// One element's inputs `(param, exp_avg, exp_avg_sq, grad_bits)` whose outputs with this kernel's
-    /// arithmetic differ from `other`'s, for a call at Adam step `step` after this kernel's calls so far
-    /// (its bias state is not advanced) with the state in `master_dtype` and `moments_dtype`; None if
-    /// none of `witness.TRIES` random elements from `seed` does. `vector`, `other_vector`: each side's
-    /// arithmetic is DeepSpeed's vector code's (else its scalar loop's). The values are exact in their
-    /// dtypes, the gradient's bits of the master weights' dtype where that is half precision, else
-    /// fp32's. Runs without the GIL.
-    #[pyo3(signature = (other, *, step, lr, beta1, beta2, eps, weight_decay, bias_correction, adamw,
-                        grad_scale, master_dtype, moments_dtype, seed, vector=false, other_vector=false))]
+    /// arithmetic differ from `other`'s, for a call at Adam step `step` with `group`'s hyperparameters
+    /// after this kernel's calls so far (its bias state is not advanced) with the state in
+    /// `master_dtype` and `moments_dtype`; None if none of `witness.TRIES` random elements from `seed`
+    /// does. `vector`, `other_vector`: each side's arithmetic is DeepSpeed's vector code's (else its
+    /// scalar loop's). The values are exact in their dtypes, the gradient's bits of the master weights'
+    /// dtype where that is half precision, else fp32's. Runs without the GIL.
+    #[pyo3(signature = (other, group, *, step, grad_scale, master_dtype, moments_dtype, seed,
+                        vector=false, other_vector=false))]
     #[allow(clippy::too_many_arguments)]
     fn witness(
         &self,
         py: Python<'_>,
         other: &AdamKernel,
+        group: &PyAdamGroup,
         step: u64,
-        lr: f32,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
-        bias_correction: bool,
-        adamw: bool,
         grad_scale: f32,
         master_dtype: &str,
         moments_dtype: &str,
@@ -402,21 +668,12 @@ impl AdamKernel {
         let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
         // The gradient in the master weights' dtype, as the witness's is.
         kinds.check(kinds.master, None).map_err(to_py)?;
-        let hyper = AdamHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            bias_correction,
-            adamw,
-        };
         let k = self
             .bias
             .lock()
             .expect("bias lock")
             .clone()
-            .constants(step, &hyper);
+            .constants(step, &group.hyper);
         let how = |vector: bool, kernel: &AdamKernel| {
             if vector {
                 TailFma::VECTOR
@@ -449,101 +706,50 @@ impl AdamKernel {
         arith_dict(py, &self.arith)
     }
 
-    /// One chunk, in place: `state` (address of its params, exp_avg and exp_avg_sq, `count` each, in
-    /// `stored_master_dtype` and `stored_moments_dtype`, laid out as `state_layout` says), `grad`
-    /// (`count` of `grad_dtype`), `params` (`count` of `params_dtype`, or None). The bias correction
-    /// advances as DeepSpeed's would for a call at Adam step `step`. With `keep_params`, the parameters
-    /// before the pass that were not the old weights narrowed come back, a block at a time, as (first
-    /// element, bytes). With `keep_state` (address of as many bytes as the state's), the state before
-    /// the pass is copied there in the pass. `master_dtype`, `moments_dtype`: the dtypes DeepSpeed keeps
-    /// the state in (each value of `state` rounded to them as its CPU Adam stores it; the gradient and
-    /// the parameters in the master weights' dtype where that is half precision); each array is kept
-    /// in its own dtype or in fp32. With `master_in_params`, `params` are the master weights themselves
-    /// (DeepSpeed's half-precision ones), `state` and `keep_state` the moments alone (`state_layout`'s
-    /// with it), `keep_params` keeps every parameter, and the parameters' checksums come back apart.
-    /// Runs without the GIL.
-    #[pyo3(signature = (state, grad, params, *, count, grad_dtype, params_dtype, grad_scale, step, lr,
-                        beta1, beta2, eps, weight_decay, bias_correction, adamw, threads,
-                        read_cuts=None, write_cuts=None, keep_params=false, keep_state=None,
-                        master_dtype="float32", moments_dtype="float32",
-                        stored_master_dtype="float32", stored_moments_dtype="float32",
-                        master_in_params=false))]
+    /// One chunk, in place: `arrays` its addresses and element types, its state laid out as `layout`
+    /// says (`StateLayout.offsets`), updated with `group`'s hyperparameters; the bias correction
+    /// advances as DeepSpeed's would for a call at Adam step `step`. With `arrays.keep_params`, the
+    /// parameters before the pass that were not the old weights narrowed come back, a block at a
+    /// time, as (first element, bytes). With `arrays.keep_state` (address of as many bytes as the
+    /// state's), the state before the pass is copied there in the pass. Each value of the state is
+    /// rounded to `layout`'s dtypes as DeepSpeed's CPU Adam stores it (the gradient and the parameters
+    /// in the master weights' dtype where that is half precision). With `layout.master_in_params`,
+    /// `arrays.params` are the master weights themselves, the state and the kept state the moments
+    /// alone, `keep_params` keeps every parameter, and the parameters' checksums come back apart. Runs
+    /// without the GIL.
+    #[pyo3(signature = (arrays, layout, group, *, step, grad_scale, threads, read_cuts=None,
+                        write_cuts=None))]
     #[allow(clippy::too_many_arguments)]
     fn update(
         &self,
         py: Python<'_>,
-        state: usize,
-        grad: usize,
-        params: Option<usize>,
-        count: usize,
-        grad_dtype: &str,
-        params_dtype: &str,
-        grad_scale: f32,
+        arrays: &PyChunkArrays,
+        layout: &PyStateLayout,
+        group: &PyAdamGroup,
         step: u64,
-        lr: f32,
-        beta1: f32,
-        beta2: f32,
-        eps: f32,
-        weight_decay: f32,
-        bias_correction: bool,
-        adamw: bool,
+        grad_scale: f32,
         threads: usize,
         read_cuts: Option<Vec<u64>>,
         write_cuts: Option<Vec<u64>>,
-        keep_params: bool,
-        keep_state: Option<usize>,
-        master_dtype: &str,
-        moments_dtype: &str,
-        stored_master_dtype: &str,
-        stored_moments_dtype: &str,
-        master_in_params: bool,
     ) -> PyResult<ChunkSumsPy> {
-        let grad_kind = Kind::parse("grad_dtype", grad_dtype).map_err(to_py)?;
-        let kinds = StateKinds::parse(master_dtype, moments_dtype).map_err(to_py)?;
-        let stored = StateKinds {
-            master: Kind::parse("stored_master_dtype", stored_master_dtype).map_err(to_py)?,
-            moments: Kind::parse("stored_moments_dtype", stored_moments_dtype).map_err(to_py)?,
-        };
-        let params_kind = Kind::parse("params_dtype", params_dtype).map_err(to_py)?;
-        let hyper = AdamHyper {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            bias_correction,
-            adamw,
-        };
-        let k = self.bias.lock().expect("bias lock").constants(step, &hyper);
+        let k = self
+            .bias
+            .lock()
+            .expect("bias lock")
+            .constants(step, &group.hyper);
         let (arith, simd) = (self.arith, self.simd);
+        let (at, layout) = (arrays.at, layout.layout);
         let cuts = Cuts {
             read: read_cuts.as_deref(),
             write: write_cuts.as_deref(),
         };
         let sums = py
             .detach(|| {
-                // SAFETY: `mlp_offload.engine.fused_update.FusedAdam.update` passes the data pointers of contiguous CPU
-                // tensors of these lengths and dtypes, which it holds for the whole call; the state buffer,
-                // the gradient, the half-precision partition and the kept state's buffer are distinct
-                // tensors.
-                unsafe {
-                    update_at(
-                        (state, stored),
-                        (grad, grad_kind),
-                        params.map(|a| (a, params_kind)),
-                        keep_params,
-                        keep_state,
-                        master_in_params,
-                        kinds,
-                        count,
-                        grad_scale,
-                        &k,
-                        &arith,
-                        simd,
-                        threads,
-                        cuts,
-                    )
-                }
+                // SAFETY: `mlp_offload.engine.fused_update.FusedAdam.update` makes `arrays` of the data
+                // pointers of contiguous CPU tensors of these lengths and dtypes, which it holds for the
+                // whole call; the state buffer, the gradient, the half-precision partition and the kept
+                // state's buffer are distinct tensors.
+                unsafe { update_at(at, layout, grad_scale, &k, &arith, simd, threads, cuts) }
             })
             .map_err(to_py)?;
         let kept = sums.kept_params.map(|kept| {
@@ -894,25 +1100,6 @@ impl Drop for PyObjectStore {
 }
 
 /// Facts about one directory: alignment, O_DIRECT support (tested), device identity.
-/// Where a chunk of `count` elements keeps a state in `master_dtype` and `moments_dtype` (torch's
-/// names): each array's first byte (params, exp_avg, exp_avg_sq), and the chunk's bytes. With
-/// `master_in_params` the chunk keeps the moments alone (the params' offset is past them).
-#[pyfunction]
-#[pyo3(signature = (master_dtype, moments_dtype, count, master_in_params=false))]
-fn state_layout(
-    master_dtype: &str,
-    moments_dtype: &str,
-    count: usize,
-    master_in_params: bool,
-) -> PyResult<(Vec<usize>, usize)> {
-    let kinds = StateKinds {
-        master: Kind::parse("master_dtype", master_dtype).map_err(to_py)?,
-        moments: Kind::parse("moments_dtype", moments_dtype).map_err(to_py)?,
-    };
-    let (offsets, total) = kinds.layout_for(count, master_in_params);
-    Ok((offsets.to_vec(), total))
-}
-
 #[pyfunction]
 fn probe_directory(py: Python<'_>, path: PathBuf) -> PyResult<Py<PyAny>> {
     let info = py
@@ -1170,6 +1357,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReadCheck>()?;
     m.add_class::<PyWeightTuner>()?;
     m.add_class::<AdamKernel>()?;
+    m.add_class::<PyAdamGroup>()?;
+    m.add_class::<PyChunkArrays>()?;
+    m.add_class::<PyStateLayout>()?;
     m.add_function(wrap_pyfunction!(probe_directory, m)?)?;
     m.add_function(wrap_pyfunction!(probe_shared_path, m)?)?;
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
@@ -1179,6 +1369,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_counters, m)?)?;
     m.add_function(wrap_pyfunction!(block_activity, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
-    m.add_function(wrap_pyfunction!(state_layout, m)?)?;
     Ok(())
 }

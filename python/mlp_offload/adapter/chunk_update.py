@@ -15,6 +15,7 @@ from deepspeed.accelerator import get_accelerator
 
 from mlp_offload.adapter import master_in_params, stale_gradients
 from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
+from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import KeptCopy
 from mlp_offload.engine.state import FP32
 
@@ -128,7 +129,7 @@ class ChunkUpdater:
             # host scratch (the fp32 gradient chunk of the budget, which only DeepSpeed's passes use),
             # copied over after it as they are, on this thread's stream, while the next chunk's pass
             # writes the other slot (half-precision parameters; fp32 ones have one slot). Its narrowing
-            # is the one DeepSpeed's copy does on the host before that copy (`fused_update.self_check`).
+            # is the one DeepSpeed's copy does on the host before that copy (`kernel_check.self_check`).
             # Where the pass is to keep what it overwrites, or reads the master weights there, it first
             # gets the parameters as they are.
             self.scratch_next = (slot + 1) % self.scratch_slots
@@ -147,7 +148,7 @@ class ChunkUpdater:
             params,
             grad_scale=grad_scale,
             step=step,
-            group=group,
+            group=adam_group(group, opt._mlp_fused.adamw),
             read_cuts=cuts[0],
             write_cuts=cuts[1],
             kept_params=kept_params,

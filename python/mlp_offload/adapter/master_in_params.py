@@ -24,7 +24,7 @@ import torch
 
 from mlp_offload.adapter import troubleshooting
 from mlp_offload.common.config import MLPOffloadConfig
-from mlp_offload.engine.fused_update import DTYPES
+from mlp_offload.engine.state_dtypes import DTYPES
 
 if TYPE_CHECKING:
     from mlp_offload.engine.state import ChunkedState

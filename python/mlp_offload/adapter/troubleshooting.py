@@ -207,6 +207,29 @@ MASTER_IN_PARAMS = Trouble(
     '`master_in_params: "auto"` keeps them in the parameters where it can, and says why not elsewhere',
     "`master_in_params: true` where it cannot be",
 )
+UPDATE_KERNEL = Trouble(
+    "update-kernel",
+    "update_kernel: the fused pass unusable where it is needed",
+    "mlp_offload.update_kernel: {setting!r}, but the fused kernel cannot be used: {why}{needs}",
+    REFUSAL,
+    "the start-up check of the fused pass against DeepSpeed's CPU Adam on this CPU found no arithmetic "
+    'that agrees bit for bit, and `update_kernel` is "fused", or the state is in half precision, which '
+    "only the fused pass updates",
+    'with fp32 state, `update_kernel: "auto"` falls back to DeepSpeed\'s passes; otherwise report the '
+    "message's difference with the CPU and DeepSpeed build",
+    '`update_kernel: "fused"` where the check fails',
+)
+UPDATE_KERNEL_HALF = Trouble(
+    "update-kernel-half",
+    'update_kernel: "deepspeed" with the state in half precision',
+    'mlp_offload.update_kernel: "deepspeed" runs on fp32 state only, and the state is in half precision '
+    '({dtypes}); use "auto" or "fused"',
+    REFUSAL,
+    "the engine runs DeepSpeed's own passes on fp32 state only; `bf16_master_weights_and_grads`, "
+    "`fp16_master_weights_and_grads` or `bf16_optimizer_states` keep it in half precision",
+    '`update_kernel: "auto"`',
+    '`update_kernel: "deepspeed"` with half-precision state',
+)
 PARAMS_CHANGED = Trouble(
     "params-changed",
     "Parameters changed outside the optimizer",
@@ -241,6 +264,8 @@ FORMATTED_HERE = (
     UNIVERSAL_EXPERT,
     HOST_MEMORY,
     MASTER_IN_PARAMS,
+    UPDATE_KERNEL,
+    UPDATE_KERNEL_HALF,
     PARAMS_CHANGED,
 )
 

@@ -56,13 +56,13 @@ from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_no
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from mlp_offload.adapter import checkpoint, master_in_params, stale_gradients, troubleshooting
+from mlp_offload.adapter import checkpoint, kernel_check, master_in_params, stale_gradients, troubleshooting
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, StepSnapshot
 from mlp_offload.adapter.step_update import StepUpdate
 from mlp_offload.common.config import MLPOffloadConfig, from_ds_config
-from mlp_offload.engine import fused_update, memory, overlap
+from mlp_offload.engine import fused_update, memory, overlap, state_dtypes
 from mlp_offload.engine.overlap import UpdateInFlight, update_thread
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import (
@@ -219,7 +219,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_stale = stale_gradients.StaleGradients()
         # The dtypes DeepSpeed keeps the state in, and the fused pass (None: DeepSpeed's kernel): both
         # chosen at start (`_mlp_start`), the moments' again after a load (`_mlp_follow_loaded_moments`).
-        self._mlp_dtypes = fused_update.FP32_STATE
+        self._mlp_dtypes = state_dtypes.FP32_STATE
         self._mlp_fused: fused_update.FusedAdam | None = None
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         self._mlp_start()
@@ -362,16 +362,16 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------------------------
     # Start-up: budget, chunks, plan, initial state
 
-    def _mlp_state_dtypes(self) -> fused_update.StateDtypes:
+    def _mlp_state_dtypes(self) -> state_dtypes.StateDtypes:
         """The dtypes DeepSpeed keeps the state in: its master weights' (`master_weights_and_grads_dtype`,
         from `bf16_master_weights_and_grads` or `fp16_master_weights_and_grads`), and its CPU Adam's
         moments (fp32, or with `fp32_optimizer_states` off, as `bf16_optimizer_states` turns it off, the
-        weights'). The store keeps each array in its dtype (`fused_update.StateDtypes.arrays`), and the
+        weights'). The store keeps each array in its dtype (`state_dtypes.StateDtypes.arrays`), and the
         master weights in the parameters where they hold their bits (`master_in_params`)."""
         master = self.master_weights_and_grads_dtype
         fp32_moments = getattr(self.optimizer, "fp32_optimizer_states", True)
         in_params, _ = self._mlp_master_in_params()
-        return fused_update.StateDtypes(master, torch.float32 if fp32_moments else master, in_params)
+        return state_dtypes.StateDtypes(master, torch.float32 if fp32_moments else master, in_params)
 
     def _mlp_master_in_params(self) -> tuple[bool, str]:
         """Whether the master weights are kept in the parameters (`master_in_params.choose`), and why."""
@@ -379,14 +379,14 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         return master_in_params.choose(self._mlp_config, self.master_weights_and_grads_dtype, params)
 
     def _mlp_choose_kernel(
-        self, dtypes: fused_update.StateDtypes, stored: fused_update.StateDtypes
+        self, dtypes: state_dtypes.StateDtypes, stored: state_dtypes.StateDtypes
     ) -> tuple[fused_update.FusedAdam | None, str]:
         """`update_kernel`'s choice for the state in `dtypes` kept in `stored`
-        (`fused_update.choose_update_kernel`), the gradients and the partitions in the model's dtype."""
+        (`kernel_check.choose_update_kernel`), the gradients and the partitions in the model's dtype."""
         config = self._mlp_config
         half = self.fp16_partitioned_groups_flat[0].dtype
         threads = None if config.update_threads == "auto" else config.update_threads
-        return fused_update.choose_update_kernel(
+        return kernel_check.choose_update_kernel(
             config.update_kernel, self.optimizer, half, half, threads=threads, dtypes=dtypes, stored=stored
         )
 
@@ -399,7 +399,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         moments hold the narrower values exactly)."""
         if dtype == self._mlp_dtypes.moments:
             return
-        dtypes = fused_update.StateDtypes(self._mlp_dtypes.master, dtype)
+        dtypes = state_dtypes.StateDtypes(self._mlp_dtypes.master, dtype)
         log.warning(
             "mlp_offload: the checkpoint's load left the Adam moments in %s, as DeepSpeed's (torch's "
             "load_state_dict casts them to the master weights' dtype): the update goes on with %s",

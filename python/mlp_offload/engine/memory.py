@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 
 # fp32 weights, exp_avg and exp_avg_sq per element (a state in half precision keeps fewer:
-# `fused_update.StateDtypes.bytes_per_element`, each function's `state_bytes`); and the fp32 gradient of
+# `state_dtypes.StateDtypes.bytes_per_element`, each function's `state_bytes`); and the fp32 gradient of
 # one chunk.
 STATE_TENSORS = 3
 STATE_BYTES = 4 * STATE_TENSORS
@@ -137,7 +137,7 @@ class ChunkLayout:
     buffers: int
     """Chunk buffers the budget holds besides the gradient chunk (may be 0: too small a budget)."""
     state_bytes: int = STATE_BYTES
-    """Bytes of state per element (`fused_update.StateDtypes.bytes_per_element`)."""
+    """Bytes of state per element (`state_dtypes.StateDtypes.bytes_per_element`)."""
 
     @property
     def buffer_bytes(self) -> int:

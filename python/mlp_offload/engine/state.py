@@ -23,8 +23,9 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from mlp_offload.engine import memory
-from mlp_offload.engine.fused_update import FP32_STATE, StateDtypes, crc32c_of, same_bits
+from mlp_offload.engine.fused_update import crc32c_of, same_bits
 from mlp_offload.engine.pipeline import ChunkPipeline
+from mlp_offload.engine.state_dtypes import FP32_STATE, StateDtypes
 from mlp_offload.engine.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")

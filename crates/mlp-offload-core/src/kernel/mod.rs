@@ -27,8 +27,9 @@
 //! - [`adam`]: Adam's constants, DeepSpeed's bias corrections and arithmetic, and the specification
 //!   ([`adam_element`]);
 //! - [`dispatch`]: the SIMD instructions a pass may use on this CPU ([`Simd`]);
-//! - [`pass`]: the chunk's pass ([`update`], [`update_at`]): its arguments, the threads' ranges and
-//!   their blocks;
+//! - [`pass`]: the chunk's pass ([`update`], [`update_at`] with its [`ChunkAt`] and [`StateLayout`]):
+//!   its arguments and the threads' ranges; `part`: a thread's range, block by block; `folded`: a range
+//!   with the checksums folded into the SIMD loop;
 //! - [`pool`]: the pass's worker threads;
 //! - [`witness`]: inputs that tell two arithmetics apart, for the start-up check;
 //! - [`crc`]: the state's checksums, cut as the store cuts its stripes, hashed or folded in the pass;
@@ -39,6 +40,9 @@ pub mod adam;
 pub mod crc;
 pub mod dispatch;
 pub mod elem;
+#[cfg(target_arch = "x86_64")]
+mod folded;
+mod part;
 pub mod pass;
 pub mod pool;
 pub mod state;
@@ -52,8 +56,9 @@ pub use adam::{
 };
 pub use dispatch::Simd;
 pub use elem::{Bf16, Elem, Kind, StateKinds, F16};
-pub use pass::{narrows_to, update, update_at, Chunk, ChunkSums, Cuts, KeptParams};
-pub use state::{fp32_arrays, Array, Arrays};
+pub use part::{narrows_to, KeptParams};
+pub use pass::{update, update_at, Chunk, ChunkAt, ChunkSums, Cuts};
+pub use state::{fp32_arrays, Array, Arrays, StateLayout};
 pub use witness::{witness, Witness};
 
 #[cfg(test)]

@@ -1,16 +1,17 @@
 //! The chunk's pass: its arguments checked, the chunk cut into one range per thread (whole cache
-//! lines apart), each range updated block by block while the block is in the core's cache.
+//! lines apart), each range updated block by block while the block is in the core's cache (`part`;
+//! `folded` where the checksums are folded into the SIMD loop); and the same pass over raw memory
+//! ([`update_at`]).
 
-use super::adam::{adam_element, AdamConstants, DeepSpeedArith, TailFma};
-use super::crc::{check_cuts, finish_pieces, hash_block, pieces, stripe_sums, Piece};
-#[cfg(target_arch = "x86_64")]
-use super::crc::{fold_splits, run_part_folding};
+use super::adam::{AdamConstants, DeepSpeedArith, TailFma};
+use super::crc::{check_cuts, finish_pieces, pieces, stripe_sums, Hashed};
 use super::dispatch::Simd;
 use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
-use super::pool::run_on_workers;
-use super::state::{elem_bytes_of, Array, Arrays, KeptArrays};
 #[cfg(target_arch = "x86_64")]
-use super::x86;
+use super::folded::{fold_splits, run_part_folding};
+use super::part::{hash_block, keep_block, run_block, KeptParams, Part, BLOCK};
+use super::pool::run_on_workers;
+use super::state::{Array, Arrays, KeptArrays, StateLayout};
 use crate::error::{Error, Result};
 
 /// One chunk's memory for a fused update: `state` its master weights, `exp_avg` and `exp_avg_sq` (`n`
@@ -52,11 +53,6 @@ fn stored_kinds(arrays: &Arrays<'_>) -> StateKinds {
 /// threads write one line.
 const SHARE_ALIGN: usize = 64;
 
-/// Elements per block of a thread's range: its state, gradient and parameters (128 KiB in bf16) stay in
-/// the core's own cache between the read's checksum, the update and the write's checksum. A multiple of
-/// every SIMD width.
-pub(super) const BLOCK: usize = 8192;
-
 /// Where to cut the checksums of a chunk's state (its bytes as [`StateKinds::layout`] lays them out), as
 /// the store cuts the object into stripes: each stripe's first byte, ascending from 0 (the store's
 /// `read_check().starts()` for the state as read, `write_cuts()` for it as written). `None`: not summed.
@@ -77,60 +73,6 @@ pub struct ChunkSums {
     /// With [`Chunk::master_in_params`], the CRC32C of the parameters as read and as written, where
     /// [`Cuts`] asked for the state's.
     pub params: [Option<u32>; 2],
-}
-
-/// Parameters as they were before a pass, from element `first` of the chunk on: their bytes, each
-/// element's `Kind::size()` bytes little-endian. Kept a block ([`BLOCK`] elements, or the block's share
-/// of a thread's range) at a time where any of its elements was not its old weight narrowed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KeptParams {
-    pub first: usize,
-    pub bytes: Vec<u8>,
-}
-
-/// Whether `params` are the fp32 `weights` narrowed ([`Elem::narrow`]), bit for bit: a -0.0 is not a
-/// 0.0, a NaN only the NaN the narrowing writes. In SIMD where `simd` says (the same narrowing as the
-/// pass's stores), the rest element by element.
-pub fn narrows_to<P: Elem>(weights: &[f32], params: &[P], simd: Simd) -> bool {
-    assert_eq!(
-        weights.len(),
-        params.len(),
-        "weights and params of one length"
-    );
-    let lanes = simd.lanes();
-    let vectors = if lanes > 1 {
-        weights.len() / lanes * lanes
-    } else {
-        0
-    };
-    #[cfg(target_arch = "x86_64")]
-    if vectors > 0 {
-        let (p, o) = (weights.as_ptr(), params.as_ptr().cast::<u8>());
-        // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; both
-        // slices hold `vectors` elements, a multiple of the lanes.
-        let same = unsafe {
-            match simd {
-                Simd::Avx512 | Simd::Avx512Clmul => x86::avx512_narrows_to(P::KIND, p, o, vectors),
-                Simd::Avx2 | Simd::Avx2Clmul => x86::avx2_narrows_to(P::KIND, p, o, vectors),
-                Simd::Scalar => unreachable!("the scalar path has one lane"),
-            }
-        };
-        if !same {
-            return false;
-        }
-    }
-    weights[vectors..]
-        .iter()
-        .zip(&params[vectors..])
-        .all(|(&w, &h)| P::narrow(w).bits() == h.bits())
-}
-
-/// Each element's `Kind::size()` bytes, little-endian.
-pub(super) fn elem_bytes<P: Elem>(x: &[P]) -> Vec<u8> {
-    let size = P::KIND.size();
-    x.iter()
-        .flat_map(|e| e.bits().to_le_bytes().into_iter().take(size))
-        .collect()
 }
 
 /// Updates `chunk` in one pass: each gradient element widened and multiplied by `grad_scale`, Adam with
@@ -412,12 +354,46 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
     parts
 }
 
-/// [`update`] over raw memory: `state` holds a state of `count` elements in the dtypes it names, laid
-/// out as [`StateKinds::layout`] says (its values in `kinds`' dtypes, [`Chunk::kinds`]), `keep_state`
-/// (if given) room for as many bytes, `grad` `count` elements of its kind, `params` (if given) `count`
-/// of its kind, kept where they are not the weights narrowed with `keep_params`
-/// ([`Chunk::keep_params`]). With `master_in_params` ([`Chunk::master_in_params`]), `state` holds the
-/// moments alone ([`StateKinds::moments_layout`]), `keep_state` room for them, and `params` are the
+/// `$body` with `$T` the element type of `$kind` (a [`Kind`]): one copy of it per element type.
+macro_rules! with_elem {
+    ($kind:expr, $T:ident => $body:expr) => {
+        match $kind {
+            Kind::F32 => {
+                type $T = f32;
+                $body
+            }
+            Kind::Bf16 => {
+                type $T = Bf16;
+                $body
+            }
+            Kind::F16 => {
+                type $T = F16;
+                $body
+            }
+        }
+    };
+}
+
+/// One chunk's memory by address, for [`update_at`]: `state` the chunk's bytes, laid out as its
+/// [`StateLayout`] says; `grad` `count` elements of its kind; `params` `count` of its kind where the new
+/// parameters go (with [`StateLayout::master_in_params`], the master weights themselves), if anywhere;
+/// `keep_state` room for as many bytes as the state's ([`Chunk::keep_state`]); `keep_params` as
+/// [`Chunk::keep_params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkAt {
+    pub state: usize,
+    pub grad: (usize, Kind),
+    pub params: Option<(usize, Kind)>,
+    pub keep_state: Option<usize>,
+    pub keep_params: bool,
+    pub count: usize,
+}
+
+/// [`update`] over raw memory: `chunk`'s state holds `chunk.count` elements laid out as `layout` says
+/// ([`StateLayout::offsets`]; its values in `layout.kinds`' dtypes, [`Chunk::kinds`]), `keep_state` (if
+/// given) room for as many bytes, the gradient and the parameters (if given) `count` elements of their
+/// kinds. With `layout.master_in_params` ([`Chunk::master_in_params`]) the state holds the moments
+/// alone ([`StateKinds::moments_layout`]), `keep_state` room for them, and the parameters are the
 /// master weights. Misaligned addresses are an error naming the array.
 ///
 /// # Safety
@@ -425,14 +401,8 @@ fn cut_into_parts<'a, G: Elem, P: Elem>(
 /// until this returns, and no two ranges may overlap.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn update_at(
-    state: (usize, StateKinds),
-    grad: (usize, Kind),
-    params: Option<(usize, Kind)>,
-    keep_params: bool,
-    keep_state: Option<usize>,
-    master_in_params: bool,
-    kinds: StateKinds,
-    count: usize,
+    chunk: ChunkAt,
+    layout: StateLayout,
     grad_scale: f32,
     k: &AdamConstants,
     arith: &DeepSpeedArith,
@@ -440,9 +410,65 @@ pub unsafe fn update_at(
     threads: usize,
     cuts: Cuts<'_>,
 ) -> Result<ChunkSums> {
-    // Longer than 80 lines for a reason: every address checked, naming its array, before any memory is
-    // touched, then one call per gradient element type, each written out in full by rustfmt.
-    let (state, stored) = state;
+    // Every address checked, naming its array, before any memory is touched.
+    let master = check_addresses(chunk, layout)?;
+    let ChunkAt {
+        state,
+        grad,
+        params,
+        keep_state,
+        keep_params,
+        count,
+    } = chunk;
+    let StateLayout {
+        stored,
+        master_in_params,
+        ..
+    } = layout;
+    let params = if master_in_params { None } else { params };
+    // SAFETY: the caller's promise, and the alignment checked above.
+    let state = unsafe { arrays_at(state, stored, count, master) };
+    // SAFETY: as above.
+    let keep_state = keep_state.map(|a| unsafe { kept_at(a, stored, count, master_in_params) });
+    let pass = Untyped {
+        state,
+        keep_state,
+        keep_params,
+        layout,
+        grad_scale,
+        k,
+        arith,
+        simd,
+        threads,
+        cuts,
+    };
+    // SAFETY: as above, for the gradient and the parameters.
+    unsafe {
+        with_elem!(grad.1, G => {
+            let grad = slice::<G>(grad.0, count);
+            match params {
+                None => pass.run::<G, f32>(grad, None),
+                Some((at, kind)) => with_elem!(kind, P => pass.run(grad, Some(slice_mut::<P>(at, count)))),
+            }
+        })
+    }
+}
+
+/// Every address of `chunk` aligned for its elements (an error naming the array otherwise); with the
+/// master weights in the parameters, the parameters given, in the master weights' dtype: their address.
+fn check_addresses(chunk: ChunkAt, layout: StateLayout) -> Result<Option<usize>> {
+    let ChunkAt {
+        state,
+        grad,
+        params,
+        keep_state,
+        ..
+    } = chunk;
+    let StateLayout {
+        stored,
+        master_in_params,
+        ..
+    } = layout;
     // Every array starts aligned for its elements where the state does for its widest
     // (`StateKinds::layout`; the moments alone with the master weights in the parameters).
     let widest = if master_in_params || stored.master.size() < stored.moments.size() {
@@ -462,90 +488,70 @@ pub unsafe fn update_at(
             ));
         }
     }
-    let master = if master_in_params {
-        let (at, kind) = params.ok_or_else(|| {
-            Error::config(
-                "params",
-                "none given, and the master weights are kept in the parameters",
-            )
-        })?;
-        if kind != stored.master {
-            return Err(Error::config(
-                "params",
-                format!(
-                    "{kind:?} elements, and the master weights they hold are {:?}",
-                    stored.master
-                ),
-            ));
-        }
-        Some(at)
-    } else {
-        None
-    };
-    let params = if master_in_params { None } else { params };
-    // SAFETY: the caller's promise, and the alignment checked above.
-    let state = unsafe { arrays_at(state, stored, count, master) };
-    // SAFETY: as above.
-    let keep_state = keep_state.map(|a| unsafe { kept_at(a, stored, count, master_in_params) });
-    // SAFETY: as above.
-    unsafe {
-        match grad.1 {
-            Kind::F32 => update_with_params(
-                state,
-                slice::<f32>(grad.0, count),
-                params,
-                keep_params,
-                keep_state,
-                master_in_params,
-                kinds,
-                count,
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
+    if !master_in_params {
+        return Ok(None);
+    }
+    let (at, kind) = params.ok_or_else(|| {
+        Error::config(
+            "params",
+            "none given, and the master weights are kept in the parameters",
+        )
+    })?;
+    if kind != stored.master {
+        return Err(Error::config(
+            "params",
+            format!(
+                "{kind:?} elements, and the master weights they hold are {:?}",
+                stored.master
             ),
-            Kind::Bf16 => update_with_params(
-                state,
-                slice::<Bf16>(grad.0, count),
-                params,
-                keep_params,
-                keep_state,
-                master_in_params,
-                kinds,
-                count,
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-            Kind::F16 => update_with_params(
-                state,
-                slice::<F16>(grad.0, count),
-                params,
-                keep_params,
-                keep_state,
-                master_in_params,
-                kinds,
-                count,
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-        }
+        ));
+    }
+    Ok(Some(at))
+}
+
+/// What [`update_at`] hands on to [`update`] whatever the element types of the gradient and the
+/// parameters.
+struct Untyped<'a> {
+    state: Arrays<'a>,
+    keep_state: Option<KeptArrays<'a>>,
+    keep_params: bool,
+    layout: StateLayout,
+    grad_scale: f32,
+    k: &'a AdamConstants,
+    arith: &'a DeepSpeedArith,
+    simd: Simd,
+    threads: usize,
+    cuts: Cuts<'a>,
+}
+
+impl<'a> Untyped<'a> {
+    /// The pass with this gradient and these parameters.
+    fn run<G: Elem, P: Elem>(
+        self,
+        grad: &'a [G],
+        params: Option<&'a mut [P]>,
+    ) -> Result<ChunkSums> {
+        let chunk = Chunk {
+            state: self.state,
+            grad,
+            params,
+            keep_params: self.keep_params,
+            keep_state: self.keep_state,
+            kinds: self.layout.kinds,
+            master_in_params: self.layout.master_in_params,
+        };
+        update(
+            chunk,
+            self.grad_scale,
+            self.k,
+            self.arith,
+            self.simd,
+            self.threads,
+            self.cuts,
+        )
     }
 }
 
-/// The arrays of a state of `count` elements in `stored`'s dtypes at `address`; with `master` (the
-/// parameters' address) the moments alone lie there ([`StateKinds::moments_layout`]) and the master
-/// weights at `master`.
-///
 /// # Safety
 /// As [`update_at`]: the state's bytes ([`StateKinds::layout_for`]) live at `address`, aligned for its
 /// widest elements, and `count` master weights at `master`, if given, used by nothing else.
@@ -615,149 +621,6 @@ unsafe fn slice_mut<'a, T>(address: usize, count: usize) -> &'a mut [T] {
     unsafe { std::slice::from_raw_parts_mut(address as *mut T, count) }
 }
 
-/// # Safety
-/// As [`update_at`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn update_with_params<G: Elem>(
-    state: Arrays<'_>,
-    grad: &[G],
-    params: Option<(usize, Kind)>,
-    keep_params: bool,
-    keep_state: Option<KeptArrays<'_>>,
-    master_in_params: bool,
-    kinds: StateKinds,
-    count: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    arith: &DeepSpeedArith,
-    simd: Simd,
-    threads: usize,
-    cuts: Cuts<'_>,
-) -> Result<ChunkSums> {
-    // Longer than 80 lines for a reason: one call per parameter element type (and none), each written
-    // out in full by rustfmt, after the parameters' own checks.
-    // SAFETY: the caller's promise for `params`.
-    unsafe {
-        match params {
-            None => update::<G, f32>(
-                Chunk {
-                    state,
-                    grad,
-                    params: None,
-                    keep_params,
-                    keep_state,
-                    kinds,
-                    master_in_params,
-                },
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-            Some((a, Kind::F32)) => update(
-                Chunk {
-                    state,
-                    grad,
-                    params: Some(slice_mut::<f32>(a, count)),
-                    keep_params,
-                    keep_state,
-                    kinds,
-                    master_in_params,
-                },
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-            Some((a, Kind::Bf16)) => update(
-                Chunk {
-                    state,
-                    grad,
-                    params: Some(slice_mut::<Bf16>(a, count)),
-                    keep_params,
-                    keep_state,
-                    kinds,
-                    master_in_params,
-                },
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-            Some((a, Kind::F16)) => update(
-                Chunk {
-                    state,
-                    grad,
-                    params: Some(slice_mut::<F16>(a, count)),
-                    keep_params,
-                    keep_state,
-                    kinds,
-                    master_in_params,
-                },
-                grad_scale,
-                k,
-                arith,
-                simd,
-                threads,
-                cuts,
-            ),
-        }
-    }
-}
-
-/// A thread's checksum pieces, `(start, len, crc)`, of the state as read and as written.
-pub(super) type Hashed = [Option<Vec<(u64, u64, u32)>>; 2];
-
-/// One thread's range of a chunk: its arrays, how many of its first elements take the vector
-/// arithmetic, its first element in the chunk, each array's first byte in the state and bytes per
-/// element, and its checksum pieces (as read, as written).
-pub(super) struct Part<'a, G, P> {
-    pub(super) p: Array<'a>,
-    pub(super) m: Array<'a>,
-    pub(super) v: Array<'a>,
-    pub(super) g: &'a [G],
-    pub(super) o: Option<&'a mut [P]>,
-    pub(super) vector: usize,
-    pub(super) first: usize,
-    pub(super) offsets: [usize; 3],
-    pub(super) sizes: [usize; 3],
-    pub(super) sums: [Option<[Vec<Piece>; 3]>; 2],
-    /// Where the parameters before the pass are kept ([`Chunk::keep_params`]).
-    pub(super) kept: Option<Vec<KeptParams>>,
-    /// Where the state before the pass is copied ([`Chunk::keep_state`]): this range's params,
-    /// exp_avg and exp_avg_sq, where each is kept.
-    pub(super) kept_state: Option<KeptArrays<'a>>,
-    pub(super) kinds: StateKinds,
-}
-
-impl<G: Elem, P: Elem> Part<'_, G, P> {
-    /// Elements `b0..b1` of every array, for a SIMD pass.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn lanes(&mut self, b0: usize, b1: usize) -> x86::Lanes {
-        x86::Lanes {
-            p: self.p.ptr_at(b0),
-            m: self.m.ptr_at(b0),
-            v: self.v.ptr_at(b0),
-            stored: StateKinds {
-                master: self.p.kind(),
-                moments: self.m.kind(),
-            },
-            g: (G::KIND, self.g[b0..b1].as_ptr().cast()),
-            o: self
-                .o
-                .as_deref_mut()
-                .map(|o| (P::KIND, o[b0..b1].as_mut_ptr().cast())),
-            len: b1 - b0,
-        }
-    }
-}
-
 /// One thread's range, block by block: the block's state hashed as read, updated (its elements below
 /// `vector` with DeepSpeed's vector arithmetic, in SIMD where `simd` says, the rest with `tail`'s), and
 /// hashed as written. Returns the pieces' `(start, len, crc)`, as read and as written.
@@ -783,244 +646,4 @@ fn run_part<G: Elem, P: Elem>(
         hash_block(&mut part, 1, b0, b1);
     }
     (finish_pieces(part.sums), part.kept)
-}
-
-/// Keeps elements `b0..b1` as they are before the block is updated (in the core's cache for it): their
-/// state where [`Chunk::keep_state`] asked, and their parameters where [`Chunk::keep_params`] asked and
-/// any of them is not its weight narrowed.
-pub(super) fn keep_block<G: Elem, P: Elem>(
-    part: &mut Part<'_, G, P>,
-    b0: usize,
-    b1: usize,
-    simd: Simd,
-) {
-    if let Some(to) = part.kept_state.as_mut() {
-        for (to, from) in to.iter_mut().zip([&part.p, &part.m, &part.v]) {
-            let Some(to) = to else { continue };
-            let (to, from) = (to.bytes_mut(b0, b1), from.bytes(b0, b1));
-            #[cfg(target_arch = "x86_64")]
-            if simd != Simd::Scalar {
-                // SAFETY: every SIMD but the scalar one needs AVX (`Simd::available`).
-                unsafe { x86::copy_streaming(to, from) };
-                continue;
-            }
-            to.copy_from_slice(from);
-        }
-    }
-    let Some(kept) = part.kept.as_mut() else {
-        return;
-    };
-    let Some(o) = part.o.as_deref() else {
-        // The master weights are the parameters (`Chunk::master_in_params`): every block is kept.
-        kept.push(KeptParams {
-            first: part.first + b0,
-            bytes: part.p.bytes(b0, b1).to_vec(),
-        });
-        return;
-    };
-    if !params_are_weights(&part.p, &o[b0..b1], b0, simd) {
-        kept.push(KeptParams {
-            first: part.first + b0,
-            bytes: elem_bytes(&o[b0..b1]),
-        });
-    }
-}
-
-/// Whether `params` are elements `b0..` of the master weights `p` as the pass writes them: the fp32
-/// weights narrowed ([`narrows_to`]), or the half-precision weights' own bits.
-fn params_are_weights<P: Elem>(p: &Array<'_>, params: &[P], b0: usize, simd: Simd) -> bool {
-    match p {
-        Array::F32(p) => narrows_to(&p[b0..b0 + params.len()], params, simd),
-        half => half.bytes(b0, b0 + params.len()) == elem_bytes_of(params),
-    }
-}
-
-/// Elements `b0..b1` of a thread's range (see [`run_part`]).
-pub(super) fn run_block<G: Elem, P: Elem>(
-    part: &mut Part<'_, G, P>,
-    b0: usize,
-    b1: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    tail: TailFma,
-    simd: Simd,
-) {
-    if !part.kinds.is_fp32() {
-        #[cfg(target_arch = "x86_64")]
-        if rounded_lanes(simd) {
-            // SAFETY: the CPU has AVX2, FMA and F16C (`rounded_lanes`).
-            unsafe { rounded_elements_avx2(part, b0, b1, grad_scale, k, tail) };
-            return;
-        }
-        rounded_elements(part, b0, b1, grad_scale, k, tail, false);
-        return;
-    }
-    let lanes = simd.lanes();
-    // The SIMD stretch: from the block's start (a multiple of every width) up to its vector elements.
-    let simd_end = if lanes > 1 {
-        let vector_end = part.vector.clamp(b0, b1);
-        b0 + (vector_end - b0) / lanes * lanes
-    } else {
-        b0
-    };
-    if simd_end > b0 {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let at = part.lanes(b0, simd_end);
-            match simd {
-                // SAFETY: `Simd::parse`/`detect` give these only where the CPU has the instructions; the
-                // slices are distinct, each at least `simd_end` long, the stretch a multiple of the lanes.
-                Simd::Avx512 | Simd::Avx512Clmul => unsafe { x86::avx512(&at, grad_scale, k) },
-                // SAFETY: as above.
-                Simd::Avx2 | Simd::Avx2Clmul => unsafe { x86::avx2(&at, grad_scale, k) },
-                Simd::Scalar => unreachable!("the scalar path has one lane"),
-            }
-        }
-    }
-    let (p, m, v, g) = (part.p.f32s(), part.m.f32s(), part.v.f32s(), part.g);
-    for i in simd_end..b1 {
-        let how = if i < part.vector {
-            TailFma::VECTOR
-        } else {
-            tail
-        };
-        let grad = g[i].widen() * grad_scale;
-        let (param, exp_avg, exp_avg_sq) = adam_element(p[i], grad, m[i], v[i], k, how);
-        (p[i], m[i], v[i]) = (param, exp_avg, exp_avg_sq);
-        if let Some(o) = part.o.as_deref_mut() {
-            o[i] = P::narrow(param);
-        }
-    }
-}
-
-/// Whether the rounded pass runs in AVX2 ([`x86::avx2_rounded`]): wherever `simd` has SIMD and the CPU
-/// AVX2, FMA and F16C (an AVX-512 CPU among them).
-#[cfg(target_arch = "x86_64")]
-fn rounded_lanes(simd: Simd) -> bool {
-    simd != Simd::Scalar
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-}
-
-/// [`rounded_elements`] with its runs in AVX2, and compiled with FMA instructions for the elements
-/// left over, which the specification's fused multiply-adds then are (without them each is a call of
-/// the C library's `fmaf`).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rounded_elements_avx2<G: Elem, P: Elem>(
-    part: &mut Part<'_, G, P>,
-    b0: usize,
-    b1: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    tail: TailFma,
-) {
-    rounded_elements(part, b0, b1, grad_scale, k, tail, true);
-}
-
-/// Elements `b0..b1` of a range whose state is in half precision ([`Chunk::kinds`]), as DeepSpeed's CPU
-/// Adam computes them (see [`update`]): each run of one arithmetic 8 lanes at a time where `lanes` says
-/// (the CPU has AVX2), the rest element by element, in a loop per pair of dtypes, so that nothing is
-/// decided per element.
-#[inline(always)]
-fn rounded_elements<G: Elem, P: Elem>(
-    part: &mut Part<'_, G, P>,
-    b0: usize,
-    b1: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    tail: TailFma,
-    lanes: bool,
-) {
-    let vector_end = part.vector.clamp(b0, b1);
-    for (from, to, how) in [(b0, vector_end, TailFma::VECTOR), (vector_end, b1, tail)] {
-        let simd_end = if lanes {
-            from + (to - from) / 8 * 8
-        } else {
-            from
-        };
-        #[cfg(target_arch = "x86_64")]
-        if simd_end > from {
-            let at = part.lanes(from, simd_end);
-            // SAFETY: `lanes` only where the CPU has AVX2, FMA and F16C (`rounded_lanes`); the slices
-            // are distinct, each at least `simd_end` long, the stretch a multiple of 8.
-            unsafe { x86::avx2_rounded(&at, grad_scale, k, how, part.kinds) };
-        }
-        if simd_end == to {
-            continue;
-        }
-        let from = simd_end;
-        match (part.kinds.master, part.kinds.moments) {
-            (Kind::Bf16, Kind::F32) => {
-                rounded_run::<G, P, Bf16, f32>(part, from, to, grad_scale, k, how)
-            }
-            (Kind::Bf16, Kind::Bf16) => {
-                rounded_run::<G, P, Bf16, Bf16>(part, from, to, grad_scale, k, how)
-            }
-            (Kind::F16, Kind::F32) => {
-                rounded_run::<G, P, F16, f32>(part, from, to, grad_scale, k, how)
-            }
-            (Kind::F16, Kind::F16) => {
-                rounded_run::<G, P, F16, F16>(part, from, to, grad_scale, k, how)
-            }
-            // `check_chunk` admits no other state in half precision (`StateKinds::check`).
-            other => unreachable!("a state in {other:?}"),
-        }
-    }
-}
-
-/// Elements `from..to`, the master weights in `W`, the moments in `S` (which `part.kinds` names), all with
-/// `how`'s arithmetic. (No closures: they would not take the caller's target features.)
-#[inline(always)]
-fn rounded_run<G: Elem, P: Elem, W: Elem, S: Elem>(
-    part: &mut Part<'_, G, P>,
-    from: usize,
-    to: usize,
-    grad_scale: f32,
-    k: &AdamConstants,
-    how: TailFma,
-) {
-    let (p, m, v, g) = (&mut part.p, &mut part.m, &mut part.v, part.g);
-    let mut o = part.o.as_deref_mut();
-    for i in from..to {
-        let (master, exp_avg, exp_avg_sq) =
-            rounded_element::<G, W, S>(p.get(i), m.get(i), v.get(i), g[i], grad_scale, k, how);
-        p.set(i, master);
-        m.set(i, exp_avg);
-        v.set(i, exp_avg_sq);
-        if let Some(o) = o.as_deref_mut() {
-            // The master weights' own bits (`StateKinds::check`: the same dtype), as DeepSpeed's copy
-            // of them into its partition leaves them: exact.
-            o[i] = P::narrow_as_cpu_adam(master.widen());
-        }
-    }
-}
-
-/// One element of a state whose master weights are `W` (its gradient `G`, of the same dtype where that
-/// is half precision) and whose moments are `S`, as DeepSpeed's CPU Adam computes it with `how`'s
-/// arithmetic: the gradient multiplied by `grad_scale` in its own dtype (DeepSpeed's `mul_` of its
-/// gradient: torch rounds the product), Adam, and each result stored in its dtype as CPU Adam stores it.
-/// Returns the new parameter, `exp_avg` and `exp_avg_sq`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-pub(super) fn rounded_element<G: Elem, W: Elem, S: Elem>(
-    param: f32,
-    exp_avg: f32,
-    exp_avg_sq: f32,
-    g: G,
-    grad_scale: f32,
-    k: &AdamConstants,
-    how: TailFma,
-) -> (W, S, S) {
-    let grad = G::narrow(g.widen() * grad_scale).widen();
-    let (param, exp_avg, exp_avg_sq) = adam_element(param, grad, exp_avg, exp_avg_sq, k, how);
-    (
-        W::narrow_as_cpu_adam(param),
-        S::narrow_as_cpu_adam(exp_avg),
-        S::narrow_as_cpu_adam(exp_avg_sq),
-    )
 }

@@ -186,3 +186,68 @@ impl StateKinds {
         ))
     }
 }
+
+/// How a chunk keeps a state: `kinds` the dtypes DeepSpeed keeps it in (each value rounded to them as
+/// its CPU Adam stores it), `stored` the dtypes the chunk keeps each array in (`kinds`' own, or fp32
+/// holding their values), and whether the master weights are the half-precision parameters themselves
+/// (`master_in_params`: the chunk keeps the moments alone, [`StateKinds::moments_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateLayout {
+    pub kinds: StateKinds,
+    pub stored: StateKinds,
+    pub master_in_params: bool,
+}
+
+impl StateLayout {
+    /// The state as DeepSpeed keeps it: the moments in fp32 or in the master weights' dtype (an error
+    /// naming `moments` otherwise), each array kept in its own dtype or in fp32 (naming `stored_master`
+    /// or `stored_moments`), and master weights in the parameters only where they are in half
+    /// precision and kept in it (naming `master_in_params`).
+    pub fn new(
+        kinds: StateKinds,
+        stored: StateKinds,
+        master_in_params: bool,
+    ) -> crate::error::Result<StateLayout> {
+        use crate::error::Error;
+        // The gradient in the master weights' dtype is always one DeepSpeed takes: the moments' check.
+        kinds.check(kinds.master, None).map_err(|e| match e {
+            Error::Config { message, .. } => Error::config("moments", message),
+            other => other,
+        })?;
+        for (key, kind, within) in [
+            ("stored_master", kinds.master, stored.master),
+            ("stored_moments", kinds.moments, stored.moments),
+        ] {
+            if within != kind && within != Kind::F32 {
+                return Err(Error::config(
+                    key,
+                    format!(
+                        "{within:?} cannot hold values of {kind:?}: each array is kept in its dtype \
+                         or in fp32"
+                    ),
+                ));
+            }
+        }
+        if master_in_params && (kinds.master == Kind::F32 || stored.master != kinds.master) {
+            return Err(Error::config(
+                "master_in_params",
+                format!(
+                    "master weights in {:?} kept in {:?}: only master weights in the parameters' half \
+                     precision are the parameters",
+                    kinds.master, stored.master
+                ),
+            ));
+        }
+        Ok(StateLayout {
+            kinds,
+            stored,
+            master_in_params,
+        })
+    }
+
+    /// Where a chunk of `n` elements keeps its state: each array's first byte (master weights,
+    /// `exp_avg`, `exp_avg_sq`) and the chunk's bytes ([`StateKinds::layout_for`] of `stored`).
+    pub fn offsets(self, n: usize) -> ([usize; 3], usize) {
+        self.stored.layout_for(n, self.master_in_params)
+    }
+}

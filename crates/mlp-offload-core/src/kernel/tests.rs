@@ -1,4 +1,4 @@
-use super::pass::{elem_bytes, BLOCK};
+use super::part::{elem_bytes, BLOCK};
 use super::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -854,14 +854,15 @@ fn bad_lengths_and_addresses_are_named() {
     // SAFETY: the call fails on the misaligned address before touching memory.
     let err = unsafe {
         update_at(
-            (bytes.as_ptr() as usize + 1, StateKinds::FP32),
-            (bytes.as_ptr() as usize, Kind::Bf16),
-            None,
-            false,
-            None,
-            false,
-            StateKinds::FP32,
-            1,
+            ChunkAt {
+                state: bytes.as_ptr() as usize + 1,
+                grad: (bytes.as_ptr() as usize, Kind::Bf16),
+                params: None,
+                keep_state: None,
+                keep_params: false,
+                count: 1,
+            },
+            StateLayout::new(StateKinds::FP32, StateKinds::FP32, false).unwrap(),
             1.0,
             &k,
             &arith,
@@ -1145,7 +1146,7 @@ fn a_witness_tells_two_scalar_loops_apart_and_only_those() {
     );
     let w = witness(a, b, &k, 0.5, kinds, 1).expect("the variance's fusing shows somewhere");
     let run = |how| {
-        pass::rounded_element::<Bf16, Bf16, Bf16>(
+        part::rounded_element::<Bf16, Bf16, Bf16>(
             w.param,
             w.exp_avg,
             w.exp_avg_sq,
@@ -1331,14 +1332,15 @@ fn pass_at(
     // SAFETY: every array lives for the call, of the lengths given, none overlapping another.
     unsafe {
         update_at(
-            (words.as_mut_ptr() as usize, kinds),
-            (grad.as_ptr() as usize, kinds.master),
-            Some((params, kinds.master)),
-            keep,
-            kept.map(|kept| kept.as_mut_ptr() as usize),
-            master_in_params,
-            kinds,
-            n,
+            ChunkAt {
+                state: words.as_mut_ptr() as usize,
+                grad: (grad.as_ptr() as usize, kinds.master),
+                params: Some((params, kinds.master)),
+                keep_state: kept.map(|kept| kept.as_mut_ptr() as usize),
+                keep_params: keep,
+                count: n,
+            },
+            StateLayout::new(kinds, kinds, master_in_params).unwrap(),
             1.0,
             k,
             &vector_arith(),
@@ -1592,14 +1594,20 @@ fn master_weights_in_the_parameters_need_half_precision_parameters() {
         // SAFETY: every array lives for the call and holds 8 elements of any of these dtypes.
         let err = unsafe {
             update_at(
-                (moments.as_mut_ptr() as usize, kinds),
-                (grad.as_ptr() as usize, Kind::Bf16),
-                given.then_some((params.as_mut_ptr() as usize, params_kind)),
-                false,
-                None,
-                true,
-                kinds,
-                8,
+                ChunkAt {
+                    state: moments.as_mut_ptr() as usize,
+                    grad: (grad.as_ptr() as usize, Kind::Bf16),
+                    params: given.then_some((params.as_mut_ptr() as usize, params_kind)),
+                    keep_state: None,
+                    keep_params: false,
+                    count: 8,
+                },
+                // Not `StateLayout::new`, which refuses the first: the pass's own checks.
+                StateLayout {
+                    kinds,
+                    stored: kinds,
+                    master_in_params: true,
+                },
                 1.0,
                 &k,
                 &vector_arith(),
@@ -1612,4 +1620,26 @@ fn master_weights_in_the_parameters_need_half_precision_parameters() {
         .to_string();
         assert!(err.contains(name), "{kinds:?} {params_kind:?}: {err}");
     }
+}
+
+#[test]
+fn a_state_layout_that_deepspeed_cannot_keep_is_refused_by_name() {
+    let (f32_, bf16, f16) = (Kind::F32, Kind::Bf16, Kind::F16);
+    let of = |master, moments| StateKinds { master, moments };
+    // DeepSpeed's dtypes, the chunk's, master weights in the parameters: the argument the error names.
+    let cases = [
+        (of(f16, bf16), of(f16, bf16), false, "moments"),
+        (of(bf16, bf16), of(f16, bf16), false, "stored_master"),
+        (of(bf16, f32_), of(bf16, bf16), false, "stored_moments"),
+        (StateKinds::FP32, StateKinds::FP32, true, "master_in_params"),
+        (of(bf16, bf16), of(f32_, bf16), true, "master_in_params"),
+    ];
+    for (kinds, stored, in_params, name) in cases {
+        let err = StateLayout::new(kinds, stored, in_params)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(name), "{kinds:?} in {stored:?}: {err}");
+    }
+    let fine = StateLayout::new(of(bf16, f32_), StateKinds::FP32, false).unwrap();
+    assert_eq!(fine.offsets(10), StateKinds::FP32.layout(10));
 }

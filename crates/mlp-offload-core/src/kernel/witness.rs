@@ -5,7 +5,7 @@
 
 use super::adam::{AdamConstants, TailFma};
 use super::elem::{Bf16, Elem, Kind, StateKinds, F16};
-use super::pass::rounded_element;
+use super::part::rounded_element;
 
 /// One element's inputs: the parameter, `exp_avg`, `exp_avg_sq` (exact in the state's dtypes) and the
 /// gradient's bits (in the master weights' dtype where that is half precision, else fp32's).
