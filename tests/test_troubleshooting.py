@@ -25,7 +25,7 @@ NOT_FROM_THE_REGISTRY = {
     ("checkpoint.py", "state_dict"): "a guard: the option table refuses elastic_checkpoint at start",
     ("checkpoint.py", "universal_parts"): "DeepSpeed's own text, raised where stock raises it",
     ("checkpoint.py", "_load_universal_weights"): "DeepSpeed's own text, raised where stock raises it",
-    ("checkpoint.py", "_index"): "an internal lookup of the swapper protocol",
+    ("deepspeed_view.py", "fp32_index"): "an internal lookup of the swapper protocol",
     ("options.py", "check"): "each part is troubleshooting.OPTION's message",
     ("troubleshooting.py", "readme"): "the docs' generator",
     ("zero3.py", "_create_fp32_partitions"): "a guard: PARAMS_ON_NVME refuses it at start",

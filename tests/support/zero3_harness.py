@@ -379,7 +379,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     chunks: dict[str, torch.Tensor] | None = None
     if telemetry is not None:
         # Each chunk's current state (cache or store), to compare with what destroy() leaves on disk.
-        state_of = optimizer._mlp_state
+        state_of = optimizer._mlp_session.state
         chunks = {}
         for i in range(len(state_of.numels)):
             whole = state_of.gather(i)
@@ -716,7 +716,7 @@ def stall(marker: Path) -> None:
 def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> None:
     """Makes the next update call `then()` (SIGKILL this process, or stall it) once `after_chunks` chunks
     are updated (their writes in flight or done, the rest not begun)."""
-    pipeline = optimizer._mlp_state.pipeline
+    pipeline = optimizer._mlp_session.pipeline
     run_step = pipeline.run_step
 
     def killing_run_step(update: Any, **kwargs: Any) -> Any:
@@ -740,7 +740,7 @@ def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> Non
 def in_save(optimizer: Any, after_subgroups: int, then: Callable[[], Any]) -> None:
     """Makes the next checkpoint's save call `then()` once it has read `after_subgroups` subgroups' state
     from the cache and the store (`ChunkedState.gather`)."""
-    state = optimizer._mlp_state
+    state = optimizer._mlp_session.state
     gather = state.gather
     done = 0
 
@@ -820,7 +820,7 @@ def fail_step(engine: Any, optimizer: Any, case: dict[str, Any], data: torch.Gen
     finally:
         subprocess.run(["chattr", "-i", *files], check=True)
     # Closed (synced, its directories unlocked), so a fresh store can open the same paths.
-    optimizer._mlp_store.close()
+    optimizer._mlp_session.store.close()
     # Every object of a fresh store over the same paths: its size, or the error its read raised.
     readable: dict[str, Any] = {}
     with mlp_offload.ObjectStore(paths) as store:

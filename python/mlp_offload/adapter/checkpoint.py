@@ -11,6 +11,7 @@ import errno
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,21 +22,25 @@ from deepspeed.runtime.zero.stage3 import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from mlp_offload.adapter import stale_gradients, troubleshooting
+from mlp_offload.adapter.chunk_update import ChunkUpdater
+from mlp_offload.adapter.deepspeed_view import DeepSpeedView
+from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.state import FP32, STATE_TENSORS
 
 # DeepSpeed's own class (`install()` leaves the name bound to it).
 DeepSpeedZeroOptimizer_Stage3: Any = stage3.DeepSpeedZeroOptimizer_Stage3
 
 
-def state_dict(opt: Any) -> Any:
-    """DeepSpeed's ZeRO-3 optimizer state dict (`_rigid_state_dict`'s keys and layout), with each
-    subgroup's fp32 weights and Adam moments brought in from the cache and the store. The whole
-    optimizer state is in host memory while the checkpoint is written, as with DeepSpeed's NVMe offload."""
+def state_dict(opt: Any, session: UpdateSession, view: DeepSpeedView) -> Any:
+    """DeepSpeed's ZeRO-3 optimizer state dict (`_rigid_state_dict`'s keys and layout, DeepSpeed's own
+    code run on `opt`), with each subgroup's fp32 weights and Adam moments brought in from the cache and
+    the store. The whole optimizer state is in host memory while the checkpoint is written, as with
+    DeepSpeed's NVMe offload."""
     if opt.elastic_checkpoint:
         raise NotImplementedError("mlp_offload: ZeRO-3 elastic checkpoints are not supported")
     subgroups = range(len(opt.fp32_partitioned_groups_flat))
     for i in subgroups:
-        opt._mlp_bind_state(i, opt._mlp_state.gather(i))
+        view.bind_state(i, session.state.gather(i), session.dtypes)
     try:
         # DeepSpeed's own code; it refers to the tensors just bound, which stay valid after unbinding.
         saved = DeepSpeedZeroOptimizer_Stage3._rigid_state_dict(opt)
@@ -45,11 +50,13 @@ def state_dict(opt: Any) -> Any:
         optimizer_state["state"] = {k: dict(v) for k, v in optimizer_state["state"].items()}
     finally:
         for i in subgroups:
-            opt._mlp_unbind(i)
+            view.unbind(i)
     return saved
 
 
-def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
+def load_state_dict(
+    opt: Any, session: UpdateSession, view: DeepSpeedView, saved: Any, load_optimizer_states: bool
+) -> None:
     """Loads this rank's part of a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed (same
     data-parallel degree): fp32 weights and Adam moments go to the store, the half-precision partitions
     follow."""
@@ -69,30 +76,29 @@ def load_state_dict(opt: Any, saved: Any, load_optimizer_states: bool) -> None:
                     theirs=f"subgroup {i} has {fp32_groups[i].numel():,} fp32 elements", ours=f"{n:,}"
                 )
             )
-    state = opt._mlp_state
+    state = session.state
     # The store alone then holds the current state (what is kept when the moments are not loaded), and
     # no host copy outlives the checkpoint.
     state.pipeline.flush()
     states = []
     for i, n in enumerate(numels):
         whole = state.gather(i) if not load_optimizer_states else torch.empty(STATE_TENSORS * n, dtype=FP32)
-        opt._mlp_bind_state(i, whole)
+        view.bind_state(i, whole, session.dtypes)
         states.append(whole)
     try:
         # DeepSpeed's own loader: loss scaling, the moments (torch's loader matches them to our fp32
         # tensors by position), the fp32 weights into the bound tensors, the half-precision partitions.
         DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict(opt, saved, load_optimizer_states)
         if load_optimizer_states and numels:
-            first = opt.optimizer.state[opt.fp32_partitioned_groups_flat[0]]
-            opt._mlp_follow_loaded_moments(first["exp_avg"].dtype)
+            session.follow_loaded_moments(view.first_moments_dtype())
         for i, whole in enumerate(states):
             # The weights loaded into the bound tensors, and the moments torch's loader replaced with
             # tensors of its own, back into the state.
-            opt._mlp_collect_state(i, whole)
+            view.collect_state(i, whole)
             state.scatter(i, whole)
     finally:
         for i in subgroups:
-            opt._mlp_unbind(i)  # the loaded state lives in the store only
+            view.unbind(i)  # the loaded state lives in the store only
 
 
 def refuse_another_degree(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool) -> None:
@@ -197,16 +203,18 @@ def fill_from_universal(out: torch.Tensor, parts: list[UniversalPart], key: str,
         target[max(0, inside - a) :].zero_()
 
 
-def load_universal(opt: Any, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+def load_universal(
+    opt: Any, session: UpdateSession, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool
+) -> None:
     """Loads a universal checkpoint (any data-parallel degree) as stock DeepSpeed's
     `_load_universal_checkpoint` does, chunk by chunk, so the host memory it adds is about a chunk:
     every state (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), or the weights alone
     (`load_module_checkpoint_state_from_checkpoint_dir_stage3`)."""
     zero = os.path.join(folder, "zero")
     if load_optimizer_states:
-        _load_universal_state(opt, zero)
+        _load_universal_state(opt, session, zero)
     else:
-        _load_universal_weights(opt, zero, load_from_fp32_weights)
+        _load_universal_weights(opt, session, zero, load_from_fp32_weights)
     # The partitioned parameters point into the half-precision partitions again (stock's last loop).
     for i, half in enumerate(opt.fp16_partitioned_groups_flat):
         updated = opt.unflatten(half, opt.fp16_partitioned_groups[i])
@@ -214,7 +222,7 @@ def load_universal(opt: Any, folder: str, load_optimizer_states: bool, load_from
             partitioned_param.data = q.data
 
 
-def _load_universal_state(opt: Any, zero: str) -> None:
+def _load_universal_state(opt: Any, session: UpdateSession, zero: str) -> None:
     """The master weights and both moments, in the master weights' dtype as stock loads them (its
     moments too: `zeros_like` the master weights), the Adam step and the hyperparameters of the
     checkpoint's first param group; the half-precision partitions from the master weights."""
@@ -229,7 +237,7 @@ def _load_universal_state(opt: Any, zero: str) -> None:
     saved = optim_sd[OPTIMIZER_STATE_DICT]
     state_step = saved["state"][0]["step"]
     DeepSpeedZeroOptimizer_Stage3._load_global_state_stage3(opt, optim_sd)
-    state, master = opt._mlp_state, opt._mlp_dtypes.master
+    state, master = session.state, session.dtypes.master
     state.pipeline.flush()
     scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
     for i, of_subgroup in enumerate(parts):
@@ -244,7 +252,7 @@ def _load_universal_state(opt: Any, zero: str) -> None:
     for param_group in opt.optimizer.param_groups:
         for key, value in saved["param_groups"][0].items():
             param_group[key] = [] if key == "params" else value
-    opt._mlp_follow_loaded_moments(master)
+    session.follow_loaded_moments(master)
 
 
 def _universal_chunk(
@@ -263,11 +271,13 @@ def _universal_chunk(
     half.copy_(arrays[0])
 
 
-def _load_universal_weights(opt: Any, zero: str, load_from_fp32_weights: bool) -> None:
+def _load_universal_weights(
+    opt: Any, session: UpdateSession, zero: str, load_from_fp32_weights: bool
+) -> None:
     """The half-precision partitions from the checkpoint's fp32 weights, and the master weights from them
     too (`load_from_fp32_weights`) or from the partitions; the moments stay."""
     parts = universal_parts(opt, zero, UNIVERSAL_KEYS[:1])
-    state, master = opt._mlp_state, opt._mlp_dtypes.master
+    state, master = session.state, session.dtypes.master
     scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
     for i, of_subgroup in enumerate(parts):
         half = opt.fp16_partitioned_groups_flat[i]
@@ -294,62 +304,65 @@ def _load_universal_weights(opt: Any, zero: str, load_from_fp32_weights: bool) -
 
 class StateSwapper:
     """DeepSpeed's optimizer-swapper protocol over the store, for what still calls it: the
-    `safe_get/set_*` helpers and checkpoint code swap one subgroup in, look or write, and swap it out."""
+    `safe_get/set_*` helpers and checkpoint code swap one subgroup in, look or write, and swap it out.
+    `settle` waits for the update behind the last step (and undoes one during backward) first."""
 
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-        self.swap_folder = optimizer._mlp_store.tiers[0]["path"]
+    def __init__(
+        self,
+        session: UpdateSession,
+        view: DeepSpeedView,
+        chunk_update: ChunkUpdater,
+        settle: Callable[[], None],
+    ) -> None:
+        self.session = session
+        self.view = view
+        self.chunk_update = chunk_update
+        self.settle = settle
+        self.swap_folder = session.store.tiers[0]["path"]
         # Subgroup -> its whole state, gathered from its chunks while swapped in.
         self._held: dict[int, torch.Tensor] = {}
-
-    def _index(self, parameter: torch.Tensor) -> int:
-        for i, t in enumerate(self.optimizer.fp32_partitioned_groups_flat):
-            if t is parameter:
-                return i
-        raise KeyError("not one of this optimizer's fp32 partitions")
 
     def is_swappable_tensor(self, tensor: Any = None, numel: Any = None) -> bool:
         return True
 
     def swap_in_optimizer_state(self, parameter: torch.Tensor, async_parameter: Any = None) -> None:
-        opt = self.optimizer
+        session = self.session
         # The update behind the last step first: it changes the state and reads the gradients.
-        opt._mlp_settle()
-        i = self._index(parameter)
-        whole = opt._mlp_state.gather(i)
+        self.settle()
+        i = self.view.fp32_index(parameter)
+        whole = session.state.gather(i)
         self._held[i] = whole
-        opt._mlp_bind_state(i, whole)
+        self.view.bind_state(i, whole, session.dtypes)
         # The gradient as DeepSpeed's own swap-in would hold it: in the master weights' dtype, the one a
         # setter left, else
         # converted from the half-precision one, where a parameter without a gradient at this boundary
         # has its last one times the factors of the steps since (`StaleGradients.held`).
-        grad = opt._mlp_chunk_update.gradient(i).to(opt._mlp_dtypes.master, copy=True)
-        if i not in opt._mlp_fp32_grads:
-            held = opt._mlp_stale.held(r for r in opt._mlp_param_ranges if r[1] == i)
+        grad = self.chunk_update.gradient(i).to(session.dtypes.master, copy=True)
+        if i not in session.fp32_grads:
+            held = session.stale.held(r for r in session.param_ranges if r[1] == i)
             stale_gradients.apply(grad, 0, held.get(i, []))
         parameter.grad = grad
 
     def swap_out_optimizer_state(self, parameter: torch.Tensor, async_swap: bool = False) -> None:
-        opt = self.optimizer
-        i = self._index(parameter)
+        i = self.view.fp32_index(parameter)
         whole = self._held.pop(i)
-        opt._mlp_collect_state(i, whole)
-        opt._mlp_state.scatter(i, whole)
-        opt._mlp_unbind(i)
+        self.view.collect_state(i, whole)
+        self.session.state.scatter(i, whole)
+        self.view.unbind(i)
 
     def release_swap_buffers(self, parameter: torch.Tensor) -> None:
-        i = self._index(parameter)
+        i = self.view.fp32_index(parameter)
         self._held.pop(i, None)
-        self.optimizer._mlp_unbind(i)
+        self.view.unbind(i)
 
     def writeback_optimizer_state_and_gradients(
         self, parameter: torch.Tensor, write_opt_state: bool, write_gradients: bool
     ) -> None:
         # A written gradient (DeepSpeed's gradient setters) is kept in fp32 for the subgroup until the
         # step uses it, as stock DeepSpeed's fp32 gradient buffer would hold it.
-        self.optimizer._mlp_settle()
-        if write_gradients:
-            self.optimizer._mlp_fp32_grads[self._index(parameter)] = parameter.grad
+        self.settle()
+        if write_gradients and parameter.grad is not None:
+            self.session.fp32_grads[self.view.fp32_index(parameter)] = parameter.grad
         if write_opt_state:
             self.swap_out_optimizer_state(parameter)
         else:

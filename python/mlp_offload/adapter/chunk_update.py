@@ -8,32 +8,33 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from mlp_offload import _core
 from mlp_offload.adapter import master_in_params, stale_gradients
+from mlp_offload.adapter.deepspeed_view import DeepSpeedView
+from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
-from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import KeptCopy
 from mlp_offload.engine.state import FP32
 
-if TYPE_CHECKING:
-    from mlp_offload.adapter.zero3 import MLPOffloadStage3
-
 
 class ChunkUpdater:
-    """The update of one chunk at a time for an `MLPOffloadStage3`, and the buffers it reuses from chunk
-    to chunk. `elements`: a chunk's most elements; `half_bytes`: a half-precision parameter's bytes."""
+    """The update of one chunk at a time in a session (over DeepSpeed's members in `view`), and the
+    buffers it reuses from chunk to chunk: of a chunk's most elements (the settings' layout), the
+    parameters in the partitions' dtype."""
 
-    def __init__(
-        self, optimizer: MLPOffloadStage3, elements: int, half_bytes: int, params_on_host: bool
-    ) -> None:
-        self.optimizer = optimizer
+    def __init__(self, session: UpdateSession, view: DeepSpeedView) -> None:
+        self.session = session
+        self.view = view
+        settings = session.settings
+        elements = settings.layout.elements
         # The pass writes the half-precision parameters: into the partition where it is in host memory,
         # else into a host scratch that is copied to the accelerator's partition.
-        self.params_on_host = params_on_host
+        self.params_on_host = settings.params_on_host
         # The update thread's copies to and from the accelerator, and its reads of the norms there, go on a
         # stream of its own: on the default one they would wait for the compute queued on it.
         self.update_stream = (
@@ -44,7 +45,7 @@ class ChunkUpdater:
         # parameters, the pass writing one while the other's copy to the device runs. Registered with the
         # device where DeepSpeed pins (`pin_memory`): those copies then run without the host.
         self.scratch_pool: PinnedBufferPool | None = None
-        if optimizer._mlp_pin and not params_on_host:
+        if settings.pin and not self.params_on_host:
             self.scratch_pool = PinnedBufferPool(1, elements * FP32.itemsize)
             buffer = self.scratch_pool.acquire()
             assert buffer is not None
@@ -53,7 +54,7 @@ class ChunkUpdater:
             self.grad = torch.empty(elements, dtype=FP32)
         # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
         # and each chunk's pass waits for the last copy out of it.
-        self.scratch_slots = FP32.itemsize // half_bytes
+        self.scratch_slots = FP32.itemsize // view.partition(0).element_size()
         # Per slot, the event after its last copy to the device (None: none queued since the last wait).
         self.scratch_copies: list[Any] = [None] * self.scratch_slots
         self.scratch_next = 0
@@ -74,22 +75,14 @@ class ChunkUpdater:
         chunk's elements, as if they were the whole subgroup, with the Adam step the subgroup had before
         this update (CPU Adam counts one per call). `stale_ranges`: the step's gradients from earlier
         boundaries (`stale`)."""
-        opt = self.optimizer
-        i, first, count = opt._mlp_state.chunks[chunk]
-        state = state_bytes.view(FP32)
-        fp32 = opt.fp32_partitioned_groups_flat[i]
-        fp32.data = state[:count]
-        adam = opt.optimizer.state[fp32]
-        adam["step"] = opt._mlp_step_value(step)
-        adam["exp_avg"] = state[count : 2 * count]
-        adam["exp_avg_sq"] = state[2 * count :]
+        i, first, count = self.session.state.chunks[chunk]
         grad = self.grad[:count]
         # The delayed conversion, in place into one reusable chunk-sized buffer (an exact widening),
         # unless a gradient setter left an fp32 gradient for the subgroup.
         grad.copy_(self.gradient(i)[first : first + count])
         if ranges := stale_ranges.get(i):
             stale_gradients.apply(grad, first, ranges)
-        fp32.grad = grad
+        self.view.bind_chunk(i, state_bytes.view(FP32), step, grad)
 
     def fused(
         self,
@@ -97,28 +90,26 @@ class ChunkUpdater:
         state_bytes: torch.Tensor,
         step: int,
         grad_scale: float,
-        groups: list[dict[str, Any]],
+        groups: list[_core.AdamGroup],
         read_cuts: list[int] | None,
         write_cuts: list[int] | None,
         kept_params: list[tuple[int, torch.Tensor]] | None = None,
         kept_state: KeptCopy | None = None,
         stale_ranges: stale_gradients.StaleRanges | None = None,
     ) -> tuple[list[int] | None, list[int] | None]:
-        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`fused_update.FusedAdam`): the same
-        bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update) and
-        the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it; with
-        the state's checksums as read and as written, cut at the store's stripes. `groups`: the
-        optimizer's param groups as the step saw them. `kept_params`, `kept_state`: see
-        `FusedAdam.update` (`kept_state.filled` is set once the pass ran). `stale_ranges`: the step's
-        gradients from earlier boundaries (`stale`). With the master weights in the parameters, the
-        pass starts from those set apart, if any, and checks that nothing else changed the parameters
-        (`master_in_params`)."""
-        opt = self.optimizer
-        assert opt._mlp_fused is not None
-        state = opt._mlp_state
+        """DeepSpeed's per-subgroup update on one chunk as one fused pass (`fused_update.FusedAdam`): the
+        same bits as `unscale_and_clip_grads`, CPU Adam at `step` (the subgroup's step after this update)
+        and the copy into the half-precision partition, and the Adam state's step as CPU Adam leaves it;
+        with the state's checksums as read and as written, cut at the store's stripes. `groups`: the
+        optimizer's param groups as the step saw them, as the kernel takes them. `kept_params`,
+        `kept_state`: see `FusedAdam.update` (`kept_state.filled` is set once the pass ran).
+        `stale_ranges`: the step's gradients from earlier boundaries (`stale`). With the master weights
+        in the parameters, the pass starts from those set apart, if any, and checks that nothing else
+        changed the parameters (`master_in_params`)."""
+        fused, state, view = self.session.fused, self.session.state, self.view
+        assert fused is not None
         i, first, count = state.chunks[chunk]
-        group = groups[opt.sub_group_to_group_id[i]]
-        half = opt.fp16_partitioned_groups_flat[i].data[first : first + count]
+        half = view.partition(i)[first : first + count]
         grad = self._pass_gradient(i, first, count, stale_ranges)
         in_params = state.stored.master_in_params
         set_apart = in_params and state.take_master_set_apart(chunk)
@@ -142,13 +133,13 @@ class ChunkUpdater:
         if in_params:
             # The parameters' checksums come with the state's: asked for on every pass.
             cuts = (read_cuts or [0], write_cuts or [0])
-        sums = opt._mlp_fused.update(
+        sums = fused.update(
             state_bytes,
             grad,
             params,
+            group=groups[view.group_of(i)],
             grad_scale=grad_scale,
             step=step,
-            group=adam_group(group, opt._mlp_fused.adamw),
             read_cuts=cuts[0],
             write_cuts=cuts[1],
             kept_params=kept_params,
@@ -171,11 +162,7 @@ class ChunkUpdater:
                 copied = get_accelerator().Event()
                 copied.record()
                 self.scratch_copies[slot] = copied
-        adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
-        adam["step"] = opt._mlp_step_value(step)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in adam:
-                adam[key] = torch.empty(0, dtype=FP32)
+        view.after_fused_pass(i, step)
         return (sums.read if read_cuts else None), (sums.write if write_cuts else None)
 
     def _pass_gradient(
@@ -184,7 +171,7 @@ class ChunkUpdater:
         """The gradient the fused pass reads for subgroup `i`'s elements `first..first + count`: DeepSpeed's
         half-precision one as it is (the pass widens it), else in the master weights' dtype where stale
         gradients or a gradient setter's fp32 one make it so."""
-        master = self.optimizer._mlp_dtypes.master
+        master = self.session.dtypes.master
         grad = self.gradient(i)[first : first + count]
         ranges = None if stale_ranges is None else stale_ranges.get(i)
         if ranges and stale_gradients.touches(first, count, ranges):
@@ -229,28 +216,18 @@ class ChunkUpdater:
     def gradient(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s gradient for the update: the fp32 one a gradient setter left, else the
         half-precision one DeepSpeed reduced (converted by the caller)."""
-        opt = self.optimizer
-        fp32 = opt._mlp_fp32_grads.get(i)
+        fp32 = self.session.fp32_grads.get(i)
         return fp32 if fp32 is not None else self.half_grad(i)
-
-    def param_half_grad(self, pid: int) -> torch.Tensor:
-        """Parameter `pid`'s slice of DeepSpeed's host gradient buffer (half precision)."""
-        opt = self.optimizer
-        slices = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
-        return slices[opt.param_dict[pid].ds_id]
 
     def half_grad(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s reduced gradient in DeepSpeed's host buffer (half precision, contiguous)."""
-        opt = self.optimizer
-        slices = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition  # type: ignore[attr-defined]
-        params = opt.fp16_groups[i]
-        first, last = slices[params[0].ds_id], slices[params[-1].ds_id]
+        first, last = self.view.half_grad_ends(i)
         known = self.half_grads.get(i)
         if known is not None and known[0] is first and known[1] is last:
             # DeepSpeed's slices of the buffer as they were: the same range (asked for once per chunk,
             # on caches the last chunk's pass has just flushed, where each torch call costs most).
             return known[2]
-        n = int(opt.fp16_partitioned_groups_flat_numel[i])
+        n = self.view.numel(i)
         # The buffer lays partitions out subgroup after subgroup in this order: one contiguous range.
         whole = first.as_strided((n,), (1,), first.storage_offset())
         assert last.storage_offset() + last.numel() == whole.storage_offset() + n, "gradient layout changed"

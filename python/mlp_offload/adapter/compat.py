@@ -8,7 +8,9 @@ tested. A function counts as coupled when
   defines again),
 - it touches the state the engine replaces (`REPLACED_STATE`: the fp32 partitions, the NVMe swapper,
   the gradient partitions we read in half precision), or
-- the engine calls or wraps it (`CALLED`).
+- the engine calls or wraps it (`CALLED`), or
+- it sets a member that the helpers' narrow view of DeepSpeed reads (`deepspeed_view.ATTRIBUTES`), or the
+  view calls it (`deepspeed_view.METHODS`).
 
 The fused update kernel (`crates/mlp-offload-core/src/kernel/`) mirrors DeepSpeed's C++ CPU Adam, so
 the files it was written from are fingerprinted too (`MIRRORED_SOURCES`). (Its start-up check compares
@@ -32,6 +34,8 @@ import os
 import textwrap
 import warnings
 from typing import Any
+
+from mlp_offload.adapter import deepspeed_view
 
 # DeepSpeed releases the engine was tested with (the bit-exact tables and DeepSpeed's own suite).
 TESTED_DEEPSPEED = ("0.19.8",)
@@ -160,6 +164,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
         "dump_post_step_gradients": "c8959c2d90285817",
         "finalize_gradient_accumulation_boundary": "46cb396087b90926",
         "get_fp32_grad_partitions": "60a7178eaa06cdb2",
+        "get_param_id": "45790ba1d04f6ad4",
         "independent_gradient_partition_epilogue": "e8bc243cb6b99135",
         "initialize_optimizer_states": "055673a537e1e98f",
         "load_hp_checkpoint_state": "d4d9b0cabd2d7c14",
@@ -282,6 +287,32 @@ def _touching_replaced_state() -> list[str]:
     return found
 
 
+def _setting_viewed_members() -> list[str]:
+    """The methods of DeepSpeed's ZeRO-3 optimizer that assign a member the view reads (`self.<member> =`,
+    or an annotated assignment), and the view's methods that DeepSpeed's class defines."""
+    module_name, class_name = STAGE3.rsplit(".", 1)
+    _, tree = _definitions(importlib.import_module(module_name))
+    viewed = set(deepspeed_view.ATTRIBUTES)
+    found = []
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name == class_name):
+            continue
+        for method in node.body:
+            if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if method.name in deepspeed_view.METHODS or any(
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+                and target.attr in viewed
+                for assign in ast.walk(method)
+                if isinstance(assign, (ast.Assign, ast.AnnAssign))
+                for target in (assign.targets if isinstance(assign, ast.Assign) else [assign.target])
+            ):
+                found.append(f"{STAGE3}.{method.name}")
+    return found
+
+
 def coupled_functions(engine: type) -> list[str]:
     """Every DeepSpeed function `engine` (a subclass of DeepSpeed's ZeRO-3 optimizer) depends on."""
     module_name, class_name = STAGE3.rsplit(".", 1)
@@ -291,7 +322,8 @@ def coupled_functions(engine: type) -> list[str]:
         for name, value in vars(engine).items()
         if callable(value) and not name.startswith("_mlp") and name in vars(stock)
     ]
-    return sorted(set(overridden) | set(_touching_replaced_state()) | set(CALLED))
+    coupled = set(overridden) | set(_touching_replaced_state()) | set(CALLED) | set(_setting_viewed_members())
+    return sorted(coupled)
 
 
 def differences(engine: type) -> dict[str, str]:

@@ -14,53 +14,14 @@ next step overwrites from its master weights, which this engine no longer has: e
 parameters as it reads them, and a sum that is not the one the engine left is an error at that step
 (`check_params`), never a silent difference. The update during backward would need the master weights
 apart to undo a chunk, so `"auto"` turns it off, and `overlap_backward: true` keeps them in the store.
+Whether they are kept in the parameters, and why, is decided with the other settings at start
+(`adapter.settings`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-
 from mlp_offload.adapter import troubleshooting
-from mlp_offload.common.config import MLPOffloadConfig
-from mlp_offload.engine.state_dtypes import DTYPES
-
-if TYPE_CHECKING:
-    from mlp_offload.engine.state import ChunkedState
-
-# Why the update during backward is off where the master weights are in the parameters.
-BACKWARD_OFF = (
-    "off: the master weights are kept in the parameters (master_in_params), and undoing a chunk's "
-    "update would need them apart (master_in_params: false keeps them in the store)"
-)
-
-
-def choose(config: MLPOffloadConfig, master: torch.dtype, params: torch.dtype) -> tuple[bool, str]:
-    """Whether the master weights are kept in the parameters, and why, in words for the start record;
-    `master_in_params: true` where they cannot be is refused, saying why."""
-    setting = config.master_in_params
-    if setting is False:
-        return False, "off in the config"
-    why_not = None
-    if master == torch.float32 or master != params:
-        why_not = (
-            f"DeepSpeed's master weights are {DTYPES[master]} and the parameters {DTYPES[params]}, so "
-            "the parameters do not hold their bits"
-        )
-    elif config.overlap_backward is True:
-        why_not = (
-            "overlap_backward is true, and undoing a chunk's update during backward needs the master "
-            "weights apart from the parameters"
-        )
-    if why_not is None:
-        return True, (
-            f"on: DeepSpeed's master weights are the parameters' {DTYPES[master]}, copied into them after "
-            "every step; the store keeps the moments alone"
-        )
-    if setting is True:
-        raise ValueError(troubleshooting.MASTER_IN_PARAMS.message(why=why_not))
-    return False, f"off: {why_not}"
+from mlp_offload.engine.state import ChunkedState
 
 
 def check_params(state: ChunkedState, chunk: int, as_read: int | None, as_written: int | None) -> None:

@@ -25,21 +25,22 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from mlp_offload import _core
+from mlp_offload.adapter.chunk_update import ChunkUpdater
+from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
+from mlp_offload.adapter.session import UpdateSession
+from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import KeptCopy, StepStats
 from mlp_offload.engine.planning import chunks_backward_may_take, secs_per_chunk_in_backward
 from mlp_offload.engine.telemetry import BackwardStep, GradsFinal
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
 # The update during backward stops when the norms so far clip by more than this (relative): their sum
 # in another order may round differently from DeepSpeed's.
@@ -51,28 +52,6 @@ CLIPPED_STEPS_BACK = 3
 
 
 @dataclass
-class StepSnapshot:
-    """What an update over the chunks goes by, as it was when it began: each subgroup's Adam step, and the
-    param groups' hyperparameters (an lr scheduler changes them once `step()` returns)."""
-
-    steps: list[int]
-    groups: list[dict[str, Any]]
-
-    def same_groups(self, other: list[dict[str, Any]]) -> bool:
-        """Whether `other` holds the same hyperparameters as these groups (their parameter lists aside)."""
-
-        def same(x: Any, y: Any) -> bool:
-            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-                return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-            return bool(x == y)
-
-        return len(self.groups) == len(other) and all(
-            ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga if k != "params")
-            for ga, gb in zip(self.groups, other, strict=True)
-        )
-
-
-@dataclass
 class BackwardUpdate:
     """One boundary's update during backward, at the outcome expected when it began (`snapshot`, and the
     gradient's scale with no overflow and no clipping). Its versions are staged (in the store, or in a
@@ -80,6 +59,8 @@ class BackwardUpdate:
 
     snapshot: StepSnapshot
     grad_scale: float
+    # The param groups as the fused pass takes them.
+    adam_groups: list[_core.AdamGroup]
     stop: threading.Event = field(default_factory=threading.Event)
     # Held while a chunk is taken, and while a gather looks at what was taken.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -131,12 +112,15 @@ class Settled:
 
 
 class OverlapBackward:
-    """The update during backward of one `MLPOffloadStage3` (module docs)."""
+    """The update during backward in a session (module docs): its chunks updated by `chunk_update`, over
+    DeepSpeed's members in `view`."""
 
-    def __init__(self, optimizer: MLPOffloadStage3) -> None:
-        self.optimizer = optimizer
-        # Chosen at start (`overlap.choose_overlap_backward`).
-        self.on = False
+    def __init__(self, session: UpdateSession, view: DeepSpeedView, chunk_update: ChunkUpdater) -> None:
+        self.session = session
+        self.view = view
+        self.chunk_update = chunk_update
+        # Chosen at start (`settings.Settings.overlap_backward`).
+        self.on = session.settings.overlap_backward.on
         # Whether this boundary's update began (reset by `take`), and the one running, until `step()` (or
         # a reader in between) settles it.
         self.begun = False
@@ -161,9 +145,10 @@ class OverlapBackward:
         self.device_marks: dict[int, tuple[Any, torch.Tensor]] = {}
         self.norm_sq_on_device: torch.Tensor | None = None
         # Per chunk, how long before the last boundary's backward ended its gradient was final, and how
-        # long that backward took: what the plan goes by.
+        # long that backward took (from when it started): what the plan goes by.
         self.last_leads: list[float] | None = None
         self.last_boundary_backward = 0.0
+        self.last_backward_start = 0.0
 
     # ----------------------------------------------------------------------------------------------
     # During backward
@@ -178,13 +163,13 @@ class OverlapBackward:
         """The boundary's backward is over: every chunk's gradient is the one the step uses."""
         if (run := self.current) is not None:
             run.backward_end = end
-            self.optimizer._mlp_grads_final.end(end)
+            self.session.grads_final.end(end)
 
     def gradient_final(self, pid: int, norm: torch.Tensor) -> None:
         """Parameter `pid`'s gradient of the boundary is final, its norm `norm`: marks it so for the
         update thread (`GradsFinal`), counts the norm, and begins this boundary's update with its first
         final gradient (once it was not tried, or was undone, no chunk of this backward is taken)."""
-        grads_final = self.optimizer._mlp_grads_final
+        grads_final = self.session.grads_final
         on_device = norm.device.type != "cpu"
         begins = self.on and self.current is None and not self.begun and self.likely
         if self.on and on_device and (self.current is not None or begins):
@@ -212,19 +197,21 @@ class OverlapBackward:
         """Starts the update on the update thread with the chunks the plan chose (with `true`, every one
         it may take, in the order the gradients came in at the last boundary, the last chunk first
         before any)."""
-        opt = self.optimizer
-        pipeline = opt._mlp_state.pipeline
-        chosen = chunks_backward_may_take(pipeline)
+        session = self.session
+        chosen = chunks_backward_may_take(session.pipeline)
         leads = self.last_leads
-        if opt._mlp_config.overlap_backward is True:
+        if session.config.overlap_backward is True:
             chosen.sort(key=lambda c: (-leads[c], -c) if leads else -c)
         else:
-            chosen, why_not = opt._mlp_planner.backward_chunks(chosen, leads, self.last_boundary_backward)
+            chosen, why_not = session.planner.backward_chunks(chosen, leads, self.last_boundary_backward)
             if not chosen:
                 self.skipped = why_not
                 return
-        run = BackwardUpdate(opt._mlp_snapshot(), grad_scale=float(1.0 / opt.loss_scale))
-        run.future = opt._mlp_update_thread.submit(self._run, run, chosen)
+        snapshot, fused, thread = self.view.snapshot(), session.fused, session.update_thread
+        assert fused is not None and thread is not None, "on only with the fused pass, on the update thread"
+        groups = [adam_group(g, fused.adamw) for g in snapshot.groups]
+        run = BackwardUpdate(snapshot, grad_scale=float(1.0 / self.view.loss_scale), adam_groups=groups)
+        run.future = thread.submit(self._run, run, chosen)
         self.current = run
         # Gradients were final before this one: their norms may already rule the outcome out.
         self.stop_if_ruled_out(run)
@@ -233,8 +220,8 @@ class OverlapBackward:
         """On the update thread: the second slots the plan has long stopped choosing go back, and the
         chosen streamed chunks that lack one get one; the chosen cached ones get kept copies. Then each
         chunk that has one is updated once its gradient is final."""
-        opt = self.optimizer
-        state, pipeline = opt._mlp_state, opt._mlp_state.pipeline
+        session = self.session
+        state, pipeline = session.state, session.pipeline
         run.planned = len(chosen)
         in_buffers = set(pipeline.in_buffers)
         streamed = [c for c in chosen if c not in in_buffers]
@@ -242,7 +229,8 @@ class OverlapBackward:
         ready_to_stage = set(state.with_second_slots(streamed, keep_free=True))
         if pipeline.kept_limit:
             cached = [c for c in chosen if c in in_buffers]
-            ready_to_stage.update(cached[: pipeline.reserve_kept(len(cached))])
+            spare = session.spare
+            ready_to_stage.update(cached[: pipeline.reserve_kept(len(cached), lambda: spare().bytes)])
         taken = [c for c in chosen if c in ready_to_stage]
         run.slotted = len(taken)
         run.began = time.perf_counter()
@@ -260,7 +248,7 @@ class OverlapBackward:
             return self._update_chunk(run, chunk, state_bytes, read_cuts, write_cuts, kept)
 
         # The taken chunks' parameters are in the partitions before step() keeps or undoes them.
-        with opt._mlp_chunk_update.copying_to_device():
+        with self.chunk_update.copying_to_device():
             return pipeline.run_step(
                 update,
                 only=taken,
@@ -274,13 +262,13 @@ class OverlapBackward:
     def _ready(self, run: BackwardUpdate, chunk: int, timeout: float) -> bool | None:
         """Whether the chunk may be taken: its gradient final (None: not yet, within `timeout`), none of
         its parameters' update left to `step()`, and the norms so far not ruling the outcome out."""
-        opt = self.optimizer
+        session = self.session
         if run.stop.is_set():
             return False
-        if not opt._mlp_grads_final.wait(chunk, timeout):
+        if not session.grads_final.wait(chunk, timeout):
             return None
         # The parameter ids given to GradsFinal are DeepSpeed's (ints).
-        if opt._mlp_stale.pending(cast("list[int]", opt._mlp_grads_final.params_of(chunk))):
+        if session.stale.pending(cast("list[int]", session.grads_final.params_of(chunk))):
             # A parameter of the chunk has no gradient of this boundary (so far) and an earlier one that
             # steps since have scaled: its update is left to step(), which knows which.
             return False
@@ -308,16 +296,16 @@ class OverlapBackward:
         version's weights, narrowed as DeepSpeed's copy narrows them, unless they are something else (set
         apart from the weights): the pass keeps those, bit for bit (a -0.0 where the weight narrows to
         0.0 too), checking each block before it updates it."""
-        i = self.optimizer._mlp_state.chunks[chunk][0]
+        i = self.session.state.chunks[chunk][0]
         with run.lock:
             run.taken.append(chunk)
         kept_params: list[tuple[int, torch.Tensor]] = []
-        sums = self.optimizer._mlp_chunk_update.fused(
+        sums = self.chunk_update.fused(
             chunk,
             state_bytes,
             run.snapshot.steps[i] + 1,
             run.grad_scale,
-            run.snapshot.groups,
+            run.adam_groups,
             read_cuts,
             write_cuts,
             kept_params=kept_params,
@@ -333,14 +321,14 @@ class OverlapBackward:
         than it assumed: not finite (an overflow, or a skipped step), or clipped (their squares only add
         up; other ranks' only add more). It would be undone; the chunks already taken stay staged for
         `step()` to decide."""
-        opt = self.optimizer
+        view = self.view
         so_far = self.norm_sq_so_far
         if not math.isfinite(so_far):
             run.stopped = "the gradients' norm so far is not finite"
-        elif opt.clip_grad > 0.0 and opt._mlp_clip_ratio(math.sqrt(so_far)) > 1.0 + CLIP_MARGIN:
+        elif view.clip_grad > 0.0 and view.clip_ratio(math.sqrt(so_far)) > 1.0 + CLIP_MARGIN:
             run.stopped = (
-                f"the gradients' norm so far, {math.sqrt(so_far) / opt.loss_scale:.6g}, already clips at "
-                f"{opt.clip_grad:g}"
+                f"the gradients' norm so far, {math.sqrt(so_far) / view.loss_scale:.6g}, already clips at "
+                f"{view.clip_grad:g}"
             )
         if run.stopped is not None:
             run.stop.set()
@@ -354,13 +342,11 @@ class OverlapBackward:
         run = self.current
         if run is None:
             return
-        opt = self.optimizer
+        grads_final, view = self.session.grads_final, self.view
         if run.backward_end is None:
             with run.lock:
                 taken = set(run.taken)
-                if not any(
-                    c in taken for p in params for c in opt._mlp_grads_final.chunks_of(opt.get_param_id(p))
-                ):
+                if not any(c in taken for p in params for c in grads_final.chunks_of(view.param_id(p))):
                     return
         self.abandon("parameters were gathered before step()")
 
@@ -384,12 +370,12 @@ class OverlapBackward:
         """At `step()`: every gradient is the step's now (also where DeepSpeed reduced the last ones in
         step()); each chunk's lead, kept for the next boundary's plan and for `settle`, which weighs
         chunk order where the steps do not go in it yet."""
-        opt = self.optimizer
-        grads = opt._mlp_grads_final
+        grads = self.session.grads_final
         if run is not None:
             grads.end()
         leads = grads.leads(backward_end)
         self.last_leads = leads
+        self.last_backward_start = backward_start
         self.last_boundary_backward = max(0.0, backward_end - backward_start)
         record: GradsFinal = {
             "backward_secs": self.last_boundary_backward,
@@ -408,10 +394,10 @@ class OverlapBackward:
         so chunk order would only cost its smaller cache: in it, `CLIPPED_STEPS_BACK` clipped steps in a
         row (and nothing `staged`) take the steps back to the cache's order, until an unclipped one
         weighs it again."""
-        opt = self.optimizer
-        if not self.on or opt._mlp_config.overlap_backward is True or opt._mlp_overlap:
+        session = self.session
+        if not self.on or session.config.overlap_backward is True or session.settings.overlap.on:
             return
-        pipeline, planner = opt._mlp_state.pipeline, opt._mlp_planner
+        pipeline, planner = session.pipeline, session.planner
         if not pipeline.ascending:
             if self.likely:
                 planner.weigh_chunk_order(leads, self.last_boundary_backward)
@@ -436,7 +422,7 @@ class OverlapBackward:
             _, record = self.finish(
                 run, keep=False, why="the step was skipped (overflow, or a gradient norm not finite)"
             )
-            self.optimizer._mlp_grads_final.reset()
+            self.session.grads_final.reset()
         return record
 
     def settle(
@@ -448,7 +434,7 @@ class OverlapBackward:
     ) -> Settled:
         """Keeps the update where the step's outcome (`grad_scale`, `groups`) is the one it assumed, else
         undoes it; every chunk is then updated by the step, its parameters written again."""
-        likely, self.likely = self.likely, grad_scale == float(1.0 / self.optimizer.loss_scale)
+        likely, self.likely = self.likely, grad_scale == float(1.0 / self.view.loss_scale)
         self._weigh_chunk_order(boundary.leads, staged=run is not None)
         record, self.abandoned = self.abandoned, None
         if run is None:
@@ -466,7 +452,7 @@ class OverlapBackward:
         record["figures"] = {
             name: getattr(stats, name) for name in ("reads", "reads_dropped", "cached", "retained", "writes")
         }
-        self.optimizer._mlp_grads_final.reset()
+        self.session.grads_final.reset()
         record["chunk_secs"] = self._measure_chunks(run, boundary.leads)
         return Settled(stats, record, set(stats.staged) if keep else set(), False)
 
@@ -488,14 +474,13 @@ class OverlapBackward:
         """What a chunk took in this boundary's update (kept or undone: it ran all the same;
         `secs_per_chunk_in_backward`), handed to the plan of the next ones. None where too few chunks
         ended before backward did."""
-        opt = self.optimizer
-        start = opt._mlp_backward_start
+        start = self.last_backward_start
         ended = [t - start for t in run.ended_at]
         secs = secs_per_chunk_in_backward(
             leads, self.last_boundary_backward, run.began - start, run.taken[: len(ended)], ended
         )
         if secs is not None:
-            opt._mlp_planner.observe_backward_chunks(secs)
+            self.session.planner.observe_backward_chunks(secs)
         return secs
 
     def finish(
@@ -517,7 +502,7 @@ class OverlapBackward:
             error.add_note("mlp_offload: raised by the update during backward; it was undone")
             raise
         if keep:
-            self.optimizer._mlp_state.pipeline.commit(stats.staged)
+            self.session.pipeline.commit(stats.staged)
         else:
             self.undo(run, params=not redo)
         return stats, self.record(run, sum(t <= end for t in run.ended_at), keep, why)
@@ -526,21 +511,20 @@ class OverlapBackward:
         """Forgets the staged versions of every chunk the update took, and gives back their subgroups'
         Adam steps and (`params`) their half-precision parameters, from the store's old version or the
         copy set apart."""
-        opt = self.optimizer
-        opt._mlp_state.pipeline.discard(run.taken)
+        state = self.session.state
+        state.pipeline.discard(run.taken)
         for chunk in run.taken:
-            i, first, count = opt._mlp_state.chunks[chunk]
+            i, first, count = state.chunks[chunk]
             if params:
-                half = opt.fp16_partitioned_groups_flat[i].data[first : first + count]
-                half.copy_(opt._mlp_state.current_params(chunk))
+                half = self.view.partition(i)[first : first + count]
+                half.copy_(state.current_params(chunk))
                 for start, values in run.kept_params.get(chunk, []):
                     half[start : start + values.numel()].copy_(values)
-            adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]
-            adam["step"] = opt._mlp_step_value(run.snapshot.steps[i])
+            self.view.set_step(i, run.snapshot.steps[i])
 
     def record(self, run: BackwardUpdate | None, in_backward: int, kept: bool, why: str) -> BackwardStep:
         """The step record's account of the update during backward (`run`; None: not tried)."""
-        state = self.optimizer._mlp_state
+        state = self.session.state
         pipeline = state.pipeline
         return {
             "chunks": 0 if run is None else len(run.taken),
@@ -572,5 +556,5 @@ class OverlapBackward:
             "kept_short": pipeline.kept_short,
             # Whether the steps go in chunk order (which it needs), and what the plan found of it.
             "chunk_order": pipeline.ascending,
-            "chunk_order_why": self.optimizer._mlp_planner.order_why,
+            "chunk_order_why": self.session.planner.order_why,
         }

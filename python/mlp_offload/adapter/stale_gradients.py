@@ -23,10 +23,15 @@ only, and updates with the old one); the engine updates with them, and names the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import logging
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
+
+from mlp_offload.engine.telemetry import StaleStep
+
+log = logging.getLogger("mlp_offload")
 
 # How many factors other than 1 a gradient goes through before it is kept in fp32.
 KEEP_AFTER = 8
@@ -174,6 +179,37 @@ class StaleGradients:
             del self._factors[: oldest - self._first]
             self._first = oldest
         return stale
+
+    def take(
+        self,
+        factor: float,
+        params: Iterable[tuple[int, int, int, int]],
+        half_gradient: Callable[[int], torch.Tensor],
+        fp32_grads: Collection[int],
+        name_of: Callable[[int], str],
+    ) -> tuple[StaleRanges, StaleStep]:
+        """`taken` for a step's update, with the step record's part: the subgroups whose fp32 gradient a
+        gradient setter wrote (`fp32_grads`) have it whole, and take none. A parameter that got gradients
+        in earlier micro-steps of the boundary but none in its last is named (`name_of` its id) in a
+        warning: there this step differs from stock's."""
+        stale = self.taken(factor, params, half_gradient)
+        record: StaleStep = {
+            "params": sum(len(ranges) for ranges in stale.values()),
+            # Their fp32 gradients kept, outside host_memory (as stock keeps every one).
+            "kept_bytes": self.kept_bytes(),
+            "diverged": len(self.diverged),
+        }
+        if self.diverged:
+            names = [name_of(pid) for pid in self.diverged]
+            log.warning(
+                "mlp_offload: %d parameter(s) got gradients in earlier micro-steps of this accumulation "
+                "boundary but none in its last (%s): stock DeepSpeed updates them with their gradient of an "
+                "earlier boundary and drops these; mlp-offload updates them with these, so this step differs "
+                "from stock's",
+                len(names),
+                ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+            )
+        return {i: r for i, r in stale.items() if i not in fp32_grads}, record
 
 
 def apply(grad: torch.Tensor, first: int, ranges: list[StaleRange]) -> None:

@@ -8,30 +8,35 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from mlp_offload import _core
 from mlp_offload.adapter import stale_gradients
-from mlp_offload.adapter.overlap_backward import Settled, StepSnapshot
+from mlp_offload.adapter.chunk_update import ChunkUpdater
+from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
+from mlp_offload.adapter.overlap_backward import Settled
+from mlp_offload.adapter.session import UpdateSession
+from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
 from mlp_offload.engine.telemetry import OverlapStep
 
-if TYPE_CHECKING:
-    from mlp_offload.adapter.zero3 import MLPOffloadStage3
-
 
 @dataclass
 class StepUpdate:
-    """The update of one step (`run`) and its record (`finish`). `snapshot`: each subgroup's Adam step
+    """The update of one step (`run`) and its record (`finish`), in a session (its chunks updated by
+    `chunk_update`, over DeepSpeed's members in `view`). `snapshot`: each subgroup's Adam step
     before this update and the param groups as the step saw them; `grad_scale`: what the fused pass
     multiplies every gradient by (DeepSpeed's passes compute it themselves from `scaled_norm`);
     `settled`: the update during backward, whose kept chunks are done; `stale_ranges`: the step's
     gradients from earlier boundaries; `fwd_bwd_secs`, `backward_secs` and `parts`: the step record's
     times and parts known before the update (`finish` adds its own)."""
 
-    optimizer: MLPOffloadStage3
+    session: UpdateSession
+    view: DeepSpeedView
+    chunk_update: ChunkUpdater
     start: float
     snapshot: StepSnapshot
     grad_scale: float
@@ -43,32 +48,35 @@ class StepUpdate:
     parts: StepParts
     # Per subgroup, its chunks still to update (its parameters are whole again after the last).
     remaining: list[int] = field(init=False)
+    # The param groups as the fused pass takes them, made once for the step.
+    adam_groups: list[_core.AdamGroup] = field(init=False)
     compute_secs: float = 0.0
     end: float = 0.0
     # When step() returned (set by it; None while it has not).
     returned: float | None = None
 
     def __post_init__(self) -> None:
-        state = self.optimizer._mlp_state
+        state, fused = self.session.state, self.session.fused
         self.remaining = [len(chunks) for chunks in state.of_subgroup]
         for c in self.settled.committed:
             self.remaining[state.chunks[c][0]] -= 1
+        self.adam_groups = [] if fused is None else [adam_group(g, fused.adamw) for g in self.snapshot.groups]
         self.end = self.start
 
     def run(self, subgroup_done: Callable[[int], None]) -> StepStats:
         """The chunk loop. The last writes go on while the next forward and backward run. The fused pass
         checksums the state as it reads and writes it, so the store does not hash it again."""
-        opt = self.optimizer
-        state, pipeline = opt._mlp_state, opt._mlp_state.pipeline
+        session = self.session
+        state, pipeline = session.state, session.pipeline
         committed = self.settled.committed
         # Subgroups whose every chunk was updated during backward are done.
         for i in sorted({state.chunks[c][0] for c in committed}):
             if self.remaining[i] == 0:
-                opt._unflatten_partitioned_parameters(i)
+                self.view.unflatten(i)
                 subgroup_done(i)
-        if opt._mlp_fused is not None:
+        if session.fused is not None:
             ran_in_backward = self.settled.stats is not None
-            with opt._mlp_chunk_update.copying_to_device():
+            with self.chunk_update.copying_to_device():
                 stats = pipeline.run_step(
                     functools.partial(self.fused_chunk, subgroup_done=subgroup_done),
                     drain=False,
@@ -81,7 +89,7 @@ class StepUpdate:
         if not committed:
             # The whole update ran here: what the plan of the update during backward goes by without a
             # prediction.
-            opt._mlp_planner.last_whole_update = self.end - self.start
+            session.planner.last_whole_update = self.end - self.start
         if self.settled.idle:
             state.give_back_idle_slots(())
         return stats if self.settled.stats is None else self.settled.stats.add(stats)
@@ -95,26 +103,25 @@ class StepUpdate:
         subgroup_done: Callable[[int], None],
     ) -> tuple[list[int] | None, list[int] | None]:
         """The update of one chunk as one fused pass, checksums included."""
-        opt = self.optimizer
         t = time.perf_counter()
-        i = opt._mlp_state.chunks[chunk][0]
+        i = self.session.state.chunks[chunk][0]
         try:
-            sums = opt._mlp_chunk_update.fused(
+            sums = self.chunk_update.fused(
                 chunk,
                 state_bytes,
                 self.snapshot.steps[i] + 1,
                 self.grad_scale,
-                self.snapshot.groups,
+                self.adam_groups,
                 read_cuts,
                 write_cuts,
                 stale_ranges=self.stale_ranges,
             )
             self.remaining[i] -= 1
             if self.remaining[i] == 0:
-                opt._unflatten_partitioned_parameters(i)
+                self.view.unflatten(i)
                 # The copies to the device are queued on this thread's stream; the forward's all-gather
                 # runs on another.
-                opt._mlp_chunk_update.sync_copies()
+                self.chunk_update.sync_copies()
                 subgroup_done(i)
             return sums
         finally:
@@ -123,37 +130,30 @@ class StepUpdate:
     def deepspeed_chunk(self, chunk: int, state_bytes: torch.Tensor) -> None:
         """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and chunk
         boundaries keep CPU Adam's vector path (see `memory.CHUNK_ALIGN`)."""
-        opt = self.optimizer
         t = time.perf_counter()
-        i, first, count = opt._mlp_state.chunks[chunk]
-        opt._mlp_chunk_update.bind(chunk, state_bytes, self.snapshot.steps[i], self.stale_ranges)
+        i, first, _ = self.session.state.chunks[chunk]
+        self.chunk_update.bind(chunk, state_bytes, self.snapshot.steps[i], self.stale_ranges)
         try:
-            if opt._muon_update_lacks_loss_scale(i):
-                opt.fp32_partitioned_groups_flat[i].grad.mul_(opt.loss_scale)
-            opt.unscale_and_clip_grads(i, self.scaled_norm)
-            opt._optimizer_step(i)
-            # DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`, one chunk at a time.
-            half = opt.fp16_partitioned_groups_flat[i]
-            half.data[first : first + count].copy_(opt.fp32_partitioned_groups_flat[i].data)
+            self.view.deepspeed_passes(i, self.scaled_norm, first)
             self.remaining[i] -= 1
             if self.remaining[i] == 0:
-                opt._unflatten_partitioned_parameters(i)
+                self.view.unflatten(i)
         finally:
-            opt._mlp_unbind(i)
+            self.view.unbind(i)
             self.compute_secs += time.perf_counter() - t
 
     def finish(self, stats: StepStats, waited_secs: float | None) -> None:
         """The step's record (`UpdatePlanner.after_step`), once its update ended; `waited_secs`: with the
         update behind `step()`, how long the next forward waited for subgroups."""
-        opt = self.optimizer
+        session = self.session
         overlap: OverlapStep | None = None
         if waited_secs is not None:
             returned = self.returned if self.returned is not None else time.perf_counter()
             overlap = {"step_returned_secs": returned - self.start, "forward_waited_secs": waited_secs}
-        opt._mlp_planner.after_step(
-            opt._mlp_store,
+        session.planner.after_step(
+            session.store,
             stats,
             StepTimes(self.end - self.start, self.fwd_bwd_secs, self.backward_secs, self.compute_secs),
             dataclasses.replace(self.parts, overlap=overlap),
         )
-        opt._mlp_fp32_grads.clear()
+        session.fp32_grads.clear()

@@ -147,6 +147,11 @@ class ChunkLayout:
     def sizes(self) -> list[int]:
         return [self.state_bytes * count for _, _, count in self.chunks]
 
+    def stream_buffers(self, kept_copies: int) -> int:
+        """The buffers the pipeline streams through: all of them, or with kept copies (every chunk
+        cached) one per chunk, the budget's buffers beyond them being the copies'."""
+        return min(self.buffers, len(self.chunks)) if kept_copies else self.buffers
+
     def require_a_buffer(self, host_memory: int) -> None:
         """A `ValueError` naming `host_memory` when the budget holds no chunk beside its gradient."""
         if self.buffers < 1:
@@ -232,6 +237,14 @@ def stream_buffers(buffers: int, chunks: int, cache: int | None) -> tuple[int, i
             f"cache_chunks: {slots} cached chunks leave none of the {buffers} buffers for the others"
         )
     return count, slots
+
+
+def cache_in_chunk_order(buffers: int, chunks: int, cache_slots: int) -> int:
+    """The cache of `stream_buffers`' `cache_slots` in chunk order: the cached chunks come first and hold
+    their buffers all step, so a cache of every buffer ("auto") leaves the stream its buffers."""
+    if chunks > cache_slots >= buffers:
+        return buffers - min(PIPELINE_BUFFERS, max(1, buffers - 1))
+    return cache_slots
 
 
 def describe_pages(pages: str, source: str, report: dict[str, int]) -> str:

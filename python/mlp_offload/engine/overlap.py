@@ -21,70 +21,8 @@ from typing import Generic, TypeVar
 __all__ = [
     "GradsFinal",
     "UpdateInFlight",
-    "choose_overlap",
-    "choose_overlap_backward",
     "update_thread",
 ]
-
-
-def choose_overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> tuple[bool, str]:
-    """Whether the update runs behind `step()` (`MLPOffloadConfig.overlap`), and why, in words for the
-    start-up line."""
-    if setting is False:
-        return False, "off in the config"
-    if not fused:
-        # The update thread must not hold the GIL while the forward runs.
-        return False, "off: DeepSpeed's passes hold the GIL, the update runs inside step()"
-    if setting is True:
-        return True, "on (the config)"
-    if every_chunk_cached:
-        return True, "on: every chunk stays in host memory"
-    # In chunk order the cache keeps the stream's buffers fewer chunks, and the chunks the last writes
-    # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
-    # forward is long (docs/results.md, "The update behind the next forward").
-    return False, "off: the state streams (overlap: true runs it behind step() all the same)"
-
-
-def choose_overlap_backward(
-    setting: bool | str, fused: bool, streams: bool, params_on_host: bool = True, kept_copies: int = 0
-) -> tuple[bool, str]:
-    """Whether chunks are updated during backward (`MLPOffloadConfig.overlap_backward`), and why, in
-    words for the start-up line. With the half-precision parameters on an accelerator too: its path
-    there (events, norms on the device, a stream of its own, a host scratch) ran bit-exact on an H100
-    (`make gpu-report`'s bitexact-backward part, docs/results.md). Where nothing `streams` (every chunk
-    cached), the chunks updated during backward are cached ones, each with a kept copy of its state
-    before in host memory: `kept_copies` of them at most, what `host_memory` leaves room for."""
-    if setting is False:
-        return False, "off in the config"
-    if not fused:
-        return False, "off: DeepSpeed's passes hold the GIL, which backward needs"
-    if not streams:
-        if kept_copies == 0:
-            return False, (
-                "off: every chunk stays in host memory, and host_memory leaves no room for a kept copy of "
-                "one (its state before the update, to undo it)"
-            )
-        how = (
-            f"every chunk stays in host memory: as its gradient is final, updated in place, its state "
-            f"before kept in host memory (up to {kept_copies} chunks), kept if the step agrees"
-        )
-        if setting is True:
-            return True, f"on (the config): {how}"
-        if params_on_host:
-            # The update is the CPU's work and backward's compute is too, on the same cores; and the
-            # kept copies take memory the job may want, for no gain measured on a CPU (docs/results.md,
-            # "Every chunk in memory: the cached chunks updated during backward").
-            return False, (
-                "off: every chunk stays in host memory, and backward's compute runs on the cores the "
-                "update would (true turns it on)"
-            )
-        return True, f"auto: {how}, as many as the plan expects to begin before backward ends"
-    if setting is True:
-        return True, "on (the config): every streamed chunk as its gradient is final, kept if the step agrees"
-    return True, (
-        "auto: the streamed chunks the plan expects to begin before backward ends, as their gradients are "
-        "final, kept if the step agrees"
-    )
 
 
 def update_thread() -> ThreadPoolExecutor:

@@ -21,7 +21,7 @@ With the update overlapped with the next forward or with backward (`ascending`, 
 `go_ascending` on), every step goes in chunk order, the order in which the forward needs the parameters:
 the first `cache_slots` chunks stay resident and come first with no read, and the rest stream through the
 other buffers, which the writes still in flight from the step before free as they complete. That cache
-leaves the stream its buffers: with every buffer as cache, up to `PIPELINE_BUFFERS` chunks fewer stay.
+leaves the stream its buffers: with every buffer as cache, up to `memory.PIPELINE_BUFFERS` chunks fewer stay.
 `go_latest_first` goes back to the order above, with its cache.
 
 A part of a step may be staged (the update during backward, undone if the step's outcome is another):
@@ -42,13 +42,13 @@ import torch
 
 from mlp_offload import _core
 from mlp_offload.engine.buffers import PinnedBufferPool, as_tensor
-from mlp_offload.engine.memory import PIPELINE_BUFFERS, spare_host_memory, stream_buffers
+from mlp_offload.engine.memory import cache_in_chunk_order, stream_buffers
 from mlp_offload.engine.store import ObjectStore
 
 # Boundaries in a row that want fewer kept copies than are held before the idle ones go back.
 KEPT_IDLE_BOUNDARIES = 4
 
-__all__ = ["PIPELINE_BUFFERS", "ChunkPipeline", "KeptCopy", "StepStats", "next_order"]
+__all__ = ["ChunkPipeline", "KeptCopy", "StepStats", "next_order"]
 
 
 @dataclass
@@ -150,15 +150,9 @@ class ChunkPipeline:
             raise ValueError(f"keys: {len(keys)} keys for {len(sizes)} chunks")
         n = len(sizes)
         self.buffer_count, self.cache_slots = stream_buffers(buffers, n, cache_slots)
-        # The cache in chunk order: the cached chunks come first and hold their buffers all step, so a
-        # cache of every buffer ("auto") leaves the stream its buffers.
-        self.cache_slots_in_chunk_order = self.cache_slots
+        self.cache_slots_in_chunk_order = cache_in_chunk_order(self.buffer_count, n, self.cache_slots)
         # What `go_latest_first` gives back.
         self.cache_slots_latest_first = self.cache_slots
-        if n > self.cache_slots >= self.buffer_count:
-            self.cache_slots_in_chunk_order = self.buffer_count - min(
-                PIPELINE_BUFFERS, max(1, self.buffer_count - 1)
-            )
         if ascending:
             self.cache_slots = self.cache_slots_in_chunk_order
         self.store = store
@@ -317,26 +311,27 @@ class ChunkPipeline:
     def kept_bytes(self) -> int:
         return self.kept_copies * self.buffer_size
 
-    def reserve_kept(self, wanted: int) -> int:
+    def reserve_kept(self, wanted: int, spare: Callable[[], int]) -> int:
         """Makes `wanted` kept copies ready for a staged part (up to `kept_limit`), and gives back free
         ones no boundary wanted for `KEPT_IDLE_BOUNDARIES` in a row (the memory follows the plan's pick
-        down as well as up). Each is made only while this rank can spare its bytes then (the memory
-        available, less the margin, over the node's ranks: the job's own memory grew since start-up);
-        `kept_short` says why it made fewer. Returns how many cached chunks the part may take."""
+        down as well as up). Each is made only while this rank can spare its bytes then (`spare()`, asked
+        where one is to be made: the memory available, less the margin, over the node's ranks; the
+        job's own memory grew since start-up); `kept_short` says why it made fewer. Returns how many
+        cached chunks the part may take."""
         self._idle("reserve_kept")
         self._kept_wanted.append(wanted)
         target = min(self.kept_limit, max(self._kept_wanted))
         self.kept_short = None
         missing = min(wanted, self.kept_limit) - self.kept_copies
-        spare = spare_host_memory().bytes if missing > 0 else 0
+        spare_bytes = spare() if missing > 0 else 0
         for _ in range(missing):
-            if spare < self.buffer_size:
+            if spare_bytes < self.buffer_size:
                 self.kept_short = (
-                    f"{spare:,} bytes of host memory to spare now, less than a kept copy's "
+                    f"{spare_bytes:,} bytes of host memory to spare now, less than a kept copy's "
                     f"{self.buffer_size:,}"
                 )
                 break
-            spare -= self.buffer_size
+            spare_bytes -= self.buffer_size
             pool = PinnedBufferPool(1, self.buffer_size, lock=self._lock, pages=self._pages)
             buffer = pool.acquire()
             assert buffer is not None, "a pool of one buffer gave none"

@@ -1,6 +1,6 @@
-"""The engine's budget, plan and telemetry: how much host memory the state gets, what the performance
-model predicts for each step, how the `WeightTuner` moves the split (the same move on every rank), and
-the records that say so."""
+"""The engine's plan and telemetry: what the performance model predicts for each step (the host memory and
+the chunks are the settings', `adapter.settings`), how the `WeightTuner` moves the split (the same move
+on every rank), the plan of the update during backward, and the records that say so."""
 
 from __future__ import annotations
 
@@ -42,54 +42,10 @@ RECORDS_KEPT = 10_000
 PREDICTION_STEPS = 3
 
 
-def host_memory_budget(
-    config: MLPOffloadConfig,
-    numels: Sequence[int],
-    buffer_count: int,
-    master_bytes: int = 4,
-    state_bytes: int = memory.STATE_BYTES,
-) -> tuple[int, str]:
-    """The host memory for the state, and how it was chosen (see `MLPOffloadConfig.host_memory`):
-    `buffer_count` is DeepSpeed's `offload_optimizer.buffer_count`, `master_bytes` the size of its master
-    weights' elements (2 where they are in half precision), which its NVMe offload's buffers hold;
-    `state_bytes` the state's bytes per element."""
-    deepspeed_budget = buffer_count * max(numels) * master_bytes
-    if config.host_memory == "deepspeed":
-        return deepspeed_budget, f"DeepSpeed's pinned budget ({buffer_count} buffers)"
-    if config.host_memory != "auto":
-        return int(config.host_memory), "configured"
-    spare = memory.spare_host_memory()
-    # Never more than caching the whole state takes, never less than what DeepSpeed would pin.
-    need = memory.whole_state_bytes(numels, update_chunk(config), state_bytes)
-    budget = min(need, max(spare.bytes, deepspeed_budget))
-    return budget, f"auto: {spare.describe()}; the whole state needs {need / 2**30:.2f} GiB"
-
-
-def kept_copies_room(config: MLPOffloadConfig, host_memory: int, layout: memory.ChunkLayout) -> int:
-    """Where every chunk is cached: how many kept copies (a cached chunk's state before its update during
-    backward, `overlap_backward`) host memory has room for, at most one per chunk. With `host_memory:
-    "auto"`, what this rank can spare beyond the state's budget (`host_memory`); else the budget's
-    buffers beyond the chunks."""
-    n = len(layout.chunks)
-    if config.host_memory == "auto":
-        room = max(0, memory.spare_host_memory().bytes - host_memory) // layout.buffer_bytes
-    else:
-        room = max(0, layout.buffers - n)
-    return min(n, room)
-
-
 # A rank's requests in flight per path, and their size, when the config does not say (the store's
 # defaults).
 DEFAULT_MAX_INFLIGHT = 8
 DEFAULT_CHUNK_SIZE = profiles.DEFAULT_CHUNK_SIZE
-
-
-def update_chunk(config: MLPOffloadConfig) -> int | None:
-    return None if config.update_chunk == "auto" else int(config.update_chunk)
-
-
-def cache_chunks(config: MLPOffloadConfig) -> int | None:
-    return None if config.cache_chunks == "auto" else config.cache_chunks
 
 
 class RankAgreement:

@@ -115,8 +115,7 @@ class ChunkedState:
             store,
             self.keys,
             layout.sizes,
-            # With kept copies every chunk is cached: the budget's buffers beyond them are the copies'.
-            min(layout.buffers, len(self.chunks)) if kept_copies else layout.buffers,
+            layout.stream_buffers(kept_copies),
             cache_slots=cache_chunks,
             lock=lock,
             pages=pages,

@@ -1,0 +1,400 @@
+"""The engine's settings, resolved once at start.
+
+`resolve` takes the `mlp_offload` section, what DeepSpeed's config and optimizer say (`StartFacts`), the
+machine's facts (what this rank can spare) and the check of the fused kernel, and returns one frozen
+record (`Settings`): host memory and where it came from, the chunks, the cache, the kept copies, the
+state's dtypes with `master_in_params`, the update kernel, both overlaps and the order of the steps,
+each with why. Every setting is decided here, in one function, and nowhere else: the session is built
+from the record (`adapter.session`), and the start record renders it. A setting that cannot be is refused
+here, named as its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mlp_offload.adapter import troubleshooting
+from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.engine import memory
+from mlp_offload.engine.fused_update import FusedAdam
+from mlp_offload.engine.state_dtypes import DTYPES, StateDtypes
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Whether something is on, and why, in words for the start record."""
+
+    on: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The update's kernel: the fused pass (None: DeepSpeed's passes), and why."""
+
+    fused: FusedAdam | None
+    why: str
+
+
+def refuse_unsupported(offload: Any, params_offload: Any, optimizer: Any, world: int) -> None:
+    """Refuses, by name, what DeepSpeed's config and objects ask of the engine that it does not do:
+    the optimizer not offloaded to the host (`offload_optimizer.device`), an optimizer whose state the
+    store does not hold, parameters on NVMe past `max_in_cpu` (`world`: the data-parallel ranks).
+    Before DeepSpeed's `__init__`, which would partition the model and build its NVMe swapper."""
+    if offload is None or _offload_device(offload) != "cpu":
+        raise ValueError(troubleshooting.OFFLOAD_DEVICE.message())
+    _check_optimizer(optimizer)
+    _check_params_offload(params_offload, optimizer.param_groups, world)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    """Refuses, by name, an optimizer whose state the store does not hold: Adam's, per element exp_avg
+    and exp_avg_sq beside the weights, is (DeepSpeed's CPU Adam, or torch's Adam and AdamW)."""
+    # Imported here: DeepSpeed is being built when this runs, and the resolution needs none of it.
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, (DeepSpeedCPUAdam, torch.optim.Adam, torch.optim.AdamW)):
+        kind = type(optimizer)
+        raise ValueError(
+            troubleshooting.OPTIMIZER.message(optimizer=f"{kind.__module__}.{kind.__qualname__}")
+        )
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            raise ValueError(troubleshooting.AMSGRAD.message())
+
+
+def _offload_device(offload: Any) -> str:
+    """The device of a DeepSpeed offload section (`offload_optimizer` or `offload_param`, a pydantic
+    model whose `device` is an enum or its string)."""
+    return str(getattr(offload.device, "value", offload.device))
+
+
+def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]], world: int) -> None:
+    """Refuses, before DeepSpeed partitions the model and builds its NVMe swapper, parameters offloaded
+    to NVMe past `offload_param.max_in_cpu`: DeepSpeed then keeps the partitions of the subgroups past
+    it on NVMe alone, and the update (which writes each subgroup's half-precision partition in host
+    memory) has nowhere to write them. Within it, every partition has its place in host memory and the
+    update runs as with `device: cpu`."""
+    if params_offload is None or _offload_device(params_offload) != "nvme":
+        return
+    # DeepSpeed's count (stage3.py): each trainable parameter's partition, ceil(numel / ranks), summed.
+    elements = sum(
+        -(-int(getattr(p, "ds_numel", p.numel())) // world)
+        for group in param_groups
+        for p in group["params"]
+        if p.requires_grad
+    )
+    if elements > int(params_offload.max_in_cpu):
+        raise ValueError(
+            troubleshooting.PARAMS_ON_NVME.message(
+                max_in_cpu=int(params_offload.max_in_cpu), elements=elements
+            )
+        )
+
+
+# `update_kernel`'s check (the setting) for a state of these dtypes kept in those (`stored`), on this many
+# threads (None: torch's): `adapter.kernel_check.choose_update_kernel` against the job's optimizer.
+KernelCheck = Callable[[str, StateDtypes, StateDtypes, "int | None"], KernelChoice]
+
+
+@dataclass(frozen=True)
+class StartFacts:
+    """What the resolution reads besides the section, once DeepSpeed has partitioned the model.
+
+    `numels`: each subgroup's elements on this rank. `buffer_count`, `pin_memory`: DeepSpeed's
+    `offload_optimizer` section. `master`: the master weights' dtype (`master_weights_and_grads_dtype`);
+    `params`: the half-precision partitions'; `fp32_moments`: CPU Adam's `fp32_optimizer_states`;
+    `params_on_host`: whether the partitions are in host memory. `spare`: what this rank can spare now
+    (`memory.spare_host_memory`), asked once, where it is needed."""
+
+    numels: tuple[int, ...]
+    buffer_count: int
+    pin_memory: bool
+    master: torch.dtype
+    params: torch.dtype
+    fp32_moments: bool
+    params_on_host: bool
+    spare: Callable[[], memory.SpareMemory]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of the engine, as resolved at start (`resolve`)."""
+
+    numels: tuple[int, ...]
+    """Each subgroup's elements on this rank."""
+    host_memory: int
+    """The state's host memory, in bytes, and how it was chosen (`host_memory_source`)."""
+    host_memory_source: str
+    layout: memory.ChunkLayout
+    """The subgroups cut into chunks within it."""
+    cache_chunks: int | None
+    """`cache_chunks` as configured (None: "auto")."""
+    buffers: int
+    """Chunk buffers the pipeline allocates (the cache and the stream)."""
+    cache_slots: int
+    """Chunks the cache keeps across steps, in the order the steps start in."""
+    kept_copies: int
+    """The most kept copies in host memory (cached chunks updated during backward)."""
+    dtypes: StateDtypes
+    """The dtypes DeepSpeed keeps the state in, and whether the master weights are the parameters."""
+    master_in_params: Choice
+    kernel: KernelChoice
+    update_threads: int | None
+    """The fused pass's threads (None: torch's)."""
+    overlap: Choice
+    """The update behind the next forward."""
+    overlap_backward: Choice
+    """Chunks updated during backward."""
+    chunk_order: Choice
+    """Whether the steps go in chunk order from the start (the overlaps need it)."""
+    second_slots: bool
+    """Whether every streamed chunk gets its second slot at start (`overlap_backward: true`)."""
+    pin: bool
+    """Whether host buffers are page-locked (DeepSpeed's `pin_memory`)."""
+    params_on_host: bool
+
+    @property
+    def every_chunk_cached(self) -> bool:
+        return self.cache_slots == len(self.layout.chunks)
+
+
+def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelCheck) -> Settings:
+    """The settings of `config` for a model and machine of `facts`, the update kernel as `check_kernel`
+    finds it. A setting that cannot be is a `ValueError` naming its key."""
+    spare = _Spare(facts.spare)
+    in_params = _master_in_params(config, facts)
+    moments = torch.float32 if facts.fp32_moments else facts.master
+    dtypes = StateDtypes(facts.master, moments, in_params.on)
+    host_memory, source = _host_memory(config, facts, dtypes.bytes_per_element, spare)
+    update_chunk = None if config.update_chunk == "auto" else int(config.update_chunk)
+    layout = memory.chunk_layout(facts.numels, host_memory, update_chunk, dtypes.bytes_per_element)
+    cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
+    try:
+        layout.require_a_buffer(host_memory)
+        buffers, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
+    except ValueError as e:
+        raise ValueError(
+            troubleshooting.HOST_MEMORY.message(
+                problem=e, host_memory=host_memory, buffers=layout.buffers, buffer_bytes=layout.buffer_bytes
+            )
+        ) from None
+    threads = None if config.update_threads == "auto" else config.update_threads
+    kernel = check_kernel(config.update_kernel, dtypes, dtypes, threads)
+    fused = kernel.fused is not None
+    every_cached = cache_slots == len(layout.chunks)
+    overlap = _overlap(config.overlap, fused, every_cached)
+    kept_copies = 0
+    if every_cached and config.overlap_backward is not False and fused:
+        kept_copies = _kept_copies_room(config, host_memory, layout, spare)
+    backward = _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on)
+    if not backward.on:
+        kept_copies = 0
+    buffers, cache_slots = memory.stream_buffers(
+        layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
+    )
+    in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
+    chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
+    return Settings(
+        numels=facts.numels,
+        host_memory=host_memory,
+        host_memory_source=source,
+        layout=layout,
+        cache_chunks=cache_chunks,
+        buffers=buffers,
+        cache_slots=in_order if chunk_order.on else cache_slots,
+        kept_copies=kept_copies,
+        dtypes=dtypes,
+        master_in_params=in_params,
+        kernel=kernel,
+        update_threads=threads,
+        overlap=overlap,
+        overlap_backward=backward,
+        chunk_order=chunk_order,
+        second_slots=backward.on and config.overlap_backward is True,
+        pin=facts.pin_memory,
+        params_on_host=facts.params_on_host,
+    )
+
+
+class _Spare:
+    """What this rank can spare, asked of the machine at most once per resolution."""
+
+    def __init__(self, ask: Callable[[], memory.SpareMemory]) -> None:
+        self._ask = ask
+        self._found: memory.SpareMemory | None = None
+
+    def __call__(self) -> memory.SpareMemory:
+        if self._found is None:
+            self._found = self._ask()
+        return self._found
+
+
+def _master_in_params(config: MLPOffloadConfig, facts: StartFacts) -> Choice:
+    """Whether the master weights are kept in the parameters (`master_in_params`), and why;
+    `master_in_params: true` where they cannot be is refused, saying why."""
+    setting = config.master_in_params
+    if setting is False:
+        return Choice(False, "off in the config")
+    master, params = facts.master, facts.params
+    why_not = None
+    if master == torch.float32 or master != params:
+        why_not = (
+            f"DeepSpeed's master weights are {DTYPES[master]} and the parameters {DTYPES[params]}, so "
+            "the parameters do not hold their bits"
+        )
+    elif config.overlap_backward is True:
+        why_not = (
+            "overlap_backward is true, and undoing a chunk's update during backward needs the master "
+            "weights apart from the parameters"
+        )
+    if why_not is None:
+        return Choice(
+            True,
+            f"on: DeepSpeed's master weights are the parameters' {DTYPES[master]}, copied into them after "
+            "every step; the store keeps the moments alone",
+        )
+    if setting is True:
+        raise ValueError(troubleshooting.MASTER_IN_PARAMS.message(why=why_not))
+    return Choice(False, f"off: {why_not}")
+
+
+def _host_memory(
+    config: MLPOffloadConfig, facts: StartFacts, state_bytes: int, spare: _Spare
+) -> tuple[int, str]:
+    """The host memory for the state, and how it was chosen (`host_memory`): `"deepspeed"`, what
+    DeepSpeed's NVMe offload would pin (`buffer_count` buffers of the largest subgroup's master weights);
+    a size as configured; `"auto"`, what this rank can spare, never more than caching the whole state
+    takes, never less than DeepSpeed would pin."""
+    deepspeed_budget = facts.buffer_count * max(facts.numels) * facts.master.itemsize
+    if config.host_memory == "deepspeed":
+        return deepspeed_budget, f"DeepSpeed's pinned budget ({facts.buffer_count} buffers)"
+    if config.host_memory != "auto":
+        return int(config.host_memory), "configured"
+    update_chunk = None if config.update_chunk == "auto" else int(config.update_chunk)
+    need = memory.whole_state_bytes(facts.numels, update_chunk, state_bytes)
+    budget = min(need, max(spare().bytes, deepspeed_budget))
+    return budget, f"auto: {spare().describe()}; the whole state needs {need / 2**30:.2f} GiB"
+
+
+def _kept_copies_room(
+    config: MLPOffloadConfig, host_memory: int, layout: memory.ChunkLayout, spare: _Spare
+) -> int:
+    """Where every chunk is cached: how many kept copies (a cached chunk's state before its update during
+    backward) host memory has room for, at most one per chunk. With `host_memory: "auto"`, what this rank
+    can spare beyond the state's budget; else the budget's buffers beyond the chunks."""
+    n = len(layout.chunks)
+    if config.host_memory == "auto":
+        room = max(0, spare().bytes - host_memory) // layout.buffer_bytes
+    else:
+        room = max(0, layout.buffers - n)
+    return min(n, room)
+
+
+def _overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> Choice:
+    """Whether the update runs behind `step()` (`overlap`), and why."""
+    if setting is False:
+        return Choice(False, "off in the config")
+    if not fused:
+        # The update thread must not hold the GIL while the forward runs.
+        return Choice(False, "off: DeepSpeed's passes hold the GIL, the update runs inside step()")
+    if setting is True:
+        return Choice(True, "on (the config)")
+    if every_chunk_cached:
+        return Choice(True, "on: every chunk stays in host memory")
+    # In chunk order the cache keeps the stream's buffers fewer chunks, and the chunks the last writes
+    # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
+    # forward is long (docs/results.md, "The update behind the next forward").
+    return Choice(False, "off: the state streams (overlap: true runs it behind step() all the same)")
+
+
+# Why the update during backward is off where the master weights are in the parameters.
+BACKWARD_OFF_IN_PARAMS = (
+    "off: the master weights are kept in the parameters (master_in_params), and undoing a chunk's "
+    "update would need them apart (master_in_params: false keeps them in the store)"
+)
+
+
+def _overlap_backward(
+    config: MLPOffloadConfig,
+    fused: bool,
+    every_chunk_cached: bool,
+    params_on_host: bool,
+    kept_copies: int,
+    master_in_params: bool,
+) -> Choice:
+    """Whether chunks are updated during backward (`overlap_backward`), and why. With the
+    half-precision parameters on an accelerator too: its path there (events, norms on the device, a
+    stream of its own, a host scratch) ran bit-exact on an H100 (`make gpu-report`'s bitexact-backward
+    part, docs/results.md). Where every chunk is cached, the chunks updated during backward are cached
+    ones, each with a kept copy of its state before in host memory: `kept_copies` of them at most.
+    Where it would be on, the master weights in the parameters turn it off (`master_in_params` refuses
+    `true` with `overlap_backward: true`, so only "auto" meets this)."""
+    choice = _backward_where_it_can(config, fused, every_chunk_cached, params_on_host, kept_copies)
+    if choice.on and master_in_params:
+        return Choice(False, BACKWARD_OFF_IN_PARAMS)
+    return choice
+
+
+def _backward_where_it_can(
+    config: MLPOffloadConfig, fused: bool, every_chunk_cached: bool, params_on_host: bool, kept_copies: int
+) -> Choice:
+    """`_overlap_backward`'s choice before the master weights' place is weighed."""
+    setting = config.overlap_backward
+    if setting is False:
+        return Choice(False, "off in the config")
+    if not fused:
+        return Choice(False, "off: DeepSpeed's passes hold the GIL, which backward needs")
+    if not every_chunk_cached:
+        if setting is True:
+            return Choice(
+                True,
+                "on (the config): every streamed chunk as its gradient is final, kept if the step agrees",
+            )
+        return Choice(
+            True,
+            "auto: the streamed chunks the plan expects to begin before backward ends, as their gradients "
+            "are final, kept if the step agrees",
+        )
+    if kept_copies == 0:
+        return Choice(
+            False,
+            "off: every chunk stays in host memory, and host_memory leaves no room for a kept copy of one "
+            "(its state before the update, to undo it)",
+        )
+    how = (
+        f"every chunk stays in host memory: as its gradient is final, updated in place, its state before "
+        f"kept in host memory (up to {kept_copies} chunks), kept if the step agrees"
+    )
+    if setting is True:
+        return Choice(True, f"on (the config): {how}")
+    if params_on_host:
+        # The update is the CPU's work and backward's compute is too, on the same cores; and the kept
+        # copies take memory the job may want, for no gain measured on a CPU (docs/results.md, "Every
+        # chunk in memory: the cached chunks updated during backward").
+        return Choice(
+            False,
+            "off: every chunk stays in host memory, and backward's compute runs on the cores the update "
+            "would (true turns it on)",
+        )
+    return Choice(True, f"auto: {how}, as many as the plan expects to begin before backward ends")
+
+
+def _chunk_order(config: MLPOffloadConfig, overlap: bool, backward: bool, costs_no_cache: bool) -> Choice:
+    """Whether the steps go in chunk order (the first chunks cached) from the start: the update behind
+    the next forward needs it, and so does the update during backward, from the start with
+    `overlap_backward: true` or where chunk order costs the cache nothing; with `"auto"` otherwise once
+    the plan finds it pays (`UpdatePlanner.weigh_chunk_order`)."""
+    if overlap:
+        return Choice(True, "the update behind the next forward runs in chunk order")
+    if not backward:
+        return Choice(False, "the cache's order: nothing runs in chunk order")
+    if config.overlap_backward is True:
+        return Choice(True, "the update during backward runs in chunk order (overlap_backward: true)")
+    if costs_no_cache:
+        return Choice(True, "the update during backward runs in chunk order, which costs the cache nothing")
+    return Choice(False, "the cache's order until the plan finds chunk order pays")

@@ -1,0 +1,350 @@
+"""The settings resolved once at start (`adapter.settings.resolve`): the section, DeepSpeed's config and the
+machine's facts in, one record out, every refusal by its key. A table: each row a config and facts, and
+what the record says (whether each choice is on, and a phrase of why)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from mlp_offload import _core
+from mlp_offload.adapter import settings as settings_module
+from mlp_offload.adapter.settings import KernelChoice, Settings, StartFacts, resolve
+from mlp_offload.common.config import MLPOffloadConfig
+from mlp_offload.engine import memory
+from mlp_offload.engine.fused_update import FusedAdam
+from mlp_offload.engine.state_dtypes import StateDtypes
+
+BF16 = torch.bfloat16
+# Two subgroups of a million elements: 24 MiB of fp32 state.
+NUMELS = (1 << 20, 1 << 20)
+GIB = 1 << 30
+PLENTY = memory.SpareMemory(8 * GIB, 10 * GIB, 2 * GIB, 1)
+LITTLE = memory.SpareMemory(0, 2 * GIB, 2 * GIB, 1)
+
+
+def facts(**changes: Any) -> StartFacts:
+    """The tests' model on a machine with memory to spare, fp32 state, partitions on the host."""
+    base = StartFacts(
+        numels=NUMELS,
+        buffer_count=4,
+        pin_memory=False,
+        master=torch.float32,
+        params=BF16,
+        fp32_moments=True,
+        params_on_host=True,
+        spare=lambda: PLENTY,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+class Kernels:
+    """A kernel check that finds the fused pass (a real one of the core's) or not, and records what it
+    was asked."""
+
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused
+        self.asked: list[tuple[str, StateDtypes, StateDtypes, int | None]] = []
+
+    def __call__(
+        self, setting: str, dtypes: StateDtypes, stored: StateDtypes, threads: int | None
+    ) -> KernelChoice:
+        self.asked.append((setting, dtypes, stored, threads))
+        if not self.fused:
+            return KernelChoice(None, "configured")
+        kernel = _core.AdamKernel(0.9, 0.999)
+        return KernelChoice(FusedAdam(kernel, adamw=True, threads=1, dtypes=dtypes, stored=dtypes), "agrees")
+
+
+def settle(section: dict[str, Any], given: StartFacts | None = None, fused: bool = True) -> Settings:
+    config = MLPOffloadConfig.model_validate({"paths": ["/unused"], **section})
+    return resolve(config, given or facts(), Kernels(fused))
+
+
+# A budget that streams: a quarter of the state, in chunks of 1 MiB of it.
+STREAMS = {"host_memory": "6M", "update_chunk": "1M"}
+
+ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool, str]]]] = [
+    # name, section, facts, fused, {choice: (on, a phrase of why)}
+    (
+        "the README's section: every chunk cached, the update behind the forward",
+        {},
+        {},
+        True,
+        {
+            "overlap": (True, "every chunk stays in host memory"),
+            "overlap_backward": (False, "backward's compute runs on the cores"),
+            "chunk_order": (True, "behind the next forward"),
+            "master_in_params": (False, "do not hold their bits"),
+        },
+    ),
+    (
+        "DeepSpeed's passes: nothing runs beside the step",
+        {},
+        {},
+        False,
+        {
+            "overlap": (False, "DeepSpeed's passes hold the GIL"),
+            "overlap_backward": (False, "DeepSpeed's passes hold the GIL"),
+            "chunk_order": (False, "nothing runs in chunk order"),
+        },
+    ),
+    (
+        "the state streams: the update during backward where the plan expects it",
+        STREAMS,
+        {},
+        True,
+        {
+            "overlap": (False, "the state streams"),
+            "overlap_backward": (True, "auto: the streamed chunks the plan expects"),
+            "chunk_order": (False, "until the plan finds chunk order pays"),
+        },
+    ),
+    (
+        "overlap: true streams behind the step all the same, in chunk order",
+        {**STREAMS, "overlap": True},
+        {},
+        True,
+        {"overlap": (True, "on (the config)"), "chunk_order": (True, "behind the next forward")},
+    ),
+    (
+        "overlap_backward: true streams every chunk during backward, from the start in chunk order",
+        {**STREAMS, "overlap_backward": True},
+        {},
+        True,
+        {
+            "overlap_backward": (True, "on (the config): every streamed chunk"),
+            "chunk_order": (True, "overlap_backward: true"),
+        },
+    ),
+    (
+        "off in the config",
+        {"overlap": False, "overlap_backward": False, "master_in_params": False},
+        {"master": BF16},
+        True,
+        {
+            "overlap": (False, "off in the config"),
+            "overlap_backward": (False, "off in the config"),
+            "master_in_params": (False, "off in the config"),
+        },
+    ),
+    (
+        "every chunk cached, on an accelerator: updated during backward with kept copies",
+        {},
+        {"params_on_host": False},
+        True,
+        {"overlap_backward": (True, "auto: every chunk stays in host memory")},
+    ),
+    (
+        "every chunk cached in a budget of just that: no kept copy, so not during backward",
+        {"overlap_backward": True, "host_memory": str(memory.whole_state_bytes(NUMELS))},
+        {},
+        True,
+        {"overlap_backward": (False, "leaves no room for a kept copy")},
+    ),
+    (
+        "every chunk cached, overlap_backward: true: kept copies from the spare memory",
+        {"overlap_backward": True},
+        {},
+        True,
+        {"overlap_backward": (True, "on (the config): every chunk stays in host memory")},
+    ),
+    (
+        "bf16 master weights: kept in the parameters, the store holds the moments",
+        {},
+        {"master": BF16},
+        True,
+        {"master_in_params": (True, "the store keeps the moments alone")},
+    ),
+    (
+        "bf16 master weights, streaming: the update during backward off for them",
+        STREAMS,
+        {"master": BF16},
+        True,
+        {
+            "master_in_params": (True, "copied into them after every step"),
+            "overlap_backward": (False, "master weights are kept in the parameters"),
+        },
+    ),
+    (
+        "bf16 master weights with overlap_backward: true: kept in the store",
+        {**STREAMS, "overlap_backward": True},
+        {"master": BF16},
+        True,
+        {
+            "master_in_params": (False, "overlap_backward is true"),
+            "overlap_backward": (True, "on (the config)"),
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "fused", "choices"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_each_choice_and_why(
+    section: dict[str, Any], given: dict[str, Any], fused: bool, choices: dict[str, tuple[bool, str]]
+) -> None:
+    resolved = settle(section, facts(**given), fused)
+    for name, (on, why) in choices.items():
+        choice = getattr(resolved, name)
+        assert (choice.on, why in choice.why) == (on, True), f"{name}: {choice}"
+    # What the record holds agrees with itself: the dtypes follow master_in_params, the layout the dtypes,
+    # the kept copies are there only where chunks are updated during backward and every one is cached.
+    assert resolved.dtypes.master_in_params == resolved.master_in_params.on
+    assert resolved.layout.state_bytes == resolved.dtypes.bytes_per_element
+    assert (resolved.kept_copies > 0) == (resolved.overlap_backward.on and resolved.every_chunk_cached)
+    assert resolved.second_slots == (resolved.overlap_backward.on and section.get("overlap_backward") is True)
+    assert (resolved.kernel.fused is not None) == fused
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "bytes_", "source"),
+    [
+        (
+            {},
+            {},
+            memory.whole_state_bytes(NUMELS),
+            "10.0 GiB available less a 2.0 GiB margin, over 1 local rank(s); the whole state needs 0.03 GiB",
+        ),
+        ({}, {"master": BF16, "params": torch.float16}, memory.whole_state_bytes(NUMELS, None, 10), "auto: "),
+        ({}, {"spare": lambda: LITTLE}, 4 * NUMELS[0] * 4, "auto: 2.0 GiB available less a 2.0 GiB margin"),
+        ({"host_memory": "deepspeed"}, {}, 4 * NUMELS[0] * 4, "DeepSpeed's pinned budget (4 buffers)"),
+        ({"host_memory": "deepspeed"}, {"master": BF16}, 4 * NUMELS[0] * 2, "(4 buffers)"),
+        ({"host_memory": "6M"}, {}, 6 << 20, "configured"),
+    ],
+    ids=[
+        "auto, all cached",
+        "auto, a 10-byte state",
+        "auto, nothing to spare",
+        "deepspeed",
+        "deepspeed bf16",
+        "a size",
+    ],
+)
+def test_host_memory_and_where_it_came_from(
+    section: dict[str, Any], given: dict[str, Any], bytes_: int, source: str
+) -> None:
+    resolved = settle(section, facts(**given))
+    assert resolved.host_memory == bytes_ and source in resolved.host_memory_source
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "error"),
+    [
+        ({"host_memory": "4K"}, {}, r"mlp_offload\.host_memory: 4,096 bytes hold no chunk"),
+        ({**STREAMS, "cache_chunks": 6}, {}, r"mlp_offload\.cache_chunks: 6 cached chunks leave none"),
+        (
+            {"master_in_params": True},
+            {},
+            r"master_in_params: true, but DeepSpeed's master weights are float32",
+        ),
+        (
+            {"master_in_params": True, "overlap_backward": True},
+            {"master": BF16},
+            r"master_in_params: true, but overlap_backward is true",
+        ),
+    ],
+    ids=["a budget of no chunk", "a cache of every buffer", "in params, fp32", "in params, backward true"],
+)
+def test_what_cannot_be_is_refused_by_its_key(
+    section: dict[str, Any], given: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        settle(section, facts(**given))
+
+
+def test_the_machine_is_asked_once_and_only_where_a_choice_needs_it() -> None:
+    asked: list[int] = []
+
+    def spare() -> memory.SpareMemory:
+        asked.append(1)
+        return PLENTY
+
+    settle({}, facts(spare=spare))
+    assert len(asked) == 1, "host_memory auto and the kept copies share one answer"
+    asked.clear()
+    settle({"host_memory": "1G", "overlap_backward": False}, facts(spare=spare))
+    assert not asked, "a configured budget needs no answer"
+
+
+def test_the_kernel_is_checked_once_for_the_state_as_resolved() -> None:
+    kernels = Kernels()
+    config = MLPOffloadConfig.model_validate(
+        {"paths": ["/unused"], "update_threads": 3, "update_kernel": "fused"}
+    )
+    resolved = resolve(config, facts(master=BF16, fp32_moments=False), kernels)
+    dtypes = StateDtypes(BF16, BF16, True)
+    assert kernels.asked == [("fused", dtypes, dtypes, 3)]
+    assert resolved.dtypes == dtypes and resolved.update_threads == 3
+
+
+def test_the_cache_and_buffers_are_the_pipelines() -> None:
+    """The record's cache and buffers are the ones the pipeline computes from the same budget, in the order
+    the steps start in (`UpdateSession.open` checks the built pipeline against them)."""
+    streamed = settle({**STREAMS, "overlap": True})
+    n = len(streamed.layout.chunks)
+    count, slots = memory.stream_buffers(streamed.layout.buffers, n, None)
+    assert (streamed.buffers, streamed.cache_slots) == (count, memory.cache_in_chunk_order(count, n, slots))
+    assert streamed.cache_slots < slots, "chunk order leaves the stream its buffers"
+    cached = settle({"overlap_backward": True})
+    assert cached.every_chunk_cached and cached.buffers == len(cached.layout.chunks)
+
+
+REFUSALS = [
+    (
+        "an offload to NVMe the adapter did not rewrite",
+        {"device": "nvme", "nvme_path": "/tmp"},
+        None,
+        "SGD",
+        r"needs \"cpu\"",
+    ),
+    ("SGD", {"device": "cpu"}, None, "SGD", r"the optimizer is torch\.optim\.sgd\.SGD"),
+    ("AMSGrad", {"device": "cpu"}, None, "amsgrad", r"'amsgrad': true is not supported"),
+    (
+        "parameters on NVMe past max_in_cpu",
+        {"device": "cpu"},
+        {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 10},
+        "Adam",
+        r"offload_param.max_in_cpu \(10 elements; this rank's partitions hold 128\)",
+    ),
+    (
+        "parameters on NVMe within max_in_cpu",
+        {"device": "cpu"},
+        {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 128},
+        "Adam",
+        None,
+    ),
+]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(
+    ("offload", "params_offload", "optimizer", "error"),
+    [r[1:] for r in REFUSALS],
+    ids=[r[0] for r in REFUSALS],
+)
+def test_deepspeeds_objects_the_engine_does_not_take_are_refused_by_name(
+    offload: dict[str, Any], params_offload: dict[str, Any] | None, optimizer: str, error: str | None
+) -> None:
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    params = [torch.nn.Parameter(torch.zeros(256))]
+    made = {
+        "SGD": lambda: torch.optim.SGD(params, lr=0.1),
+        "amsgrad": lambda: torch.optim.Adam(params, amsgrad=True),
+        "Adam": lambda: torch.optim.Adam(params),
+    }[optimizer]()
+    param_config = None if params_offload is None else DeepSpeedZeroOffloadParamConfig(**params_offload)
+    refuse = settings_module.refuse_unsupported
+    if error is None:
+        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), param_config, made, 2)
+        return
+    with pytest.raises(ValueError, match=error):
+        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), param_config, made, 2)
