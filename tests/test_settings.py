@@ -197,7 +197,8 @@ def test_each_choice_and_why(
     assert resolved.dtypes.master_in_params == resolved.master_in_params.on
     assert resolved.layout.state_bytes == resolved.dtypes.bytes_per_element
     assert (resolved.kept_copies > 0) == (resolved.overlap_backward.on and resolved.every_chunk_cached)
-    assert resolved.second_slots == (resolved.overlap_backward.on and section.get("overlap_backward") is True)
+    every_chunk = resolved.overlap_backward.on and section.get("overlap_backward") is True
+    assert resolved.backward_every_chunk == every_chunk
     assert (resolved.kernel.fused is not None) == fused
 
 

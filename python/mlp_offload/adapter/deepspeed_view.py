@@ -4,8 +4,8 @@
 half-precision partitions, its gradient buffer, its fp32 tensors with their Adam state, its param groups
 and loss scale, and run its per-subgroup passes. They do it through `DeepSpeedView`, never through the
 optimizer itself, as DeepSpeed's own swappers are handed what they need and never reach back. Every
-DeepSpeed member the view touches is listed in `MEMBERS`, and `adapter.compat` fingerprints the
-DeepSpeed code that defines or sets each one (`tests/test_compat.py`).
+DeepSpeed member the view touches is listed in `METHODS` or `ATTRIBUTES`, and `adapter.compat`
+fingerprints the DeepSpeed code that defines or sets each one (`tests/test_compat.py`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ ATTRIBUTES = (
     "loss_scale",
     "clip_grad",
 )
-MEMBERS = (*METHODS, *ATTRIBUTES)
 
 
 @dataclass

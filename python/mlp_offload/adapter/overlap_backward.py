@@ -200,7 +200,7 @@ class OverlapBackward:
         session = self.session
         chosen = chunks_backward_may_take(session.pipeline)
         leads = self.last_leads
-        if session.config.overlap_backward is True:
+        if session.settings.backward_every_chunk:
             chosen.sort(key=lambda c: (-leads[c], -c) if leads else -c)
         else:
             chosen, why_not = session.planner.backward_chunks(chosen, leads, self.last_boundary_backward)
@@ -395,7 +395,7 @@ class OverlapBackward:
         row (and nothing `staged`) take the steps back to the cache's order, until an unclipped one
         weighs it again."""
         session = self.session
-        if not self.on or session.config.overlap_backward is True or session.settings.overlap.on:
+        if not self.on or session.settings.backward_every_chunk or session.settings.overlap.on:
             return
         pipeline, planner = session.pipeline, session.planner
         if not pipeline.ascending:

@@ -150,7 +150,7 @@ class UpdateSession:
         page_report = pipeline.page_report
         plan = self.planner.plan(pipeline, self.store)
         self.state.initialize(view.partition)
-        if self.settings.second_slots:
+        if self.settings.backward_every_chunk:
             # Every streamed chunk is updated during backward: each gets its second slot now, so a full
             # disk shows at start-up, naming the file.
             self.state.with_second_slots(pipeline.order[pipeline.cache_slots :], keep_free=False)

@@ -152,8 +152,10 @@ class Settings:
     """Chunks updated during backward."""
     chunk_order: Choice
     """Whether the steps go in chunk order from the start (the overlaps need it)."""
-    second_slots: bool
-    """Whether every streamed chunk gets its second slot at start (`overlap_backward: true`)."""
+    backward_every_chunk: bool
+    """With `overlap_backward: true`: the update during backward takes every chunk it may (each
+    streamed one with its second slot from the start), in chunk order from the start; with "auto" the
+    plan chooses the chunks and whether to go to chunk order."""
     pin: bool
     """Whether host buffers are page-locked (DeepSpeed's `pin_memory`)."""
     params_on_host: bool
@@ -215,7 +217,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         overlap=overlap,
         overlap_backward=backward,
         chunk_order=chunk_order,
-        second_slots=backward.on and config.overlap_backward is True,
+        backward_every_chunk=backward.on and config.overlap_backward is True,
         pin=facts.pin_memory,
         params_on_host=facts.params_on_host,
     )
