@@ -37,7 +37,6 @@ from mlp_offload import _core
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
 from mlp_offload.adapter.session import UpdateSession
-from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import KeptCopy, StepStats
 from mlp_offload.engine.planning import chunks_backward_may_take, secs_per_chunk_in_backward
 from mlp_offload.engine.telemetry import BackwardStep, GradsFinal
@@ -209,8 +208,8 @@ class OverlapBackward:
                 return
         snapshot, fused, thread = self.view.snapshot(), session.fused, session.update_thread
         assert fused is not None and thread is not None, "on only with the fused pass, on the update thread"
-        groups = [adam_group(g, fused.adamw) for g in snapshot.groups]
-        run = BackwardUpdate(snapshot, grad_scale=float(1.0 / self.view.loss_scale), adam_groups=groups)
+        grad_scale = float(1.0 / self.view.loss_scale)
+        run = BackwardUpdate(snapshot, grad_scale, adam_groups=fused.groups(snapshot.groups))
         run.future = thread.submit(self._run, run, chosen)
         self.current = run
         # Gradients were final before this one: their norms may already rule the outcome out.

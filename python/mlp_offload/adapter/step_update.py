@@ -18,7 +18,6 @@ from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
-from mlp_offload.engine.fused_update import adam_group
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
 from mlp_offload.engine.telemetry import OverlapStep
@@ -60,7 +59,7 @@ class StepUpdate:
         self.remaining = [len(chunks) for chunks in state.of_subgroup]
         for c in self.settled.committed:
             self.remaining[state.chunks[c][0]] -= 1
-        self.adam_groups = [] if fused is None else [adam_group(g, fused.adamw) for g in self.snapshot.groups]
+        self.adam_groups = [] if fused is None else fused.groups(self.snapshot.groups)
         self.end = self.start
 
     def run(self, subgroup_done: Callable[[int], None]) -> StepStats:

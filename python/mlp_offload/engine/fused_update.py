@@ -93,6 +93,10 @@ class FusedAdam:
             master_in_params=self.stored.master_in_params,
         )
 
+    def groups(self, param_groups: list[dict[str, Any]]) -> list[_core.AdamGroup]:
+        """The param groups as the pass takes them (`adam_group`), made once for an update over chunks."""
+        return [adam_group(group, self.adamw) for group in param_groups]
+
     def update(
         self,
         state: torch.Tensor,
