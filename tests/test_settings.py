@@ -153,6 +153,21 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool
         {"overlap_backward": (True, "on (the config): every chunk stays in host memory")},
     ),
     (
+        "a DeepSpeed monitor enabled: each step's figures go to it",
+        {},
+        {"monitor": True},
+        True,
+        {"monitors": (True, "to the monitors the DeepSpeed config enables")},
+    ),
+    ("no DeepSpeed monitor", {}, {}, True, {"monitors": (False, "enables no monitor")}),
+    (
+        "monitors: false",
+        {"monitors": False},
+        {"monitor": True},
+        True,
+        {"monitors": (False, "off in the config")},
+    ),
+    (
         "bf16 master weights: kept in the parameters, the store holds the moments",
         {},
         {"master": BF16},

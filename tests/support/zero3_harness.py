@@ -387,6 +387,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 # The chunk's bytes as the store keeps them (`StateDtypes.pack`).
                 parts = [whole[s] for s in state_of._slices(c)]
                 chunks[state_of.keys[c]] = state_of.stored.pack(torch.cat(parts))
+    if (wandb := sys.modules.get("wandb")) is not None and wandb.run is not None:
+        # A run DeepSpeed's wandb monitor began, ended as a script's exit ends it (atexit, which a run
+        # forked by the harness server does not reach): its history is then in its directory.
+        wandb.finish()
     try:
         engine.destroy()
     except OSError as e:

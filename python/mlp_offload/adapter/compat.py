@@ -35,8 +35,6 @@ import textwrap
 import warnings
 from typing import Any
 
-from mlp_offload.adapter import deepspeed_view
-
 # DeepSpeed releases the engine was tested with (the bit-exact tables and DeepSpeed's own suite).
 TESTED_DEEPSPEED = ("0.19.8",)
 # The minor series the engine is written for; others are refused (`integration.install`).
@@ -56,6 +54,13 @@ CALLED = (
     "deepspeed.initialize",
     "deepspeed.runtime.engine.DeepSpeedEngine._configure_zero_optimizer",
     "deepspeed.runtime.engine.DeepSpeedEngine._load_zero_checkpoint",
+    # Each step's figures to DeepSpeed's monitors at its sample count, after its step (`monitors`), and
+    # the update's parts among its step timers (`wall_clock_breakdown`).
+    "deepspeed.runtime.engine.DeepSpeedEngine._take_model_step",
+    "deepspeed.monitor.monitor.MonitorMaster.write_events",
+    "deepspeed.monitor.config.get_monitor_config",
+    "deepspeed.utils.timer.SynchronizedWallClockTimer.log",
+    "deepspeed.utils.timer.SynchronizedWallClockTimer.get_mean",
     "deepspeed.runtime.utils.combine_grad_norm_groups",
     "deepspeed.runtime.utils.is_invalid_grad_norm",
     "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam.step",
@@ -92,12 +97,19 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     "deepspeed": {
         "initialize": "82505af39fb2e68e",
     },
+    "deepspeed.monitor.config": {
+        "get_monitor_config": "b1a98827aff81dbc",
+    },
+    "deepspeed.monitor.monitor.MonitorMaster": {
+        "write_events": "e2bc9f28bace2e8f",
+    },
     "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam": {
         "step": "a294a6fcd8f2b9ca",
     },
     "deepspeed.runtime.engine.DeepSpeedEngine": {
         "_configure_zero_optimizer": "2865a9d0327716e7",
         "_load_zero_checkpoint": "178566fb831f64e6",
+        "_take_model_step": "b5e1145cf37b0f2a",
     },
     "deepspeed.runtime.utils": {
         "combine_grad_norm_groups": "37a114f1037dc520",
@@ -184,6 +196,10 @@ FINGERPRINTS: dict[str, dict[str, str]] = {
     },
     "deepspeed.runtime.zero.utils": {
         "get_norm_dtype": "0689d2a104ef0dfe",
+    },
+    "deepspeed.utils.timer.SynchronizedWallClockTimer": {
+        "get_mean": "fa84335122445bb0",
+        "log": "f5f7012dea4b9194",
     },
 }
 
@@ -290,6 +306,10 @@ def _touching_replaced_state() -> list[str]:
 def _setting_viewed_members() -> list[str]:
     """The methods of DeepSpeed's ZeRO-3 optimizer that assign a member the view reads (`self.<member> =`,
     or an annotated assignment), and the view's methods that DeepSpeed's class defines."""
+    # Imported here: the view imports torch, and the versions above are read where torch need not load
+    # (`mlp-offload doctor`).
+    from mlp_offload.adapter import deepspeed_view
+
     module_name, class_name = STAGE3.rsplit(".", 1)
     _, tree = _definitions(importlib.import_module(module_name))
     viewed = set(deepspeed_view.ATTRIBUTES)

@@ -42,6 +42,7 @@ def install() -> None:
         return
     _build_ours(stock, MLPOffloadStage3)
     _refuse_another_degree(deepspeed.runtime.engine.DeepSpeedEngine, MLPOffloadStage3, checkpoint)
+    _tell_of_steps(deepspeed.runtime.engine.DeepSpeedEngine, MLPOffloadStage3)
     stock._mlp_offload_installed = True
     _migrate_in_initialize(deepspeed)
 
@@ -81,6 +82,21 @@ def _refuse_another_degree(engine_class: Any, ours: type, checkpoint: Any) -> No
         return ds_load_zero_checkpoint(engine, load_dir, tag, load_optimizer_states=load_optimizer_states)
 
     engine_class._load_zero_checkpoint = load_zero_checkpoint
+
+
+def _tell_of_steps(engine_class: Any, ours: Any) -> None:
+    """After each step the engine takes, our optimizer gets the engine's monitor and sample count, where
+    each step's figures go (`monitors.MonitorWriter`): DeepSpeed writes its own there the same way."""
+    ds_take_model_step = engine_class._take_model_step
+
+    @functools.wraps(ds_take_model_step)
+    def take_model_step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        taken = ds_take_model_step(engine, *args, **kwargs)
+        if isinstance(engine.optimizer, ours):
+            engine.optimizer._mlp_engine_step(engine.monitor, engine.global_samples)
+        return taken
+
+    engine_class._take_model_step = take_model_step
 
 
 def _migrate_in_initialize(deepspeed: Any) -> None:

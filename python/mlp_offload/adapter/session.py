@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
+from mlp_offload.adapter.monitors import MonitorWriter, UpdateTimers
 from mlp_offload.adapter.settings import KernelCheck, Settings
 from mlp_offload.adapter.stale_gradients import StaleGradients
 from mlp_offload.common.config import MLPOffloadConfig
@@ -43,7 +44,8 @@ class UpdateSession:
     """The engine of one optimizer (module docs). `fused` and `dtypes` are the update's kernel and the
     state's dtypes now: the settings' at start, the moments' after a checkpoint's load
     (`follow_loaded_moments`). `fp32_grads`: per subgroup, the fp32 gradient DeepSpeed's gradient setters
-    wrote, until the step uses it (else the half-precision gradient is converted chunk by chunk)."""
+    wrote, until the step uses it (else the half-precision gradient is converted chunk by chunk).
+    `monitor` and `timers`: each step's figures on their way to DeepSpeed's monitors and step timers."""
 
     config: MLPOffloadConfig
     settings: Settings
@@ -61,6 +63,8 @@ class UpdateSession:
     fused: FusedAdam | None = None
     dtypes: StateDtypes = field(default_factory=StateDtypes)
     fp32_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    monitor: MonitorWriter = field(default_factory=lambda: MonitorWriter(False))
+    timers: UpdateTimers = field(default_factory=UpdateTimers)
 
     @property
     def pipeline(self) -> ChunkPipeline:
@@ -123,6 +127,8 @@ class UpdateSession:
         planner.overlap_backward = settings.overlap_backward.on and settings.chunk_order.on
         stale = StaleGradients()
         stale.dtype = settings.dtypes.master
+        monitor = MonitorWriter(settings.monitors.on)
+        planner.listener = monitor.record
         on_thread = settings.overlap.on or settings.overlap_backward.on
         return cls(
             config=config,
@@ -140,6 +146,7 @@ class UpdateSession:
             max_inflight=planner.max_inflight(),
             fused=settings.kernel.fused,
             dtypes=settings.dtypes,
+            monitor=monitor,
         )
 
     def start(self, view: DeepSpeedView) -> None:
@@ -192,6 +199,8 @@ class UpdateSession:
             "master_in_params": {"on": settings.master_in_params.on, "why": settings.master_in_params.why},
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},
+            # Whether each step's figures go to DeepSpeed's monitors, and why.
+            "monitors": {"on": settings.monitors.on, "why": settings.monitors.why},
             # Whether chunks are updated during backward, and why.
             "overlap_backward": {
                 "on": settings.overlap_backward.on,

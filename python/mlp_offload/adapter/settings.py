@@ -109,7 +109,8 @@ class StartFacts:
     `offload_optimizer` section. `master`: the master weights' dtype (`master_weights_and_grads_dtype`);
     `params`: the half-precision partitions'; `fp32_moments`: CPU Adam's `fp32_optimizer_states`;
     `params_on_host`: whether the partitions are in host memory. `spare`: what this rank can spare now
-    (`memory.spare_host_memory`), asked once, where it is needed."""
+    (`memory.spare_host_memory`), asked once, where it is needed. `monitor`: whether the DeepSpeed config
+    enables one of its monitors."""
 
     numels: tuple[int, ...]
     buffer_count: int
@@ -119,6 +120,7 @@ class StartFacts:
     fp32_moments: bool
     params_on_host: bool
     spare: Callable[[], memory.SpareMemory]
+    monitor: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,8 @@ class Settings:
     """With `overlap_backward: true`: the update during backward takes every chunk it may (each
     streamed one with its second slot from the start), in chunk order from the start; with "auto" the
     plan chooses the chunks and whether to go to chunk order."""
+    monitors: Choice
+    """Whether each step's figures go to DeepSpeed's monitors."""
     pin: bool
     """Whether host buffers are page-locked (DeepSpeed's `pin_memory`)."""
     params_on_host: bool
@@ -218,6 +222,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         overlap_backward=backward,
         chunk_order=chunk_order,
         backward_every_chunk=backward.on and config.overlap_backward is True,
+        monitors=_monitors(config, facts.monitor),
         pin=facts.pin_memory,
         params_on_host=facts.params_on_host,
     )
@@ -384,6 +389,15 @@ def _backward_where_it_can(
             "would (true turns it on)",
         )
     return Choice(True, f"auto: {how}, as many as the plan expects to begin before backward ends")
+
+
+def _monitors(config: MLPOffloadConfig, monitor: bool) -> Choice:
+    """Whether each step's figures are written to DeepSpeed's monitors (`monitors`), and why."""
+    if not config.monitors:
+        return Choice(False, "off in the config")
+    if not monitor:
+        return Choice(False, "off: the DeepSpeed config enables no monitor")
+    return Choice(True, "on: to the monitors the DeepSpeed config enables, at its sample count")
 
 
 def _chunk_order(config: MLPOffloadConfig, overlap: bool, backward: bool, costs_no_cache: bool) -> Choice:

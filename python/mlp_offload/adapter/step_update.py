@@ -145,6 +145,7 @@ class StepUpdate:
         """The step's record (`UpdatePlanner.after_step`), once its update ended; `waited_secs`: with the
         update behind `step()`, how long the next forward waited for subgroups."""
         session = self.session
+        session.timers.ended(stats, self.compute_secs)
         overlap: OverlapStep | None = None
         if waited_secs is not None:
             returned = self.returned if self.returned is not None else time.perf_counter()

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.monitor.config import get_monitor_config
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import OPTIMIZER_STEP_TIMER
@@ -121,6 +122,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             dist.get_world_size(group=kwargs.get("dp_process_group")),
         )
         self._mlp_config: MLPOffloadConfig = config
+        # Whether DeepSpeed's config enables one of its monitors (each step's figures go there).
+        self._mlp_monitor = bool(get_monitor_config(ds_config).enabled)
         # DeepSpeed's `offload_optimizer` section (its buffers and pinning count in the settings).
         self._mlp_offload: Any = offload
         self._mlp_rank = dist.get_rank()
@@ -270,6 +273,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             fp32_moments=getattr(self.optimizer, "fp32_optimizer_states", True),
             params_on_host=first.device.type == "cpu",
             spare=memory.spare_host_memory,
+            monitor=self._mlp_monitor,
         )
 
     def _mlp_check_kernel(
@@ -474,12 +478,13 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             )
             self._mlp_finish_update = update.finish
         else:
-            stats = update.run(lambda i: None)
+            update.finish(update.run(lambda i: None), None)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
+        # With `wall_clock_breakdown`, the update's parts on DeepSpeed's line (behind step(): the last
+        # one's, which ended before this step began).
+        timer_names |= session.timers.take_into(self.timers)
         self._post_step(timer_names)
         update.returned = time.perf_counter()
-        if not behind:
-            update.finish(stats, None)
         self._mlp_last_step_end = time.perf_counter()
 
     def _mlp_scaled_norm(self) -> Any:
@@ -547,6 +552,11 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         checkpoint.load_universal(
             self, self._mlp_session, checkpoint_folder, load_optimizer_states, load_from_fp32_weights
         )
+
+    def _mlp_engine_step(self, monitor: Any, samples: int) -> None:
+        """DeepSpeed's engine took a step (`integration` calls this after `_take_model_step`): its monitor
+        and its sample count, for the step's figures (`monitors.MonitorWriter`)."""
+        self._mlp_session.monitor.step_taken(monitor, samples)
 
     @property
     def mlp_offload_telemetry(self) -> list[dict[str, Any]]:

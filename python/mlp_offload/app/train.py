@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path(".mlp-offload/run"),
         help="chart, telemetry, summary (.mlp-offload/run)",
     )
+    parser.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="DeepSpeed's TensorBoard monitor into DIR: its figures and each step's of mlp-offload",
+    )
     parser.add_argument("--no-progress", action="store_true", help="one line per 10 steps, no bar")
 
 
@@ -140,6 +147,9 @@ def ds_config(
     section["host_memory"] = host_memory if host_memory in ("auto", "deepspeed") else parse_size(host_memory)
     # Mixed precision as chosen; fp32 has no section.
     precision: dict[str, Any] = {dtype: {"enabled": True}} if dtype in ("bf16", "fp16") else {}
+    monitor: dict[str, Any] = {}
+    if args.tensorboard is not None:
+        monitor["tensorboard"] = {"enabled": True, "output_path": str(args.tensorboard), "job_name": "train"}
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -157,6 +167,7 @@ def ds_config(
             "offload_optimizer": {"device": "cpu", "pin_memory": True, "buffer_count": 12},
         },
         "steps_per_print": 10**9,
+        **monitor,
         "mlp_offload": section,
     }
 

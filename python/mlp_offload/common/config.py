@@ -184,6 +184,15 @@ class MLPOffloadConfig(BaseModel):
     telemetry_file: str | None = None
     """JSON lines, one per step (and one at start-up with the plan); `{rank}` becomes the rank."""
 
+    monitors: bool = True
+    """Each step's figures to DeepSpeed's monitors, where its config enables one.
+
+    Where the DeepSpeed config enables a monitor (`tensorboard`, `wandb`, `comet`, `csv_monitor`), each
+    step's figures (phases, bytes per path, the cache, predicted against measured, the update during
+    backward, host memory) are written to it through DeepSpeed's own monitor at the engine's sample
+    count, named `mlp_offload/...` (docs/telemetry.md lists them). Nothing is written where no monitor
+    is enabled. `false`: never."""
+
     probe_max_age_hours: float = Field(default=168.0, gt=0)
     """Reuse a saved probe profile up to this age (with `weights: "auto"`)."""
 

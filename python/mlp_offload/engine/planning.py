@@ -10,7 +10,7 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
@@ -292,6 +292,8 @@ class UpdatePlanner:
         self.node_share: list[float] | None = None
         self._agreement = RankAgreement() if config.adapt else None
         self._file = self._open(config.telemetry_file)
+        # What else each record goes to as it is emitted (the adapter's writer to DeepSpeed's monitors).
+        self.listener: Callable[[dict[str, Any]], None] | None = None
 
     def _open(self, path: str | None) -> TextIO | None:
         if not path:
@@ -311,6 +313,8 @@ class UpdatePlanner:
         (self._start if record["event"] == "start" else self._recent).append(dict(record))
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        if self.listener is not None:
+            self.listener(dict(record))
 
     def load_profile(self) -> None:
         """The paths' profile: with `weights: "auto"` the saved one or a new probe (one per node: the
@@ -507,8 +511,16 @@ class UpdatePlanner:
             "grads_final": parts.grads_final,
             "overlap_backward": parts.overlap_backward,
             "stale": parts.stale,
+            "host_bytes": self._host_bytes(parts),
         }
         self.emit(record)
+
+    def _host_bytes(self, parts: StepParts) -> int:
+        """Host memory the engine holds after a step: the pipeline's buffers and kept copies, and the
+        stale gradients kept in fp32 (outside `host_memory`)."""
+        pipeline = self._pipeline
+        held = 0 if pipeline is None else pipeline.buffer_count * pipeline.buffer_size + pipeline.kept_bytes
+        return held + (parts.stale["kept_bytes"] if parts.stale is not None else 0)
 
     def _predict(self, stats: StepStats, times: StepTimes, parts: StepParts) -> None:
         """The next step's prediction, from what the last steps measured: forward and backward (which

@@ -6,6 +6,8 @@ generated from them (`make docs-pages`) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypedDict, get_args, get_origin, get_type_hints
 
 from mlp_offload.common.type_words import type_words
@@ -81,6 +83,9 @@ class StartRecord(TypedDict):
         "(`master_in_params`), and why.",
     ]
     overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
+    monitors: Annotated[
+        OnAndWhy, "Whether each step's figures go to DeepSpeed's monitors (`monitors`), and why."
+    ]
     overlap_backward: Annotated[BackwardAtStart, "Whether chunks are updated during backward, and why."]
     weights: Annotated[list[float], "Each path's share of every chunk."]
     max_inflight: Annotated[InflightCount, "This rank's requests in flight per path, and why."]
@@ -193,6 +198,9 @@ class StepRecord(TypedDict):
         BackwardStep | None, "The update during backward (null: off, or nothing to say)."
     ]
     stale: Annotated[StaleStep | None, "The parameters updated with an earlier gradient."]
+    host_bytes: Annotated[
+        int, "Host memory the engine holds now: its chunk buffers, kept copies and stale gradients in fp32."
+    ]
 
 
 class SkippedRecord(TypedDict):
@@ -263,6 +271,109 @@ def mismatches(record: dict[str, Any], record_type: type | None = None, where: s
     return found
 
 
+# Where the step records' figures go in DeepSpeed's monitors (`monitors`): each name under this prefix, so
+# TensorBoard shows them as one group beside DeepSpeed's own (`Train/Samples/...`).
+MONITOR_PREFIX = "mlp_offload/"
+
+
+@dataclass(frozen=True)
+class MonitorFigure:
+    """One figure of a step record as a monitor's scalar: its name, what it is, and how it is read from
+    the record (it gives None where the record has none). A path's figure has no `value`: it is named
+    `path<i>/<key>`, once per path, `<i>` the path's index, and read from the path's `PathStep`."""
+
+    name: str
+    what: str
+    value: Callable[[StepRecord], float | None] | None = None
+
+
+def _in(part: str, key: str) -> Callable[[StepRecord], float | None]:
+    def value(record: StepRecord) -> float | None:
+        held: Any = record.get(part)
+        return None if held is None else float(held[key])
+
+    return value
+
+
+def _key(key: str) -> Callable[[StepRecord], float | None]:
+    def value(record: StepRecord) -> float | None:
+        held: Any = record.get(key)
+        return None if held is None else float(held)
+
+    return value
+
+
+MONITOR_FIGURES = (
+    MonitorFigure(
+        "time/update_secs", "The update's seconds, inside `step()` or behind it.", _key("update_secs")
+    ),
+    MonitorFigure(
+        "time/predicted_update_secs",
+        "The update's seconds as the plan predicted them.",
+        _key("predicted_update_secs"),
+    ),
+    MonitorFigure(
+        "time/predicted_after_backward_secs",
+        "With `overlap_backward`: what it leaves after backward, as predicted.",
+        _key("predicted_after_backward_secs"),
+    ),
+    MonitorFigure("time/pipeline_secs", "The chunk loop's seconds.", _key("pipeline_secs")),
+    MonitorFigure("time/compute_secs", "The update's compute, every chunk.", _key("compute_secs")),
+    MonitorFigure("time/read_wait_secs", "Seconds the loop waited for reads.", _key("read_wait_secs")),
+    MonitorFigure("time/write_wait_secs", "Seconds the loop waited for writes.", _key("write_wait_secs")),
+    MonitorFigure("time/forward_secs", "Forward (and all else) since the last step.", _key("forward_secs")),
+    MonitorFigure("time/backward_secs", "Backward's seconds, every micro-batch.", _key("backward_secs")),
+    MonitorFigure(
+        "time/forward_waited_secs",
+        "With the update behind `step()`: seconds the next forward waited for it.",
+        _in("overlap", "forward_waited_secs"),
+    ),
+    MonitorFigure("chunks/reads", "Chunks read.", _key("reads")),
+    MonitorFigure("chunks/writes", "Chunks written.", _key("writes")),
+    MonitorFigure("chunks/cached", "Chunks updated in the cache (hits).", _key("cached")),
+    MonitorFigure("chunks/retained", "Chunks updated in the buffer their last write left.", _key("retained")),
+    MonitorFigure("chunks/reads_dropped", "Reads ahead dropped and read again.", _key("reads_dropped")),
+    MonitorFigure("chunks/cached_chunks", "Chunks kept in host memory across steps.", _key("cached_chunks")),
+    MonitorFigure("path<i>/read_bytes", "Bytes read from the path since the last step."),
+    MonitorFigure("path<i>/write_bytes", "Bytes written to the path since the last step."),
+    MonitorFigure("path<i>/busy_secs", "Seconds with a request in flight on the path."),
+    MonitorFigure("path<i>/bytes_per_s", "Bytes moved over the pipeline's seconds."),
+    MonitorFigure(
+        "overlap_backward/chunks",
+        "Chunks the update during backward took.",
+        _in("overlap_backward", "chunks"),
+    ),
+    MonitorFigure(
+        "overlap_backward/in_backward",
+        "Of them, those whose update ended before backward did.",
+        _in("overlap_backward", "in_backward"),
+    ),
+    MonitorFigure(
+        "overlap_backward/kept",
+        "1 where `step()` kept its versions, else 0.",
+        _in("overlap_backward", "kept"),
+    ),
+    MonitorFigure("memory/host_bytes", "Host memory the engine holds now.", _key("host_bytes")),
+    MonitorFigure("stale/params", "Parameters updated with an earlier gradient.", _in("stale", "params")),
+    MonitorFigure("stale/kept_bytes", "Their gradients kept in fp32.", _in("stale", "kept_bytes")),
+)
+
+
+def monitor_events(record: StepRecord) -> list[tuple[str, float]]:
+    """A step record's figures as a monitor's scalars (`MONITOR_FIGURES`), named with their prefix;
+    the figures the record has none of (a first step's forward, no update during backward) left out."""
+    events = []
+    for figure in MONITOR_FIGURES:
+        if figure.value is None:
+            key = figure.name.removeprefix("path<i>/")
+            for i, path in enumerate(record["paths"]):
+                figures: dict[str, Any] = dict(path)
+                events.append((f"{MONITOR_PREFIX}path{i}/{key}", float(figures[key])))
+        elif (value := figure.value(record)) is not None:
+            events.append((MONITOR_PREFIX + figure.name, value))
+    return events
+
+
 def markdown() -> str:
     """`docs/telemetry.md`: one table per record, then one per record they hold."""
     seen: list[type] = list(RECORDS)
@@ -291,4 +402,18 @@ def markdown() -> str:
         ]
         for name, (hint, line) in keys_of(record_type).items():
             lines.append(f"| `{name}` | {type_words(hint, _record_words)} | {line} |")
+    lines += [
+        "",
+        "## In DeepSpeed's monitors",
+        "",
+        "Where the DeepSpeed config enables a monitor (`tensorboard`, `wandb`, `comet`, `csv_monitor`), each "
+        "step record's figures are written to it through DeepSpeed's own monitor, at the engine's sample "
+        f"count of the step (its `global_samples`), each under `{MONITOR_PREFIX}`; `monitors: false` turns "
+        "this off. A figure the record has none of (the first step's forward, no update during backward) "
+        "is left out of that step. `<i>` is a path's index in `paths`.",
+        "",
+        "| name | what it is |",
+        "|---|---|",
+    ]
+    lines += [f"| `{MONITOR_PREFIX}{figure.name}` | {figure.what} |" for figure in MONITOR_FIGURES]
     return "\n".join(lines) + "\n"
