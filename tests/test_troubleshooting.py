@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import seccomp
 from mlp_offload.adapter import options, troubleshooting
 from mlp_offload.adapter.troubleshooting import Trouble, met
 
@@ -137,26 +138,11 @@ def test_a_message_its_pattern_and_its_page_text(
     assert trouble.shown() == shown
 
 
-# A classic-BPF seccomp program that makes io_uring_setup fail with EPERM, as Docker's default profile
-# does, then imports the store and opens it twice: io_uring asked for, and the default.
-UNDER_SECCOMP = r"""
-import ctypes, logging, platform, struct, sys
-AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
-SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}[platform.machine()]
-IO_URING_SETUP, EPERM = 425, 1
-def ins(code, jt, jf, k):
-    return struct.pack("HBBI", code, jt, jf, k)
-program = b"".join([
-    ins(0x20, 0, 0, 4), ins(0x15, 0, 3, AUDIT_ARCH), ins(0x20, 0, 0, 0),
-    ins(0x15, 0, 1, IO_URING_SETUP), ins(0x06, 0, 0, 0x50000 | EPERM), ins(0x06, 0, 0, 0x7FFF0000),
-])
-class Program(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-code = ctypes.create_string_buffer(program)
-libc = ctypes.CDLL(None, use_errno=True)
-filter = Program(6, ctypes.addressof(code))
-if libc.prctl(38, 1, 0, 0, 0) or libc.syscall(SYS_SECCOMP, 1, 0, ctypes.byref(filter)):
-    sys.exit(f"seccomp: errno {ctypes.get_errno()}")
+# io_uring refused by a seccomp filter (`seccomp.DENY_IO_URING`), then the store imported and opened
+# twice: io_uring asked for, and the default.
+UNDER_SECCOMP = (
+    seccomp.DENY_IO_URING
+    + r"""
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 from mlp_offload import ObjectStore
 try:
@@ -167,12 +153,13 @@ except ValueError as e:
 with ObjectStore([sys.argv[1]]) as store:
     print("engine", store.engine)
 """
+)
 
 
 def test_io_uring_refused_by_seccomp_is_said(tmp_path: Path) -> None:
     """Asked for, io_uring refused is an error naming `engine`; by default, a warning and the thread
     pool, which then holds the store."""
-    if platform.machine() not in ("x86_64", "aarch64"):
+    if not seccomp.supported():
         pytest.skip(f"no seccomp program for {platform.machine()}")
     run = subprocess.run(
         [sys.executable, "-c", UNDER_SECCOMP, str(tmp_path)], capture_output=True, text=True, timeout=120

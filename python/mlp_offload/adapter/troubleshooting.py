@@ -6,7 +6,11 @@ drift apart; `tests/test_troubleshooting.py` checks that every error the adapter
 from here. The others are texts of the core, the engine and the config's validation (a full disk, a
 store in use, io_uring not permitted, ...; `MET_BY_TESTS`): a test that meets each for real matches the
 entry's `pattern`, and the registry's test checks that every one has such a test. The option table's
-refusals (`adapter.options`) are one entry, `OPTION`, and a table on the page.
+refusals (`adapter.options`) are one entry, `OPTION`, and a table on the page. A third kind is what
+`mlp-offload doctor` finds that no message of a job says (`FOUND_BY_DOCTOR`: a scalar update kernel,
+two paths on one device, ...): the application's doctor formats each from its entry, and its test checks
+that every one is said there; doctor links the entry of each row it warns of or fails, these or the
+messages a job would meet.
 
 `docs/troubleshooting.md` and the README's row of refusals are rendered from here (`make docs-pages`)
 and checked by the registry's test. The option table renders its own parts of them
@@ -21,15 +25,15 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-REFUSAL, FAULT, WARNING = "refused at start", "an error", "a warning"
+REFUSAL, FAULT, WARNING, FOUND = "refused at start", "an error", "a warning", "found by doctor"
 
 
 @dataclass(frozen=True)
 class Trouble:
     """One message: its name (how code and tests refer to it, and its anchor on the page), its title on
-    the page, its text with `{field}`s where it names something, what it is (`REFUSAL`, `FAULT` or
-    `WARNING`), why it happens and what to do. `short`, for a refusal, is its phrase in the README's row
-    of refusals."""
+    the page, its text with `{field}`s where it names something, what it is (`REFUSAL`, `FAULT`,
+    `WARNING` or `FOUND`), why it happens and what to do. `short`, for a refusal, is its phrase in the
+    README's row of refusals."""
 
     name: str
     title: str
@@ -352,6 +356,19 @@ MET_BY_TESTS = (
         "transparent huge pages (`/sys/kernel/mm/transparent_hugepage/enabled`: madvise)",
     ),
     Trouble(
+        "mlock-refused",
+        "Host buffers not locked in memory (RLIMIT_MEMLOCK)",
+        "mlock of a {bytes}-byte host buffer failed ({why}); continuing with unlocked memory (raise "
+        "RLIMIT_MEMLOCK to lock it)",
+        WARNING,
+        "DeepSpeed's `offload_optimizer.pin_memory` makes the store lock its host buffers (`host_memory`) "
+        "in RAM with `mlock`, which the process's RLIMIT_MEMLOCK bounds unless it has CAP_IPC_LOCK (often "
+        "64 KiB or 8 MiB by default); the buffers work unlocked, and the kernel may page them out",
+        "raise the limit where the job starts: `ulimit -l unlimited`, `memlock` in "
+        "`/etc/security/limits.conf`, Docker's `--ulimit memlock=-1`; `mlp-offload doctor` shows the limit "
+        "against what `host_memory` needs",
+    ),
+    Trouble(
         "deepspeed-version",
         "A DeepSpeed release it was not tested with",
         "mlp-offload was tested with DeepSpeed {tested}; this is {version}{differences}. Check a few steps "
@@ -363,7 +380,47 @@ MET_BY_TESTS = (
     ),
 )
 
-ENTRIES = (*FORMATTED_HERE, *MET_BY_TESTS)
+# What `mlp-offload doctor` (`app/doctor.py`) finds and no job's message says, formatted there from here.
+DEEPSPEED_MISSING = Trouble(
+    "deepspeed-missing",
+    "DeepSpeed not installed",
+    "not installed: the store, probe and plan work without it; training needs it",
+    FOUND,
+    "`mlp-offload doctor` found no DeepSpeed distribution in this environment",
+    'install the tested series: `pip install "deepspeed>=0.19,<0.20"`',
+)
+UNSUPPORTED_VERSION = Trouble(
+    "unsupported-version",
+    "A Python or torch older than supported",
+    "{version}: mlp-offload needs {name}{needs}",
+    FOUND,
+    "the installed Python or torch is outside what mlp-offload's package requires (installed with "
+    "`--no-deps`, or changed since)",
+    "install a supported one: the README's table of supported versions",
+)
+SCALAR_KERNEL = Trouble(
+    "scalar-kernel",
+    "The update kernel scalar on an x86-64 CPU",
+    "scalar: this x86-64 CPU shows no AVX2 with FMA and F16C, so the fused update runs element by element, "
+    "slower than with them",
+    FOUND,
+    "an old CPU, or a virtual machine whose CPU model hides the host's AVX2 (QEMU's default `qemu64`)",
+    "in a virtual machine, pass the host's CPU model through (`-cpu host`, libvirt's `host-passthrough`); "
+    "else a CPU with AVX2 or AVX-512",
+)
+SAME_DEVICE = Trouble(
+    "same-device",
+    "Two paths on one device",
+    "{paths} are on one device ({device}): they share its bandwidth",
+    FOUND,
+    "paths are meant to add bandwidth, and two directories on one device add only its capacity: the "
+    "model plans them as one device's bandwidth, and node-wide admission gives them one in-flight limit",
+    "one path per device (another disk, another NVMe namespace, a parallel file system)",
+)
+
+FOUND_BY_DOCTOR = (DEEPSPEED_MISSING, UNSUPPORTED_VERSION, SCALAR_KERNEL, SAME_DEVICE)
+
+ENTRIES = (*FORMATTED_HERE, *MET_BY_TESTS, *FOUND_BY_DOCTOR)
 BY_NAME = {trouble.name: trouble for trouble in ENTRIES}
 
 
@@ -444,5 +501,12 @@ def markdown(option_refusals: Sequence[str]) -> str:
         "Each is logged (the logger `mlp_offload`, or Python's `warnings`) and the job goes on.",
         "",
         *_entries(WARNING),
+        "## Found by `mlp-offload doctor`",
+        "",
+        "[`mlp-offload doctor`](cli.md#mlp-offload-doctor) checks the machine and the paths before a job; "
+        "each row it warns of or fails links its entry: one of the messages above, which a job would meet, "
+        "or one of these, which only doctor says (its `found` column).",
+        "",
+        *_entries(FOUND),
     ]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,5 +1,6 @@
-"""`mlp-offload`: the command line. `probe DIR...` measures storage paths and saves their profile;
-`plan DIR...` applies the performance model to a workload on those paths; `train` is the main job."""
+"""`mlp-offload`: the command line. `doctor [PATH...]` checks the machine and the paths before a job;
+`probe DIR...` measures storage paths and saves their profile; `plan DIR...` applies the performance model
+to a workload on those paths; `train` is the main job."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from mlp_offload.app import doctor
 from mlp_offload.app import train as train_job
 from mlp_offload.app.tables import render_table
 from mlp_offload.common import units
@@ -356,10 +358,79 @@ def _print_plan(
     print("\n".join(render_table(["host_memory", "of the state", "chunks cached", "predicted update"], rows)))
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """The report; with `--probe` the paths' profile first (saved, as training's first start would), so
+    the report's profile row and the probe's table follow. 1 when a check failed."""
+    if args.ranks < 1:
+        raise ValueError(f"--ranks: {args.ranks} is not a number of ranks")
+    max_age_s = args.max_age_hours * 3600
+    probed = None
+    if args.probe and args.dirs:
+        try:
+            probed, source = profiles.load_or_probe(
+                args.dirs, doctor.probe_options(args.ranks), max_age_s=max_age_s, progress=_progress(args)
+            )
+            if not args.quiet:
+                print(source, file=sys.stderr)
+        except (OSError, ValueError) as e:
+            # The paths' rows say what is wrong with them.
+            print(f"mlp-offload doctor: not probed: {e}", file=sys.stderr)
+    rows = doctor.check(args.dirs, args.model_size, ranks=args.ranks, max_age_s=max_age_s)
+    if args.json:
+        checks = [row.as_dict() for row in rows]
+        print(json.dumps({"checks": checks, "probe": None if probed is None else probed.probes}, indent=2))
+    else:
+        print(doctor.render(rows))
+        if probed is not None:
+            print(f"\n{render_probe_table(probed.probes)}")
+    return 1 if any(row.status == doctor.FAIL for row in rows) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Longer than 80 lines for a reason: one declaration per option of every command, read as a list.
     parser = argparse.ArgumentParser(prog="mlp-offload", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "doctor",
+        help="check this machine and the storage paths before a job (ds_report for mlp-offload)",
+        description="One row per check, each ok, warn or fail, with what was found and, for a warning or a "
+        "failure, what to do and its entry of docs/troubleshooting.md: Python, torch and DeepSpeed against "
+        "the supported versions; the update kernel this CPU gets; io_uring or the thread pool; reserved "
+        "and transparent huge pages; RLIMIT_MEMLOCK against the host buffers pin_memory locks; per path its "
+        "file system, device, locality, O_DIRECT and free space (against --model-size's state), whether "
+        "two paths share a device, and the saved probe profile's age. Without --probe it takes well under "
+        "a second and writes nothing. Exits 1 when a check failed.",
+    )
+    check.add_argument("dirs", nargs="*", metavar="PATH", help="the storage directories a job will use")
+    check.add_argument(
+        "--model-size",
+        type=parse_count,
+        default=None,
+        help="parameters whose optimizer state the paths hold (1.3e9; all of this node's ranks'): free "
+        "space and pinned memory are checked against 12 bytes a parameter (fp32 state)",
+    )
+    check.add_argument(
+        "--ranks",
+        type=int,
+        default=memory.local_ranks(),
+        help="ranks of the job on this node: they divide the spare memory, and the probe and its saved "
+        "profile are theirs (LOCAL_WORLD_SIZE, else 1)",
+    )
+    check.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure the paths first as a job's first start would (a minute or so; saved for jobs to "
+        "reuse; a fresh saved profile is reused) and print the probe's table",
+    )
+    check.add_argument(
+        "--max-age-hours",
+        type=float,
+        default=profiles.DEFAULT_MAX_AGE_S / 3600,
+        help="a saved profile is reused up to this age (probe_max_age_hours: 168)",
+    )
+    check.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    check.set_defaults(func=cmd_doctor)
     probe = sub.add_parser(
         "probe",
         help="measure each storage path and save the profile",
