@@ -163,14 +163,29 @@ def is_root() -> bool:
 
 def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` at `mnt` (root only), for running out of space for real; unmounted after."""
+    yield from _mounted(mnt, "tmpfs", "-o", f"size={size}")
+
+
+def mounted_ramfs(mnt: Path) -> Iterator[Path]:
+    """A ramfs at `mnt` (root only): no O_DIRECT on any kernel (tmpfs has it since Linux 6.6), no size."""
+    yield from _mounted(mnt, "ramfs")
+
+
+def _mounted(mnt: Path, kind: str, *options: str) -> Iterator[Path]:
     if not is_root():
-        pytest.skip("mounting a tmpfs needs root")
+        pytest.skip(f"mounting a {kind} needs root")
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+    subprocess.run(["mount", "-t", kind, *options, kind, str(mnt)], check=True)
     try:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs (`mounted_ramfs`)."""
+    yield from mounted_ramfs(tmp_path / "ramfs")
 
 
 @pytest.fixture

@@ -125,20 +125,6 @@ def test_a_path_that_does_not_exist_fails_naming_it_and_its_errno(tmp_path: Path
     assert f"not probed: [Errno 2] open storage directory {missing}" in stderr
 
 
-@pytest.fixture
-def ramfs(tmp_path: Path) -> Iterator[Path]:
-    """A ramfs: no O_DIRECT on any kernel, and no size."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a ramfs needs root")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _kernel() -> tuple[int, int]:
     major, minor = re.findall(r"\d+", platform.release())[:2]
     return int(major), int(minor)
