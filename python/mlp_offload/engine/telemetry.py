@@ -6,7 +6,6 @@ generated from them (`make docs-pages`) and
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypedDict, get_args, get_origin, get_type_hints
 
@@ -278,62 +277,52 @@ MONITOR_PREFIX = "mlp_offload/"
 
 @dataclass(frozen=True)
 class MonitorFigure:
-    """One figure of a step record as a monitor's scalar: its name, what it is, and how it is read from
-    the record (it gives None where the record has none). A path's figure has no `value`: it is named
-    `path<i>/<key>`, once per path, `<i>` the path's index, and read from the path's `PathStep`."""
+    """One figure of a step record as a monitor's scalar: its name, what it is, and where the record
+    holds it (`key`: a key of the record, or a key of a record it holds, after a `/`). A path's figure
+    is named `path<i>/<key>`, once per path, `<i>` the path's index, and read from its `PathStep`."""
 
     name: str
     what: str
-    value: Callable[[StepRecord], float | None] | None = None
+    key: str = ""
 
-
-def _in(part: str, key: str) -> Callable[[StepRecord], float | None]:
-    def value(record: StepRecord) -> float | None:
-        held: Any = record.get(part)
-        return None if held is None else float(held[key])
-
-    return value
-
-
-def _key(key: str) -> Callable[[StepRecord], float | None]:
-    def value(record: StepRecord) -> float | None:
-        held: Any = record.get(key)
+    def value(self, record: StepRecord) -> float | None:
+        """The figure in `record` (None where the record has none: a first step's forward, no update
+        during backward)."""
+        held: Any = record
+        for part in self.key.split("/"):
+            held = None if held is None else held.get(part)
         return None if held is None else float(held)
-
-    return value
 
 
 MONITOR_FIGURES = (
-    MonitorFigure(
-        "time/update_secs", "The update's seconds, inside `step()` or behind it.", _key("update_secs")
-    ),
+    MonitorFigure("time/update_secs", "The update's seconds, inside `step()` or behind it.", "update_secs"),
     MonitorFigure(
         "time/predicted_update_secs",
         "The update's seconds as the plan predicted them.",
-        _key("predicted_update_secs"),
+        "predicted_update_secs",
     ),
     MonitorFigure(
         "time/predicted_after_backward_secs",
         "With `overlap_backward`: what it leaves after backward, as predicted.",
-        _key("predicted_after_backward_secs"),
+        "predicted_after_backward_secs",
     ),
-    MonitorFigure("time/pipeline_secs", "The chunk loop's seconds.", _key("pipeline_secs")),
-    MonitorFigure("time/compute_secs", "The update's compute, every chunk.", _key("compute_secs")),
-    MonitorFigure("time/read_wait_secs", "Seconds the loop waited for reads.", _key("read_wait_secs")),
-    MonitorFigure("time/write_wait_secs", "Seconds the loop waited for writes.", _key("write_wait_secs")),
-    MonitorFigure("time/forward_secs", "Forward (and all else) since the last step.", _key("forward_secs")),
-    MonitorFigure("time/backward_secs", "Backward's seconds, every micro-batch.", _key("backward_secs")),
+    MonitorFigure("time/pipeline_secs", "The chunk loop's seconds.", "pipeline_secs"),
+    MonitorFigure("time/compute_secs", "The update's compute, every chunk.", "compute_secs"),
+    MonitorFigure("time/read_wait_secs", "Seconds the loop waited for reads.", "read_wait_secs"),
+    MonitorFigure("time/write_wait_secs", "Seconds the loop waited for writes.", "write_wait_secs"),
+    MonitorFigure("time/forward_secs", "Forward (and all else) since the last step.", "forward_secs"),
+    MonitorFigure("time/backward_secs", "Backward's seconds, every micro-batch.", "backward_secs"),
     MonitorFigure(
         "time/forward_waited_secs",
         "With the update behind `step()`: seconds the next forward waited for it.",
-        _in("overlap", "forward_waited_secs"),
+        "overlap/forward_waited_secs",
     ),
-    MonitorFigure("chunks/reads", "Chunks read.", _key("reads")),
-    MonitorFigure("chunks/writes", "Chunks written.", _key("writes")),
-    MonitorFigure("chunks/cached", "Chunks updated in the cache (hits).", _key("cached")),
-    MonitorFigure("chunks/retained", "Chunks updated in the buffer their last write left.", _key("retained")),
-    MonitorFigure("chunks/reads_dropped", "Reads ahead dropped and read again.", _key("reads_dropped")),
-    MonitorFigure("chunks/cached_chunks", "Chunks kept in host memory across steps.", _key("cached_chunks")),
+    MonitorFigure("chunks/reads", "Chunks read.", "reads"),
+    MonitorFigure("chunks/writes", "Chunks written.", "writes"),
+    MonitorFigure("chunks/cached", "Chunks updated in the cache (hits).", "cached"),
+    MonitorFigure("chunks/retained", "Chunks updated in the buffer their last write left.", "retained"),
+    MonitorFigure("chunks/reads_dropped", "Reads ahead dropped and read again.", "reads_dropped"),
+    MonitorFigure("chunks/cached_chunks", "Chunks kept in host memory across steps.", "cached_chunks"),
     MonitorFigure("path<i>/read_bytes", "Bytes read from the path since the last step."),
     MonitorFigure("path<i>/write_bytes", "Bytes written to the path since the last step."),
     MonitorFigure("path<i>/busy_secs", "Seconds with a request in flight on the path."),
@@ -341,21 +330,21 @@ MONITOR_FIGURES = (
     MonitorFigure(
         "overlap_backward/chunks",
         "Chunks the update during backward took.",
-        _in("overlap_backward", "chunks"),
+        "overlap_backward/chunks",
     ),
     MonitorFigure(
         "overlap_backward/in_backward",
         "Of them, those whose update ended before backward did.",
-        _in("overlap_backward", "in_backward"),
+        "overlap_backward/in_backward",
     ),
     MonitorFigure(
         "overlap_backward/kept",
         "1 where `step()` kept its versions, else 0.",
-        _in("overlap_backward", "kept"),
+        "overlap_backward/kept",
     ),
-    MonitorFigure("memory/host_bytes", "Host memory the engine holds now.", _key("host_bytes")),
-    MonitorFigure("stale/params", "Parameters updated with an earlier gradient.", _in("stale", "params")),
-    MonitorFigure("stale/kept_bytes", "Their gradients kept in fp32.", _in("stale", "kept_bytes")),
+    MonitorFigure("memory/host_bytes", "Host memory the engine holds now.", "host_bytes"),
+    MonitorFigure("stale/params", "Parameters updated with an earlier gradient.", "stale/params"),
+    MonitorFigure("stale/kept_bytes", "Their gradients kept in fp32.", "stale/kept_bytes"),
 )
 
 
@@ -364,7 +353,7 @@ def monitor_events(record: StepRecord) -> list[tuple[str, float]]:
     the figures the record has none of (a first step's forward, no update during backward) left out."""
     events = []
     for figure in MONITOR_FIGURES:
-        if figure.value is None:
+        if not figure.key:
             key = figure.name.removeprefix("path<i>/")
             for i, path in enumerate(record["paths"]):
                 figures: dict[str, Any] = dict(path)
