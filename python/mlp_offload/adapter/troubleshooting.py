@@ -297,7 +297,8 @@ MET_BY_TESTS = (
         FAULT,
         "a path is full (OSError errno ENOSPC, its filename the object's file); the write fails, "
         "and every object written before stays as it was",
-        "free space, add a path, or give the full one a lower weight; `keep_free` keeps space back",
+        "free space, add a path, or give the full one a lower weight (`weights`); the update during "
+        "backward's second slots already stop short while each path keeps a tenth of its file system free",
     ),
     Trouble(
         "in-use",
