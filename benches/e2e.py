@@ -501,11 +501,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_report(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        # The whole report beside the repository; its summary, which pages cite, at --out (docs/data is
+        # kept small: tests/test_docs.py).
+        whole = RECORDS / args.out.name
+        whole.parent.mkdir(parents=True, exist_ok=True)
+        whole.write_text(json.dumps(report, indent=2))
+        args.out.write_text(json.dumps(summary_of(report, whole), indent=2))
         chart = args.out.with_suffix(".png")
         draw_chart(report, chart)
-        print(f"results: {args.out}, chart: {chart}", file=sys.stderr)
+        print(f"results: {args.out} (every step's records: {whole}), chart: {chart}", file=sys.stderr)
     return 0
+
+
+# Where each report is written whole, per-step records included (`summary_of` leaves them out).
+RECORDS = Path("target") / "bench-records"
+PER_STEP = ("steps", "telemetry")
+
+
+def summary_of(report: dict[str, Any], whole: Path) -> dict[str, Any]:
+    """The report without its rounds' per-step records (`PER_STEP`): the medians, ratios and per-round
+    figures stay; where the whole report is said."""
+    runs = {
+        name: [{k: v for k, v in rnd.items() if k not in PER_STEP} for rnd in rounds]
+        for name, rounds in report["runs"].items()
+    }
+    trimmed = f"each round's per-step records ({', '.join(PER_STEP)}) left out; the whole report: {whole}"
+    return {**report, "runs": runs, "trimmed": trimmed}
 
 
 def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> dict[str, Any]:
