@@ -446,7 +446,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sample the training thread and our update's thread every 2 ms: per phase, time on a CPU, "
         "waiting for one, and neither (blocked), and the Python stacks they were found in",
     )
-    parser.add_argument("--out", type=Path, default=None, help="JSON results; the chart goes beside it")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON results' summary; the chart goes beside it"
+    )
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=Path("target") / "bench-records",
+        help="where the whole report goes, every step's records included (target/bench-records)",
+    )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -503,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         # The whole report beside the repository; its summary, which pages cite, at --out (docs/data is
         # kept small: tests/test_docs.py).
-        whole = RECORDS / args.out.name
+        whole = args.records / args.out.name
         whole.parent.mkdir(parents=True, exist_ok=True)
         whole.write_text(json.dumps(report, indent=2))
         args.out.write_text(json.dumps(summary_of(report, whole), indent=2))
@@ -513,8 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# Where each report is written whole, per-step records included (`summary_of` leaves them out).
-RECORDS = Path("target") / "bench-records"
+# A round's per-step records, which `summary_of` leaves out (the whole report goes to `--records`).
 PER_STEP = ("steps", "telemetry")
 
 

@@ -134,6 +134,9 @@ def e2e_part(
             str(data / "e2e"),
             "--out",
             str(out / f"{name}.results.json"),
+            # The whole report comes back with the summary.
+            "--records",
+            str(out / "records"),
             *(arg for variant in variants for arg in ("--variant", variant)),
             *extra,
         ]
