@@ -171,11 +171,11 @@ def mounted_ramfs(mnt: Path) -> Iterator[Path]:
     yield from _mounted(mnt, "ramfs")
 
 
-def _mounted(mnt: Path, kind: str, *options: str) -> Iterator[Path]:
+def _mounted(mnt: Path, kind: str, *options: str, source: str = "") -> Iterator[Path]:
     if not is_root():
         pytest.skip(f"mounting a {kind} needs root")
     mnt.mkdir()
-    subprocess.run(["mount", "-t", kind, *options, kind, str(mnt)], check=True)
+    subprocess.run(["mount", "-t", kind, *options, source or kind, str(mnt)], check=True)
     try:
         yield mnt
     finally:
@@ -186,6 +186,32 @@ def _mounted(mnt: Path, kind: str, *options: str) -> Iterator[Path]:
 def ramfs(tmp_path: Path) -> Iterator[Path]:
     """A ramfs (`mounted_ramfs`)."""
     yield from mounted_ramfs(tmp_path / "ramfs")
+
+
+@pytest.fixture
+def dirs_with_room(work_dirs: list[Path], tmp_path: Path) -> Iterator[list[Path]]:
+    """Three directories on a file system that keeps far more than a tenth of itself free, the room the
+    update during backward leaves every path (`KEEP_FREE_PART`): `work_dirs` where the work disk does
+    (a shared disk may not: CI's once kept 9.7%), else a 1 GiB ext4 image mounted through a loop device
+    (root only), with O_DIRECT as the disk's."""
+    from mlp_offload.engine.state import KEEP_FREE_PART
+
+    fs = os.statvfs(work_dirs[0])
+    if fs.f_bavail * KEEP_FREE_PART > 2 * fs.f_blocks:
+        yield work_dirs
+        return
+    if not is_root():
+        pytest.skip("the work disk keeps less than a fifth free, and mounting an ext4 image needs root")
+    image = tmp_path / "room.ext4"
+    subprocess.run(["truncate", "-s", "1G", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    mounted = _mounted(tmp_path / "room", "ext4", "-o", "loop", source=str(image))
+    mnt = next(mounted)
+    paths = [mnt / f"path{i}" for i in range(3)]
+    for path in paths:
+        path.mkdir()
+    yield paths
+    next(mounted, None)
 
 
 @pytest.fixture

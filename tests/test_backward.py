@@ -144,7 +144,7 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     extra: dict[str, Any],
     outcome: str,
     ranks: int,
-    work_dirs: list[Path],
+    dirs_with_room: list[Path],
     tmp_path: Path,
 ) -> None:
     """Each chunk updated as its gradient is final and staged; `step()` keeps it where the outcome is the
@@ -155,9 +155,8 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     case = {"reduce_bucket_size": 20_000, "steps": 6, "clip": 0.0, **ds_case}
     stock = run_case(stock_side(case), tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
-    ours = run_case(
-        {**case, "mlp_offload": section(work_dirs[:2], **{**keys, **extra})}, tmp_path, "ours", ranks=ranks
-    )
+    mlp = section(dirs_with_room[:2], **{**keys, **extra})
+    ours = run_case({**case, "mlp_offload": mlp}, tmp_path, "ours", ranks=ranks)
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
         check_backward_records(a, outcome, case["steps"])
