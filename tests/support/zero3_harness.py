@@ -359,6 +359,14 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         ],
     }
     result.update(final)
+    if case.get("offload_param") == "nvme":
+        # Whose swapper holds the parameters' partitions on NVMe, and whether DeepSpeed's async I/O op
+        # (which stock's swapper runs on) was loaded.
+        params = engine.module.parameters()
+        result["param_swappers"] = sorted(
+            {type(p.nvme_swapper).__name__ for p in params if hasattr(p, "nvme_swapper")}
+        )
+        result["async_io_loaded"] = "async_io" in sys.modules
     if load_peak:
         result["load_added_bytes"] = load_peak[0]
     if samples:

@@ -41,6 +41,7 @@ def install() -> None:
     if getattr(stock, "_mlp_offload_installed", False):
         return
     _build_ours(stock, MLPOffloadStage3)
+    _swap_params_through_our_store()
     _refuse_another_degree(deepspeed.runtime.engine.DeepSpeedEngine, MLPOffloadStage3, checkpoint)
     _tell_of_steps(deepspeed.runtime.engine.DeepSpeedEngine, MLPOffloadStage3)
     stock._mlp_offload_installed = True
@@ -68,6 +69,17 @@ def _build_ours(stock: Any, ours: type) -> None:
 
     # Subclasses (ours, DeepSpeed's SuperOffload) inherit it and build themselves.
     stock.__new__ = staticmethod(dispatching_new)
+
+
+def _swap_params_through_our_store() -> None:
+    """`zero.Init` builds its parameter swapper by this name at call time: for a config with our section
+    it builds ours (`param_swapper`), also inside `deepspeed.initialize`."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    from mlp_offload.adapter.param_swapper import swapper_class
+
+    stock = partition_parameters.AsyncPartitionedParameterSwapper
+    partition_parameters.AsyncPartitionedParameterSwapper = swapper_class(stock)
 
 
 def _refuse_another_degree(engine_class: Any, ours: type, checkpoint: Any) -> None:

@@ -86,6 +86,9 @@ def _zenflow(name: str) -> Option:
 Z = "zero_optimization"
 OO = f"{Z}.offload_optimizer"
 OP = f"{Z}.offload_param"
+# The parameters' partitions on NVMe with our section (`param_swapper`), where stock has fixed slots.
+PARAMS_FOLDER = "params"
+OWN_BUFFER = "each partition read from NVMe gets a buffer of its own, so no fetch waits for one"
 OPT = "optimizer.params"
 
 OPTIONS: tuple[Option, ...] = (
@@ -186,10 +189,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     refused(f"{OO}.super_offload", "SuperOffload, another optimizer", "set it to false", _true),
     equal(f"{OO}.cpuadam_cores_perc", "read by SuperOffload only"),
-    equal(f"{OP}.device", "the parameters' partitions in DeepSpeed's own offload"),
-    equal(f"{OP}.nvme_path", "the parameters' partitions in DeepSpeed's own offload"),
-    equal(f"{OP}.buffer_count", "the parameters' partitions in DeepSpeed's own offload"),
-    equal(f"{OP}.buffer_size", "the parameters' partitions in DeepSpeed's own offload"),
+    equal(
+        f"{OP}.device",
+        "cpu: DeepSpeed's own offload; nvme: the partitions of 1 MiB and more as objects of our store",
+    ),
+    equal(f"{OP}.nvme_path", f"not written: the partitions go to our paths' {PARAMS_FOLDER}/, said at start"),
+    equal(f"{OP}.buffer_count", f"bounds nothing: {OWN_BUFFER}"),
+    equal(f"{OP}.buffer_size", f"bounds nothing: {OWN_BUFFER}"),
     equal(f"{OP}.max_in_cpu", "on NVMe, refused below this rank's partitions (DeepSpeed's count)"),
     equal(f"{OP}.pin_memory", "the parameters' partitions in DeepSpeed's own offload"),
     *(

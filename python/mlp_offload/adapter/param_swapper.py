@@ -1,0 +1,226 @@
+"""The parameters' partitions on NVMe as objects of our store, behind DeepSpeed's parameter swapper.
+
+With `offload_param.device: "nvme"`, DeepSpeed's `zero.Init` keeps each partition of at least 1 MiB on
+NVMe, through the object it builds as `AsyncPartitionedParameterSwapper(ds_config, dtype)` and hands
+every parameter as `param.nvme_swapper`. For a config with our section, `install()` makes that object a
+`StoreParamSwapper`: the same protocol (the methods DeepSpeed calls, the partitions' status and their
+buffers), with the partitions as objects `param<ds_id>` of an `ObjectStore` on our `paths` (each path's
+`params/rank<N>`, beside the state's `rank<N>`), checksummed, in page-aligned buffers sized to each
+partition.
+
+What changes for the user: DeepSpeed's async I/O op is not needed, `offload_param.nvme_path` is not
+written, and no fetch waits for a buffer: each partition in host memory has a buffer of its own
+(`buffer_count` and `buffer_size`, stock's fixed slots, bound nothing; stock fails when a fetch needs
+more slots than are free). The values are the same bits either way: a partition goes to the disk and
+back as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mlp_offload import _core
+from mlp_offload.adapter.options import PARAMS_FOLDER
+from mlp_offload.common.config import from_ds_config
+from mlp_offload.engine.buffers import as_tensor
+from mlp_offload.engine.store import ObjectStore
+
+log = logging.getLogger("mlp_offload")
+
+# DeepSpeed's rule of which partitions go to NVMe (`swappable_tensor`): at least its `MIN_AIO_BYTES`, or
+# `aio.block_size` where larger.
+MIN_SWAPPED_BYTES = 1 << 20
+PAGE = 4096
+
+
+def key_of(param: Any) -> str:
+    return f"param{param.ds_id}"
+
+
+class StoreParamSwapper:
+    """DeepSpeed's `AsyncPartitionedParameterSwapper` over our store (module docs). Reads are issued at
+    once and waited for in `synchronize_reads`, as stock's; writes complete before the call returns."""
+
+    def __init__(self, ds_config: Any, model_dtype: torch.dtype, *, rank: int | None = None) -> None:
+        """As DeepSpeed builds its own (`ds_config`: its `DeepSpeedConfig`); `rank`: the global rank,
+        DeepSpeed's where not given."""
+        from deepspeed import comm as dist
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+
+        config = from_ds_config(ds_config._param_dict)
+        assert config is not None, "built only for a config with our section"
+        self.status = PartitionedParamStatus
+        self.dtype = model_dtype
+        self.element_size = torch.tensor([], dtype=model_dtype).element_size()
+        self.min_swapped_bytes = max(MIN_SWAPPED_BYTES, int(ds_config.aio_config["block_size"]))
+        rank = dist.get_rank() if rank is None else rank
+        roots = [Path(p) / PARAMS_FOLDER for p in config.paths]
+        # A new job starts from the parameters its `zero.Init` writes, as stock's (it empties its folder).
+        for root in roots:
+            shutil.rmtree(root / f"rank{rank}", ignore_errors=True)
+            root.mkdir(parents=True, exist_ok=True)
+        self.store = ObjectStore(
+            roots,
+            rank=rank,
+            engine=config.engine,
+            chunk_size=config.chunk_size,
+            weights=config.weights if isinstance(config.weights, list) else None,
+            checksum=config.checksum,
+            shadow_slots=False,
+        )
+        # The partitions in host memory, by id: each one's own buffer, and the reads still in flight.
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.inflight: list[tuple[Any, Any]] = []
+        self.numel: dict[int, int] = {}
+        self.invalid_buffer = torch.tensor(1).half()
+        # The one buffer `reserve_partitioned_swap_space` asks for (its subgroup's largest partitions).
+        self.partitioned_swap_numel = 0
+        if ds_config.zero_config.offload_param.nvme_path:
+            log.info(
+                "offload_param.nvme_path: the parameters' partitions on NVMe go to mlp_offload.paths "
+                "(each path's %s/rank%d), not to %s",
+                PARAMS_FOLDER,
+                rank,
+                ds_config.zero_config.offload_param.nvme_path,
+            )
+
+    # What DeepSpeed asks of the swapper.
+
+    def swappable_tensor(self, param: Any = None, numel: int | None = None) -> bool:
+        """Whether a partition goes to NVMe: DeepSpeed's rule, by size."""
+        if param is not None:
+            numel = param.ds_tensor.ds_numel
+        assert numel is not None, "a param or a numel"
+        return self.min_swapped_bytes <= numel * self.element_size
+
+    def available_swap_in_buffers(self) -> int:
+        """Every partition gets a buffer of its own when it is read: never too few (DeepSpeed's prefetch
+        stops at the count this gives)."""
+        return 1 << 30
+
+    def get_buffer(self, param: Any, numel: int) -> torch.Tensor:
+        """A buffer of `numel` elements for a partition about to be written (`swap_out_and_release`)."""
+        self.numel[param.ds_id] = numel
+        return self._buffer(param.ds_id, numel)
+
+    def swap_out_and_release(self, params: list[Any], async_op: bool = False, **_: Any) -> None:
+        """Writes each partition as its object, then lets its buffer go. The writes are complete
+        before it returns (stock's `async_op` only defers its wait)."""
+        handles = []
+        for param in params:
+            self.numel[param.ds_id] = param.ds_tensor.ds_numel
+            handles.append(self.store.write(key_of(param), self.buffers[param.ds_id]))
+        for handle in handles:
+            handle.wait()
+        self.remove_partition_and_release_buffers(params)
+
+    def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
+        """Issues a read of each partition into a buffer of its own; `synchronize_reads` makes them
+        available."""
+        assert swap_in_buffers is None, "DeepSpeed passes no buffers of its own to this swapper"
+        for param in params:
+            status = param.ds_tensor.status
+            if status != self.status.NOT_AVAILABLE:
+                raise RuntimeError(f"parameter {param.ds_id}: read asked for while its partition is {status}")
+        for param in params:
+            buffer = self._buffer(param.ds_id, self.numel[param.ds_id])
+            self.inflight.append((param, self.store.read(key_of(param), buffer)))
+            param.ds_tensor.status = self.status.INFLIGHT
+        if not async_op:
+            self.synchronize_reads()
+
+    def synchronize_reads(self) -> None:
+        """Waits for the reads in flight; each partition then lies in its buffer, available."""
+        inflight, self.inflight = self.inflight, []
+        for param, handle in inflight:
+            handle.wait()
+            param.ds_tensor.data = self.buffers[param.ds_id].data
+            param.ds_tensor.status = self.status.AVAILABLE
+
+    def synchronize_writes(self) -> None:
+        """Nothing waits: every write completed in the call that issued it."""
+
+    def swap_into_buffer(self, param: Any, dest_buffer: torch.Tensor) -> None:
+        """Reads the partition into DeepSpeed's own buffer (its flat buffer of the subgroup), where it
+        then stays available."""
+        if param.ds_tensor.status != self.status.NOT_AVAILABLE:
+            raise RuntimeError(f"parameter {param.ds_id}: read into a buffer while available or in flight")
+        self.store.read(key_of(param), dest_buffer).wait()
+        param.ds_tensor.data = dest_buffer.data
+        param.ds_tensor.status = self.status.AVAILABLE
+
+    def remove_partition_and_release_buffers(self, params: list[Any]) -> None:
+        """Lets each partition's buffer go (its object is current); the partition is NOT_AVAILABLE."""
+        for param in params:
+            self.buffers.pop(param.ds_id, None)
+            param.ds_tensor.data = self.invalid_buffer.data
+            param.ds_tensor.status = self.status.NOT_AVAILABLE
+
+    def reserve_partitioned_swap_space(self, partition_num_elems: list[int]) -> None:
+        """DeepSpeed reserves room to write a subgroup's partitions after its update: ours writes each
+        from a buffer of its own (`swap_out_partitioned_params`)."""
+        self.partitioned_swap_numel = sum(partition_num_elems)
+
+    def swap_out_partitioned_params(self, dst_fp16_params: list[Any], src_fp32_params: list[Any]) -> None:
+        """After a subgroup's update: each partition rounded from its fp32 master weights (torch's
+        `copy_`, to nearest even, as stock's), written as its object, NOT_AVAILABLE."""
+        assert len(dst_fp16_params) == len(src_fp32_params), (len(dst_fp16_params), len(src_fp32_params))
+        handles = []
+        for param, master in zip(dst_fp16_params, src_fp32_params, strict=True):
+            half = self._new_buffer(master.numel())
+            half.copy_(master)
+            # The store keeps `half` alive until its write is done.
+            handles.append(self.store.write(key_of(param), half))
+        for handle in handles:
+            handle.wait()
+        for param in dst_fp16_params:
+            param.ds_tensor.status = self.status.NOT_AVAILABLE
+
+    def reserve_available_buffers(self) -> list[torch.Tensor]:
+        """Reached only by DeepSpeed's NVMe optimizer offload (`fast_init`), which ours replaces."""
+        raise RuntimeError(
+            "offload_optimizer.device nvme reads the parameters' swap files itself; with mlp_offload the "
+            "optimizer's offload is the store's (the config's offload_optimizer must be DeepSpeed's cpu)"
+        )
+
+    def release_reserved_buffers(self) -> None:
+        """Nothing is ever reserved (`reserve_available_buffers`)."""
+
+    def get_path(self, param: Any, must_exist: bool = False) -> str:
+        """Reached only by DeepSpeed's NVMe optimizer offload, which reads swap files itself."""
+        raise RuntimeError(
+            f"parameter {param.ds_id}: its partition is object {key_of(param)} of mlp_offload's store, not "
+            "a swap file; only DeepSpeed's NVMe optimizer offload asks for the file, and mlp_offload's "
+            "replaces it"
+        )
+
+    def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
+        """Partition `ds_id`'s buffer of `numel` elements, held until it is released."""
+        buffer = self._new_buffer(numel)
+        self.buffers[ds_id] = buffer
+        return buffer
+
+    def _new_buffer(self, numel: int) -> torch.Tensor:
+        """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""
+        nbytes = numel * self.element_size
+        memory = _core.HostBuffer(max(PAGE, -(-nbytes // PAGE) * PAGE))
+        return as_tensor(memory, self.dtype)[:numel]
+
+
+def swapper_class(stock: Callable[[Any, torch.dtype], Any]) -> Callable[[Any, torch.dtype], Any]:
+    """What `partition_parameters.AsyncPartitionedParameterSwapper` becomes: ours for a config with our
+    section, else `stock`."""
+
+    def build(ds_config: Any, model_dtype: torch.dtype) -> Any:
+        if from_ds_config(getattr(ds_config, "_param_dict", None)) is not None:
+            return StoreParamSwapper(ds_config, model_dtype)
+        return stock(ds_config, model_dtype)
+
+    build.stock = stock  # type: ignore[attr-defined]
+    return build
