@@ -75,28 +75,16 @@ def test_a_missing_path_is_named(work_dirs: list[Path], tmp_path: Path) -> None:
         ({"client_optimizer": "SGD"}, r"optimizer is torch\.optim\.sgd\.SGD"),
         ({"client_optimizer": "Adagrad"}, r"optimizer is torch\.optim\.adagrad\.Adagrad"),
         ({"client_optimizer": "Adam", "client_options": {"amsgrad": True}}, r"'amsgrad'"),
-        (
-            {"offload_param": "nvme", "param_max_in_cpu": 10_000},
-            r"offload_param: parameters on NVMe .* past offload_param\.max_in_cpu \(10,000 elements; "
-            r"this rank's partitions hold 66,624",
-        ),
     ],
-    ids=[
-        "SGD",
-        "Adagrad",
-        "amsgrad",
-        "parameters on NVMe",
-    ],
+    ids=["SGD", "Adagrad", "amsgrad"],
 )
 def test_what_we_do_not_honour_is_refused_by_name(
     ds_case: dict[str, Any], message: str, work_dirs: list[Path], tmp_path: Path
 ) -> None:
-    """Optimizers whose state is not exp_avg and exp_avg_sq per element, and parameters on NVMe past
-    what DeepSpeed keeps in host memory, fail at start with an error naming them, never silently. Each
-    DeepSpeed option is a row of `test_options.py`."""
+    """Optimizers whose state is not exp_avg and exp_avg_sq per element fail at start with an error
+    naming them, never silently. Each DeepSpeed option is a row of `test_options.py`; an overlap set to
+    true with parameters on NVMe past `max_in_cpu`, a row of `test_params_on_nvme.py`."""
     case = {**ds_case, "mlp_offload": section(work_dirs[:1]), "steps": 1}
-    if ds_case.get("offload_param") == "nvme":
-        case["param_nvme_path"] = str(tmp_path / "params")
     with pytest.raises(AssertionError, match=message):
         run_case(case, tmp_path, "refused")
 

@@ -185,6 +185,23 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool
         },
     ),
     (
+        "the README's section with subgroups' parameters on NVMe: both overlaps off, saying why",
+        {},
+        {"subgroups_on_nvme": 2},
+        True,
+        {
+            "overlap": (False, "2 subgroups' parameters are on NVMe (past offload_param.max_in_cpu)"),
+            "overlap_backward": (False, "in host memory"),
+        },
+    ),
+    (
+        "a streamed state with subgroups' parameters on NVMe: no update during backward",
+        STREAMS,
+        {"subgroups_on_nvme": 1, "params_on_host": False},
+        True,
+        {"overlap_backward": (False, "1 subgroups' parameters are on NVMe")},
+    ),
+    (
         "bf16 master weights with overlap_backward: true: kept in the store",
         {**STREAMS, "overlap_backward": True},
         {"master": BF16},
@@ -263,8 +280,25 @@ def test_host_memory_and_where_it_came_from(
             {"master": BF16},
             r"master_in_params: true, but overlap_backward is true",
         ),
+        (
+            {"overlap": True},
+            {"subgroups_on_nvme": 3},
+            r"mlp_offload\.overlap: true cannot be with parameters on NVMe past .*max_in_cpu \(3",
+        ),
+        (
+            {**STREAMS, "overlap_backward": True},
+            {"subgroups_on_nvme": 1},
+            r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe",
+        ),
     ],
-    ids=["a budget of no chunk", "a cache of every buffer", "in params, fp32", "in params, backward true"],
+    ids=[
+        "a budget of no chunk",
+        "a cache of every buffer",
+        "in params, fp32",
+        "in params, backward true",
+        "overlap true, parameters on NVMe",
+        "overlap_backward true, parameters on NVMe",
+    ],
 )
 def test_what_cannot_be_is_refused_by_its_key(
     section: dict[str, Any], given: dict[str, Any], error: str
@@ -314,42 +348,25 @@ REFUSALS = [
     (
         "an offload to NVMe the adapter did not rewrite",
         {"device": "nvme", "nvme_path": "/tmp"},
-        None,
         "SGD",
         r"needs \"cpu\"",
     ),
-    ("SGD", {"device": "cpu"}, None, "SGD", r"the optimizer is torch\.optim\.sgd\.SGD"),
-    ("AMSGrad", {"device": "cpu"}, None, "amsgrad", r"'amsgrad': true is not supported"),
-    (
-        "parameters on NVMe past max_in_cpu",
-        {"device": "cpu"},
-        {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 10},
-        "Adam",
-        r"offload_param.max_in_cpu \(10 elements; this rank's partitions hold 128\)",
-    ),
-    (
-        "parameters on NVMe within max_in_cpu",
-        {"device": "cpu"},
-        {"device": "nvme", "nvme_path": "/tmp", "max_in_cpu": 128},
-        "Adam",
-        None,
-    ),
+    ("SGD", {"device": "cpu"}, "SGD", r"the optimizer is torch\.optim\.sgd\.SGD"),
+    ("AMSGrad", {"device": "cpu"}, "amsgrad", r"'amsgrad': true is not supported"),
+    ("Adam", {"device": "cpu"}, "Adam", None),
 ]
 
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize(
-    ("offload", "params_offload", "optimizer", "error"),
+    ("offload", "optimizer", "error"),
     [r[1:] for r in REFUSALS],
     ids=[r[0] for r in REFUSALS],
 )
 def test_deepspeeds_objects_the_engine_does_not_take_are_refused_by_name(
-    offload: dict[str, Any], params_offload: dict[str, Any] | None, optimizer: str, error: str | None
+    offload: dict[str, Any], optimizer: str, error: str | None
 ) -> None:
-    from deepspeed.runtime.zero.offload_config import (
-        DeepSpeedZeroOffloadOptimizerConfig,
-        DeepSpeedZeroOffloadParamConfig,
-    )
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
 
     params = [torch.nn.Parameter(torch.zeros(256))]
     made = {
@@ -357,10 +374,9 @@ def test_deepspeeds_objects_the_engine_does_not_take_are_refused_by_name(
         "amsgrad": lambda: torch.optim.Adam(params, amsgrad=True),
         "Adam": lambda: torch.optim.Adam(params),
     }[optimizer]()
-    param_config = None if params_offload is None else DeepSpeedZeroOffloadParamConfig(**params_offload)
     refuse = settings_module.refuse_unsupported
     if error is None:
-        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), param_config, made, 2)
+        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), made)
         return
     with pytest.raises(ValueError, match=error):
-        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), param_config, made, 2)
+        refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), made)

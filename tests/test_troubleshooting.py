@@ -29,7 +29,13 @@ NOT_FROM_THE_REGISTRY = {
     ("deepspeed_view.py", "fp32_index"): "an internal lookup of the swapper protocol",
     ("options.py", "check"): "each part is troubleshooting.OPTION's message",
     ("troubleshooting.py", "readme"): "the docs' generator",
-    ("zero3.py", "_create_fp32_partitions"): "a guard: PARAMS_ON_NVME refuses it at start",
+    ("param_swapper.py", "swap_in"): "a guard of DeepSpeed's status protocol, as its own assertion",
+    ("param_swapper.py", "swap_into_buffer"): "a guard of DeepSpeed's status protocol, as its own assertion",
+    (
+        "param_swapper.py",
+        "reserve_available_buffers",
+    ): "a guard: OFFLOAD_DEVICE refuses NVMe optimizer offload",
+    ("param_swapper.py", "get_path"): "a guard: OFFLOAD_DEVICE refuses NVMe optimizer offload",
 }
 
 

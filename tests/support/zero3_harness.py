@@ -330,8 +330,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             # A frozen parameter has no optimizer state: its partition is all there is.
-            half = p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None
-            state[name] = {"fp32": None, "exp_avg": None, "exp_avg_sq": None, "half": half}
+            state[name] = {"fp32": None, "exp_avg": None, "exp_avg_sq": None, "half": partition(p)}
             continue
         # The helpers first: they wait for an update still running behind step(), which writes the
         # partition.
@@ -339,7 +338,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             "fp32": safe_get_full_fp32_param(p).clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
-            "half": p.ds_tensor.clone() if hasattr(p, "ds_tensor") else None,
+            "half": partition(p),
         }
     from deepspeed.runtime.zero import stage3
 
@@ -421,6 +420,21 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 torch.equal(store_read(store, key, expected), expected) for key, expected in chunks.items()
             )
     return result
+
+
+def partition(p: Any) -> torch.Tensor | None:
+    """This rank's partition of `p`, also where it lies on NVMe (read in through its swapper, stock's or
+    ours, then released as a fetch releases it)."""
+    if not hasattr(p, "ds_tensor"):
+        return None
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+
+    if p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE:
+        return p.ds_tensor.clone()
+    p.nvme_swapper.swap_in([p], async_op=False)
+    values = p.ds_tensor.clone()
+    p.nvme_swapper.remove_partition_and_release_buffers([p])
+    return values
 
 
 def build_model(name: str) -> torch.nn.Module:

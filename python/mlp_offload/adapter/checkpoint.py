@@ -88,7 +88,8 @@ def load_state_dict(
     try:
         # DeepSpeed's own loader: loss scaling, the moments (torch's loader matches them to our fp32
         # tensors by position), the fp32 weights into the bound tensors, the half-precision partitions.
-        DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict(opt, saved, load_optimizer_states)
+        with view.on_nvme.as_flat_buffers():
+            DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict(opt, saved, load_optimizer_states)
         if load_optimizer_states and numels:
             session.follow_loaded_moments(view.first_moments_dtype())
         for i, whole in enumerate(states):
@@ -204,7 +205,12 @@ def fill_from_universal(out: torch.Tensor, parts: list[UniversalPart], key: str,
 
 
 def load_universal(
-    opt: Any, session: UpdateSession, folder: str, load_optimizer_states: bool, load_from_fp32_weights: bool
+    opt: Any,
+    session: UpdateSession,
+    view: DeepSpeedView,
+    folder: str,
+    load_optimizer_states: bool,
+    load_from_fp32_weights: bool,
 ) -> None:
     """Loads a universal checkpoint (any data-parallel degree) as stock DeepSpeed's
     `_load_universal_checkpoint` does, chunk by chunk, so the host memory it adds is about a chunk:
@@ -212,17 +218,19 @@ def load_universal(
     (`load_module_checkpoint_state_from_checkpoint_dir_stage3`)."""
     zero = os.path.join(folder, "zero")
     if load_optimizer_states:
-        _load_universal_state(opt, session, zero)
+        _load_universal_state(opt, session, view, zero)
     else:
         _load_universal_weights(opt, session, zero, load_from_fp32_weights)
     # The partitioned parameters point into the half-precision partitions again (stock's last loop).
     for i, half in enumerate(opt.fp16_partitioned_groups_flat):
+        if half is None:
+            continue  # on NVMe: written back as each subgroup's chunks were loaded
         updated = opt.unflatten(half, opt.fp16_partitioned_groups[i])
         for partitioned_param, q in zip(opt.fp16_partitioned_groups[i], updated, strict=True):
             partitioned_param.data = q.data
 
 
-def _load_universal_state(opt: Any, session: UpdateSession, zero: str) -> None:
+def _load_universal_state(opt: Any, session: UpdateSession, view: DeepSpeedView, zero: str) -> None:
     """The master weights and both moments, in the master weights' dtype as stock loads them (its
     moments too: `zeros_like` the master weights), the Adam step and the hyperparameters of the
     checkpoint's first param group; the half-precision partitions from the master weights."""
@@ -241,7 +249,7 @@ def _load_universal_state(opt: Any, session: UpdateSession, zero: str) -> None:
     state.pipeline.flush()
     scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
     for i, of_subgroup in enumerate(parts):
-        half = opt.fp16_partitioned_groups_flat[i].data
+        half = view.partition(i)
         for chunk in state.of_subgroup[i]:
             _, first, count = state.chunks[chunk]
             fill = functools.partial(
@@ -249,6 +257,7 @@ def _load_universal_state(opt: Any, session: UpdateSession, zero: str) -> None:
             )
             state.write(chunk, fill, scratch)
         opt.optimizer.state[opt.fp32_partitioned_groups_flat[i]]["step"] = state_step
+    view.settle_partitions()
     for param_group in opt.optimizer.param_groups:
         for key, value in saved["param_groups"][0].items():
             param_group[key] = [] if key == "params" else value

@@ -54,7 +54,7 @@ class ChunkUpdater:
             self.grad = torch.empty(elements, dtype=FP32)
         # Two slots of 2-byte parameters fill the chunk's fp32 gradient; fp32 parameters fill it alone,
         # and each chunk's pass waits for the last copy out of it.
-        self.scratch_slots = FP32.itemsize // view.partition(0).element_size()
+        self.scratch_slots = FP32.itemsize // view.partition_dtype.itemsize
         # Per slot, the event after its last copy to the device (None: none queued since the last wait).
         self.scratch_copies: list[Any] = [None] * self.scratch_slots
         self.scratch_next = 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mlp_offload.adapter.nvme_partitions import NvmePartitions
 from mlp_offload.engine.state import FP32
 from mlp_offload.engine.state_dtypes import StateDtypes
 
@@ -29,6 +30,7 @@ METHODS = (
 )
 ATTRIBUTES = (
     "fp16_groups",
+    "fp16_partitioned_groups",
     "fp16_partitioned_groups_flat",
     "fp16_partitioned_groups_flat_numel",
     "fp32_partitioned_groups_flat",
@@ -38,6 +40,7 @@ ATTRIBUTES = (
     "optimizer",
     "loss_scale",
     "clip_grad",
+    "dtype",
 )
 
 
@@ -71,13 +74,29 @@ class DeepSpeedView:
     def __init__(self, optimizer: Any, tensor_steps: bool) -> None:
         self._opt = optimizer
         self._tensor_steps = tensor_steps
+        # The subgroups DeepSpeed keeps on NVMe, past `offload_param.max_in_cpu` (none where it has a flat
+        # partition for every one).
+        self.on_nvme = NvmePartitions(optimizer)
 
     # ----------------------------------------------------------------------------------------------
     # The partitions and the gradient buffer
 
     def partition(self, i: int) -> torch.Tensor:
-        """Subgroup `i`'s half-precision partition (its flat data)."""
-        return self._opt.fp16_partitioned_groups_flat[i].data
+        """Subgroup `i`'s half-precision partition (its flat data); for a subgroup on NVMe, its flat copy
+        in host memory (`NvmePartitions.get`), written back by `unflatten(i)` or `settle_partitions`."""
+        flat = self._opt.fp16_partitioned_groups_flat[i]
+        return self.on_nvme.get(i) if flat is None else flat.data
+
+    @property
+    def partition_dtype(self) -> torch.dtype:
+        """The half-precision partitions' dtype (the model's)."""
+        dtype: torch.dtype = self._opt.dtype
+        return dtype
+
+    def settle_partitions(self) -> None:
+        """The flat copy of a subgroup on NVMe, if one is held, written back where it changed and freed:
+        the parameters' objects are current for the next fetch."""
+        self.on_nvme.let_go()
 
     def numel(self, i: int) -> int:
         return int(self._opt.fp16_partitioned_groups_flat_numel[i])
@@ -100,8 +119,12 @@ class DeepSpeedView:
         return slices
 
     def unflatten(self, i: int) -> None:
-        """DeepSpeed re-points subgroup `i`'s parameters at its partition (after its last chunk)."""
-        self._opt._unflatten_partitioned_parameters(i)
+        """DeepSpeed re-points subgroup `i`'s parameters at its partition (after its last chunk); a
+        subgroup on NVMe has its flat copy written back instead, as DeepSpeed writes it there."""
+        if self.on_nvme.on_nvme(i):
+            self.on_nvme.let_go()
+        else:
+            self._opt._unflatten_partitioned_parameters(i)
 
     # ----------------------------------------------------------------------------------------------
     # The Adam state and the param groups

@@ -196,7 +196,10 @@ OPTIONS: tuple[Option, ...] = (
     equal(f"{OP}.nvme_path", f"not written: the partitions go to our paths' {PARAMS_FOLDER}/, said at start"),
     equal(f"{OP}.buffer_count", f"bounds nothing: {OWN_BUFFER}"),
     equal(f"{OP}.buffer_size", f"bounds nothing: {OWN_BUFFER}"),
-    equal(f"{OP}.max_in_cpu", "on NVMe, refused below this rank's partitions (DeepSpeed's count)"),
+    equal(
+        f"{OP}.max_in_cpu",
+        "past it, whole subgroups on NVMe: the update reads and writes them as it goes, both overlaps off",
+    ),
     equal(f"{OP}.pin_memory", "the parameters' partitions in DeepSpeed's own offload"),
     *(
         _zenflow(name)

@@ -182,6 +182,17 @@ class StoreParamSwapper:
         for param in dst_fp16_params:
             param.ds_tensor.status = self.status.NOT_AVAILABLE
 
+    # What the engine asks, for the subgroups on NVMe (`nvme_partitions`): the objects alone, whatever
+    # DeepSpeed's status of the partition.
+
+    def read_partition(self, param: Any, dest: torch.Tensor) -> None:
+        """Reads the partition's object into `dest`."""
+        self.store.read(key_of(param), dest).wait()
+
+    def write_partition(self, param: Any, src: torch.Tensor) -> None:
+        """Writes `src` as the partition's object (complete when it returns)."""
+        self.store.write(key_of(param), src).wait()
+
     def reserve_available_buffers(self) -> list[torch.Tensor]:
         """Reached only by DeepSpeed's NVMe optimizer offload (`fast_init`), which ours replaces."""
         raise RuntimeError(

@@ -157,6 +157,7 @@ class UpdateSession:
         page_report = pipeline.page_report
         plan = self.planner.plan(pipeline, self.store)
         self.state.initialize(view.partition)
+        view.settle_partitions()
         if self.settings.backward_every_chunk:
             # Every streamed chunk is updated during backward: each gets its second slot now, so a full
             # disk shows at start-up, naming the file.
@@ -199,6 +200,8 @@ class UpdateSession:
             "master_in_params": {"on": settings.master_in_params.on, "why": settings.master_in_params.why},
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},
+            # Subgroups whose parameters are on NVMe, read and written by the update as it goes.
+            "subgroups_on_nvme": settings.subgroups_on_nvme,
             # Whether each step's figures go to DeepSpeed's monitors, and why.
             "monitors": {"on": settings.monitors.on, "why": settings.monitors.why},
             # Whether chunks are updated during backward, and why.

@@ -40,15 +40,13 @@ class KernelChoice:
     why: str
 
 
-def refuse_unsupported(offload: Any, params_offload: Any, optimizer: Any, world: int) -> None:
+def refuse_unsupported(offload: Any, optimizer: Any) -> None:
     """Refuses, by name, what DeepSpeed's config and objects ask of the engine that it does not do:
     the optimizer not offloaded to the host (`offload_optimizer.device`), an optimizer whose state the
-    store does not hold, parameters on NVMe past `max_in_cpu` (`world`: the data-parallel ranks).
-    Before DeepSpeed's `__init__`, which would partition the model and build its NVMe swapper."""
+    store does not hold. Before DeepSpeed's `__init__`, which would partition the model."""
     if offload is None or _offload_device(offload) != "cpu":
         raise ValueError(troubleshooting.OFFLOAD_DEVICE.message())
     _check_optimizer(optimizer)
-    _check_params_offload(params_offload, optimizer.param_groups, world)
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -73,29 +71,6 @@ def _offload_device(offload: Any) -> str:
     return str(getattr(offload.device, "value", offload.device))
 
 
-def _check_params_offload(params_offload: Any, param_groups: list[dict[str, Any]], world: int) -> None:
-    """Refuses, before DeepSpeed partitions the model and builds its NVMe swapper, parameters offloaded
-    to NVMe past `offload_param.max_in_cpu`: DeepSpeed then keeps the partitions of the subgroups past
-    it on NVMe alone, and the update (which writes each subgroup's half-precision partition in host
-    memory) has nowhere to write them. Within it, every partition has its place in host memory and the
-    update runs as with `device: cpu`."""
-    if params_offload is None or _offload_device(params_offload) != "nvme":
-        return
-    # DeepSpeed's count (stage3.py): each trainable parameter's partition, ceil(numel / ranks), summed.
-    elements = sum(
-        -(-int(getattr(p, "ds_numel", p.numel())) // world)
-        for group in param_groups
-        for p in group["params"]
-        if p.requires_grad
-    )
-    if elements > int(params_offload.max_in_cpu):
-        raise ValueError(
-            troubleshooting.PARAMS_ON_NVME.message(
-                max_in_cpu=int(params_offload.max_in_cpu), elements=elements
-            )
-        )
-
-
 # `update_kernel`'s check (the setting) for a state of these dtypes kept in those (`stored`), on this many
 # threads (None: torch's): `adapter.kernel_check.choose_update_kernel` against the job's optimizer.
 KernelCheck = Callable[[str, StateDtypes, StateDtypes, "int | None"], KernelChoice]
@@ -110,7 +85,8 @@ class StartFacts:
     `params`: the half-precision partitions'; `fp32_moments`: CPU Adam's `fp32_optimizer_states`;
     `params_on_host`: whether the partitions are in host memory. `spare`: what this rank can spare now
     (`memory.spare_host_memory`), asked once, where it is needed. `monitor`: whether the DeepSpeed config
-    enables one of its monitors."""
+    enables one of its monitors. `subgroups_on_nvme`: the subgroups whose parameters DeepSpeed keeps on
+    NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory)."""
 
     numels: tuple[int, ...]
     buffer_count: int
@@ -121,6 +97,7 @@ class StartFacts:
     params_on_host: bool
     spare: Callable[[], memory.SpareMemory]
     monitor: bool = False
+    subgroups_on_nvme: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,6 +140,8 @@ class Settings:
     pin: bool
     """Whether host buffers are page-locked (DeepSpeed's `pin_memory`)."""
     params_on_host: bool
+    subgroups_on_nvme: int
+    """Subgroups whose parameters DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`)."""
 
     @property
     def every_chunk_cached(self) -> bool:
@@ -193,11 +172,15 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     kernel = check_kernel(config.update_kernel, dtypes, dtypes, threads)
     fused = kernel.fused is not None
     every_cached = cache_slots == len(layout.chunks)
-    overlap = _overlap(config.overlap, fused, every_cached)
+    overlap = _off_with_params_on_nvme("overlap", facts, _overlap(config.overlap, fused, every_cached))
     kept_copies = 0
-    if every_cached and config.overlap_backward is not False and fused:
+    if every_cached and config.overlap_backward is not False and fused and not facts.subgroups_on_nvme:
         kept_copies = _kept_copies_room(config, host_memory, layout, spare)
-    backward = _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on)
+    backward = _off_with_params_on_nvme(
+        "overlap_backward",
+        facts,
+        _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on),
+    )
     if not backward.on:
         kept_copies = 0
     buffers, cache_slots = memory.stream_buffers(
@@ -225,6 +208,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         monitors=_monitors(config, facts.monitor),
         pin=facts.pin_memory,
         params_on_host=facts.params_on_host,
+        subgroups_on_nvme=facts.subgroups_on_nvme,
     )
 
 
@@ -317,6 +301,21 @@ def _overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> Choi
     # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
     # forward is long (docs/results.md, "The update behind the next forward").
     return Choice(False, "off: the state streams (overlap: true runs it behind step() all the same)")
+
+
+def _off_with_params_on_nvme(key: str, facts: StartFacts, choice: Choice) -> Choice:
+    """An overlap (`key`) where subgroups' parameters are on NVMe: off, as the forward and backward fetch
+    them from their objects, which the update writes only when their subgroup is done; `true` refused."""
+    if not choice.on or not facts.subgroups_on_nvme:
+        return choice
+    subgroups = facts.subgroups_on_nvme
+    if choice.why.startswith("on (the config)"):
+        raise ValueError(troubleshooting.OVERLAP_PARAMS_ON_NVME.message(key=key, subgroups=subgroups))
+    return Choice(
+        False,
+        f"off: {subgroups} subgroups' parameters are on NVMe (past offload_param.max_in_cpu), read by "
+        "the forward and backward, and written by the update as each subgroup is done",
+    )
 
 
 # Why the update during backward is off where the master weights are in the parameters.

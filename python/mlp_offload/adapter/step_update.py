@@ -154,6 +154,6 @@ class StepUpdate:
             session.store,
             stats,
             StepTimes(self.end - self.start, self.fwd_bwd_secs, self.backward_secs, self.compute_secs),
-            dataclasses.replace(self.parts, overlap=overlap),
+            dataclasses.replace(self.parts, overlap=overlap, params_on_nvme=self.view.on_nvme.step_record()),
         )
         session.fp32_grads.clear()

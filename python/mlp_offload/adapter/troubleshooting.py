@@ -123,17 +123,19 @@ OFFLOAD_DEVICE = Trouble(
     'set `offload_optimizer.device` to "cpu" or "nvme" and start through `mlp_offload.initialize` '
     "or after `mlp_offload.install()`",
 )
-PARAMS_ON_NVME = Trouble(
-    "params-on-nvme",
-    "Parameters on NVMe past max_in_cpu",
-    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload past "
-    "offload_param.max_in_cpu ({max_in_cpu:,} elements; this rank's partitions hold {elements:,}): raise "
-    'max_in_cpu to {elements:,} or more, or offload the parameters to "cpu"',
+OVERLAP_PARAMS_ON_NVME = Trouble(
+    "overlap-params-on-nvme",
+    "An overlap set to true with parameters on NVMe past max_in_cpu",
+    "mlp_offload.{key}: true cannot be with parameters on NVMe past offload_param.max_in_cpu ({subgroups} "
+    "subgroups there): the forward and backward read them from NVMe while the update would still be "
+    'writing them; leave {key} at "auto" (off here) or raise offload_param.max_in_cpu',
     REFUSAL,
-    "past `max_in_cpu` DeepSpeed keeps the parameters' partitions on NVMe alone, where the update cannot "
-    "write them",
-    'raise `offload_param.max_in_cpu` to the count the message names, or set `offload_param.device` to "cpu"',
-    "parameters on NVMe past `offload_param.max_in_cpu`",
+    "past `max_in_cpu` DeepSpeed keeps subgroups' parameters on NVMe alone; the update writes each "
+    "subgroup's parameters there when it is done, so it cannot run beside the forward or backward that "
+    "fetches them",
+    'leave `overlap` and `overlap_backward` at "auto" (they resolve off there), or raise '
+    "`offload_param.max_in_cpu` past this rank's partitions",
+    "`overlap` or `overlap_backward` set to true with parameters on NVMe past `offload_param.max_in_cpu`",
 )
 ANOTHER_DEGREE = Trouble(
     "another-degree",
@@ -259,7 +261,7 @@ FORMATTED_HERE = (
     ANOTHER_ZERO_OPTIMIZER,
     NO_SECTION,
     OFFLOAD_DEVICE,
-    PARAMS_ON_NVME,
+    OVERLAP_PARAMS_ON_NVME,
     ANOTHER_DEGREE,
     UNLISTED_OPTION,
     CHECKPOINT_LAYOUT,

@@ -115,12 +115,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             raise ValueError(troubleshooting.NO_SECTION.message())
         offload = kwargs.get("offload_optimizer_config")
         # DeepSpeed's options are checked before this (`adapter.options`); the objects here.
-        refuse_unsupported(
-            offload,
-            kwargs.get("offload_param_config"),
-            init_optimizer,
-            dist.get_world_size(group=kwargs.get("dp_process_group")),
-        )
+        refuse_unsupported(offload, init_optimizer)
         self._mlp_config: MLPOffloadConfig = config
         # Whether DeepSpeed's config enables one of its monitors (each step's figures go there).
         self._mlp_monitor = bool(get_monitor_config(ds_config).enabled)
@@ -164,15 +159,9 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """Leaves an empty fp32 tensor per subgroup in DeepSpeed's list; the state itself is written to
         the store chunk by chunk once the settings are resolved (`_mlp_start`)."""
         self.subgroup_to_device = dict.fromkeys(range(len(self.fp16_partitioned_groups_flat)), "cpu")
-        for i, fp16_flat in enumerate(self.fp16_partitioned_groups_flat):
+        for i in range(len(self.fp16_partitioned_groups_flat)):
             n = int(self.fp16_partitioned_groups_flat_numel[i])
             ids = self.fp16_partitioned_groups_flat_id[i]
-            if fp16_flat is None:
-                # Refused at start (`settings.refuse_unsupported`) unless DeepSpeed's count changes.
-                raise ValueError(
-                    "zero_optimization.offload_param: parameters on NVMe are not supported with mlp_offload "
-                    f"past offload_param.max_in_cpu (subgroup {i} has no partition in host memory)"
-                )
             # DeepSpeed tags tensors with attributes (`ds_id`), which torch's types do not declare.
             placeholder: Any = torch.empty(0, dtype=self.master_weights_and_grads_dtype)
             placeholder.ds_id = f"{ids[0]}_{ids[-1]}"
@@ -261,17 +250,20 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
 
     def _mlp_facts(self) -> StartFacts:
         """What the settings follow from in DeepSpeed's config and optimizer, and the machine."""
-        offload, first = self._mlp_offload, self.fp16_partitioned_groups_flat[0]
+        offload, flats = self._mlp_offload, self.fp16_partitioned_groups_flat
+        first = flats[0]
         return StartFacts(
             numels=tuple(int(n) for n in self.fp16_partitioned_groups_flat_numel),
             buffer_count=int(offload.buffer_count),
             pin_memory=bool(offload.pin_memory),
             master=self.master_weights_and_grads_dtype,
-            params=first.dtype,
+            params=self.dtype,
             # With `fp32_optimizer_states` off (`bf16_optimizer_states`), CPU Adam keeps the moments in
             # the master weights' dtype.
             fp32_moments=getattr(self.optimizer, "fp32_optimizer_states", True),
-            params_on_host=first.device.type == "cpu",
+            # DeepSpeed keeps a subgroup past `offload_param.max_in_cpu` on NVMe (no flat partition).
+            params_on_host=first is None or first.device.type == "cpu",
+            subgroups_on_nvme=sum(flat is None for flat in flats),
             spare=memory.spare_host_memory,
             monitor=self._mlp_monitor,
         )
@@ -281,7 +273,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
     ) -> KernelChoice:
         """`update_kernel`'s choice (`kernel_check.choose_update_kernel`) against this optimizer, the
         gradients and the partitions in the model's dtype."""
-        half = self.fp16_partitioned_groups_flat[0].dtype
+        half = self.dtype
         fused, why = kernel_check.choose_update_kernel(
             setting, self.optimizer, half, half, threads=threads, dtypes=dtypes, stored=stored
         )
@@ -533,8 +525,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's `refresh_fp32_params` (a checkpoint loaded without its optimizer states, or only
         the module): the fp32 weights become the half-precision partitions, widened; the moments stay."""
         self._mlp_settle()
-        for i, half in enumerate(self.fp16_partitioned_groups_flat):
-            self._mlp_session.state.set_params(i, half)
+        view = self._mlp_view
+        for i in range(len(self.fp16_partitioned_groups_flat)):
+            self._mlp_session.state.set_params(i, view.partition(i))
+        view.settle_partitions()
 
     def _rigid_load_state_dict(self, state_dict: Any, load_optimizer_states: bool = True) -> None:
         """Loads this rank's part of a ZeRO-3 checkpoint saved by this engine or by stock DeepSpeed
@@ -550,7 +544,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         chunk by chunk, as stock DeepSpeed loads it (`checkpoint.load_universal`)."""
         self._mlp_settle()
         checkpoint.load_universal(
-            self, self._mlp_session, checkpoint_folder, load_optimizer_states, load_from_fp32_weights
+            self,
+            self._mlp_session,
+            self._mlp_view,
+            checkpoint_folder,
+            load_optimizer_states,
+            load_from_fp32_weights,
         )
 
     def _mlp_engine_step(self, monitor: Any, samples: int) -> None:

@@ -26,6 +26,7 @@ from mlp_offload.engine.telemetry import (
     BackwardStep,
     GradsFinal,
     OverlapStep,
+    ParamsOnNvmeStep,
     PathStep,
     SkippedRecord,
     StaleStep,
@@ -225,12 +226,14 @@ class StepParts:
     backward time and, per chunk, how long before its end the chunk's gradient was final
     (`overlap.GradsFinal`); `overlap_backward`, the update during backward and whether it was kept;
     `stale`, the parameters this boundary gave no gradient, updated with an earlier one
-    (`mlp_offload.adapter.stale_gradients`)."""
+    (`mlp_offload.adapter.stale_gradients`); `params_on_nvme`, the update's reads and writes of the
+    parameters on NVMe (`mlp_offload.adapter.nvme_partitions`)."""
 
     overlap: OverlapStep | None = None
     grads_final: GradsFinal | None = None
     overlap_backward: BackwardStep | None = None
     stale: StaleStep | None = None
+    params_on_nvme: ParamsOnNvmeStep | None = None
 
 
 def start_line(record: StartRecord) -> str:
@@ -511,6 +514,7 @@ class UpdatePlanner:
             "grads_final": parts.grads_final,
             "overlap_backward": parts.overlap_backward,
             "stale": parts.stale,
+            "params_on_nvme": parts.params_on_nvme,
             "host_bytes": self._host_bytes(parts),
         }
         self.emit(record)

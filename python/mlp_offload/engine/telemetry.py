@@ -82,6 +82,9 @@ class StartRecord(TypedDict):
         "(`master_in_params`), and why.",
     ]
     overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
+    subgroups_on_nvme: Annotated[
+        int, "Subgroups whose parameters DeepSpeed keeps on NVMe, past `offload_param.max_in_cpu`."
+    ]
     monitors: Annotated[
         OnAndWhy, "Whether each step's figures go to DeepSpeed's monitors (`monitors`), and why."
     ]
@@ -165,6 +168,15 @@ class StaleStep(TypedDict):
     ]
 
 
+class ParamsOnNvmeStep(TypedDict):
+    """The update's reads and writes of the parameters DeepSpeed keeps on NVMe, past
+    `offload_param.max_in_cpu` (`adapter.nvme_partitions`)."""
+
+    subgroups: Annotated[int, "Subgroups whose parameters are on NVMe."]
+    read_bytes: Annotated[int, "Bytes of their partitions the update read from the store."]
+    written_bytes: Annotated[int, "Bytes of their partitions the update wrote back (those it changed)."]
+
+
 class StepRecord(TypedDict):
     """One per step, once its update ended."""
 
@@ -197,6 +209,9 @@ class StepRecord(TypedDict):
         BackwardStep | None, "The update during backward (null: off, or nothing to say)."
     ]
     stale: Annotated[StaleStep | None, "The parameters updated with an earlier gradient."]
+    params_on_nvme: Annotated[
+        ParamsOnNvmeStep | None, "The parameters on NVMe past `max_in_cpu` (null: none there)."
+    ]
     host_bytes: Annotated[
         int, "Host memory the engine holds now: its chunk buffers, kept copies and stale gradients in fp32."
     ]
@@ -345,6 +360,16 @@ MONITOR_FIGURES = (
     MonitorFigure("memory/host_bytes", "Host memory the engine holds now.", "host_bytes"),
     MonitorFigure("stale/params", "Parameters updated with an earlier gradient.", "stale/params"),
     MonitorFigure("stale/kept_bytes", "Their gradients kept in fp32.", "stale/kept_bytes"),
+    MonitorFigure(
+        "params_on_nvme/read_bytes",
+        "Bytes of the parameters on NVMe the update read.",
+        "params_on_nvme/read_bytes",
+    ),
+    MonitorFigure(
+        "params_on_nvme/written_bytes",
+        "Bytes of the parameters on NVMe the update wrote.",
+        "params_on_nvme/written_bytes",
+    ),
 )
 
 

@@ -1,0 +1,135 @@
+"""The half-precision partitions of the subgroups DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`).
+
+DeepSpeed gives such a subgroup no flat buffer in host memory (`fp16_partitioned_groups_flat[i] is
+None`): its parameters' partitions of 1 MiB and more are objects of the parameters' store
+(`param_swapper`), the smaller ones stay in host memory, each on its own. The engine reads and writes a
+subgroup's partition as one flat tensor (the update writes the new parameters into it, the master
+weights are read from it). So `NvmePartitions` gives one subgroup at a time a flat copy in host memory,
+read whole when it is first asked for, and written back where it changed (by its checksum) when it is
+let go: at the subgroup's last chunk of a step (DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`
+writes it there too), when another subgroup is asked for, and at the end of start-up and of a
+checkpoint's load. The host memory it takes is the largest subgroup's partition, as DeepSpeed's own
+buffer for writing them (`reserve_partitioned_swap_space`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from mlp_offload.engine.state import crc32c_of
+from mlp_offload.engine.telemetry import ParamsOnNvmeStep
+
+
+class NvmePartitions:
+    """The flat copy of at most one subgroup on NVMe (module docs), over DeepSpeed's optimizer `opt`."""
+
+    def __init__(self, opt: Any) -> None:
+        self._opt = opt
+        # The subgroup held, its flat copy, and the copy's checksum as read.
+        self.held: tuple[int, torch.Tensor, int] | None = None
+        # Bytes read and written since the last step record (`step_record`).
+        self.read_bytes = 0
+        self.written_bytes = 0
+
+    def step_record(self) -> ParamsOnNvmeStep | None:
+        """The update's reads and writes since the last record (None where no subgroup is on NVMe)."""
+        subgroups = sum(flat is None for flat in self._opt.fp16_partitioned_groups_flat)
+        if not subgroups:
+            return None
+        record: ParamsOnNvmeStep = {
+            "subgroups": subgroups,
+            "read_bytes": self.read_bytes,
+            "written_bytes": self.written_bytes,
+        }
+        self.read_bytes = self.written_bytes = 0
+        return record
+
+    def on_nvme(self, i: int) -> bool:
+        return self._opt.fp16_partitioned_groups_flat[i] is None
+
+    def get(self, i: int) -> torch.Tensor:
+        """Subgroup `i`'s partition as one flat tensor in host memory (another held one let go first)."""
+        if self.held is not None and self.held[0] == i:
+            return self.held[1]
+        self.let_go()
+        flat = torch.empty(int(self._opt.fp16_partitioned_groups_flat_numel[i]), dtype=self._opt.dtype)
+        offset = 0
+        for param, part in self._params(i):
+            dest = flat.narrow(0, offset, part.ds_numel)
+            if self._available(part):
+                dest.copy_(part.data)
+            else:
+                param.nvme_swapper.read_partition(param, dest)
+                self.read_bytes += dest.numel() * dest.element_size()
+            offset += part.ds_numel
+        self.held = (i, flat, crc32c_of(flat))
+        return flat
+
+    def let_go(self) -> None:
+        """Writes the held copy back where it changed, and frees it."""
+        if self.held is None:
+            return
+        i, flat, crc = self.held
+        self.held = None
+        if crc32c_of(flat) == crc:
+            return
+        offset = 0
+        for param, part in self._params(i):
+            src = flat.narrow(0, offset, part.ds_numel)
+            if self._available(part):
+                # In host memory on its own (under 1 MiB), or a partition on NVMe a fetch holds now.
+                part.data.copy_(src)
+            if part.final_location == "nvme" or not self._available(part):
+                param.nvme_swapper.write_partition(param, src)
+                self.written_bytes += src.numel() * src.element_size()
+            offset += part.ds_numel
+
+    @contextmanager
+    def as_flat_buffers(self) -> Iterator[None]:
+        """For DeepSpeed's own loader of a checkpoint, which copies into every subgroup's flat partition
+        and points the parameters at it: each subgroup on NVMe gets a flat copy in DeepSpeed's list while
+        it runs (the loader holds the whole state in host memory too); after it, each is written back,
+        the partitions in host memory get their own storage again, those on NVMe are released."""
+        opt = self._opt
+        self.let_go()
+        on_nvme = [i for i in range(len(opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
+        own = {}
+        for i in on_nvme:
+            own[i] = [part.data if self._available(part) else None for _, part in self._params(i)]
+            opt.fp16_partitioned_groups_flat[i] = self.get(i)
+            self.held = None
+        try:
+            yield
+        finally:
+            for i in on_nvme:
+                flat = opt.fp16_partitioned_groups_flat[i]
+                opt.fp16_partitioned_groups_flat[i] = None
+                self._write_back(i, flat, own[i])
+
+    def _write_back(self, i: int, flat: torch.Tensor, own: list[torch.Tensor | None]) -> None:
+        """`as_flat_buffers`' end for subgroup `i`: each partition's values from `flat` into its own
+        storage (`own`) or its object."""
+        offset = 0
+        for (param, part), storage in zip(self._params(i), own, strict=True):
+            src = flat.narrow(0, offset, part.ds_numel)
+            if storage is not None:
+                storage.copy_(src)
+                part.data = storage
+            else:
+                param.nvme_swapper.write_partition(param, src)
+                param.nvme_swapper.remove_partition_and_release_buffers([param])
+            offset += part.ds_numel
+
+    def _params(self, i: int) -> list[tuple[Any, Any]]:
+        opt = self._opt
+        return list(zip(opt.fp16_groups[i], opt.fp16_partitioned_groups[i], strict=True))
+
+    @staticmethod
+    def _available(part: Any) -> bool:
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+
+        return bool(part.status == PartitionedParamStatus.AVAILABLE)

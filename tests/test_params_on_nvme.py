@@ -1,0 +1,300 @@
+"""The parameters on NVMe (`offload_param.device: "nvme"`, ZeRO-Infinity). Their partitions are objects
+of our store behind DeepSpeed's parameter swapper (`mlp_offload.adapter.param_swapper`): its protocol on
+real files. Past `offload_param.max_in_cpu` DeepSpeed keeps whole subgroups there, which the update reads
+and writes through `adapter.nvme_partitions`: every precision mode, two ranks, accumulation with
+clipping, frozen and tied parameters, activation checkpointing, a checkpoint's load and the README's
+section, each bit-equal to stock. No row needs DeepSpeed's async I/O op: stock runs its CPU offload,
+bit-equal to its NVMe offload where that runs (the row that compares with it directly runs where the
+op is built, `make deepspeed-aio`; stock's own fails the other rows' configs: its prefetch double-books
+a buffer, its load copies into a subgroup it has no buffer for)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import ONE_NODE
+from deepspeed_runs import AIO_BUILT, STATE_MODES, assert_bit_equal, run_case, section
+from mlp_offload import _core
+from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, swapper_class
+from mlp_offload.adapter.troubleshooting import met
+
+pytestmark = pytest.mark.deepspeed
+
+
+def ds_config(paths: list[Path], nvme_path: Path | None = None, **aio: int) -> Any:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    offload = {"device": "nvme", "nvme_path": str(nvme_path or paths[0])}
+    return DeepSpeedConfig(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3, "offload_param": offload},
+            "aio": aio,
+            "mlp_offload": section(paths),
+        }
+    )
+
+
+def partition(ds_id: int, numel: int) -> Any:
+    """A parameter as the swapper sees one: its id and its partition, not yet on NVMe."""
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+
+    tensor = torch.empty(0)
+    tensor.ds_numel = numel  # type: ignore[attr-defined]
+    tensor.status = PartitionedParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+    return SimpleNamespace(ds_id=ds_id, ds_tensor=tensor)
+
+
+def written(swapper: StoreParamSwapper, param: Any, values: torch.Tensor) -> None:
+    """As `zero.Init` writes a partition: into the swapper's buffer, then out."""
+    swapper.get_buffer(param, values.numel()).copy_(values)
+    param.ds_tensor.data = swapper.buffers[param.ds_id].data
+    swapper.swap_out_and_release([param])
+
+
+@pytest.fixture
+def swapper(work_dirs: list[Path]) -> StoreParamSwapper:
+    return StoreParamSwapper(ds_config(work_dirs[:2]), torch.bfloat16, rank=0)
+
+
+def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper: StoreParamSwapper) -> None:
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus as Status
+
+    values = [torch.randn(n).to(torch.bfloat16) for n in (600_000, 700_001)]
+    params = [partition(i, v.numel()) for i, v in enumerate(values)]
+    for param, v in zip(params, values, strict=True):
+        written(swapper, param, v)
+        assert param.ds_tensor.status == Status.NOT_AVAILABLE and param.ds_tensor.numel() == 1
+    assert sorted(swapper.store.keys()) == ["param0", "param1"] and not swapper.buffers
+    swapper.swap_in(params, async_op=True)
+    assert [p.ds_tensor.status for p in params] == [Status.INFLIGHT] * 2
+    with pytest.raises(RuntimeError, match="parameter 0: read asked for while its partition is"):
+        swapper.swap_in(params[:1])
+    swapper.synchronize_reads()
+    for param, v in zip(params, values, strict=True):
+        assert param.ds_tensor.status == Status.AVAILABLE and torch.equal(param.ds_tensor, v)
+        # Page-aligned, so the store reads it with O_DIRECT.
+        assert param.ds_tensor.data_ptr() % 4096 == 0
+    swapper.remove_partition_and_release_buffers(params)
+    assert not swapper.buffers and params[0].ds_tensor.status == Status.NOT_AVAILABLE
+    # Read into DeepSpeed's own flat buffer, where it stays available.
+    flat = torch.zeros(values[0].numel() + 8, dtype=torch.bfloat16)
+    swapper.swap_into_buffer(params[0], flat.narrow(0, 8, values[0].numel()))
+    assert torch.equal(flat[8:], values[0]) and params[0].ds_tensor.status == Status.AVAILABLE
+
+
+def test_a_subgroups_update_is_written_rounded_as_torch_rounds(swapper: StoreParamSwapper) -> None:
+    """`swap_out_partitioned_params`: fp32 masters rounded to nearest even into the objects."""
+    master = torch.randn(600_000) * 1e3
+    master[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40])
+    param = partition(7, master.numel())
+    written(swapper, param, torch.zeros(master.numel(), dtype=torch.bfloat16))
+    swapper.reserve_partitioned_swap_space([master.numel()])
+    swapper.swap_out_partitioned_params([param], [master])
+    swapper.swap_in([param], async_op=False)
+    assert torch.equal(param.ds_tensor.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_corrupt_partition_is_an_error_naming_its_object(
+    swapper: StoreParamSwapper, work_dirs: list[Path]
+) -> None:
+    param = partition(3, 800_000)
+    written(swapper, param, torch.ones(800_000, dtype=torch.bfloat16))
+    files = sorted((work_dirs[0] / PARAMS_FOLDER / "rank0").glob("param3*"))
+    assert files, list((work_dirs[0] / PARAMS_FOLDER).rglob("*"))
+    with files[0].open("r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    swapper.swap_in([param])
+    with pytest.raises(_core.CorruptObjectError, match="param3"):
+        swapper.synchronize_reads()
+
+
+def test_what_only_deepspeeds_nvme_optimizer_asks_is_refused_saying_why(swapper: StoreParamSwapper) -> None:
+    with pytest.raises(RuntimeError, match="parameter 5: its partition is object param5 of mlp_offload's"):
+        swapper.get_path(partition(5, 10))
+    with pytest.raises(
+        RuntimeError, match=r"offload_optimizer\.device nvme reads the parameters' swap files"
+    ):
+        swapper.reserve_available_buffers()
+
+
+@pytest.mark.parametrize(
+    ("block_size", "dtype", "swapped", "kept"),
+    [(1 << 20, torch.bfloat16, 1 << 19, (1 << 19) - 1), (4 << 20, torch.float32, 1 << 20, (1 << 20) - 1)],
+    ids=["1 MiB of bf16", "aio.block_size of 4 MiB, fp32"],
+)
+def test_which_partitions_go_to_nvme_is_deepspeeds_rule(
+    block_size: int, dtype: torch.dtype, swapped: int, kept: int, work_dirs: list[Path]
+) -> None:
+    swapper = StoreParamSwapper(ds_config(work_dirs[:1], block_size=block_size), dtype, rank=0)
+    assert swapper.swappable_tensor(numel=swapped) and not swapper.swappable_tensor(numel=kept)
+
+
+def test_ours_is_built_for_our_section_alone(work_dirs: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed import comm
+
+    monkeypatch.setattr(comm, "get_rank", lambda: 0)
+    built: list[torch.dtype] = []
+
+    def stock(config: Any, dtype: torch.dtype) -> str:
+        built.append(dtype)
+        return "stock's"
+
+    build = swapper_class(stock)
+    config = ds_config(work_dirs[:1])
+    assert isinstance(build(config, torch.float32), StoreParamSwapper)
+    del config._param_dict["mlp_offload"]
+    assert build(config, torch.float16) == "stock's" and built == [torch.float16]
+
+
+def test_a_model_with_partitions_on_nvme_trains_bit_equal_to_stock(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """The 20M GPT (partitions of 1 MiB and more, which go to NVMe), its parameters on NVMe within
+    `max_in_cpu`: ours writes them to the store at `zero.Init` and reads them into DeepSpeed's flat buffer,
+    bit-equal to stock (its own NVMe offload where DeepSpeed's async I/O op is built, else its CPU
+    offload, which agrees with it bit for bit), without the op and without writing `nvme_path`."""
+    case = {"model": "gpt-20M", "fp32": True, "steps": 2, "offload_param": "nvme"}
+    nvme_path, stocks = tmp_path / "nvme", tmp_path / "stock-nvme"
+    nvme_path.mkdir()
+    stocks.mkdir()
+    stock_case = {**case, "param_nvme_path": str(stocks)} if AIO_BUILT else {**case, "offload_param": "cpu"}
+    stock = run_case(stock_case, tmp_path, "stock")
+    ours_case = {**case, "param_nvme_path": str(nvme_path), "mlp_offload": section(work_dirs[:2])}
+    ours = run_case(ours_case, tmp_path, "ours")
+    assert_bit_equal(ours, stock)
+    assert ours["param_swappers"] == ["StoreParamSwapper"] and not ours["async_io_loaded"]
+    assert not any(nvme_path.rglob("*.swp")) and (not AIO_BUILT or any(stocks.rglob("*.swp")))
+    folders = [p / PARAMS_FOLDER / "rank0" for p in work_dirs[:2]]
+    assert [f for folder in folders for f in folder.iterdir() if f.name.startswith("param")]
+
+
+# The 20M GPT with most subgroups past `max_in_cpu` (its partitions of 1 MiB and more as objects), the
+# tiny GPT with most past it too (its partitions all under 1 MiB: each stays in host memory on its own).
+TWENTY_M = {"model": "gpt-20M", "sub_group_size": 2_000_000, "param_max_in_cpu": 1_000_000}
+TINY = {"param_max_in_cpu": 10_000}
+FP32 = {"fp32": True}
+# Ours' section for each: the 20M GPT's state in chunks of a few MiB, the tiny one's of 24K elements.
+BIG_CHUNKS = {"host_memory": "64M"}
+SMALL_CHUNKS = {"host_memory": "200K", "update_chunk": "24K"}
+
+# name, the case (with `TWENTY_M` or `TINY`), ours' section's keys, ranks.
+ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
+    ("fp32, partitions on NVMe", {**TWENTY_M, **FP32}, BIG_CHUNKS, 1),
+    (
+        "bf16 weights and moments (the 6-byte state, master_in_params), partitions on NVMe",
+        {**TWENTY_M, **STATE_MODES["bf16 weights and moments"][0]},
+        BIG_CHUNKS,
+        1,
+    ),
+    ("bf16, fp32 master weights", TINY, SMALL_CHUNKS, 1),
+    ("bf16 weights", {**TINY, **STATE_MODES["bf16 weights"][0]}, SMALL_CHUNKS, 1),
+    ("fp16 weights", {**TINY, **STATE_MODES["fp16 weights"][0]}, SMALL_CHUNKS, 1),
+    ("two ranks", {**TINY, **FP32}, SMALL_CHUNKS, 2),
+    ("accumulation 2, clipped", {**TINY, **FP32, "grad_accum": 2, "clip": 0.05}, SMALL_CHUNKS, 1),
+    (
+        "frozen and tied parameters",
+        {**TINY, **FP32, "frozen": r"^pos\.", "tied": True, "persistence_threshold": 0},
+        SMALL_CHUNKS,
+        1,
+    ),
+    ("activation checkpointing", {**TINY, **FP32, "checkpointing": "reentrant"}, SMALL_CHUNKS, 1),
+    (
+        "a checkpoint saved at step 2 and loaded, partitions on NVMe",
+        {**TWENTY_M, **FP32, "checkpoint_at": 2},
+        BIG_CHUNKS,
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "keys", "ranks"),
+    [pytest.param(*r[1:], marks=[ONE_NODE] if r[3] > 1 else [], id=r[0]) for r in ROWS],
+)
+def test_subgroups_past_max_in_cpu_train_bit_equal_to_stock(
+    case: dict[str, Any], keys: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """Each row trains 3 steps (4 with a checkpoint) with subgroups on NVMe: each step's loss and gradient
+    norm, the final fp32 weights, both moments and each partition bit-equal to stock; both overlaps off
+    (why, where the parameters alone turn one off: the README's row)."""
+    case = {**case, "steps": 4 if "checkpoint_at" in case else 3, "offload_param": "nvme"}
+    if "checkpoint_at" in case:
+        case["checkpoint_dir"] = str(tmp_path / "checkpoint")
+    stock = run_case({**case, "offload_param": "cpu"}, tmp_path, "stock", ranks=ranks)
+    ours_section = section(work_dirs[:2], **keys)
+    ours_case = {**case, "param_nvme_path": str(tmp_path / "nvme"), "mlp_offload": ours_section}
+    if "checkpoint_at" in case:
+        ours_case["resume_mlp_offload"] = ours_section
+    ours = run_case(ours_case, tmp_path, "ours", ranks=ranks)
+    for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
+        assert_bit_equal(a, b)
+        assert a["param_swappers"] == ["StoreParamSwapper"] and not a["async_io_loaded"]
+        start = next(r for r in a["telemetry"] if r["event"] == "start")
+        assert not start["overlap"]["on"] and not start["overlap_backward"]["on"], start
+        assert start["subgroups_on_nvme"] > 0, start
+        steps = [r["params_on_nvme"] for r in a["telemetry"] if r["event"] == "step"]
+        assert all(s["subgroups"] == start["subgroups_on_nvme"] for s in steps), steps
+        if case.get("model") == "gpt-20M":
+            # Every step reads its subgroups on NVMe whole and writes back what it updated.
+            assert all(s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in steps), steps
+    if case.get("model") == "gpt-20M":
+        # Partitions of 1 MiB and more are objects of the store on our paths, none in nvme_path.
+        objects = [f for p in work_dirs[:2] for f in (p / PARAMS_FOLDER / "rank0").glob("param*")]
+        assert objects and not any((tmp_path / "nvme").rglob("*.swp"))
+
+
+def test_stocks_own_zero_infinity_gives_the_same_bits(work_dirs: list[Path], tmp_path: Path) -> None:
+    """The rows' reference: stock's own NVMe offload of the parameters, where it runs (DeepSpeed's async
+    I/O op built, 50 buffers, no prefetch: its prefetch double-books a buffer on this model), agrees with
+    ours bit for bit."""
+    if not AIO_BUILT:
+        pytest.skip("stock's NVMe offload needs DeepSpeed's async I/O op: `make deepspeed-aio` builds it")
+    case = {**TWENTY_M, **FP32, "steps": 3, "offload_param": "nvme"}
+    stock_options = {
+        "zero_optimization.offload_param.buffer_count": 50,
+        "zero_optimization.offload_param.buffer_size": 4_000_000,
+        "zero_optimization.stage3_prefetch_bucket_size": 0,
+    }
+    (tmp_path / "stock-nvme").mkdir()
+    stock_case = {**case, "param_nvme_path": str(tmp_path / "stock-nvme"), "ds_options": stock_options}
+    stock = run_case(stock_case, tmp_path, "stock")
+    assert any((tmp_path / "stock-nvme").rglob("*.swp"))
+    ours_section = section(work_dirs[:2], **BIG_CHUNKS)
+    ours_case = {**case, "param_nvme_path": str(tmp_path / "nvme"), "mlp_offload": ours_section}
+    assert_bit_equal(run_case(ours_case, tmp_path, "ours"), stock)
+
+
+def test_the_readmes_section_trains_with_subgroups_on_nvme(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """The README's section (the paths alone) with a ZeRO-Infinity config past `max_in_cpu`: it starts,
+    both overlaps resolve off saying why, and it trains bit-equal to stock."""
+    case = {**TINY, "steps": 3, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
+    stock = run_case({**case, "offload_param": "cpu"}, tmp_path, "stock")
+    ours = run_case({**case, "mlp_offload": {"paths": [str(p) for p in probed_paths(1)]}}, tmp_path, "ours")
+    assert_bit_equal(ours, stock)
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert not start["overlap"]["on"] and "parameters are on NVMe" in start["overlap"]["why"]
+
+
+@pytest.mark.parametrize("key", ["overlap", "overlap_backward"])
+def test_an_overlap_set_to_true_is_refused_by_its_key(
+    key: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    case = {**TINY, **FP32, "steps": 1, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
+    ours = {**case, "mlp_offload": section(work_dirs[:1], **SMALL_CHUNKS, **{key: True})}
+    with pytest.raises(
+        AssertionError, match=rf"mlp_offload\.{key}: true cannot be with parameters on NVMe"
+    ) as e:
+        run_case(ours, tmp_path, "ours")
+    assert met("overlap-params-on-nvme", str(e.value)), str(e.value)[-2000:]
