@@ -79,6 +79,21 @@ def test_the_framework_uses_our_engine_and_matches_stock_deepspeed(
     assert all(written), "the state is in the paths"
 
 
+def test_the_trainer_with_the_readmes_section_trains_the_parameters_on_nvme_as_stock(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """ZeRO-Infinity's config as the Trainer's users write it, the parameters on NVMe past
+    `offload_param.max_in_cpu` (every subgroup there), with the README's section: bit-equal to stock
+    (its parameters on the CPU: its own NVMe offload needs DeepSpeed's async I/O op)."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "max_in_cpu": 10_000}
+    stock = train("trainer", None, tmp_path, "stock", {"zero": {"offload_param": {"device": "cpu"}}})
+    ours = train("trainer", probed_paths(1), tmp_path, "ours", {"zero": {"offload_param": nvme}})
+    assert ours["optimizer_class"] == "mlp_offload.adapter.zero3.MLPOffloadStage3"
+    assert_bit_equal(ours, stock)
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["subgroups_on_nvme"] == start["subgroups"], start
+
+
 def test_the_trainer_resumes_its_checkpoint_in_a_new_process_as_stock_does(
     probed_paths: Callable[[int], list[Path]], tmp_path: Path
 ) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ONE_NODE
-from deepspeed_runs import AIO_BUILT, STATE_MODES, assert_bit_equal, run_case, section
+from deepspeed_runs import AIO_BUILT, STATE_MODES, assert_bit_equal, from_step, run_case, section
 from mlp_offload import _core
 from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, swapper_class
 from mlp_offload.adapter.troubleshooting import met
@@ -251,6 +251,35 @@ def test_subgroups_past_max_in_cpu_train_bit_equal_to_stock(
         # Partitions of 1 MiB and more are objects of the store on our paths, none in nvme_path.
         objects = [f for p in work_dirs[:2] for f in (p / PARAMS_FOLDER / "rank0").glob("param*")]
         assert objects and not any((tmp_path / "nvme").rglob("*.swp"))
+
+
+def test_killed_in_an_update_the_job_resumes_in_a_new_process(work_dirs: list[Path], tmp_path: Path) -> None:
+    """SIGKILL in step 3's update, some subgroups' partitions on NVMe written back and one held, after a
+    checkpoint at step 2: a new process resumes from it (its `zero.Init` writes the partitions afresh,
+    the load writes each from the checkpoint's weights), and steps 2 to 4 are stock's resume's."""
+    case = {
+        **TWENTY_M,
+        **FP32,
+        "steps": 5,
+        "offload_param": "nvme",
+        "param_nvme_path": str(tmp_path / "nvme"),
+    }
+    ours = section(work_dirs[:2], **BIG_CHUNKS)
+    ckpt = str(tmp_path / "ckpt")
+    killed = {**case, "save_at": 2, "sigkill_in_update_at": 3, "checkpoint_dir": ckpt, "mlp_offload": ours}
+    with pytest.raises(AssertionError, match=r"killed rank \d failed") as failed:
+        run_case(killed, tmp_path, "killed")
+    assert "killed in step()" in (tmp_path / "killed.rank0.log").read_text(), str(failed.value)[-2000:]
+    resumed = run_case(
+        {**case, "resume_at": 2, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed"
+    )
+    stock_case = {
+        **case,
+        "offload_param": "cpu",
+        "checkpoint_at": 2,
+        "checkpoint_dir": str(tmp_path / "stock"),
+    }
+    assert_bit_equal(resumed, from_step(run_case(stock_case, tmp_path, "stock-resumed"), 2))
 
 
 def test_stocks_own_zero_infinity_gives_the_same_bits(work_dirs: list[Path], tmp_path: Path) -> None:

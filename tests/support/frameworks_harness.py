@@ -24,7 +24,7 @@ from typing import Any
 
 # First, as in a ZeRO-3 harness run: its environment, set as it is imported (DS_ACCELERATOR before DeepSpeed
 # is imported); `harness_server.py` calls `default_environment` again in each child it forks.
-from zero3_harness import default_environment  # noqa: F401
+from zero3_harness import default_environment, partition  # noqa: F401
 
 # isort: split
 import torch
@@ -57,7 +57,7 @@ def save(engine: Any, losses: list[float], out: str) -> None:
             "fp32": safe_get_full_fp32_param(p).clone(),
             "exp_avg": safe_get_full_optimizer_state(p, "exp_avg").clone(),
             "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq").clone(),
-            "half": p.ds_tensor.clone(),
+            "half": partition(p),
         }
         for name, p in engine.module.named_parameters()
     }
