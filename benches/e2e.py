@@ -117,6 +117,19 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
         # Every contender's backward with smaller buckets than DeepSpeed's defaults (5e8 elements reduced
         # at once, 1e9 kept gathered), so that four ranks fit this machine's memory beside one another.
         config["zero_optimization"].update(reduce_bucket_size=5e7, stage3_max_live_parameters=1e8)
+    if spec.get("params_on_nvme") is not None:
+        # ZeRO-Infinity: the parameters on NVMe too, for every contender, past `max_in_cpu`. Stock's slots
+        # hold the largest parameter each, one slot per parameter: with its default 5 it dies in the
+        # first backward ("Not enough buffers").
+        largest, count = spec["param_shapes"]
+        config["zero_optimization"]["offload_param"] = {
+            "device": "nvme",
+            "nvme_path": spec["paths"][0],
+            "pin_memory": True,
+            "max_in_cpu": spec["params_on_nvme"],
+            "buffer_count": count,
+            "buffer_size": largest,
+        }
     if contender.startswith("ds-nvme"):
         pipelined = contender == "ds-nvme-pipelined"
         offload.update(
@@ -219,7 +232,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         shape = build()
     params = sum(p.numel() for p in shape.parameters())
     vocab = getattr(shape, "vocab", 32000)
-    config = ds_config(spec, params)
+    numels = [p.numel() for p in shape.parameters()]
+    config = ds_config({**spec, "param_shapes": (max(numels), len(numels))}, params)
     torch.manual_seed(0)
     if many_ranks():
         # Many ranks build the model as large jobs do, each allocating only its own partition of every
@@ -418,6 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="DeepSpeed's zero_optimization.reduce_bucket_size for every contender (its default: 5e8)",
     )
+    parser.add_argument(
+        "--params-on-nvme",
+        type=int,
+        default=None,
+        metavar="MAX_IN_CPU",
+        help="the parameters on NVMe too, for every contender (ZeRO-Infinity), past this offload_param."
+        "max_in_cpu (elements); stock's param swapper with a slot of the largest parameter per parameter",
+    )
     parser.add_argument("--path", default="target/bench-e2e", help="the local storage directory")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
@@ -575,6 +597,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "reduce_bucket_size": args.reduce_bucket_size,
                 "clip": args.clip,
                 "state": args.state,
+                "params_on_nvme": args.params_on_nvme,
                 "paths": run_paths,
                 "warmup": args.warmup,
                 "steps": args.steps,

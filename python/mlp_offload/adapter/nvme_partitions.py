@@ -57,15 +57,15 @@ class NvmePartitions:
             return self.held[1]
         self.let_go()
         flat = torch.empty(int(self._opt.fp16_partitioned_groups_flat_numel[i]), dtype=self._opt.dtype)
-        offset = 0
-        for param, part in self._params(i):
-            dest = flat.narrow(0, offset, part.ds_numel)
+        reads = []
+        for (param, part), dest in self._slices(i, flat):
             if self._available(part):
                 dest.copy_(part.data)
             else:
-                param.nvme_swapper.read_partition(param, dest)
+                reads.append((param, dest))
                 self.read_bytes += dest.numel() * dest.element_size()
-            offset += part.ds_numel
+        if reads:
+            reads[0][0].nvme_swapper.read_partitions(reads)
         self.held = (i, flat, crc32c_of(flat))
         return flat
 
@@ -77,16 +77,16 @@ class NvmePartitions:
         self.held = None
         if crc32c_of(flat) == crc:
             return
-        offset = 0
-        for param, part in self._params(i):
-            src = flat.narrow(0, offset, part.ds_numel)
+        writes = []
+        for (param, part), src in self._slices(i, flat):
             if self._available(part):
                 # In host memory on its own (under 1 MiB), or a partition on NVMe a fetch holds now.
                 part.data.copy_(src)
             if part.final_location == "nvme" or not self._available(part):
-                param.nvme_swapper.write_partition(param, src)
+                writes.append((param, src))
                 self.written_bytes += src.numel() * src.element_size()
-            offset += part.ds_numel
+        if writes:
+            writes[0][0].nvme_swapper.write_partitions(writes)
 
     @contextmanager
     def as_flat_buffers(self) -> Iterator[None]:
@@ -113,16 +113,25 @@ class NvmePartitions:
     def _write_back(self, i: int, flat: torch.Tensor, own: list[torch.Tensor | None]) -> None:
         """`as_flat_buffers`' end for subgroup `i`: each partition's values from `flat` into its own
         storage (`own`) or its object."""
-        offset = 0
-        for (param, part), storage in zip(self._params(i), own, strict=True):
-            src = flat.narrow(0, offset, part.ds_numel)
+        writes = []
+        for ((param, part), src), storage in zip(self._slices(i, flat), own, strict=True):
             if storage is not None:
                 storage.copy_(src)
                 part.data = storage
             else:
-                param.nvme_swapper.write_partition(param, src)
-                param.nvme_swapper.remove_partition_and_release_buffers([param])
+                writes.append((param, src))
+        if writes:
+            swapper = writes[0][0].nvme_swapper
+            swapper.write_partitions(writes)
+            swapper.remove_partition_and_release_buffers([param for param, _ in writes])
+
+    def _slices(self, i: int, flat: torch.Tensor) -> list[tuple[tuple[Any, Any], torch.Tensor]]:
+        """Each (parameter, partition) of subgroup `i` with its slice of the subgroup's `flat` copy."""
+        slices, offset = [], 0
+        for param, part in self._params(i):
+            slices.append(((param, part), flat.narrow(0, offset, part.ds_numel)))
             offset += part.ds_numel
+        return slices
 
     def _params(self, i: int) -> list[tuple[Any, Any]]:
         opt = self._opt

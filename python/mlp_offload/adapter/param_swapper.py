@@ -185,13 +185,15 @@ class StoreParamSwapper:
     # What the engine asks, for the subgroups on NVMe (`nvme_partitions`): the objects alone, whatever
     # DeepSpeed's status of the partition.
 
-    def read_partition(self, param: Any, dest: torch.Tensor) -> None:
-        """Reads the partition's object into `dest`."""
-        self.store.read(key_of(param), dest).wait()
+    def read_partitions(self, reads: list[tuple[Any, torch.Tensor]]) -> None:
+        """Reads each partition's object into its tensor, all in flight at once."""
+        for handle in [self.store.read(key_of(param), dest) for param, dest in reads]:
+            handle.wait()
 
-    def write_partition(self, param: Any, src: torch.Tensor) -> None:
-        """Writes `src` as the partition's object (complete when it returns)."""
-        self.store.write(key_of(param), src).wait()
+    def write_partitions(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
+        """Writes each tensor as its partition's object, all in flight at once (complete when it returns)."""
+        for handle in [self.store.write(key_of(param), src) for param, src in writes]:
+            handle.wait()
 
     def reserve_available_buffers(self) -> list[torch.Tensor]:
         """Reached only by DeepSpeed's NVMe optimizer offload (`fast_init`), which ours replaces."""
