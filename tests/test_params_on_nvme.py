@@ -81,8 +81,19 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
         assert param.ds_tensor.status == Status.AVAILABLE and torch.equal(param.ds_tensor, v)
         # Page-aligned, so the store reads it with O_DIRECT.
         assert param.ds_tensor.data_ptr() % 4096 == 0
+    addresses = {p.ds_tensor.data_ptr() for p in params}
     swapper.remove_partition_and_release_buffers(params)
     assert not swapper.buffers and params[0].ds_tensor.status == Status.NOT_AVAILABLE
+    # Read again, each into a buffer let go before (no new memory to fault in), within the most held.
+    swapper.swap_in(params, async_op=False)
+    assert {p.ds_tensor.data_ptr() for p in params} == addresses
+    assert all(torch.equal(p.ds_tensor, v) for p, v in zip(params, values, strict=True))
+    swapper.remove_partition_and_release_buffers(params)
+    peak = swapper.peak_bytes
+    assert swapper.held_bytes == 0 and swapper.free_bytes == peak
+    # A partition of another size: the kept buffers go first, so the memory stays within the most held.
+    written(swapper, partition(9, 900_000), torch.ones(900_000, dtype=torch.bfloat16))
+    assert swapper.peak_bytes == peak and swapper.free_bytes + swapper.held_bytes <= peak
     # Read into DeepSpeed's own flat buffer, where it stays available.
     flat = torch.zeros(values[0].numel() + 8, dtype=torch.bfloat16)
     swapper.swap_into_buffer(params[0], flat.narrow(0, 8, values[0].numel()))

@@ -192,7 +192,28 @@ def run_harness(runs: list[HarnessRun], timeout: float = 600) -> list[int | None
     """Runs each run's harness (`zero3_harness.py`: the ranks of one case, at once): each exit status, None
     where it did not end within `timeout` seconds, or before the test's own deadline (`batch_timeout`),
     its threads' stacks in its log. A failed rank ends the others."""
-    timeout = batch_timeout(timeout)
+    try:
+        return _run_harness(runs, batch_timeout(timeout))
+    finally:
+        _unlink_shm_buffers(runs)
+
+
+def _unlink_shm_buffers(runs: list[HarnessRun]) -> None:
+    """DeepSpeed's shared-memory collectives (its CPU accelerator's, with several ranks) leave each rank's
+    buffer in /dev/shm (64 MiB; its `shared_close` is never called): a suite of multi-rank cases would
+    hold gigabytes of memory there. Removed once the case's ranks are gone, by the case's port."""
+    ports = {r.env.get("MASTER_PORT") for r in runs}
+    for r in runs:
+        try:
+            ports.add(str(json.loads(r.spec.read_text()).get("port")))
+        except (OSError, ValueError, AttributeError):
+            pass
+    for port in ports - {None, "None"}:
+        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+            buffer.unlink(missing_ok=True)
+
+
+def _run_harness(runs: list[HarnessRun], timeout: float) -> list[int | None]:
     server = _harness_server()
     if server is not None:
         return server.run(runs, timeout)

@@ -76,6 +76,11 @@ class StoreParamSwapper:
         )
         # The partitions in host memory, by id: each one's own buffer, and the reads still in flight.
         self.buffers: dict[int, torch.Tensor] = {}
+        # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's
+        # and backward's reads reuse them rather than fault in new memory): while those held and these
+        # together stay within the most ever held at once.
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.held_bytes = self.free_bytes = self.peak_bytes = 0
         self.inflight: list[tuple[Any, Any]] = []
         self.numel: dict[int, int] = {}
         self.invalid_buffer = torch.tensor(1).half()
@@ -158,7 +163,7 @@ class StoreParamSwapper:
     def remove_partition_and_release_buffers(self, params: list[Any]) -> None:
         """Lets each partition's buffer go (its object is current); the partition is NOT_AVAILABLE."""
         for param in params:
-            self.buffers.pop(param.ds_id, None)
+            self._let_go(param.ds_id)
             param.ds_tensor.data = self.invalid_buffer.data
             param.ds_tensor.status = self.status.NOT_AVAILABLE
 
@@ -214,10 +219,36 @@ class StoreParamSwapper:
         )
 
     def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
-        """Partition `ds_id`'s buffer of `numel` elements, held until it is released."""
-        buffer = self._new_buffer(numel)
+        """Partition `ds_id`'s buffer of `numel` elements, held until it is let go (`_let_go`)."""
+        nbytes = numel * self.element_size
+        kept = self.free.get(numel)
+        if kept:
+            buffer = kept.pop()
+            self.free_bytes -= nbytes
+        else:
+            # Kept buffers of other sizes go first, as far as the most held at once is exceeded otherwise.
+            while self.free_bytes and self.held_bytes + self.free_bytes + nbytes > self.peak_bytes:
+                size, buffers = next(iter(self.free.items()))
+                buffers.pop()
+                self.free_bytes -= size * self.element_size
+                if not buffers:
+                    del self.free[size]
+            buffer = self._new_buffer(numel)
         self.buffers[ds_id] = buffer
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes + self.free_bytes)
         return buffer
+
+    def _let_go(self, ds_id: int) -> None:
+        """Partition `ds_id`'s buffer, if it holds one, kept for another read (`free`) or freed."""
+        buffer = self.buffers.pop(ds_id, None)
+        if buffer is None:
+            return
+        nbytes = buffer.numel() * self.element_size
+        self.held_bytes -= nbytes
+        if self.held_bytes + self.free_bytes + nbytes <= self.peak_bytes:
+            self.free.setdefault(buffer.numel(), []).append(buffer)
+            self.free_bytes += nbytes
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""
