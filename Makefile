@@ -96,7 +96,7 @@ soak: setup ## 500 steps of the main job, its memory, open files and threads sam
 deepspeed-aio: setup ## build DeepSpeed's async I/O op (its NVMe offload; 7-8 minutes on two cores, so not in `make test`), then run the rows with stock's own NVMe offload of the parameters, which need it
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/target/torch_extensions \
 	  $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
-	$(PY) -m pytest -q tests/test_options.py tests/test_params_on_nvme.py -k "offload_param or stocks_own"
+	$(PY) -m pytest -q tests/test_options.py tests/test_params_on_nvme.py -k "offload_param or stocks_own or (stock and saves)"
 
 .PHONY: docs-pages
 docs-pages: ## write the pages generated from the code (config, telemetry, options, troubleshooting, the README's refusals)

@@ -2,11 +2,12 @@
 of our store behind DeepSpeed's parameter swapper (`mlp_offload.adapter.param_swapper`): its protocol on
 real files. Past `offload_param.max_in_cpu` DeepSpeed keeps whole subgroups there, which the update reads
 and writes through `adapter.nvme_partitions`: every precision mode, two ranks, accumulation with
-clipping, frozen and tied parameters, activation checkpointing, a checkpoint's load and the README's
-section, each bit-equal to stock. No row needs DeepSpeed's async I/O op: stock runs its CPU offload,
-bit-equal to its NVMe offload where that runs (the row that compares with it directly runs where the
-op is built, `make deepspeed-aio`; stock's own fails the other rows' configs: its prefetch double-books
-a buffer, its load copies into a subgroup it has no buffer for)."""
+clipping, frozen and tied parameters, activation checkpointing, checkpoints loaded whole or in part
+(stock's too), a universal checkpoint at another degree, a kill -9 resumed anew and the README's section,
+each bit-equal to stock. Ours needs no DeepSpeed async I/O op: stock runs its CPU offload, bit-equal to
+its NVMe offload where that runs (the rows with stock's own ZeRO-Infinity run where the op is built,
+`make deepspeed-aio`; stock's own fails the other rows' configs: its prefetch double-books a buffer, its
+load copies into a subgroup it has no buffer for)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,18 @@ import pytest
 import torch
 
 from conftest import ONE_NODE
-from deepspeed_runs import AIO_BUILT, STATE_MODES, assert_bit_equal, from_step, run_case, section
+from deepspeed_runs import (
+    AIO_BUILT,
+    SAVE_AT,
+    STATE_MODES,
+    assert_bit_equal,
+    from_step,
+    run_case,
+    save_and_convert,
+    section,
+    stock_universal_resume,
+    universal,
+)
 from mlp_offload import _core
 from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, swapper_class
 from mlp_offload.adapter.troubleshooting import met
@@ -262,6 +274,67 @@ def test_subgroups_past_max_in_cpu_train_bit_equal_to_stock(
         # Partitions of 1 MiB and more are objects of the store on our paths, none in nvme_path.
         objects = [f for p in work_dirs[:2] for f in (p / PARAMS_FOLDER / "rank0").glob("param*")]
         assert objects and not any((tmp_path / "nvme").rglob("*.swp"))
+
+
+# name, who saves (ours: None), `load_checkpoint`'s options.
+LOADS: list[tuple[str, bool, dict[str, Any]]] = [
+    ("stock saves, ours resumes", True, {}),
+    ("load_module_only", False, {"load_module_only": True}),
+    ("load_optimizer_states=False", False, {"load_optimizer_states": False}),
+]
+
+
+# Stock's side with its parameters on NVMe runs on DeepSpeed's async I/O op.
+NEEDS_AIO = pytest.mark.skipif(
+    not AIO_BUILT,
+    reason="stock's NVMe offload of the parameters needs DeepSpeed's async I/O op: `make deepspeed-aio`",
+)
+
+
+@pytest.mark.parametrize(
+    ("stock_saves", "options"),
+    [pytest.param(*r[1:], marks=[NEEDS_AIO] if r[1] else [], id=r[0]) for r in LOADS],
+)
+def test_a_checkpoint_loads_into_subgroups_on_nvme_as_into_stocks(
+    stock_saves: bool, options: dict[str, Any], work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """A checkpoint at step 2 (stock's, with the same subgroups on NVMe, or ours), loaded whole or in
+    part into ours with subgroups on NVMe: 4 steps as stock's save and load with its parameters in host
+    memory give (stock's own load fails where subgroups are on NVMe: it copies into their flat buffer)."""
+    case = {**TINY, **FP32, "steps": 4, "checkpoint_at": 2, "load_options": options}
+    stock = run_case({**case, "checkpoint_dir": str(tmp_path / "stock")}, tmp_path, "stock")
+    ours_section = section(work_dirs[:2], **SMALL_CHUNKS)
+    ours_case = {
+        **case,
+        "offload_param": "nvme",
+        "param_nvme_path": str(tmp_path / "nvme"),
+        "checkpoint_dir": str(tmp_path / "ours"),
+        "resume_mlp_offload": ours_section,
+    }
+    if not stock_saves:
+        ours_case["mlp_offload"] = ours_section
+    assert_bit_equal(run_case(ours_case, tmp_path, "ours"), stock)
+
+
+@ONE_NODE
+def test_a_universal_checkpoint_loads_at_another_degree(work_dirs: list[Path], tmp_path: Path) -> None:
+    """Saved by ours on 2 ranks with subgroups on NVMe, converted by DeepSpeed's `ds_to_universal.py`,
+    loaded by ours on 1 rank with subgroups on NVMe: as stock's own round with its parameters in host
+    memory."""
+    case = {**TINY, **FP32, "steps": SAVE_AT + 3}
+    on_nvme = {"offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
+    ours = section(work_dirs[:2], **SMALL_CHUNKS)
+    universal_dir = save_and_convert({**case, **on_nvme, "mlp_offload": ours}, 2, tmp_path, "saves")
+    resume = {
+        **case,
+        **on_nvme,
+        "mlp_offload": ours,
+        "resume_at": SAVE_AT,
+        "checkpoint_dir": str(universal_dir),
+    }
+    resumed = run_case(universal(resume), tmp_path, "resumed")
+    (stock,) = stock_universal_resume({**case, "offload_param": "cpu"}, 2, 1, tmp_path)
+    assert_bit_equal(resumed, stock)
 
 
 def test_killed_in_an_update_the_job_resumes_in_a_new_process(work_dirs: list[Path], tmp_path: Path) -> None:

@@ -571,3 +571,46 @@ def assert_bit_equal(ours: dict[str, Any], stock: dict[str, Any]) -> None:
             )
         if tensors["half"] is not None:
             assert torch.equal(ours["state"][name]["half"], tensors["half"]), f"{name} half-precision params"
+
+
+# A universal checkpoint's round (`test_universal.py`, `test_params_on_nvme.py`): saved at this step, loaded
+# with DeepSpeed's `checkpoint.load_universal`.
+SAVE_AT = 3
+UNIVERSAL = {"checkpoint.load_universal": True}
+
+
+def universal(case: dict[str, Any]) -> dict[str, Any]:
+    """`case` with `checkpoint.load_universal` set, beside its other DeepSpeed options."""
+    return {**case, "ds_options": {**case.get("ds_options", {}), **UNIVERSAL}}
+
+
+def save_and_convert(
+    case: dict[str, Any], ranks: int, tmp_path: Path, name: str, save_at: int = SAVE_AT
+) -> Path:
+    """`case` trained on `ranks` ranks and saved at step `save_at`, converted: the universal checkpoint's
+    dir."""
+    ckpt, universal_dir = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-universal"
+    run_case(
+        {**case, "steps": save_at + 1, "save_at": save_at, "checkpoint_dir": str(ckpt)},
+        tmp_path,
+        name,
+        ranks=ranks,
+    )
+    convert_to_universal(ckpt / "ckpt", universal_dir / "ckpt")
+    return universal_dir
+
+
+def stock_universal_resume(ds_case: dict[str, Any], saving: int, resuming: int, tmp_path: Path) -> list[Any]:
+    """Stock DeepSpeed's save on `saving` ranks, converted, and resumed on `resuming` (every rank's
+    result), run once per DeepSpeed side and kept as a stock run is (`stock_cache`)."""
+    kept = stock_cache({**ds_case, "stock_universal": [SAVE_AT, saving]}, resuming)
+    assert kept is not None
+    if kept.exists():
+        results: list[Any] = torch.load(kept, weights_only=False)
+        return results
+    universal_dir = save_and_convert(ds_case, saving, tmp_path, "stock-saves")
+    resumes = {**ds_case, "resume_at": SAVE_AT, "checkpoint_dir": str(universal_dir)}
+    resumed = run_case(universal(resumes), tmp_path, "stock", ranks=resuming)
+    results = resumed.get("ranks", [resumed])
+    keep(results, kept)
+    return results
