@@ -200,7 +200,10 @@ OPTIONS: tuple[Option, ...] = (
         f"{OP}.max_in_cpu",
         "past it, whole subgroups on NVMe: the update reads and writes them as it goes, both overlaps off",
     ),
-    equal(f"{OP}.pin_memory", "the parameters' partitions in DeepSpeed's own offload"),
+    equal(
+        f"{OP}.pin_memory",
+        "cpu: DeepSpeed's own; nvme: our partitions' buffers are page-aligned but not locked yet",
+    ),
     *(
         _zenflow(name)
         for name in (
