@@ -29,8 +29,12 @@ class NvmePartitions:
 
     def __init__(self, opt: Any) -> None:
         self._opt = opt
-        # The subgroup held, its flat copy, and the copy's checksum as read.
-        self.held: tuple[int, torch.Tensor, int] | None = None
+        # The subgroup held, its flat copy, and the copy's checksum as read (None: not read, see
+        # `written_whole`).
+        self.held: tuple[int, torch.Tensor, int | None] | None = None
+        # Subgroups the running step's update writes whole before anything reads them (`StepUpdate`
+        # says which): their copies are not read first, and are written back whole.
+        self.written_whole: set[int] = set()
         # Bytes read and written since the last step record (`step_record`).
         self.read_bytes = 0
         self.written_bytes = 0
@@ -57,6 +61,9 @@ class NvmePartitions:
             return self.held[1]
         self.let_go()
         flat = torch.empty(int(self._opt.fp16_partitioned_groups_flat_numel[i]), dtype=self._opt.dtype)
+        if i in self.written_whole:
+            self.held = (i, flat, None)
+            return flat
         reads = []
         for (param, part), dest in self._slices(i, flat):
             if self._available(part):
@@ -75,7 +82,9 @@ class NvmePartitions:
             return
         i, flat, crc = self.held
         self.held = None
-        if crc32c_of(flat) == crc:
+        # Written once: asked for again, it is read (its update is done).
+        self.written_whole.discard(i)
+        if crc is not None and crc32c_of(flat) == crc:
             return
         writes = []
         for (param, part), src in self._slices(i, flat):

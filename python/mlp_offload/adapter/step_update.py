@@ -66,13 +66,42 @@ class StepUpdate:
         """The chunk loop. The last writes go on while the next forward and backward run. The fused pass
         checksums the state as it reads and writes it, so the store does not hash it again."""
         session = self.session
-        state, pipeline = session.state, session.pipeline
-        committed = self.settled.committed
+        state, committed = session.state, self.settled.committed
         # Subgroups whose every chunk was updated during backward are done.
         for i in sorted({state.chunks[c][0] for c in committed}):
             if self.remaining[i] == 0:
                 self.view.unflatten(i)
                 subgroup_done(i)
+        # Subgroups on NVMe that this update overwrites whole, one after another, are not read first.
+        self.view.on_nvme.written_whole = self._written_whole() if not committed else set()
+        try:
+            stats = self._chunk_loop(subgroup_done)
+        finally:
+            self.view.on_nvme.written_whole = set()
+        self.end = time.perf_counter()
+        if not committed:
+            # The whole update ran here: what the plan of the update during backward goes by without a
+            # prediction.
+            session.planner.last_whole_update = self.end - self.start
+        if self.settled.idle:
+            state.give_back_idle_slots(())
+        return stats if self.settled.stats is None else self.settled.stats.add(stats)
+
+    def _written_whole(self) -> set[int]:
+        """The subgroups whose every element this update writes before anything reads it: all of them
+        but where the update reads the parameters (the master weights in them), and for one whose chunks
+        are not updated one after another (another subgroup's copy could push out a half-written one)."""
+        state = self.session.state
+        if state.stored.master_in_params:
+            return set()
+        runs = [state.chunks[c][0] for c in self.session.pipeline.order]
+        starts = [i for k, i in enumerate(runs) if k == 0 or runs[k - 1] != i]
+        return {i for i in set(starts) if starts.count(i) == 1}
+
+    def _chunk_loop(self, subgroup_done: Callable[[int], None]) -> StepStats:
+        """Every chunk's update, through the pipeline."""
+        session = self.session
+        pipeline, committed = session.pipeline, self.settled.committed
         if session.fused is not None:
             ran_in_backward = self.settled.stats is not None
             with self.chunk_update.copying_to_device():
@@ -84,14 +113,7 @@ class StepUpdate:
                 )
         else:
             stats = pipeline.run_step(self.deepspeed_chunk, drain=False)
-        self.end = time.perf_counter()
-        if not committed:
-            # The whole update ran here: what the plan of the update during backward goes by without a
-            # prediction.
-            session.planner.last_whole_update = self.end - self.start
-        if self.settled.idle:
-            state.give_back_idle_slots(())
-        return stats if self.settled.stats is None else self.settled.stats.add(stats)
+        return stats
 
     def fused_chunk(
         self,
