@@ -272,6 +272,8 @@ def test_subgroups_past_max_in_cpu_train_bit_equal_to_stock(
             # master weights are the parameters, and in fp32 only where their chunks are not updated
             # one after another (the later steps' order here updates them so).
             assert all(s["written_bytes"] > 0 for s in steps), steps
+            # The forward and backward read the partitions on NVMe through our swapper, every step.
+            assert all(s["fetched_bytes"] > 0 and s["fetch_wait_secs"] >= 0 for s in steps), steps
             in_params = start["master_in_params"]["on"]
             assert all((s["read_bytes"] > 0) == in_params for s in steps[1:]), steps
     if case.get("model") == "gpt-20M":

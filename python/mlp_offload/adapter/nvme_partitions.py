@@ -41,13 +41,21 @@ class NvmePartitions:
 
     def step_record(self) -> ParamsOnNvmeStep | None:
         """The update's reads and writes since the last record (None where no subgroup is on NVMe)."""
-        subgroups = sum(flat is None for flat in self._opt.fp16_partitioned_groups_flat)
-        if not subgroups:
+        on_nvme = [i for i in range(len(self._opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
+        if not on_nvme:
             return None
+        # The parameters' swapper (ours, with our section) holds what the fetches read.
+        swapper: Any = next(
+            (p.nvme_swapper for i in on_nvme for p in self._opt.fp16_groups[i] if hasattr(p, "nvme_swapper")),
+            None,
+        )
+        fetched, waited = swapper.take_fetched() if hasattr(swapper, "take_fetched") else (0, 0.0)
         record: ParamsOnNvmeStep = {
-            "subgroups": subgroups,
+            "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
+            "fetched_bytes": fetched,
+            "fetch_wait_secs": waited,
         }
         self.read_bytes = self.written_bytes = 0
         return record

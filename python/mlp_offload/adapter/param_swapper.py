@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ class StoreParamSwapper:
         # together stay within the most ever held at once.
         self.free: dict[int, list[torch.Tensor]] = {}
         self.held_bytes = self.free_bytes = self.peak_bytes = 0
+        # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
+        # last taken (`take_fetched`).
+        self.fetched_bytes = 0
+        self.fetch_wait_secs = 0.0
         self.inflight: list[tuple[Any, Any]] = []
         self.numel: dict[int, int] = {}
         self.invalid_buffer = torch.tensor(1).half()
@@ -137,16 +142,25 @@ class StoreParamSwapper:
             buffer = self._buffer(param.ds_id, self.numel[param.ds_id])
             self.inflight.append((param, self.store.read(key_of(param), buffer)))
             param.ds_tensor.status = self.status.INFLIGHT
+            self.fetched_bytes += buffer.numel() * self.element_size
         if not async_op:
             self.synchronize_reads()
 
     def synchronize_reads(self) -> None:
         """Waits for the reads in flight; each partition then lies in its buffer, available."""
         inflight, self.inflight = self.inflight, []
+        started = time.perf_counter()
         for param, handle in inflight:
             handle.wait()
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
+        self.fetch_wait_secs += time.perf_counter() - started
+
+    def take_fetched(self) -> tuple[int, float]:
+        """The bytes DeepSpeed's fetches read and the seconds they waited for them, since the last call."""
+        taken = (self.fetched_bytes, self.fetch_wait_secs)
+        self.fetched_bytes, self.fetch_wait_secs = 0, 0.0
+        return taken
 
     def synchronize_writes(self) -> None:
         """Nothing waits: every write completed in the call that issued it."""

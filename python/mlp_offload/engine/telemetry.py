@@ -175,6 +175,11 @@ class ParamsOnNvmeStep(TypedDict):
     subgroups: Annotated[int, "Subgroups whose parameters are on NVMe."]
     read_bytes: Annotated[int, "Bytes of their partitions the update read from the store."]
     written_bytes: Annotated[int, "Bytes of their partitions the update wrote back (those it changed)."]
+    fetched_bytes: Annotated[
+        int,
+        "Bytes of their partitions DeepSpeed's fetches (forward and backward) read since the last step.",
+    ]
+    fetch_wait_secs: Annotated[float, "Seconds those fetches waited for their reads."]
 
 
 class StepRecord(TypedDict):
@@ -369,6 +374,16 @@ MONITOR_FIGURES = (
         "params_on_nvme/written_bytes",
         "Bytes of the parameters on NVMe the update wrote.",
         "params_on_nvme/written_bytes",
+    ),
+    MonitorFigure(
+        "params_on_nvme/fetched_bytes",
+        "Bytes of them the forward and backward read.",
+        "params_on_nvme/fetched_bytes",
+    ),
+    MonitorFigure(
+        "params_on_nvme/fetch_wait_secs",
+        "Seconds the forward and backward waited for them.",
+        "params_on_nvme/fetch_wait_secs",
     ),
 )
 
