@@ -89,8 +89,6 @@ class StoreParamSwapper:
         self.inflight: list[tuple[Any, Any]] = []
         self.numel: dict[int, int] = {}
         self.invalid_buffer = torch.tensor(1).half()
-        # The one buffer `reserve_partitioned_swap_space` asks for (its subgroup's largest partitions).
-        self.partitioned_swap_numel = 0
         if ds_config.zero_config.offload_param.nvme_path:
             log.info(
                 "offload_param.nvme_path: the parameters' partitions on NVMe go to mlp_offload.paths "
@@ -122,12 +120,9 @@ class StoreParamSwapper:
     def swap_out_and_release(self, params: list[Any], async_op: bool = False, **_: Any) -> None:
         """Writes each partition as its object, then lets its buffer go. The writes are complete
         before it returns (stock's `async_op` only defers its wait)."""
-        handles = []
         for param in params:
             self.numel[param.ds_id] = param.ds_tensor.ds_numel
-            handles.append(self.store.write(key_of(param), self.buffers[param.ds_id]))
-        for handle in handles:
-            handle.wait()
+        self.write_partitions([(param, self.buffers[param.ds_id]) for param in params])
         self.remove_partition_and_release_buffers(params)
 
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
@@ -170,7 +165,7 @@ class StoreParamSwapper:
         then stays available."""
         if param.ds_tensor.status != self.status.NOT_AVAILABLE:
             raise RuntimeError(f"parameter {param.ds_id}: read into a buffer while available or in flight")
-        self.store.read(key_of(param), dest_buffer).wait()
+        self.read_partitions([(param, dest_buffer)])
         param.ds_tensor.data = dest_buffer.data
         param.ds_tensor.status = self.status.AVAILABLE
 
@@ -184,20 +179,17 @@ class StoreParamSwapper:
     def reserve_partitioned_swap_space(self, partition_num_elems: list[int]) -> None:
         """DeepSpeed reserves room to write a subgroup's partitions after its update: ours writes each
         from a buffer of its own (`swap_out_partitioned_params`)."""
-        self.partitioned_swap_numel = sum(partition_num_elems)
 
     def swap_out_partitioned_params(self, dst_fp16_params: list[Any], src_fp32_params: list[Any]) -> None:
         """After a subgroup's update: each partition rounded from its fp32 master weights (torch's
         `copy_`, to nearest even, as stock's), written as its object, NOT_AVAILABLE."""
         assert len(dst_fp16_params) == len(src_fp32_params), (len(dst_fp16_params), len(src_fp32_params))
-        handles = []
+        writes = []
         for param, master in zip(dst_fp16_params, src_fp32_params, strict=True):
             half = self._new_buffer(master.numel())
             half.copy_(master)
-            # The store keeps `half` alive until its write is done.
-            handles.append(self.store.write(key_of(param), half))
-        for handle in handles:
-            handle.wait()
+            writes.append((param, half))
+        self.write_partitions(writes)
         for param in dst_fp16_params:
             param.ds_tensor.status = self.status.NOT_AVAILABLE
 
