@@ -96,8 +96,11 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
     addresses = {p.ds_tensor.data_ptr() for p in params}
     swapper.remove_partition_and_release_buffers(params)
     assert not swapper.buffers and params[0].ds_tensor.status == Status.NOT_AVAILABLE
-    # Read again, each into a buffer let go before (no new memory to fault in), within the most held.
-    swapper.swap_in(params, async_op=False)
+    # Read again, each into a buffer let go before (no new memory to fault in), within the most held; each
+    # once, though DeepSpeed's prefetch lists a parameter as often as its trace uses it.
+    swapper.take_fetched()
+    swapper.swap_in([*params, params[0]], async_op=False)
+    assert swapper.take_fetched()[0] == 2 * sum(v.numel() for v in values)
     assert {p.ds_tensor.data_ptr() for p in params} == addresses
     assert all(torch.equal(p.ds_tensor, v) for p, v in zip(params, values, strict=True))
     swapper.remove_partition_and_release_buffers(params)

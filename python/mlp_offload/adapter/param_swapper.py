@@ -127,8 +127,10 @@ class StoreParamSwapper:
 
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
         """Issues a read of each partition into a buffer of its own; `synchronize_reads` makes them
-        available."""
+        available. A partition listed twice is read once: DeepSpeed's prefetch lists each parameter as
+        often as the step's trace uses it (the forward's and the backward's uses alike)."""
         assert swap_in_buffers is None, "DeepSpeed passes no buffers of its own to this swapper"
+        params = list({param.ds_id: param for param in params}.values())
         for param in params:
             status = param.ds_tensor.status
             if status != self.status.NOT_AVAILABLE:
