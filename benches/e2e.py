@@ -772,6 +772,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 row["measured_after_backward_secs"] = statistics.median(m for _, m in after)
             if finals := [in_backward(t) for t in measured if t.get("grads_final")]:
                 row["grads_final"] = {k: statistics.median(f[k] for f in finals) for k in finals[0]}
+            starts = [t for r in rounds for t in r.get("telemetry", []) if t.get("event") == "start"]
+            if on_nvme := params_on_nvme(starts[0], measured):
+                row["params_on_nvme"] = on_nvme
         rows[contender] = row
     present = [b for b in BASELINES if b in rows]
     baseline = min(present, key=lambda b: rows[b]["iteration"]) if present else None
@@ -782,6 +785,25 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             ratios[contender] = {k: base[k] / m[k] for k in ("update", "iteration")}
     params = next(iter(runs.values()))[0]["params"]
     return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
+
+
+def params_on_nvme(start: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians of the forward's and backward's reads of the parameters on NVMe (ours' telemetry): bytes,
+    the seconds the busiest path read and the compute waited, the plan's prediction, and the rate read
+    against the plan's (the probe's read figure at the plan's split)."""
+    steps = [t["params_on_nvme"] for t in records if (t.get("params_on_nvme") or {}).get("read_busy_secs")]
+    plan = start.get("plan") or {}
+    if not steps or not plan.get("param_pass_secs"):
+        return None
+    row = {
+        k: statistics.median(s[k] for s in steps)
+        for k in ("fetched_bytes", "read_busy_secs", "fetch_wait_secs", "predicted_read_secs")
+    }
+    row["bytes_per_busy_s"] = statistics.median(
+        (s["fetched_bytes"] + s["read_bytes"]) / s["read_busy_secs"] for s in steps
+    )
+    row["plan_bytes_per_s"] = start["params_on_nvme_bytes"] / plan["param_pass_secs"]
+    return row
 
 
 def watched_threads(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
@@ -916,6 +938,14 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{100 * g['final_by_half']:.0f}% of chunks by its half; of the update's "
                 f"{g['update_secs']:.2f} s, {g['could_hide_secs']:.2f} s could run before it ends "
                 "(estimate: each chunk as soon as its gradient is final, one at a time)"
+            )
+        if n := m.get("params_on_nvme"):
+            print(
+                f"  parameters on NVMe: the forward and backward read {n['fetched_bytes'] / gib:.2f} GiB, "
+                f"the busiest path reading {n['read_busy_secs']:.2f} s "
+                f"(predicted {n['predicted_read_secs']:.2f} s) at {n['bytes_per_busy_s'] / 2**20:.0f} MiB/s, "
+                f"{n['bytes_per_busy_s'] / n['plan_bytes_per_s']:.2f}x the plan's "
+                f"{n['plan_bytes_per_s'] / 2**20:.0f}; the compute waited {n['fetch_wait_secs']:.2f} s"
             )
         if m.get("predicted_after_backward_secs") is not None:
             print(

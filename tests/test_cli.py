@@ -493,6 +493,17 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     times = [b["predicted_update_secs"] for b in result["by_host_memory"]]
     assert times == sorted(times, reverse=True) and times[0] > times[-1]
     assert result["by_host_memory"][-1]["cached_chunks"] == result["by_host_memory"][-1]["chunks"]
+    # With the parameters on the paths too (bf16, ZeRO-Infinity): the forward and the backward each read
+    # their 200 MB at the device's read figure, and the update, all of whose state is cached, writes them.
+    with_params = ("--params-on-nvme", "2", str(work_dirs[0]), str(work_dirs[1]))
+    args = ("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G")
+    on_nvme = json.loads(run_cli(*args, "--json", "-q", *with_params).stdout)
+    read, write = (max(p[key] for p in on_nvme["paths"]) for key in ("read_bytes_per_s", "write_bytes_per_s"))
+    assert on_nvme["workload"]["params_on_nvme_bytes"] == 200_000_000
+    assert on_nvme["plan"]["param_pass_secs"] == pytest.approx(2e8 / read, rel=1e-9)
+    assert on_nvme["plan"]["predicted_update_secs"] == pytest.approx(2e8 / write, rel=1e-9)
+    table = run_cli(*args, "-q", *with_params).stdout
+    assert "the forward and the backward each read them in" in table, table
 
 
 def test_plan_rejects_a_budget_below_one_chunk_before_it_probes(

@@ -35,6 +35,7 @@ from deepspeed_runs import (
 from mlp_offload import _core
 from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, swapper_class
 from mlp_offload.adapter.troubleshooting import met
+from mlp_offload.engine import profiles
 
 pytestmark = pytest.mark.deepspeed
 
@@ -209,8 +210,11 @@ def test_a_model_with_partitions_on_nvme_trains_bit_equal_to_stock(
 TWENTY_M = {"model": "gpt-20M", "sub_group_size": 2_000_000, "param_max_in_cpu": 1_000_000}
 TINY = {"param_max_in_cpu": 10_000}
 FP32 = {"fp32": True}
-# Ours' section for each: the 20M GPT's state in chunks of a few MiB, the tiny one's of 24K elements.
-BIG_CHUNKS = {"host_memory": "64M"}
+# Ours' section for each: the 20M GPT's state in chunks of a few MiB, the tiny one's of 24K elements. The
+# 20M GPT's `host_memory` holds its partitions on NVMe too (about 86 MiB of them at once in fp32, 31 MiB in
+# half precision), and about 64 MiB of the state's buffers beside them.
+BIG_CHUNKS = {"host_memory": "150M"}
+BIG_CHUNKS_HALF = {"host_memory": "96M"}
 SMALL_CHUNKS = {"host_memory": "200K", "update_chunk": "24K"}
 
 # name, the case (with `TWENTY_M` or `TINY`), ours' section's keys, ranks.
@@ -219,7 +223,7 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
     (
         "bf16 weights and moments (the 6-byte state, master_in_params), partitions on NVMe",
         {**TWENTY_M, **STATE_MODES["bf16 weights and moments"][0]},
-        BIG_CHUNKS,
+        BIG_CHUNKS_HALF,
         1,
     ),
     ("bf16, fp32 master weights", TINY, SMALL_CHUNKS, 1),
@@ -400,13 +404,35 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
     probed_paths: Callable[[int], list[Path]], tmp_path: Path
 ) -> None:
     """The README's section (the paths alone) with a ZeRO-Infinity config past `max_in_cpu`: it starts,
-    both overlaps resolve off saying why, and it trains bit-equal to stock."""
-    case = {**TINY, "steps": 3, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
+    both overlaps resolve off saying why, and it trains bit-equal to stock; the plan counts the partitions
+    on NVMe, and each step's record has their reads' prediction and measured busy time."""
+    case = {**TWENTY_M, "steps": 3, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
     stock = run_case({**case, "offload_param": "cpu"}, tmp_path, "stock")
-    ours = run_case({**case, "mlp_offload": {"paths": [str(p) for p in probed_paths(1)]}}, tmp_path, "ours")
+    paths = [str(p) for p in probed_paths(1)]
+    ours = run_case({**case, "mlp_offload": {"paths": paths}}, tmp_path, "ours")
     assert_bit_equal(ours, stock)
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
     assert not start["overlap"]["on"] and "parameters are on NVMe" in start["overlap"]["why"]
+    # The plan counts the partitions on NVMe: one pass's reads at the probe's read figure, and the
+    # update's writes within its prediction.
+    plan, params = start["plan"], start["params_on_nvme_bytes"]
+    profile, _ = profiles.saved_profile(paths, profiles.ProbeOptions())
+    assert profile is not None and start["weights"] == [0.5, 0.5], start
+    # The two paths are one device: the parameters at the device's figure, which each path's shows.
+    read, write = (max(p[key] for p in profile.probes) for key in ("read_bytes_per_s", "write_bytes_per_s"))
+    assert params > 0 and plan["param_pass_secs"] == pytest.approx(params / read), start
+    assert plan["param_write_secs"] == pytest.approx(params / write), start
+    assert plan["predicted_update_secs"] >= plan["param_write_secs"], start
+    # Each step's prediction of the forward's and backward's reads: the bytes the step before read (the
+    # first: two passes) at the plan's read figure.
+    fetched = 2 * params
+    for step in (r for r in ours["telemetry"] if r["event"] == "step"):
+        on_nvme = step["params_on_nvme"]
+        predicted = plan["param_pass_secs"] * fetched / params
+        assert on_nvme["predicted_read_secs"] == pytest.approx(predicted), step
+        assert on_nvme["read_busy_secs"] > 0 and on_nvme["write_busy_secs"] > 0, step
+        assert step["host_bytes"] > on_nvme["buffer_bytes"] > 0, step
+        fetched = on_nvme["fetched_bytes"]
 
 
 @pytest.mark.parametrize("key", ["overlap", "overlap_backward"])

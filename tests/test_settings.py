@@ -248,6 +248,16 @@ def test_each_choice_and_why(
         ({"host_memory": "deepspeed"}, {}, 4 * NUMELS[0] * 4, "DeepSpeed's pinned budget (4 buffers)"),
         ({"host_memory": "deepspeed"}, {"master": BF16}, 4 * NUMELS[0] * 2, "(4 buffers)"),
         ({"host_memory": "6M"}, {}, 6 << 20, "configured"),
+        # The buffers of the parameters on NVMe come out of the budget first, "deepspeed" aside (stock pins
+        # its parameters' buffers beside its state's).
+        (
+            {"host_memory": "6M"},
+            {"params_on_nvme_held": 1 << 20},
+            5 << 20,
+            "configured, less 0.00 GiB for the parameters on NVMe",
+        ),
+        ({}, {"params_on_nvme_held": 8 * GIB}, 4 * NUMELS[0] * 4, "less 8.00 GiB for the parameters on NVMe"),
+        ({"host_memory": "deepspeed"}, {"params_on_nvme_held": 1 << 20}, 4 * NUMELS[0] * 4, "(4 buffers)"),
     ],
     ids=[
         "auto, all cached",
@@ -256,6 +266,9 @@ def test_each_choice_and_why(
         "deepspeed",
         "deepspeed bf16",
         "a size",
+        "a size, less the parameters on NVMe",
+        "auto, the spare memory all the parameters'",
+        "deepspeed, the parameters' beside it",
     ],
 )
 def test_host_memory_and_where_it_came_from(
@@ -269,6 +282,11 @@ def test_host_memory_and_where_it_came_from(
     ("section", "given", "error"),
     [
         ({"host_memory": "4K"}, {}, r"mlp_offload\.host_memory: 4,096 bytes hold no chunk"),
+        (
+            {"host_memory": "6M"},
+            {"params_on_nvme_held": 7 << 20},
+            r"host_memory: 0 bytes hold no chunk.*configured, less 0\.01 GiB for the parameters on NVMe",
+        ),
         ({**STREAMS, "cache_chunks": 6}, {}, r"mlp_offload\.cache_chunks: 6 cached chunks leave none"),
         (
             {"master_in_params": True},
@@ -293,6 +311,7 @@ def test_host_memory_and_where_it_came_from(
     ],
     ids=[
         "a budget of no chunk",
+        "a budget the parameters on NVMe take",
         "a cache of every buffer",
         "in params, fp32",
         "in params, backward true",

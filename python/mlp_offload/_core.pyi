@@ -414,12 +414,15 @@ def plan_update(
     adam_secs_per_subgroup: float = 0.0,
     fwd_bwd_secs: float = 0.0,
     weights: list[float] | None = None,
+    param_bytes: int = 0,
 ) -> dict[str, Any]:
     """The performance model's plan: weights, in-flight limits, cache size, I/O floor, predicted time.
 
     `paths` holds a dict per path: `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight`,
     and optionally `mixed_bytes_per_s` and `concurrent_bytes_per_s`. `weights`, one per path: plan at
-    that split instead of the model's own.
+    that split instead of the model's own. `param_bytes`: the parameters kept on the paths (ZeRO-Infinity's),
+    read by the forward and the backward (`param_pass_secs` each) and written by the update
+    (`param_write_secs`, within `predicted_update_secs`).
     """
 
 def pages_choice(paths: list[dict[str, Any]]) -> str:

@@ -75,6 +75,11 @@ pub struct UpdateWorkload {
     pub adam_secs_per_subgroup: f64,
     /// Forward plus backward time of one step, when known (0 otherwise): storage can work meanwhile.
     pub fwd_bwd_secs: f64,
+    /// Bytes of the half-precision parameters kept on storage (ZeRO-Infinity's, past
+    /// `offload_param.max_in_cpu`), in a store of their own on the same paths at the same split. The
+    /// forward and the backward each read them once; the update writes each subgroup's after its
+    /// update, the next subgroup waiting for it, whether or not the subgroup's state is cached.
+    pub param_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -94,8 +99,14 @@ pub struct Plan {
     pub io_floor_secs: f64,
     /// Of the I/O floor, what runs while forward and backward do.
     pub hidden_io_secs: f64,
-    /// The update phase with reads ahead and writes behind overlapping CPU Adam.
+    /// The update phase with reads ahead and writes behind overlapping CPU Adam, and the parameters'
+    /// writes (`param_write_secs`).
     pub predicted_update_secs: f64,
+    /// The parameters on storage read once, as the forward and again the backward read them: at the
+    /// one-direction read figure, the slowest device's stripe deciding.
+    pub param_pass_secs: f64,
+    /// The update's writes of the parameters on storage, at the one-direction write figure.
+    pub param_write_secs: f64,
 }
 
 /// Plans one update phase. Paths without bandwidth get weight 0; paths on one device share it.
@@ -162,6 +173,8 @@ pub fn plan_split(
         .iter()
         .map(|w| w * (r + w_bytes) / io_secs_per_subgroup)
         .collect();
+    let params = work.param_bytes as f64;
+    let param_write_secs = alone(params, |p| p.write_bytes_per_s);
     Ok(Plan {
         path_bytes_per_s,
         weights,
@@ -170,7 +183,9 @@ pub fn plan_split(
         io_secs_per_subgroup,
         io_floor_secs: times.io_floor_secs,
         hidden_io_secs: times.hidden_io_secs,
-        predicted_update_secs: times.predicted_update_secs,
+        predicted_update_secs: times.predicted_update_secs + param_write_secs,
+        param_pass_secs: alone(params, |p| p.read_bytes_per_s),
+        param_write_secs,
     })
 }
 
@@ -905,6 +920,7 @@ mod tests {
             pipeline_buffers: 3,
             adam_secs_per_subgroup: 0.05,
             fwd_bwd_secs: 0.0,
+            param_bytes: 0,
         }
     }
 
@@ -1134,6 +1150,57 @@ mod tests {
         assert_eq!(all_cached.cached_subgroups, 2);
         assert_eq!(all_cached.io_floor_secs, 0.0);
         assert!((all_cached.predicted_update_secs - 2.0 * 0.05).abs() < 1e-9);
+    }
+
+    #[test]
+    fn parameters_on_storage_add_their_reads_and_writes() {
+        // name, paths, parameters' bytes, one pass's reads, the update's writes
+        let cases = [
+            ("none", vec![path("a", 1000.0, 500.0)], 0, 0.0, 0.0),
+            (
+                "one path: each direction at its own figure",
+                vec![path("a", 1000.0, 500.0)],
+                1_000_000_000,
+                1.0,
+                2.0,
+            ),
+            (
+                "two equal devices halve both",
+                vec![path("a", 2000.0, 2000.0), path("b", 2000.0, 2000.0)],
+                1_000_000_000,
+                0.25,
+                0.25,
+            ),
+            (
+                "two paths of one device share it",
+                vec![path("a", 2000.0, 1000.0), path("a", 2000.0, 1000.0)],
+                1_000_000_000,
+                0.5,
+                1.0,
+            ),
+            (
+                "each direction's slowest stripe decides (the split by the mixed cost)",
+                vec![path("a", 1000.0, 250.0), path("b", 1000.0, 1000.0)],
+                1_000_000_000,
+                // c_a = 0.24 + 0.96 = 1.2, c_b = 0.48: a takes 2/7, b 5/7.
+                5.0 / 7.0,
+                2.0 / 7.0 / 0.25,
+            ),
+        ];
+        for (name, paths, bytes, pass, write) in cases {
+            let without = plan(&paths, &work(10, 3)).unwrap();
+            let mut w = work(10, 3);
+            w.param_bytes = bytes;
+            let p = plan(&paths, &w).unwrap();
+            assert!((p.param_pass_secs - pass).abs() < 1e-9, "{name}: {p:?}");
+            assert!((p.param_write_secs - write).abs() < 1e-9, "{name}: {p:?}");
+            // The state's plan is the same; the update waits for the parameters' writes too.
+            assert_eq!(p.weights, without.weights, "{name}");
+            assert!(
+                (p.predicted_update_secs - without.predicted_update_secs - write).abs() < 1e-9,
+                "{name}: {p:?}"
+            );
+        }
     }
 
     #[test]

@@ -1235,11 +1235,12 @@ fn probe_shared_path(
 /// The performance model's plan for one update phase. `paths` holds one dict per path with
 /// `device_id`, `read_bytes_per_s`, `write_bytes_per_s`, `best_inflight` and optionally
 /// `mixed_bytes_per_s` and `concurrent_bytes_per_s` (a probe's figures). `weights`, one per path:
-/// plan at that split instead of the model's own.
+/// plan at that split instead of the model's own. `param_bytes`: the parameters kept on the paths
+/// (ZeRO-Infinity's), read by the forward and the backward and written by the update.
 #[pyfunction]
 #[pyo3(signature = (paths, *, subgroups, read_bytes_per_subgroup, write_bytes_per_subgroup,
                     host_bytes_per_subgroup, host_memory, pipeline_buffers=3, adam_secs_per_subgroup=0.0,
-                    fwd_bwd_secs=0.0, weights=None))]
+                    fwd_bwd_secs=0.0, weights=None, param_bytes=0))]
 #[allow(clippy::too_many_arguments)]
 fn plan_update(
     py: Python<'_>,
@@ -1253,6 +1254,7 @@ fn plan_update(
     adam_secs_per_subgroup: f64,
     fwd_bwd_secs: f64,
     weights: Option<Vec<f64>>,
+    param_bytes: u64,
 ) -> PyResult<Py<PyAny>> {
     let profiles: Vec<PathProfile> = from_dicts(&paths, "paths")?;
     let work = UpdateWorkload {
@@ -1264,6 +1266,7 @@ fn plan_update(
         pipeline_buffers,
         adam_secs_per_subgroup,
         fwd_bwd_secs,
+        param_bytes,
     };
     let planned = plan_split(&profiles, &work, weights.as_deref()).map_err(to_py)?;
     to_py_json(py, &planned)

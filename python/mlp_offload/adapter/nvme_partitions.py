@@ -44,24 +44,66 @@ class NvmePartitions:
         on_nvme = [i for i in range(len(self._opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
         if not on_nvme:
             return None
-        # The parameters' swapper (ours, with our section) holds what the fetches read.
-        swapper: Any = next(
-            (p.nvme_swapper for i in on_nvme for p in self._opt.fp16_groups[i] if hasattr(p, "nvme_swapper")),
-            None,
-        )
+        # The parameters' swapper (ours, with our section) holds what the fetches read, and its store
+        # how long its paths were busy.
+        swapper = self.swapper()
         fetched, waited = swapper.take_fetched() if hasattr(swapper, "take_fetched") else (0, 0.0)
+        busy = swapper.take_busy() if hasattr(swapper, "take_busy") else (None, None)
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
             "fetched_bytes": fetched,
             "fetch_wait_secs": waited,
+            "read_busy_secs": busy[0],
+            "write_busy_secs": busy[1],
+            # The planner's (`UpdatePlanner.after_step`).
+            "predicted_read_secs": None,
+            "buffer_bytes": swapper.buffer_bytes() if hasattr(swapper, "buffer_bytes") else 0,
         }
         self.read_bytes = self.written_bytes = 0
         return record
 
     def on_nvme(self, i: int) -> bool:
         return self._opt.fp16_partitioned_groups_flat[i] is None
+
+    def partition_bytes(self) -> int:
+        """The bytes of the partitions on NVMe (the swapper's, of 1 MiB and more) of the subgroups here."""
+        element = torch.tensor([], dtype=self._opt.dtype).element_size()
+        return element * sum(
+            part.ds_numel
+            for i in range(len(self._opt.fp16_partitioned_groups_flat))
+            if self.on_nvme(i)
+            for _, part in self._params(i)
+            if part.final_location == "nvme"
+        )
+
+    def most_held(self) -> int:
+        """The most host memory the partitions on NVMe take at once: those the forward and the backward
+        hold (DeepSpeed's `stage3_max_live_parameters` and its prefetch bucket bound what it keeps
+        gathered), and the update's flat copy of the largest subgroup here."""
+        on_nvme = self.partition_bytes()
+        if not on_nvme:
+            return 0
+        opt = self._opt
+        live_elements = opt.parameter_offload._max_available_parameters_in_numel + opt.prefetch_elements
+        element = torch.tensor([], dtype=self._opt.dtype).element_size()
+        flats = opt.fp16_partitioned_groups_flat_numel
+        largest = max(int(flats[i]) for i in range(len(flats)) if self.on_nvme(i))
+        return min(on_nvme, live_elements * element) + largest * element
+
+    def swapper(self) -> Any:
+        """The parameters' swapper (ours with our section; None where no subgroup is on NVMe)."""
+        return next(
+            (
+                p.nvme_swapper
+                for i in range(len(self._opt.fp16_groups))
+                if self.on_nvme(i)
+                for p in self._opt.fp16_groups[i]
+                if hasattr(p, "nvme_swapper")
+            ),
+            None,
+        )
 
     def get(self, i: int) -> torch.Tensor:
         """Subgroup `i`'s partition as one flat tensor in host memory (another held one let go first)."""

@@ -86,6 +86,8 @@ class StoreParamSwapper:
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
         self.fetch_wait_secs = 0.0
+        # Each path's counters when the busy times were last taken (`take_busy`).
+        self._busy_ns = self._busy_counters()
         self.inflight: list[tuple[Any, Any]] = []
         self.numel: dict[int, int] = {}
         self.invalid_buffer = torch.tensor(1).half()
@@ -159,6 +161,18 @@ class StoreParamSwapper:
         self.fetched_bytes, self.fetch_wait_secs = 0, 0.0
         return taken
 
+    def take_busy(self) -> tuple[float, float]:
+        """The seconds the store's busiest path had reads in flight, and writes, since the last call."""
+        before, self._busy_ns = self._busy_ns, self._busy_counters()
+        spans = list(zip(self._busy_ns, before, strict=True))
+        reads = max(now[0] - was[0] for now, was in spans)
+        writes = max(now[1] - was[1] for now, was in spans)
+        return reads / 1e9, writes / 1e9
+
+    def buffer_bytes(self) -> int:
+        """Host memory the partitions' buffers hold now: those in use and those kept for the next read."""
+        return self.held_bytes + self.free_bytes
+
     def synchronize_writes(self) -> None:
         """Nothing waits: every write completed in the call that issued it."""
 
@@ -225,6 +239,9 @@ class StoreParamSwapper:
             "a swap file; only DeepSpeed's NVMe optimizer offload asks for the file, and mlp_offload's "
             "replaces it"
         )
+
+    def _busy_counters(self) -> list[tuple[int, int]]:
+        return [(r["stats"]["read_busy_ns"], r["stats"]["write_busy_ns"]) for r in self.store.path_reports()]
 
     def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
         """Partition `ds_id`'s buffer of `numel` elements, held until it is let go (`_let_go`)."""

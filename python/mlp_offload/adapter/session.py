@@ -20,6 +20,7 @@ import torch
 
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
 from mlp_offload.adapter.monitors import MonitorWriter, UpdateTimers
+from mlp_offload.adapter.param_swapper import StoreParamSwapper
 from mlp_offload.adapter.settings import KernelCheck, Settings
 from mlp_offload.adapter.stale_gradients import StaleGradients
 from mlp_offload.common.config import MLPOffloadConfig
@@ -125,6 +126,7 @@ class UpdateSession:
         )
         # The plan predicts what the update during backward leaves once the steps go in chunk order.
         planner.overlap_backward = settings.overlap_backward.on and settings.chunk_order.on
+        planner.params_on_nvme_bytes = settings.params_on_nvme_bytes
         stale = StaleGradients()
         stale.dtype = settings.dtypes.master
         monitor = MonitorWriter(settings.monitors.on)
@@ -156,6 +158,10 @@ class UpdateSession:
         # How the buffers are backed before the initial state fills them.
         page_report = pipeline.page_report
         plan = self.planner.plan(pipeline, self.store)
+        swapper = view.on_nvme.swapper()
+        if plan is not None and self.config.weights == "auto" and isinstance(swapper, StoreParamSwapper):
+            # The parameters on NVMe go to the plan's split too (each on its next write), as it plans them.
+            swapper.store.weights = plan["weights"]
         self.state.initialize(view.partition)
         view.settle_partitions()
         if self.settings.backward_every_chunk:
@@ -202,6 +208,7 @@ class UpdateSession:
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},
             # Subgroups whose parameters are on NVMe, read and written by the update as it goes.
             "subgroups_on_nvme": settings.subgroups_on_nvme,
+            "params_on_nvme_bytes": settings.params_on_nvme_bytes,
             # Whether each step's figures go to DeepSpeed's monitors, and why.
             "monitors": {"on": settings.monitors.on, "why": settings.monitors.why},
             # Whether chunks are updated during backward, and why.

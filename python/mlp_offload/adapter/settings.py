@@ -86,7 +86,9 @@ class StartFacts:
     `params_on_host`: whether the partitions are in host memory. `spare`: what this rank can spare now
     (`memory.spare_host_memory`), asked once, where it is needed. `monitor`: whether the DeepSpeed config
     enables one of its monitors. `subgroups_on_nvme`: the subgroups whose parameters DeepSpeed keeps on
-    NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory)."""
+    NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory); `params_on_nvme_bytes`, the
+    bytes of their partitions there; `params_on_nvme_held`, the most host memory those take at once
+    (`NvmePartitions.most_held`), which `host_memory` holds beside the state."""
 
     numels: tuple[int, ...]
     buffer_count: int
@@ -98,6 +100,8 @@ class StartFacts:
     spare: Callable[[], memory.SpareMemory]
     monitor: bool = False
     subgroups_on_nvme: int = 0
+    params_on_nvme_bytes: int = 0
+    params_on_nvme_held: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,8 @@ class Settings:
     params_on_host: bool
     subgroups_on_nvme: int
     """Subgroups whose parameters DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`)."""
+    params_on_nvme_bytes: int
+    """The bytes of their partitions there (the plan counts their reads and writes)."""
 
     @property
     def every_chunk_cached(self) -> bool:
@@ -165,7 +171,11 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     except ValueError as e:
         raise ValueError(
             troubleshooting.HOST_MEMORY.message(
-                problem=e, host_memory=host_memory, buffers=layout.buffers, buffer_bytes=layout.buffer_bytes
+                problem=e,
+                host_memory=host_memory,
+                source=source,
+                buffers=layout.buffers,
+                buffer_bytes=layout.buffer_bytes,
             )
         ) from None
     threads = None if config.update_threads == "auto" else config.update_threads
@@ -212,6 +222,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         pin=facts.pin_memory,
         params_on_host=facts.params_on_host,
         subgroups_on_nvme=facts.subgroups_on_nvme,
+        params_on_nvme_bytes=facts.params_on_nvme_bytes,
     )
 
 
@@ -267,12 +278,15 @@ def _host_memory(
     deepspeed_budget = facts.buffer_count * max(facts.numels) * facts.master.itemsize
     if config.host_memory == "deepspeed":
         return deepspeed_budget, f"DeepSpeed's pinned budget ({facts.buffer_count} buffers)"
+    held = facts.params_on_nvme_held
+    # The parameters on NVMe take their buffers first (DeepSpeed's own pins them beside its state's).
+    params = f", less {held / 2**30:.2f} GiB for the parameters on NVMe" if held else ""
     if config.host_memory != "auto":
-        return int(config.host_memory), "configured"
+        return max(0, int(config.host_memory) - held), f"configured{params}"
     update_chunk = None if config.update_chunk == "auto" else int(config.update_chunk)
     need = memory.whole_state_bytes(facts.numels, update_chunk, state_bytes)
-    budget = min(need, max(spare().bytes, deepspeed_budget))
-    return budget, f"auto: {spare().describe()}; the whole state needs {need / 2**30:.2f} GiB"
+    budget = min(need, max(spare().bytes - held, deepspeed_budget))
+    return budget, f"auto: {spare().describe()}{params}; the whole state needs {need / 2**30:.2f} GiB"
 
 
 def _kept_copies_room(

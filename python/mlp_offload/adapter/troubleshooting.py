@@ -196,10 +196,12 @@ UNLISTED_OPTION = Trouble(
 HOST_MEMORY = Trouble(
     "host-memory",
     "host_memory too small",
-    "mlp_offload.{problem} (host_memory {host_memory:,} holds {buffers} buffers of {buffer_bytes:,} bytes)",
+    "mlp_offload.{problem} (host_memory {host_memory:,} for the state, {source}, holds {buffers} buffers of "
+    "{buffer_bytes:,} bytes)",
     REFUSAL,
-    "`host_memory` holds no chunk beside its gradient, or `cache_chunks` leaves no buffer to stream "
-    "the other chunks through",
+    "`host_memory` holds no chunk beside its gradient (after the buffers of the parameters on NVMe, "
+    "where DeepSpeed keeps them there), or `cache_chunks` leaves no buffer to stream the other chunks "
+    "through",
     'raise `host_memory` (or set it to "auto"), lower `update_chunk`, or lower `cache_chunks`',
 )
 MASTER_IN_PARAMS = Trouble(

@@ -229,7 +229,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         session opened over them, its helpers, the gathers hooked where the update runs on its thread,
         and the initial state written (`UpdateSession.start`)."""
         view = DeepSpeedView(self, tensor_steps=not isinstance(self.optimizer, DeepSpeedCPUAdam))
-        facts = self._mlp_facts()
+        facts = self._mlp_facts(view)
         settings = resolve(self._mlp_config, facts, self._mlp_check_kernel)
         session = UpdateSession.open(
             self._mlp_config,
@@ -248,7 +248,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             self._mlp_wait_in_gathers()
         session.start(view)
 
-    def _mlp_facts(self) -> StartFacts:
+    def _mlp_facts(self, view: DeepSpeedView) -> StartFacts:
         """What the settings follow from in DeepSpeed's config and optimizer, and the machine."""
         offload, flats = self._mlp_offload, self.fp16_partitioned_groups_flat
         first = flats[0]
@@ -264,6 +264,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             # DeepSpeed keeps a subgroup past `offload_param.max_in_cpu` on NVMe (no flat partition).
             params_on_host=first is None or first.device.type == "cpu",
             subgroups_on_nvme=sum(flat is None for flat in flats),
+            params_on_nvme_bytes=view.on_nvme.partition_bytes(),
+            params_on_nvme_held=view.on_nvme.most_held(),
             spare=memory.spare_host_memory,
             monitor=self._mlp_monitor,
         )

@@ -202,6 +202,7 @@ def plan_at(
         adam_secs_per_chunk=layout.buffer_bytes / rate if rate > 0 else 0.0,
         fwd_bwd_secs=args.fwd_bwd_secs,
         share=node_part(profile, args),
+        param_bytes=args.params_on_nvme * args.params,
     )
     return layout, plan
 
@@ -271,6 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "adam_bytes_per_s": args.adam_bytes_per_s,
         "fwd_bwd_secs": args.fwd_bwd_secs,
         "nodes": args.nodes,
+        "params_on_nvme_bytes": args.params_on_nvme * args.params,
     }
     if args.json:
         print(
@@ -344,6 +346,13 @@ def _print_plan(
     if plan["hidden_io_secs"] > 0:
         print(f"of which forward and backward hide: {plan['hidden_io_secs']:.2f} s")
     print(f"predicted update phase: {plan['predicted_update_secs']:.2f} s")
+    if w["params_on_nvme_bytes"]:
+        gib = w["params_on_nvme_bytes"] / 2**30
+        print(
+            f"the parameters on the paths ({gib:,.2f} GiB): the forward and the backward each read them in "
+            f"{plan['param_pass_secs']:.2f} s; the update writes them in {plan['param_write_secs']:.2f} s of "
+            "its prediction"
+        )
     whole_gib = w["whole_state_bytes"] / 2**30
     print(f"\nthe update as host memory grows (the whole state takes {whole_gib:,.2f} GiB):")
     rows = [
@@ -486,6 +495,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--fwd-bwd-secs", type=float, default=0.0, help="forward+backward time per step, when known"
+    )
+    plan.add_argument(
+        "--params-on-nvme",
+        type=int,
+        choices=(0, 2, 4),
+        default=0,
+        metavar="BYTES",
+        help="bytes a parameter kept on the paths too (ZeRO-Infinity, past offload_param.max_in_cpu): 2 in "
+        "bf16 or fp16, 4 in fp32; the forward and the backward read them, the update writes them (0: the "
+        "parameters in host memory)",
     )
     plan.add_argument(
         "--nodes",

@@ -47,7 +47,8 @@ class MLPOffloadConfig(BaseModel):
     A number of bytes, or a size such as `"16G"`. `"auto"`: what this rank can spare at start-up (the
     memory available, cgroup limits included, less a margin, divided among the node's local ranks), never
     less than `"deepspeed"` and never more than the whole state needs. `"deepspeed"`: what stock
-    DeepSpeed pins for its NVMe offload, for comparisons at equal memory."""
+    DeepSpeed pins for its NVMe offload, for comparisons at equal memory. With parameters on NVMe (past
+    `offload_param.max_in_cpu`), a size and `"auto"` hold their buffers too, the state getting the rest."""
 
     weights: list[float] | Literal["auto", "equal"] = "auto"
     """How each subgroup's state is split across `paths`.

@@ -246,6 +246,12 @@ def start_line(record: StartRecord) -> str:
     weights = [round(w, 3) for w in record["weights"]]
     predicted = record["plan"]["predicted_update_secs"] if record["plan"] else float("nan")
     r = record
+    params = ""
+    if r["plan"] and r["plan"]["param_write_secs"] > 0:
+        params = (
+            f" (of which the parameters' writes {r['plan']['param_write_secs']:.2f} s); forward and backward "
+            f"each read the parameters on NVMe in {r['plan']['param_pass_secs']:.2f} s"
+        )
     return (
         f"mlp-offload: rank {r['rank']}, {r['subgroups']} subgroups in {r['chunks']} chunks of "
         f"{r['buffer_bytes'] / 2**20:.1f} MiB over {len(r['paths'])} paths; host memory "
@@ -253,7 +259,7 @@ def start_line(record: StartRecord) -> str:
         f"buffers + {grad_mib:.1f} MiB fp32 gradient, {r['cached_chunks']} chunks cached; "
         f"{described_pages}; update kernel: {kernel['kernel']} ({kernel['why']}); overlap with the next "
         f"forward: {r['overlap']['why']}; with backward: {r['overlap_backward']['why']}; weights "
-        f"{weights}; predicted update {predicted:.2f} s"
+        f"{weights}; predicted update {predicted:.2f} s{params}"
     )
 
 
@@ -274,6 +280,12 @@ class UpdatePlanner:
         # engine), and then the next step's prediction of the update left after backward.
         self.overlap_backward = False
         self.prediction_after_backward: float | None = None
+        # The bytes of the parameters on NVMe (set by the engine), which the plan counts, its prediction
+        # of one pass's reads of them (the forward's, or the backward's), and what the last step's
+        # forward and backward read of them (DeepSpeed keeps some between the two: fewer than two passes).
+        self.params_on_nvme_bytes = 0
+        self.param_pass_secs: float | None = None
+        self._fetched_bytes: int | None = None
         # What a streamed chunk's update took during the recent boundaries' backwards, measured
         # (`secs_per_chunk_in_backward`).
         self._backward_chunks: deque[float] = deque(maxlen=PREDICTION_STEPS)
@@ -439,6 +451,7 @@ class UpdatePlanner:
         ]
         plan = self._replan()
         self.prediction = plan["predicted_update_secs"]
+        self.param_pass_secs = plan["param_pass_secs"]
         if config.adapt:
             self.tuner = _core.WeightTuner(plan["path_bytes_per_s"])
         if config.weights == "auto":
@@ -465,6 +478,7 @@ class UpdatePlanner:
             weights=weights,
             share=self._share,
             request=self.config.chunk_size or DEFAULT_CHUNK_SIZE,
+            param_bytes=self.params_on_nvme_bytes,
         )
         # What the store runs with (a configured count included).
         plan["max_inflight"] = [self.max_inflight()[0]] * len(plan["max_inflight"])
@@ -481,6 +495,9 @@ class UpdatePlanner:
             if moved is not None:
                 store.weights = moved
         predicted, predicted_after_backward = self.prediction, self.prediction_after_backward
+        if parts.params_on_nvme is not None:
+            parts.params_on_nvme["predicted_read_secs"] = self._predicted_fetch_secs()
+            self._fetched_bytes = parts.params_on_nvme["fetched_bytes"]
         self._predict(stats, times, parts)
         fwd_bwd = times.fwd_bwd_secs
         record: StepRecord = {
@@ -519,11 +536,20 @@ class UpdatePlanner:
         }
         self.emit(record)
 
+    def _predicted_fetch_secs(self) -> float | None:
+        """The forward's and backward's reads of the parameters on NVMe, predicted before the step: the
+        bytes the step before read (two passes before the first step) at the plan's read figure."""
+        if self.param_pass_secs is None or not self.params_on_nvme_bytes:
+            return None
+        fetched = 2 * self.params_on_nvme_bytes if self._fetched_bytes is None else self._fetched_bytes
+        return self.param_pass_secs * fetched / self.params_on_nvme_bytes
+
     def _host_bytes(self, parts: StepParts) -> int:
-        """Host memory the engine holds after a step: the pipeline's buffers and kept copies, and the
-        stale gradients kept in fp32 (outside `host_memory`)."""
+        """Host memory the engine holds after a step: the pipeline's buffers and kept copies, the stale
+        gradients kept in fp32 and the buffers of the parameters on NVMe (outside `host_memory`)."""
         pipeline = self._pipeline
         held = 0 if pipeline is None else pipeline.buffer_count * pipeline.buffer_size + pipeline.kept_bytes
+        held += parts.params_on_nvme["buffer_bytes"] if parts.params_on_nvme is not None else 0
         return held + (parts.stale["kept_bytes"] if parts.stale is not None else 0)
 
     def _predict(self, stats: StepStats, times: StepTimes, parts: StepParts) -> None:

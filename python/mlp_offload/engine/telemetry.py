@@ -85,6 +85,11 @@ class StartRecord(TypedDict):
     subgroups_on_nvme: Annotated[
         int, "Subgroups whose parameters DeepSpeed keeps on NVMe, past `offload_param.max_in_cpu`."
     ]
+    params_on_nvme_bytes: Annotated[
+        int,
+        "The bytes of their partitions on NVMe, which the plan counts: read by the forward and the backward "
+        "(`plan.param_pass_secs` each), written by the update (`plan.param_write_secs`).",
+    ]
     monitors: Annotated[
         OnAndWhy, "Whether each step's figures go to DeepSpeed's monitors (`monitors`), and why."
     ]
@@ -180,6 +185,21 @@ class ParamsOnNvmeStep(TypedDict):
         "Bytes of their partitions DeepSpeed's fetches (forward and backward) read since the last step.",
     ]
     fetch_wait_secs: Annotated[float, "Seconds those fetches waited for their reads."]
+    read_busy_secs: Annotated[
+        float | None,
+        "Seconds the parameters' busiest path had reads in flight since the last step (the fetches' and "
+        "the update's; null: not our swapper).",
+    ]
+    write_busy_secs: Annotated[float | None, "The same for writes."]
+    predicted_read_secs: Annotated[
+        float | None,
+        "The plan's time for the forward's and the backward's reads of the partitions, made before this "
+        "step: the bytes the step before read (two passes before the first step) at the plan's read "
+        "figure (null: no plan).",
+    ]
+    buffer_bytes: Annotated[
+        int, "Host memory the partitions' buffers hold after the step, those kept for the next read included."
+    ]
 
 
 class StepRecord(TypedDict):
@@ -218,7 +238,9 @@ class StepRecord(TypedDict):
         ParamsOnNvmeStep | None, "The parameters on NVMe past `max_in_cpu` (null: none there)."
     ]
     host_bytes: Annotated[
-        int, "Host memory the engine holds now: its chunk buffers, kept copies and stale gradients in fp32."
+        int,
+        "Host memory the engine holds now: its chunk buffers, kept copies, stale gradients in fp32 and the "
+        "buffers of the parameters on NVMe.",
     ]
 
 
@@ -384,6 +406,16 @@ MONITOR_FIGURES = (
         "params_on_nvme/fetch_wait_secs",
         "Seconds the forward and backward waited for them.",
         "params_on_nvme/fetch_wait_secs",
+    ),
+    MonitorFigure(
+        "params_on_nvme/read_busy_secs",
+        "Seconds their busiest path was reading.",
+        "params_on_nvme/read_busy_secs",
+    ),
+    MonitorFigure(
+        "params_on_nvme/predicted_read_secs",
+        "The plan's time for the forward's and backward's reads.",
+        "params_on_nvme/predicted_read_secs",
     ),
 )
 
