@@ -33,7 +33,7 @@ from deepspeed_runs import (
     universal,
 )
 from mlp_offload import _core
-from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, swapper_class
+from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, require_ours, swapper_class
 from mlp_offload.adapter.troubleshooting import met
 from mlp_offload.engine import profiles
 
@@ -154,6 +154,21 @@ def test_what_only_deepspeeds_nvme_optimizer_asks_is_refused_saying_why(swapper:
         swapper.reserve_available_buffers()
 
 
+def test_deepspeeds_own_swapper_is_refused_saying_to_install_first(swapper: StoreParamSwapper) -> None:
+    """A model built under `zero.Init` before `mlp_offload.install()` has DeepSpeed's own swapper and swap
+    files: refused at start, naming the key and what to do. (A stand-in of its class: DeepSpeed's builds
+    its async I/O op, which CI does not.)"""
+
+    class AsyncPartitionedParameterSwapper:
+        pass
+
+    require_ours(swapper)
+    require_ours(None)
+    with pytest.raises(ValueError, match=r"^zero_optimization\.offload_param: .*AsyncPartitioned") as e:
+        require_ours(AsyncPartitionedParameterSwapper())
+    assert met("stock-param-swapper", str(e.value)) and "mlp_offload.install() before" in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("block_size", "dtype", "swapped", "kept"),
     [(1 << 20, torch.bfloat16, 1 << 19, (1 << 19) - 1), (4 << 20, torch.float32, 1 << 20, (1 << 20) - 1)],
@@ -238,6 +253,9 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         1,
     ),
     ("activation checkpointing", {**TINY, **FP32, "checkpointing": "reentrant"}, SMALL_CHUNKS, 1),
+    # As large models are built (Hugging Face's `from_pretrained` under ZeRO-3): each parameter written
+    # to NVMe as it is made, through our swapper (`mlp_offload.install()` first).
+    ("the model built under zero.Init", {**TWENTY_M, "zero_init": True}, BIG_CHUNKS_HALF, 1),
     (
         "a checkpoint saved at step 2 and loaded, partitions on NVMe",
         {**TWENTY_M, **FP32, "checkpoint_at": 2},

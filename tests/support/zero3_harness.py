@@ -148,7 +148,8 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     def make_engine(ours: bool, section: dict[str, Any] | None, seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)
         # The variants below change the tests' GPT (its `tok`, `head` and `blocks`).
-        model: Any = build_model(case.get("model", "gpt"))
+        with built_under_zero_init(case, section):
+            model: Any = build_model(case.get("model", "gpt"))
         if frozen := case.get("frozen"):
             # Part of the model frozen, as a fine-tuning job has it: DeepSpeed leaves those parameters
             # out of the optimizer's groups.
@@ -435,6 +436,27 @@ def partition(p: Any) -> torch.Tensor | None:
     values = p.ds_tensor.clone()
     p.nvme_swapper.remove_partition_and_release_buffers([p])
     return values
+
+
+@contextlib.contextmanager
+def built_under_zero_init(case: dict[str, Any], section: dict[str, Any] | None) -> Iterator[None]:
+    """With `zero_init`: the model built under `deepspeed.zero.Init` with the case's config, each parameter
+    partitioned (past `offload_param.max_in_cpu`, written to NVMe) as it is made, as large models are
+    built (Hugging Face's `from_pretrained` under ZeRO-3); ours after `mlp_offload.install()`, as the README
+    says."""
+    if not case.get("zero_init"):
+        yield
+        return
+    import deepspeed
+
+    import mlp_offload
+
+    config = ds_config({k: v for k, v in case.items() if k != "mlp_offload"})
+    if section is not None:
+        config["mlp_offload"] = section
+        mlp_offload.install()
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        yield
 
 
 def build_model(name: str) -> torch.nn.Module:

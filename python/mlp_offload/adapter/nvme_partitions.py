@@ -100,7 +100,7 @@ class NvmePartitions:
                 for i in range(len(self._opt.fp16_groups))
                 if self.on_nvme(i)
                 for p in self._opt.fp16_groups[i]
-                if hasattr(p, "nvme_swapper")
+                if getattr(p, "nvme_swapper", None) is not None
             ),
             None,
         )

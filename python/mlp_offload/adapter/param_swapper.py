@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mlp_offload import _core
+from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.options import PARAMS_FOLDER
 from mlp_offload.common.config import from_ds_config
 from mlp_offload.engine.buffers import as_tensor
@@ -280,6 +281,13 @@ class StoreParamSwapper:
         nbytes = numel * self.element_size
         memory = _core.HostBuffer(max(PAGE, -(-nbytes // PAGE) * PAGE))
         return as_tensor(memory, self.dtype)[:numel]
+
+
+def require_ours(swapper: Any) -> None:
+    """Refuses the parameters' swapper of a model built under `zero.Init` before `install()` (DeepSpeed's
+    own; None: no parameter on NVMe)."""
+    if swapper is not None and not isinstance(swapper, StoreParamSwapper):
+        raise ValueError(troubleshooting.STOCK_PARAM_SWAPPER.message(swapper=type(swapper).__name__))
 
 
 def swapper_class(stock: Callable[[Any, torch.dtype], Any]) -> Callable[[Any, torch.dtype], Any]:

@@ -20,7 +20,7 @@ import torch
 
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
 from mlp_offload.adapter.monitors import MonitorWriter, UpdateTimers
-from mlp_offload.adapter.param_swapper import StoreParamSwapper
+from mlp_offload.adapter.param_swapper import StoreParamSwapper, require_ours
 from mlp_offload.adapter.settings import KernelCheck, Settings
 from mlp_offload.adapter.stale_gradients import StaleGradients
 from mlp_offload.common.config import MLPOffloadConfig
@@ -86,6 +86,7 @@ class UpdateSession:
         chunked state (module docs); `start` writes the initial state. `param_ranges`: every parameter
         with a partition here; `check_kernel`, `spare`: the settings' (for a checkpoint's moments, and
         the kept copies' memory while training)."""
+        require_ours(view.on_nvme.swapper())
         planner = UpdatePlanner(config, rank)
         # Before the store opens: its node-wide admission takes the device limits the profile gives.
         planner.load_profile()

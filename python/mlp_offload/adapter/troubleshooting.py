@@ -137,6 +137,21 @@ OVERLAP_PARAMS_ON_NVME = Trouble(
     "`offload_param.max_in_cpu` past this rank's partitions",
     "`overlap` or `overlap_backward` set to true with parameters on NVMe past `offload_param.max_in_cpu`",
 )
+STOCK_PARAM_SWAPPER = Trouble(
+    "stock-param-swapper",
+    "Parameters on NVMe written by DeepSpeed's own swapper",
+    "zero_optimization.offload_param: the parameters on NVMe are in DeepSpeed's own swap files "
+    "({swapper}), not mlp_offload's store: deepspeed.zero.Init ran before mlp_offload.install(); call "
+    "mlp_offload.install() before building the model under deepspeed.zero.Init",
+    REFUSAL,
+    "`deepspeed.zero.Init` builds the parameters' swapper when the model is built; `mlp_offload.install()` "
+    "(which `mlp_offload.initialize` calls) makes it ours for a config with our section, so a model built "
+    "under `zero.Init` before it has its partitions in DeepSpeed's swap files, which our update cannot "
+    "read and write",
+    "call `mlp_offload.install()` before `deepspeed.zero.Init` (Hugging Face's `from_pretrained` under "
+    "ZeRO-3 runs it too: install first)",
+    "a model built under `deepspeed.zero.Init` before `mlp_offload.install()`, its parameters on NVMe",
+)
 ANOTHER_DEGREE = Trouble(
     "another-degree",
     "A checkpoint of another data-parallel degree",
@@ -264,6 +279,7 @@ FORMATTED_HERE = (
     NO_SECTION,
     OFFLOAD_DEVICE,
     OVERLAP_PARAMS_ON_NVME,
+    STOCK_PARAM_SWAPPER,
     ANOTHER_DEGREE,
     UNLISTED_OPTION,
     CHECKPOINT_LAYOUT,
