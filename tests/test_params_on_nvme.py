@@ -33,21 +33,29 @@ from deepspeed_runs import (
     universal,
 )
 from mlp_offload import _core
-from mlp_offload.adapter.param_swapper import PARAMS_FOLDER, StoreParamSwapper, require_ours, swapper_class
+from mlp_offload.adapter.param_swapper import (
+    PARAMS_FOLDER,
+    FetchOrder,
+    StoreParamSwapper,
+    require_ours,
+    swapper_class,
+)
 from mlp_offload.adapter.troubleshooting import met
 from mlp_offload.engine import profiles
 
 pytestmark = pytest.mark.deepspeed
 
 
-def ds_config(paths: list[Path], nvme_path: Path | None = None, **aio: int) -> Any:
+def ds_config(
+    paths: list[Path], nvme_path: Path | None = None, zero: dict[str, Any] | None = None, **aio: int
+) -> Any:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     offload = {"device": "nvme", "nvme_path": str(nvme_path or paths[0])}
     return DeepSpeedConfig(
         {
             "train_micro_batch_size_per_gpu": 1,
-            "zero_optimization": {"stage": 3, "offload_param": offload},
+            "zero_optimization": {"stage": 3, "offload_param": offload, **(zero or {})},
             "aio": aio,
             "mlp_offload": section(paths),
         }
@@ -114,6 +122,83 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
     flat = torch.zeros(values[0].numel() + 8, dtype=torch.bfloat16)
     swapper.swap_into_buffer(params[0], flat.narrow(0, 8, values[0].numel()))
     assert torch.equal(flat[8:], values[0]) and params[0].ds_tensor.status == Status.AVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("asked", "upcoming"),
+    [
+        ([], [0, 1, 2, 1, 0]),
+        ([0], [1, 2, 1, 0]),
+        ([0, 1, 2], [1, 0]),
+        # The backward's second use of 1, then a partition out of order: its next place.
+        ([0, 1, 2, 1], [0]),
+        ([0, 2], [1, 0]),
+        ([0, 1, 2, 1, 0], []),
+        # Asked again after the order's end: its first place.
+        ([0, 1, 2, 1, 0, 1], [2, 1, 0]),
+        ([7], [0, 1, 2, 1, 0]),
+    ],
+)
+def test_the_fetch_order_follows_the_step_before(asked: list[int], upcoming: list[int]) -> None:
+    order = FetchOrder()
+    for ds_id in [0, 1, 2, 1, 0]:
+        order.asked(ds_id)
+    assert list(order.upcoming()) == [], "no step before the first"
+    order.end_step()
+    for ds_id in asked:
+        order.asked(ds_id)
+    assert list(order.upcoming()) == upcoming
+
+
+def test_partitions_are_read_ahead_in_the_order_the_step_before_fetched(swapper: StoreParamSwapper) -> None:
+    """The second step's first fetch reads the next partitions ahead (within DeepSpeed's prefetch bucket,
+    here all three), outside DeepSpeed's statuses; a fetch takes its partition from them; a partition
+    written meanwhile is read again, not taken old; the step's end drops what no fetch took."""
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus as Status
+
+    values = [torch.randn(600_000).to(torch.bfloat16) for _ in range(4)]
+    params = [partition(i, v.numel()) for i, v in enumerate(values)]
+    for param, v in zip(params, values, strict=True):
+        written(swapper, param, v)
+
+    def fetched(param: Any) -> torch.Tensor:
+        swapper.swap_in([param], async_op=False)
+        taken = param.ds_tensor.clone()
+        swapper.remove_partition_and_release_buffers([param])
+        return taken
+
+    for param in params[:3]:
+        fetched(param)
+    assert swapper.take_fetched()[2] == 0 and not swapper.ahead
+    swapper.end_step()
+    assert torch.equal(fetched(params[0]), values[0])
+    assert sorted(swapper.ahead) == [1, 2] and params[1].ds_tensor.status == Status.NOT_AVAILABLE
+    new = torch.ones(600_000, dtype=torch.bfloat16)
+    written(swapper, params[2], new)
+    assert sorted(swapper.ahead) == [1]
+    assert torch.equal(fetched(params[1]), values[1]) and torch.equal(fetched(params[2]), new)
+    # Both found read ahead: the fetch of 1 read 2 ahead again, after its write.
+    assert swapper.take_fetched()[2] == 2 * values[1].numel() * 2
+    swapper.take_fetched()
+    swapper.end_step()
+    fetched(params[0])
+    swapper.end_step()
+    assert not swapper.ahead and swapper.held_bytes == 0
+
+
+def test_nothing_is_read_ahead_with_deepspeeds_prefetch_off(work_dirs: list[Path]) -> None:
+    swapper = StoreParamSwapper(
+        ds_config(work_dirs[:1], zero={"stage3_prefetch_bucket_size": 0}), torch.bfloat16, rank=0
+    )
+    params = [partition(i, 600_000) for i in range(2)]
+    for param in params:
+        written(swapper, param, torch.zeros(600_000, dtype=torch.bfloat16))
+    for _ in range(2):
+        for param in params:
+            swapper.swap_in([param], async_op=False)
+            swapper.remove_partition_and_release_buffers([param])
+            assert not swapper.ahead
+        swapper.end_step()
 
 
 def test_a_subgroups_update_is_written_rounded_as_torch_rounds(swapper: StoreParamSwapper) -> None:
@@ -450,6 +535,8 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         assert on_nvme["predicted_read_secs"] == pytest.approx(predicted), step
         assert on_nvme["read_busy_secs"] > 0 and on_nvme["write_busy_secs"] > 0, step
         assert step["host_bytes"] > on_nvme["buffer_bytes"] > 0, step
+        # From the second step the swapper reads ahead in the order the step before fetched.
+        assert (on_nvme["read_ahead_bytes"] > 0) == (step["step"] > 0), step
         fetched = on_nvme["fetched_bytes"]
 
 

@@ -47,14 +47,17 @@ class NvmePartitions:
         # The parameters' swapper (ours, with our section) holds what the fetches read, and its store
         # how long its paths were busy.
         swapper = self.swapper()
-        fetched, waited = swapper.take_fetched() if hasattr(swapper, "take_fetched") else (0, 0.0)
+        fetched, waited, ahead = swapper.take_fetched() if hasattr(swapper, "take_fetched") else (0, 0.0, 0)
         busy = swapper.take_busy() if hasattr(swapper, "take_busy") else (None, None)
+        if hasattr(swapper, "end_step"):
+            swapper.end_step()
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
             "fetched_bytes": fetched,
             "fetch_wait_secs": waited,
+            "read_ahead_bytes": ahead,
             "read_busy_secs": busy[0],
             "write_busy_secs": busy[1],
             # The planner's (`UpdatePlanner.after_step`).

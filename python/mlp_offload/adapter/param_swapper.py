@@ -17,10 +17,11 @@ back as it is.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,38 @@ PAGE = 4096
 
 def key_of(param: Any) -> str:
     return f"param{param.ds_id}"
+
+
+class FetchOrder:
+    """The order in which the last step's fetches (the forward's and the backward's) asked for the
+    partitions, and how far this step has got in it: DeepSpeed's trace repeats from step to step. A
+    partition asked for out of that order moves the position to its next place in it (or its first)."""
+
+    def __init__(self) -> None:
+        self._last: list[int] = []
+        # Each partition's places in `_last`.
+        self._places: dict[int, list[int]] = {}
+        self._this: list[int] = []
+        self._position = 0
+
+    def asked(self, ds_id: int) -> None:
+        self._this.append(ds_id)
+        places = self._places.get(ds_id)
+        if places:
+            i = bisect.bisect_left(places, self._position)
+            self._position = (places[i] if i < len(places) else places[0]) + 1
+
+    def upcoming(self) -> Iterator[int]:
+        """The partitions the last step asked for after this step's position, in order, up to its end."""
+        return iter(self._last[self._position :])
+
+    def end_step(self) -> None:
+        """The step's order becomes the one the next step goes by (unless it asked for nothing)."""
+        if self._this:
+            self._last, self._places = self._this, {}
+            for place, ds_id in enumerate(self._last):
+                self._places.setdefault(ds_id, []).append(place)
+        self._this, self._position = [], 0
 
 
 class StoreParamSwapper:
@@ -87,6 +120,16 @@ class StoreParamSwapper:
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
         self.fetch_wait_secs = 0.0
+        # Reads ahead of DeepSpeed's fetches, in the order the last step fetched (`FetchOrder`): each
+        # partition's buffer and read, outside DeepSpeed's statuses until a fetch takes it; at most
+        # DeepSpeed's prefetch bucket of them (the last one may pass it). Of the fetched bytes, those a
+        # fetch found read ahead.
+        self.order = FetchOrder()
+        self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.ahead_bytes = 0
+        self.ahead_limit = int(ds_config.zero_config.prefetch_bucket_size) * self.element_size
+        self.read_ahead_bytes = 0
+        self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
         self._busy_ns = self._busy_counters()
         self.inflight: list[tuple[Any, Any]] = []
@@ -139,12 +182,56 @@ class StoreParamSwapper:
             if status != self.status.NOT_AVAILABLE:
                 raise RuntimeError(f"parameter {param.ds_id}: read asked for while its partition is {status}")
         for param in params:
-            buffer = self._buffer(param.ds_id, self.numel[param.ds_id])
-            self.inflight.append((param, self.store.read(key_of(param), buffer)))
+            self.params[param.ds_id] = param
+            self.order.asked(param.ds_id)
+            nbytes = self.numel[param.ds_id] * self.element_size
+            if (taken := self.ahead.pop(param.ds_id, None)) is not None:
+                buffer, read = taken
+                self.ahead_bytes -= nbytes
+                self.read_ahead_bytes += nbytes
+            else:
+                buffer = self._take(self.numel[param.ds_id])
+                read = self.store.read(key_of(param), buffer)
+            self.buffers[param.ds_id] = buffer
+            self.inflight.append((param, read))
             param.ds_tensor.status = self.status.INFLIGHT
-            self.fetched_bytes += buffer.numel() * self.element_size
+            self.fetched_bytes += nbytes
+        self._read_ahead()
         if not async_op:
             self.synchronize_reads()
+
+    def _read_ahead(self) -> None:
+        """Issues reads of the partitions the last step fetched next, not in host memory, while those
+        read ahead stay under the limit (none with DeepSpeed's prefetch off: a bucket of 0)."""
+        for ds_id in self.order.upcoming():
+            if self.ahead_bytes >= self.ahead_limit:
+                return
+            param = self.params[ds_id]
+            held = ds_id in self.ahead or ds_id in self.buffers
+            if held or param.ds_tensor.status != self.status.NOT_AVAILABLE:
+                continue
+            buffer = self._take(self.numel[ds_id])
+            self.ahead[ds_id] = (buffer, self.store.read(key_of(param), buffer))
+            self.ahead_bytes += buffer.numel() * self.element_size
+
+    def _drop_ahead(self, ds_id: int) -> None:
+        """A read ahead no fetch will take (its partition about to be written, or the step ended):
+        waited for and its buffer let go. An error it met is left to the next read of the object."""
+        buffer, read = self.ahead.pop(ds_id)
+        self.ahead_bytes -= buffer.numel() * self.element_size
+        try:
+            read.wait()
+        except OSError as e:
+            # A corrupt object or a failed path: the object's next read raises it where it matters.
+            log.info("parameter %d: a read ahead failed (%s); its next read meets it again", ds_id, e)
+        self._give_back(buffer)
+
+    def end_step(self) -> None:
+        """The step's fetches are done: the reads ahead still unused are dropped, and the order they
+        followed is the next step's."""
+        for ds_id in list(self.ahead):
+            self._drop_ahead(ds_id)
+        self.order.end_step()
 
     def synchronize_reads(self) -> None:
         """Waits for the reads in flight; each partition then lies in its buffer, available."""
@@ -156,10 +243,11 @@ class StoreParamSwapper:
             param.ds_tensor.status = self.status.AVAILABLE
         self.fetch_wait_secs += time.perf_counter() - started
 
-    def take_fetched(self) -> tuple[int, float]:
-        """The bytes DeepSpeed's fetches read and the seconds they waited for them, since the last call."""
-        taken = (self.fetched_bytes, self.fetch_wait_secs)
-        self.fetched_bytes, self.fetch_wait_secs = 0, 0.0
+    def take_fetched(self) -> tuple[int, float, int]:
+        """The bytes DeepSpeed's fetches read, the seconds they waited for them, and the bytes of them
+        found read ahead, since the last call."""
+        taken = (self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes)
+        self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes = 0, 0.0, 0
         return taken
 
     def take_busy(self) -> tuple[float, float]:
@@ -219,7 +307,11 @@ class StoreParamSwapper:
             handle.wait()
 
     def write_partitions(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
-        """Writes each tensor as its partition's object, all in flight at once (complete when it returns)."""
+        """Writes each tensor as its partition's object, all in flight at once (complete when it returns);
+        a read ahead of one of them, which would hold the old values, is dropped first."""
+        for param, _ in writes:
+            if param.ds_id in self.ahead:
+                self._drop_ahead(param.ds_id)
         for handle in [self.store.write(key_of(param), src) for param, src in writes]:
             handle.wait()
 
@@ -246,6 +338,11 @@ class StoreParamSwapper:
 
     def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
         """Partition `ds_id`'s buffer of `numel` elements, held until it is let go (`_let_go`)."""
+        self.buffers[ds_id] = buffer = self._take(numel)
+        return buffer
+
+    def _take(self, numel: int) -> torch.Tensor:
+        """A buffer of `numel` elements, held until it is given back (`_give_back`)."""
         nbytes = numel * self.element_size
         kept = self.free.get(numel)
         if kept:
@@ -260,7 +357,6 @@ class StoreParamSwapper:
                 if not buffers:
                     del self.free[size]
             buffer = self._new_buffer(numel)
-        self.buffers[ds_id] = buffer
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + self.free_bytes)
         return buffer
@@ -268,8 +364,11 @@ class StoreParamSwapper:
     def _let_go(self, ds_id: int) -> None:
         """Partition `ds_id`'s buffer, if it holds one, kept for another read (`free`) or freed."""
         buffer = self.buffers.pop(ds_id, None)
-        if buffer is None:
-            return
+        if buffer is not None:
+            self._give_back(buffer)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        """A buffer no longer held: kept for another read (`free`) or freed."""
         nbytes = buffer.numel() * self.element_size
         self.held_bytes -= nbytes
         if self.held_bytes + self.free_bytes + nbytes <= self.peak_bytes:

@@ -185,6 +185,11 @@ class ParamsOnNvmeStep(TypedDict):
         "Bytes of their partitions DeepSpeed's fetches (forward and backward) read since the last step.",
     ]
     fetch_wait_secs: Annotated[float, "Seconds those fetches waited for their reads."]
+    read_ahead_bytes: Annotated[
+        int,
+        "Of the fetched bytes, those read ahead of their fetch, in the order the step before fetched "
+        "(DeepSpeed's trace), within its prefetch bucket.",
+    ]
     read_busy_secs: Annotated[
         float | None,
         "Seconds the parameters' busiest path had reads in flight since the last step (the fetches' and "
