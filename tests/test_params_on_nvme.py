@@ -201,6 +201,22 @@ def test_nothing_is_read_ahead_with_deepspeeds_prefetch_off(work_dirs: list[Path
         swapper.end_step()
 
 
+def test_buffers_kept_for_the_next_reads_stay_within_what_deepspeed_keeps_gathered(
+    work_dirs: list[Path],
+) -> None:
+    """Every partition held at once (a start-up), then let go: the buffers kept for the next reads are at
+    most DeepSpeed's `stage3_max_live_parameters` and prefetch bucket, here one partition's."""
+    zero = {"stage3_max_live_parameters": 600_000, "stage3_prefetch_bucket_size": 0}
+    swapper = StoreParamSwapper(ds_config(work_dirs[:1], zero=zero), torch.bfloat16, rank=0)
+    params = [partition(i, 600_000) for i in range(3)]
+    for param in params:
+        written(swapper, param, torch.zeros(600_000, dtype=torch.bfloat16))
+    swapper.swap_in(params, async_op=False)
+    assert swapper.peak_bytes == 3 * 1_200_000
+    swapper.remove_partition_and_release_buffers(params)
+    assert swapper.held_bytes == 0 and swapper.buffer_bytes() == 1_200_000
+
+
 def test_a_subgroups_update_is_written_rounded_as_torch_rounds(swapper: StoreParamSwapper) -> None:
     """`swap_out_partitioned_params`: fp32 masters rounded to nearest even into the objects."""
     master = torch.randn(600_000) * 1e3
@@ -516,6 +532,8 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
     assert_bit_equal(ours, stock)
     start = next(r for r in ours["telemetry"] if r["event"] == "start")
     assert not start["overlap"]["on"] and "parameters are on NVMe" in start["overlap"]["why"]
+    source = start["host_memory_source"]
+    assert "for the parameters on NVMe" in source and "and backward's buffers take" in source, source
     # The plan counts the partitions on NVMe: one pass's reads at the probe's read figure, and the
     # update's writes within its prediction.
     plan, params = start["plan"], start["params_on_nvme_bytes"]

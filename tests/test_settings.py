@@ -258,6 +258,14 @@ def test_each_choice_and_why(
         ),
         ({}, {"params_on_nvme_held": 8 * GIB}, 4 * NUMELS[0] * 4, "less 8.00 GiB for the parameters on NVMe"),
         ({"host_memory": "deepspeed"}, {"params_on_nvme_held": 1 << 20}, 4 * NUMELS[0] * 4, "(4 buffers)"),
+        # What the first backward takes that the machine has not given yet (DeepSpeed's reduce buckets, the
+        # norms' scratch) is not spare.
+        (
+            {},
+            {"backward_bytes": 8 * GIB},
+            4 * NUMELS[0] * 4,
+            "less 8.00 GiB the forward's and backward's buffers take",
+        ),
     ],
     ids=[
         "auto, all cached",
@@ -269,6 +277,7 @@ def test_each_choice_and_why(
         "a size, less the parameters on NVMe",
         "auto, the spare memory all the parameters'",
         "deepspeed, the parameters' beside it",
+        "auto, the spare memory all the backward's",
     ],
 )
 def test_host_memory_and_where_it_came_from(

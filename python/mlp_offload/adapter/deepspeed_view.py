@@ -98,6 +98,32 @@ class DeepSpeedView:
         the parameters' objects are current for the next fetch."""
         self.on_nvme.let_go()
 
+    def backward_bytes(self, norm_buffer_size: int) -> int:
+        """Host memory the first forward and backward take that the start-up has not: the parameters
+        DeepSpeed gathers where it computes on the host (up to `stage3_max_live_parameters` and its
+        prefetch bucket), its reduce buckets (made empty, their pages given when first written), and the
+        gradient norms' fp64 scratch (the largest partition, up to DeepSpeed's norm buffer of
+        `norm_buffer_size` elements)."""
+        opt = self._opt
+        buffers = [getattr(bucket, "buffer", None) for bucket in opt.ipg_buckets.values()]
+        on_host = [b for b in buffers if b is not None and b.device.type == "cpu"]
+        buckets = sum(b.numel() * b.element_size() for b in on_host)
+        params = [p for group in opt.fp16_groups for p in group]
+        largest = max(int(p.ds_tensor.numel()) for p in params)
+        scratch = torch.float64.itemsize * min(largest, norm_buffer_size)
+        return buckets + scratch + self._gathered_bytes(params)
+
+    def _gathered_bytes(self, params: list[Any]) -> int:
+        """The most the parameters DeepSpeed gathers for the forward and backward take at once, where they
+        are gathered into host memory (an accelerator's memory holds them elsewhere)."""
+        from deepspeed.accelerator import get_accelerator
+
+        if torch.device(get_accelerator().current_device_name()).type != "cpu":
+            return 0
+        opt = self._opt
+        live = opt.parameter_offload._max_available_parameters_in_numel + opt.prefetch_elements
+        return min(sum(int(p.ds_numel) for p in params), live) * params[0].element_size()
+
     def numel(self, i: int) -> int:
         return int(self._opt.fp16_partitioned_groups_flat_numel[i])
 

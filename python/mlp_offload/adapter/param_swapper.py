@@ -113,9 +113,13 @@ class StoreParamSwapper:
         self.buffers: dict[int, torch.Tensor] = {}
         # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's
         # and backward's reads reuse them rather than fault in new memory): while those held and these
-        # together stay within the most ever held at once.
+        # together stay within the most ever held at once, and within what DeepSpeed keeps gathered
+        # (`stage3_max_live_parameters` and its prefetch bucket: a start-up that held every partition at
+        # once keeps nothing more for it).
         self.free: dict[int, list[torch.Tensor]] = {}
         self.held_bytes = self.free_bytes = self.peak_bytes = 0
+        zero = ds_config.zero_config
+        self.keep_limit = (int(zero.max_live_parameters) + int(zero.prefetch_bucket_size)) * self.element_size
         # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
@@ -371,7 +375,7 @@ class StoreParamSwapper:
         """A buffer no longer held: kept for another read (`free`) or freed."""
         nbytes = buffer.numel() * self.element_size
         self.held_bytes -= nbytes
-        if self.held_bytes + self.free_bytes + nbytes <= self.peak_bytes:
+        if self.held_bytes + self.free_bytes + nbytes <= min(self.peak_bytes, self.keep_limit):
             self.free.setdefault(buffer.numel(), []).append(buffer)
             self.free_bytes += nbytes
 

@@ -88,7 +88,8 @@ class StartFacts:
     enables one of its monitors. `subgroups_on_nvme`: the subgroups whose parameters DeepSpeed keeps on
     NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory); `params_on_nvme_bytes`, the
     bytes of their partitions there; `params_on_nvme_held`, the most host memory those take at once
-    (`NvmePartitions.most_held`), which `host_memory` holds beside the state."""
+    (`NvmePartitions.most_held`), which `host_memory` holds beside the state. `backward_bytes`: host memory
+    the first backward takes that `spare` does not see yet (`DeepSpeedView.backward_bytes`)."""
 
     numels: tuple[int, ...]
     buffer_count: int
@@ -102,6 +103,7 @@ class StartFacts:
     subgroups_on_nvme: int = 0
     params_on_nvme_bytes: int = 0
     params_on_nvme_held: int = 0
+    backward_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,8 +287,11 @@ def _host_memory(
         return max(0, int(config.host_memory) - held), f"configured{params}"
     update_chunk = None if config.update_chunk == "auto" else int(config.update_chunk)
     need = memory.whole_state_bytes(facts.numels, update_chunk, state_bytes)
-    budget = min(need, max(spare().bytes - held, deepspeed_budget))
-    return budget, f"auto: {spare().describe()}{params}; the whole state needs {need / 2**30:.2f} GiB"
+    later = facts.backward_bytes
+    budget = min(need, max(spare().bytes - held - later, deepspeed_budget))
+    backward = f", less {later / 2**30:.2f} GiB the forward's and backward's buffers take" if later else ""
+    whole = f"the whole state needs {need / 2**30:.2f} GiB"
+    return budget, f"auto: {spare().describe()}{params}{backward}; {whole}"
 
 
 def _kept_copies_room(

@@ -266,6 +266,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             subgroups_on_nvme=sum(flat is None for flat in flats),
             params_on_nvme_bytes=view.on_nvme.partition_bytes(),
             params_on_nvme_held=view.on_nvme.most_held(),
+            backward_bytes=view.backward_bytes(_NORM_BUFFER_SIZE),
             spare=memory.spare_host_memory,
             monitor=self._mlp_monitor,
         )

@@ -45,7 +45,9 @@ class MLPOffloadConfig(BaseModel):
     """Host memory for the state's chunk buffers (the cache and the stream) and one chunk's fp32 gradient.
 
     A number of bytes, or a size such as `"16G"`. `"auto"`: what this rank can spare at start-up (the
-    memory available, cgroup limits included, less a margin, divided among the node's local ranks), never
+    memory available, cgroup limits included, less a margin, divided among the node's local ranks, less
+    what the first forward and backward take that is not yet given: the gathered parameters on a host,
+    DeepSpeed's reduce buckets), never
     less than `"deepspeed"` and never more than the whole state needs. `"deepspeed"`: what stock
     DeepSpeed pins for its NVMe offload, for comparisons at equal memory. With parameters on NVMe (past
     `offload_param.max_in_cpu`), a size and `"auto"` hold their buffers too, the state getting the rest."""
