@@ -205,8 +205,13 @@ def test_buffers_kept_for_the_next_reads_stay_within_what_deepspeed_keeps_gather
     work_dirs: list[Path],
 ) -> None:
     """Every partition held at once (a start-up), then let go: the buffers kept for the next reads are at
-    most DeepSpeed's `stage3_max_live_parameters` and prefetch bucket, here one partition's."""
-    zero = {"stage3_max_live_parameters": 600_000, "stage3_prefetch_bucket_size": 0}
+    most what DeepSpeed keeps gathered (`stage3_max_live_parameters`, `stage3_max_reuse_distance` and its
+    prefetch bucket), here one partition's."""
+    zero = {
+        "stage3_max_live_parameters": 600_000,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    }
     swapper = StoreParamSwapper(ds_config(work_dirs[:1], zero=zero), torch.bfloat16, rank=0)
     params = [partition(i, 600_000) for i in range(3)]
     for param in params:

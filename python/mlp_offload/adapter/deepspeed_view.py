@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mlp_offload.adapter.nvme_partitions import NvmePartitions
+from mlp_offload.adapter.nvme_partitions import NvmePartitions, most_gathered_elements
 from mlp_offload.engine.state import FP32
 from mlp_offload.engine.state_dtypes import StateDtypes
 
@@ -100,10 +100,9 @@ class DeepSpeedView:
 
     def backward_bytes(self, norm_buffer_size: int) -> int:
         """Host memory the first forward and backward take that the start-up has not: the parameters
-        DeepSpeed gathers where it computes on the host (up to `stage3_max_live_parameters` and its
-        prefetch bucket), its reduce buckets (made empty, their pages given when first written), and the
-        gradient norms' fp64 scratch (the largest partition, up to DeepSpeed's norm buffer of
-        `norm_buffer_size` elements)."""
+        DeepSpeed gathers where it computes on the host (`most_gathered_elements`), its reduce buckets
+        (made empty, their pages given when first written), and the gradient norms' fp64 scratch (the
+        largest partition, up to DeepSpeed's norm buffer of `norm_buffer_size` elements)."""
         opt = self._opt
         buffers = [getattr(bucket, "buffer", None) for bucket in opt.ipg_buckets.values()]
         on_host = [b for b in buffers if b is not None and b.device.type == "cpu"]
@@ -120,8 +119,7 @@ class DeepSpeedView:
 
         if torch.device(get_accelerator().current_device_name()).type != "cpu":
             return 0
-        opt = self._opt
-        live = opt.parameter_offload._max_available_parameters_in_numel + opt.prefetch_elements
+        live = most_gathered_elements(self._opt)
         return min(sum(int(p.ds_numel) for p in params), live) * params[0].element_size()
 
     def numel(self, i: int) -> int:

@@ -24,6 +24,15 @@ from mlp_offload.engine.state import crc32c_of
 from mlp_offload.engine.telemetry import ParamsOnNvmeStep
 
 
+def most_gathered_elements(opt: Any) -> int:
+    """The most parameter elements DeepSpeed's optimizer `opt` keeps gathered at once in the forward and
+    backward: `stage3_max_live_parameters`, and past it those it will use again within
+    `stage3_max_reuse_distance` (it does not release them), and its prefetch bucket."""
+    offload = opt.parameter_offload
+    reused = offload._max_reuse_distance_in_numel
+    return int(offload._max_available_parameters_in_numel + reused + opt.prefetch_elements)
+
+
 class NvmePartitions:
     """The flat copy of at most one subgroup on NVMe (module docs), over DeepSpeed's optimizer `opt`."""
 
@@ -83,13 +92,13 @@ class NvmePartitions:
 
     def most_held(self) -> int:
         """The most host memory the partitions on NVMe take at once: those the forward and the backward
-        hold (DeepSpeed's `stage3_max_live_parameters` and its prefetch bucket bound what it keeps
-        gathered), and the update's flat copy of the largest subgroup here."""
+        hold (at most what DeepSpeed keeps gathered: `most_gathered_elements`), and the update's flat copy
+        of the largest subgroup here."""
         on_nvme = self.partition_bytes()
         if not on_nvme:
             return 0
         opt = self._opt
-        live_elements = opt.parameter_offload._max_available_parameters_in_numel + opt.prefetch_elements
+        live_elements = most_gathered_elements(opt)
         element = torch.tensor([], dtype=self._opt.dtype).element_size()
         flats = opt.fp16_partitioned_groups_flat_numel
         largest = max(int(flats[i]) for i in range(len(flats)) if self.on_nvme(i))

@@ -113,13 +113,14 @@ class StoreParamSwapper:
         self.buffers: dict[int, torch.Tensor] = {}
         # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's
         # and backward's reads reuse them rather than fault in new memory): while those held and these
-        # together stay within the most ever held at once, and within what DeepSpeed keeps gathered
-        # (`stage3_max_live_parameters` and its prefetch bucket: a start-up that held every partition at
-        # once keeps nothing more for it).
+        # together stay within the most ever held at once, and within what DeepSpeed keeps gathered, which
+        # `host_memory` leaves them (`nvme_partitions.most_gathered_elements`: a start-up that held every
+        # partition at once keeps nothing more for it).
         self.free: dict[int, list[torch.Tensor]] = {}
         self.held_bytes = self.free_bytes = self.peak_bytes = 0
         zero = ds_config.zero_config
-        self.keep_limit = (int(zero.max_live_parameters) + int(zero.prefetch_bucket_size)) * self.element_size
+        gathered = zero.max_live_parameters + zero.max_reuse_distance + zero.prefetch_bucket_size
+        self.keep_limit = int(gathered) * self.element_size
         # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
