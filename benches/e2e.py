@@ -235,10 +235,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     numels = [p.numel() for p in shape.parameters()]
     config = ds_config({**spec, "param_shapes": (max(numels), len(numels))}, params)
     torch.manual_seed(0)
-    if many_ranks():
+    if many_ranks() or spec.get("params_on_nvme") is not None:
         # Many ranks build the model as large jobs do, each allocating only its own partition of every
-        # parameter (a whole model in fp32 in each of four ranks would not fit this machine's memory).
+        # parameter (a whole model in fp32 in each of four ranks would not fit this machine's memory);
+        # with the parameters on NVMe each partition is written there as it is made (ours through our
+        # store: `install()` first, as the README says).
         deepspeed.init_distributed(dist_backend="gloo")
+        if spec["contender"].startswith("mlp-offload"):
+            mlp_offload.install()
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = build()
     else:
@@ -486,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.trace_block and (why := BlockTrace.unavailable()):
         parser.error(f"--trace-block: {why}")
-    contenders = args.contenders.split(",")
+    contenders = [c for c in args.contenders.split(",") if c]
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
         parser.error(f"--contenders: {', '.join(sorted(unknown))} not among {', '.join(CONTENDERS)}")

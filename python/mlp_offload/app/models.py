@@ -110,6 +110,9 @@ WIDE_SIZES = {
     # Near the most DeepSpeed's NVMe offload holds in 24 GiB with the state in bf16 (about 12.8 bytes a
     # parameter resident at 940M, docs/results.md), ours beside it.
     "1.5B": (22, 32768, 2048),
+    # The largest here: its bf16 parameters and fp32 state (14 bytes a parameter, 49 GB) twice this
+    # machine's 24 GiB, trained with its parameters on NVMe too (docs/results.md).
+    "3.5B": (52, 32768, 2048),
 }
 
 
