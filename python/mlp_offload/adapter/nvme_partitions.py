@@ -49,16 +49,18 @@ class NvmePartitions:
         self.written_bytes = 0
 
     def step_record(self) -> ParamsOnNvmeStep | None:
-        """The update's reads and writes since the last record (None where no subgroup is on NVMe)."""
+        """The update's reads and writes since the last record, and the fetches' (None where no subgroup
+        is on NVMe); the swapper's step ends."""
         on_nvme = [i for i in range(len(self._opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
         if not on_nvme:
             return None
-        # The parameters' swapper (ours, with our section) holds what the fetches read, and its store
-        # how long its paths were busy.
-        swapper = self.swapper()
-        fetched, waited, ahead = swapper.take_fetched() if hasattr(swapper, "take_fetched") else (0, 0.0, 0)
-        busy = swapper.take_busy() if hasattr(swapper, "take_busy") else (None, None)
-        if hasattr(swapper, "end_step"):
+        # The parameters' swapper (ours: `UpdateSession.open` refuses another) holds what the fetches read,
+        # its store how long its paths were busy; its step ends here, its reads ahead following this
+        # step's order from now on.
+        fetched, waited, ahead, busy, buffers = 0, 0.0, 0, (None, None), 0
+        if (swapper := self.swapper()) is not None:
+            fetched, waited, ahead = swapper.take_fetched()
+            busy, buffers = swapper.take_busy(), swapper.buffer_bytes()
             swapper.end_step()
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
@@ -71,7 +73,7 @@ class NvmePartitions:
             "write_busy_secs": busy[1],
             # The planner's (`UpdatePlanner.after_step`).
             "predicted_read_secs": None,
-            "buffer_bytes": swapper.buffer_bytes() if hasattr(swapper, "buffer_bytes") else 0,
+            "buffer_bytes": buffers,
         }
         self.read_bytes = self.written_bytes = 0
         return record
@@ -81,8 +83,7 @@ class NvmePartitions:
 
     def partition_bytes(self) -> int:
         """The bytes of the partitions on NVMe (the swapper's, of 1 MiB and more) of the subgroups here."""
-        element = torch.tensor([], dtype=self._opt.dtype).element_size()
-        return element * sum(
+        return self._opt.dtype.itemsize * sum(
             part.ds_numel
             for i in range(len(self._opt.fp16_partitioned_groups_flat))
             if self.on_nvme(i)
@@ -99,7 +100,7 @@ class NvmePartitions:
             return 0
         opt = self._opt
         live_elements = most_gathered_elements(opt)
-        element = torch.tensor([], dtype=self._opt.dtype).element_size()
+        element = opt.dtype.itemsize
         flats = opt.fp16_partitioned_groups_flat_numel
         largest = max(int(flats[i]) for i in range(len(flats)) if self.on_nvme(i))
         return min(on_nvme, live_elements * element) + largest * element

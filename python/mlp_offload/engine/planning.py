@@ -546,7 +546,7 @@ class UpdatePlanner:
 
     def _host_bytes(self, parts: StepParts) -> int:
         """Host memory the engine holds after a step: the pipeline's buffers and kept copies, the stale
-        gradients kept in fp32 and the buffers of the parameters on NVMe (outside `host_memory`)."""
+        gradients kept in fp32 (outside `host_memory`), and the buffers of the parameters on NVMe."""
         pipeline = self._pipeline
         held = 0 if pipeline is None else pipeline.buffer_count * pipeline.buffer_size + pipeline.kept_bytes
         held += parts.params_on_nvme["buffer_bytes"] if parts.params_on_nvme is not None else 0
