@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,13 @@ import pytest
 
 from mlp_offload.common import config_reference
 from mlp_offload.common.config import MLPOffloadConfig, from_ds_config, migrate_nvme_offload
+
+
+class OffloadDeviceEnum(str, enum.Enum):  # noqa: UP042 (DeepSpeed's shape: a StrEnum's str() is its value)
+    """The shape of DeepSpeed's (`deepspeed.runtime.zero.offload_config`), without importing DeepSpeed."""
+
+    nvme = "nvme"
+
 
 NVME = {
     "device": "nvme",
@@ -45,6 +53,13 @@ MIGRATIONS = [
         config(NVME, {"max_inflight": 4}, aio={"queue_depth": 32}),
         {"device": "cpu", "buffer_count": 6, "pin_memory": False},
         {"paths": ["/nvme0/ds"], "max_inflight": 4},
+    ),
+    (
+        # DeepSpeed's own tests (and code) write the device as its enum, a str whose str() is its name.
+        "the device as DeepSpeed's OffloadDeviceEnum",
+        config({"device": OffloadDeviceEnum.nvme, "nvme_path": "/nvme0/ds"}, {}),
+        {"device": "cpu"},
+        {"paths": ["/nvme0/ds"]},
     ),
     ("a CPU offload config stays as it is", config({"device": "cpu"}, {"paths": ["/a"]}), None, None),
     ("without our section DeepSpeed's NVMe offload stays", config(NVME, None), None, None),

@@ -263,7 +263,9 @@ def migrate_nvme_offload(ds_config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(ds_config, dict) or not isinstance(ds_config.get(SECTION), dict):
         return ds_config
     offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if str(offload.get("device", "")).lower() != "nvme":
+    # DeepSpeed's `OffloadDeviceEnum` is a str, but its str() is its name ("OffloadDeviceEnum.nvme").
+    device = offload.get("device", "")
+    if str(getattr(device, "value", device)).lower() != "nvme":
         return ds_config
     config = copy.deepcopy(ds_config)
     section = config[SECTION]
