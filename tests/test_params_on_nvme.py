@@ -5,9 +5,9 @@ and writes through `adapter.nvme_partitions`: every precision mode, two ranks, a
 clipping, frozen and tied parameters, activation checkpointing, checkpoints loaded whole or in part
 (stock's too), a universal checkpoint at another degree, a kill -9 resumed anew and the README's section,
 each bit-equal to stock. Ours needs no DeepSpeed async I/O op: stock runs its CPU offload, bit-equal to
-its NVMe offload where that runs (the rows with stock's own ZeRO-Infinity run where the op is built,
-`make deepspeed-aio`; stock's own fails the other rows' configs: its prefetch double-books a buffer, its
-load copies into a subgroup it has no buffer for)."""
+its NVMe offload where that runs (the rows with stock's own ZeRO-Infinity run where the op is built, as
+`make test` builds it, `make deepspeed-aio`; stock's own fails the other rows' configs: its prefetch
+double-books a buffer, its load copies into a subgroup it has no buffer for)."""
 
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ def test_what_only_deepspeeds_nvme_optimizer_asks_is_refused_saying_why(swapper:
 def test_deepspeeds_own_swapper_is_refused_saying_to_install_first(swapper: StoreParamSwapper) -> None:
     """A model built under `zero.Init` before `mlp_offload.install()` has DeepSpeed's own swapper and swap
     files: refused at start, naming the key and what to do. (A stand-in of its class: DeepSpeed's builds
-    its async I/O op, which CI does not.)"""
+    its async I/O op, which a bare pytest may not have.)"""
 
     class AsyncPartitionedParameterSwapper:
         pass
@@ -474,10 +474,21 @@ def test_a_universal_checkpoint_loads_at_another_degree(work_dirs: list[Path], t
     assert_bit_equal(resumed, stock)
 
 
-def test_killed_in_an_update_the_job_resumes_in_a_new_process(work_dirs: list[Path], tmp_path: Path) -> None:
-    """SIGKILL in step 3's update, some subgroups' partitions on NVMe written back and one held, after a
-    checkpoint at step 2: a new process resumes from it (its `zero.Init` writes the partitions afresh,
-    the load writes each from the checkpoint's weights), and steps 2 to 4 are stock's resume's."""
+KILLS = [
+    # Some subgroups' partitions on NVMe written back, one held.
+    ("in an update", "sigkill_in_update_at", "killed in step()"),
+    # Half the modules' partitions fetched, the next ones read ahead, the rest on NVMe.
+    ("in a forward", "sigkill_in_forward_at", "killed in a forward"),
+]
+
+
+@pytest.mark.parametrize(("kill", "said"), [pytest.param(*k[1:], id=k[0]) for k in KILLS])
+def test_killed_the_job_resumes_in_a_new_process(
+    kill: str, said: str, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """SIGKILL in step 3 (`KILLS`), after a checkpoint at step 2: a new process resumes from it (its
+    `zero.Init` writes the partitions afresh, the load writes each from the checkpoint's weights), and
+    steps 2 to 4 are stock's resume's."""
     case = {
         **TWENTY_M,
         **FP32,
@@ -487,10 +498,10 @@ def test_killed_in_an_update_the_job_resumes_in_a_new_process(work_dirs: list[Pa
     }
     ours = section(work_dirs[:2], **BIG_CHUNKS)
     ckpt = str(tmp_path / "ckpt")
-    killed = {**case, "save_at": 2, "sigkill_in_update_at": 3, "checkpoint_dir": ckpt, "mlp_offload": ours}
+    killed = {**case, "save_at": 2, kill: 3, "checkpoint_dir": ckpt, "mlp_offload": ours}
     with pytest.raises(AssertionError, match=r"killed rank \d failed") as failed:
         run_case(killed, tmp_path, "killed")
-    assert "killed in step()" in (tmp_path / "killed.rank0.log").read_text(), str(failed.value)[-2000:]
+    assert said in (tmp_path / "killed.rank0.log").read_text(), str(failed.value)[-2000:]
     resumed = run_case(
         {**case, "resume_at": 2, "checkpoint_dir": ckpt, "mlp_offload": ours}, tmp_path, "resumed"
     )

@@ -250,6 +250,10 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
             if os.environ["RANK"] == str(case.get("sigkill_rank", 0)):
                 in_save(optimizer, after_subgroups=1, then=functools.partial(sigkill, optimizer, "in a save"))
             engine.save_checkpoint(case["checkpoint_dir"], tag="ckpt-killed")
+        if step == case.get("sigkill_in_forward_at") and os.environ["RANK"] == str(
+            case.get("sigkill_rank", 0)
+        ):
+            in_forward(engine, then=functools.partial(sigkill, optimizer, "in a forward"))
         if step == case.get("set_params_apart_at"):
             set_params_apart(engine)
         if step == case.get("sigkill_in_update_at") and os.environ["RANK"] == str(
@@ -783,6 +787,19 @@ def in_update(optimizer: Any, after_chunks: int, then: Callable[[], Any]) -> Non
         return run_step(update_then_maybe_die, **kwargs)
 
     pipeline.run_step = killing_run_step
+
+
+def in_forward(engine: Any, then: Callable[[], Any]) -> None:
+    """Makes the next forward call `then()` as it reaches the middle one of the modules with parameters of
+    their own: the modules before it fetched (and, with parameters on NVMe, read ahead of it), the rest
+    not."""
+    owners = [m for m in engine.module.modules() if next(m.parameters(recurse=False), None) is not None]
+
+    def reached(*_: Any) -> None:
+        handle.remove()
+        then()
+
+    handle = owners[len(owners) // 2].register_forward_pre_hook(reached)
 
 
 def in_save(optimizer: Any, after_subgroups: int, then: Callable[[], Any]) -> None:
