@@ -6,7 +6,9 @@ pytest plugins and conftest hooks do not run.
 - `stock`: nothing changes in DeepSpeed; every ZeRO optimizer built is recorded.
 - `ours`: `mlp_offload.install()`, and every ZeRO stage-3 engine whose optimizer is offloaded gets an
   `mlp_offload` section (its own store directory), then is recorded the same way, so the harness can
-  prove that each case built our engine.
+  prove that each case built our engine. A `zero.Init` whose config puts the parameters on NVMe with the
+  optimizer offloaded gets the same section (the directory of the engine built next), so that its
+  partitions go through our swapper, as a user's do who adds the section to the config both take.
 Both modes mend two things in the suite's own code, the same way, so that the cases compare:
 - 0.19.8's engine has no `sparse_tensor_module_names`, which the checkpoint tests compare (the snapshot is
   older); it is compared only where both engines have it.
@@ -34,9 +36,8 @@ STORES = os.environ.get("MLP_OFFLOAD_DS_SUITE_STORES", "")
 # The running case's node id, written by the plugin: rank processes forked from DeepSpeed's long-lived
 # forkserver do not see the pytest process's later environment.
 CURRENT_CASE = os.environ.get("MLP_OFFLOAD_DS_SUITE_CURRENT", "")
-# The offload devices whose configs our engine takes: DeepSpeed's own `device: nvme` is not accepted yet
-# (the package issue), so those cases run stock code in both modes and are reported as not ours.
-OUR_DEVICES = ("cpu",)
+# The optimizer's offload devices whose configs our engine takes (`nvme`: the state goes to our store).
+OUR_DEVICES = ("cpu", "nvme")
 
 
 _engines_built = 0
@@ -50,6 +51,66 @@ def _record(entry: dict[str, Any]) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+def _store() -> str:
+    """The store directory of the engine built next: one per engine of a process (a checkpoint test
+    holds two at once); the same names in every case, emptied between cases, so the probe's saved
+    profile applies."""
+    store = os.path.join(STORES, f"engine{_engines_built}")
+    os.makedirs(store, exist_ok=True)
+    return store
+
+
+def _offload_device(zero: dict[str, Any], key: str) -> str:
+    device = (zero.get(key) or {}).get("device") or "none"
+    return str(getattr(device, "value", device))
+
+
+def _patch_zero_init(partition_parameters: ModuleType) -> None:
+    init = partition_parameters.Init.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("config_dict_or_path")
+        zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+        if (
+            isinstance(config, dict)
+            and MODE == "ours"
+            and _offload_device(zero, "offload_param") == "nvme"
+            and _offload_device(zero, "offload_optimizer") in OUR_DEVICES
+        ):
+            kwargs["config_dict_or_path"] = {**config, "mlp_offload": {"paths": [_store()]}}
+        init(self, *args, **kwargs)
+
+    partition_parameters.Init.__init__ = __init__
+
+
+def _param_swapper(engine: Any) -> str | None:
+    """The class of the swapper of the engine's parameters on NVMe, None where none is."""
+    for param in engine.module.parameters():
+        if getattr(param, "nvme_swapper", None) is not None:
+            return type(param.nvme_swapper).__name__
+    return None
+
+
+def _add_section_in_initialize(deepspeed: ModuleType) -> None:
+    """A dict config with the optimizer on NVMe gets the section before `deepspeed.initialize` reads it,
+    as a user's config has it: there ours rewrites `device: nvme` to the store (after `install()`, whose
+    `deepspeed.initialize` this one calls). The others get it when their engine builds its optimizer."""
+    initialize = deepspeed.initialize
+
+    def initialize_with_section(*args: Any, **kwargs: Any) -> Any:
+        config = kwargs.get("config")
+        zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+        if (
+            isinstance(config, dict)
+            and zero.get("stage") == 3
+            and _offload_device(zero, "offload_optimizer") == "nvme"
+        ):
+            kwargs["config"] = {**config, "mlp_offload": {"paths": [_store()]}}
+        return initialize(*args, **kwargs)
+
+    setattr(deepspeed, "initialize", initialize_with_section)  # noqa: B010 (typed as DeepSpeed's own)
+
+
 def _patch_engine(deepspeed: ModuleType) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -57,6 +118,7 @@ def _patch_engine(deepspeed: ModuleType) -> None:
         import mlp_offload
 
         mlp_offload.install()
+        _add_section_in_initialize(deepspeed)
     configure = DeepSpeedEngine._configure_zero_optimizer
 
     def configure_zero_optimizer(self: Any, optimizer: Any) -> Any:
@@ -74,13 +136,10 @@ def _patch_engine(deepspeed: ModuleType) -> None:
             global _engines_built
             if not isinstance(self.config, dict):
                 raise RuntimeError(f"deepspeed-suite harness: config is {type(self.config)}, not a dict")
-            # One directory per engine of a process (a checkpoint test holds two at once); the same
-            # names in every case, emptied between cases, so the probe's saved profile applies.
-            store = os.path.join(STORES, f"engine{_engines_built}")
-            _engines_built += 1
-            os.makedirs(store, exist_ok=True)
             # A copy: the test's own dict stays as it wrote it.
-            self.config = {**self.config, "mlp_offload": {"paths": [store]}}
+            if "mlp_offload" not in self.config:
+                self.config = {**self.config, "mlp_offload": {"paths": [_store()]}}
+            _engines_built += 1
         built = configure(self, optimizer)
         if stage3_offload:
             ours = False
@@ -88,7 +147,15 @@ def _patch_engine(deepspeed: ModuleType) -> None:
                 from mlp_offload.adapter.zero3 import MLPOffloadStage3
 
                 ours = isinstance(built, MLPOffloadStage3)
-            _record({"device": device, "swapped": swapped, "optimizer": type(built).__name__, "ours": ours})
+            _record(
+                {
+                    "device": device,
+                    "swapped": swapped,
+                    "optimizer": type(built).__name__,
+                    "ours": ours,
+                    "param_swapper": _param_swapper(self),
+                }
+            )
         return built
 
     DeepSpeedEngine._configure_zero_optimizer = configure_zero_optimizer
@@ -162,6 +229,7 @@ if MODE in ("stock", "ours"):
         _AfterImport(
             {
                 "deepspeed": _patch_engine,
+                "deepspeed.runtime.zero.partition_parameters": _patch_zero_init,
                 "unit.checkpoint.common": _patch_checkpoint_common,
                 "unit.common": _patch_unit_common,
             }
