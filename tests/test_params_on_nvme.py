@@ -568,6 +568,11 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         predicted = plan["param_pass_secs"] * fetched / params
         assert on_nvme["predicted_read_secs"] == pytest.approx(predicted), step
         assert on_nvme["read_busy_secs"] > 0 and on_nvme["write_busy_secs"] > 0, step
+        # The fetches read into page-aligned buffers, with O_DIRECT (the work disk takes it), and so does
+        # the update into its flat copy: only a partition at an offset there that O_DIRECT cannot take (a
+        # smaller one before it of an odd 256 bytes) goes through the page cache.
+        assert 0 <= on_nvme["buffered_bytes"] < on_nvme["read_bytes"] + on_nvme["written_bytes"], step
+        assert all(p["buffered_bytes"] == 0 for p in step["paths"]), step
         assert step["host_bytes"] > on_nvme["buffer_bytes"] > 0, step
         # From the second step the swapper reads ahead in the order the step before fetched.
         assert (on_nvme["read_ahead_bytes"] > 0) == (step["step"] > 0), step

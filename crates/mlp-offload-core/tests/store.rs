@@ -190,10 +190,20 @@ fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
                 EngineKind::Threads
             }
         );
+        // Where every path takes O_DIRECT, the bytes through the page cache are the misaligned ones alone.
+        let direct = store.path_reports().iter().all(|r| r.tier.direct_io);
+        let buffered = |store: &ObjectStore| -> u64 {
+            store
+                .path_reports()
+                .iter()
+                .map(|r| r.stats.bytes_buffered)
+                .sum()
+        };
         for (i, &size) in sizes.iter().enumerate() {
             let data = random_bytes(size, i as u64);
             // Page-aligned buffers take the O_DIRECT path (with a bounce block for the tail).
             let key = format!("aligned.{size}");
+            let before = buffered(&store);
             let back = write_then_read(
                 &store,
                 &key,
@@ -204,8 +214,16 @@ fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
                 back.as_slice() == &data[..],
                 "{n_paths} paths, aligned, {size} bytes"
             );
+            if direct {
+                assert_eq!(
+                    buffered(&store),
+                    before,
+                    "{n_paths} paths, aligned, {size} bytes"
+                );
+            }
             // Misaligned buffers take the buffered path; both must read what either wrote.
             let key = format!("misaligned.{size}");
+            let before = buffered(&store);
             let back = write_then_read(
                 &store,
                 &key,
@@ -215,6 +233,11 @@ fn round_trips_of_many_sizes_aligned_and_not(engine: EngineChoice) {
             assert!(
                 back.bytes() == &data[..],
                 "{n_paths} paths, misaligned, {size} bytes"
+            );
+            assert_eq!(
+                buffered(&store) - before,
+                2 * size as u64,
+                "{n_paths} paths, misaligned, {size} bytes: written and read through the page cache"
             );
             let back = store
                 .read(&key, AlignedBuf::new(size, false).unwrap())

@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
-from mlp_offload import _core
 from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.options import PARAMS_FOLDER
 from mlp_offload.common.config import from_ds_config
-from mlp_offload.engine.buffers import as_tensor
+from mlp_offload.engine.buffers import page_aligned
 from mlp_offload.engine.store import ObjectStore
 
 log = logging.getLogger("mlp_offload")
@@ -39,7 +38,6 @@ log = logging.getLogger("mlp_offload")
 # DeepSpeed's rule of which partitions go to NVMe (`swappable_tensor`): at least its `MIN_AIO_BYTES`, or
 # `aio.block_size` where larger.
 MIN_SWAPPED_BYTES = 1 << 20
-PAGE = 4096
 
 
 def key_of(param: Any) -> str:
@@ -255,13 +253,14 @@ class StoreParamSwapper:
         self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes = 0, 0.0, 0
         return taken
 
-    def take_busy(self) -> tuple[float, float]:
-        """The seconds the store's busiest path had reads in flight, and writes, since the last call."""
+    def take_busy(self) -> tuple[float, float, int]:
+        """The seconds the store's busiest path had reads in flight, and writes, and the bytes all paths
+        moved through the page cache, since the last call."""
         before, self._busy_ns = self._busy_ns, self._busy_counters()
         spans = list(zip(self._busy_ns, before, strict=True))
         reads = max(now[0] - was[0] for now, was in spans)
         writes = max(now[1] - was[1] for now, was in spans)
-        return reads / 1e9, writes / 1e9
+        return reads / 1e9, writes / 1e9, sum(now[2] - was[2] for now, was in spans)
 
     def buffer_bytes(self) -> int:
         """Host memory the partitions' buffers hold now: those in use and those kept for the next read."""
@@ -338,8 +337,11 @@ class StoreParamSwapper:
             "replaces it"
         )
 
-    def _busy_counters(self) -> list[tuple[int, int]]:
-        return [(r["stats"]["read_busy_ns"], r["stats"]["write_busy_ns"]) for r in self.store.path_reports()]
+    def _busy_counters(self) -> list[tuple[int, int, int]]:
+        return [
+            (r["stats"]["read_busy_ns"], r["stats"]["write_busy_ns"], r["stats"]["bytes_buffered"])
+            for r in self.store.path_reports()
+        ]
 
     def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
         """Partition `ds_id`'s buffer of `numel` elements, held until it is let go (`_let_go`)."""
@@ -382,9 +384,7 @@ class StoreParamSwapper:
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""
-        nbytes = numel * self.element_size
-        memory = _core.HostBuffer(max(PAGE, -(-nbytes // PAGE) * PAGE))
-        return as_tensor(memory, self.dtype)[:numel]
+        return page_aligned(numel, self.dtype)
 
 
 def require_ours(swapper: Any) -> None:

@@ -23,6 +23,18 @@ def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> tor
     return torch.frombuffer(buffer, dtype=dtype)
 
 
+# The page that O_DIRECT's buffers are aligned to.
+PAGE = 4096
+
+
+def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`numel` elements of `dtype` in page-aligned host memory of their own: the store reads and writes it
+    with O_DIRECT (memory it cannot hand to O_DIRECT, as torch's allocator's 64-byte aligned memory, goes
+    through the page cache)."""
+    nbytes = numel * dtype.itemsize
+    return as_tensor(_core.HostBuffer(max(PAGE, -(-nbytes // PAGE) * PAGE)), dtype)[:numel]
+
+
 def register_with_cuda(address: int, nbytes: int) -> bool:
     """Page-locks and registers host memory with CUDA so copies run at pinned speed. False without CUDA."""
     if not torch.cuda.is_available() or nbytes == 0:

@@ -504,6 +504,7 @@ class ChunkPipeline:
                 "read_bytes": a["bytes_read"] - b["bytes_read"],
                 "read_busy_secs": (a["read_busy_ns"] - b["read_busy_ns"]) / 1e9,
                 "write_bytes": a["bytes_written"] - b["bytes_written"],
+                "buffered_bytes": a["bytes_buffered"] - b["bytes_buffered"],
                 "write_busy_secs": (a["write_busy_ns"] - b["write_busy_ns"]) / 1e9,
                 "busy_secs": (a["busy_ns"] - b["busy_ns"]) / 1e9,
             }

@@ -604,6 +604,7 @@ class UpdatePlanner:
                     "path": path,
                     "read_bytes": int(p["read_bytes"]),
                     "write_bytes": int(p["write_bytes"]),
+                    "buffered_bytes": int(p["buffered_bytes"]),
                     "busy_secs": p["busy_secs"],
                     "bytes_per_s": moved_bytes / stats.seconds if stats.seconds > 0 else 0.0,
                     # This rank's most requests in flight on the path so far; with node-wide admission,

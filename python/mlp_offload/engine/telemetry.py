@@ -113,6 +113,11 @@ class PathStep(TypedDict):
     path: Annotated[str, "The path."]
     read_bytes: Annotated[int, "Bytes read since the last step ended."]
     write_bytes: Annotated[int, "Bytes written since the last step ended."]
+    buffered_bytes: Annotated[
+        int,
+        "Of those read and written, the bytes through the page cache rather than with O_DIRECT (memory or a "
+        "length O_DIRECT cannot take, or a path that refuses it).",
+    ]
     busy_secs: Annotated[float, "Seconds with a request in flight."]
     bytes_per_s: Annotated[float, "Bytes moved over the step's pipeline seconds."]
     inflight_max: Annotated[int, "This rank's most requests in flight on the path so far."]
@@ -196,6 +201,11 @@ class ParamsOnNvmeStep(TypedDict):
         "the update's; null: not our swapper).",
     ]
     write_busy_secs: Annotated[float | None, "The same for writes."]
+    buffered_bytes: Annotated[
+        int | None,
+        "Bytes of the partitions read and written through the page cache rather than with O_DIRECT since "
+        "the last step, all paths (null: not our swapper).",
+    ]
     predicted_read_secs: Annotated[
         float | None,
         "The plan's time for the forward's and the backward's reads of the partitions, made before this "

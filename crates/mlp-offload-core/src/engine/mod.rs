@@ -224,6 +224,8 @@ pub struct Transfer {
 pub struct PathCounters {
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
+    /// Of those, the bytes moved through the page cache rather than with O_DIRECT.
+    pub bytes_buffered: AtomicU64,
     pub chunks: AtomicU64,
     pub retries: AtomicU64,
     pub inflight_max: AtomicUsize,
@@ -305,12 +307,15 @@ impl PathCounters {
         self.node_inflight_max.fetch_max(n, Ordering::Relaxed);
     }
 
-    fn moved(&self, op: Op, n: usize) {
+    fn moved(&self, op: Op, n: usize, direct: bool) {
         let counter = match op {
             Op::Read => &self.bytes_read,
             Op::Write => &self.bytes_written,
         };
         counter.fetch_add(n as u64, Ordering::Relaxed);
+        if !direct {
+            self.bytes_buffered.fetch_add(n as u64, Ordering::Relaxed);
+        }
     }
 
     pub fn snapshot(&self) -> PathStats {
@@ -319,6 +324,7 @@ impl PathCounters {
         PathStats {
             bytes_read: self.bytes_read.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            bytes_buffered: self.bytes_buffered.load(Ordering::Relaxed),
             chunks: self.chunks.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
             inflight_max: self.inflight_max.load(Ordering::Relaxed),
@@ -334,6 +340,9 @@ impl PathCounters {
 pub struct PathStats {
     pub bytes_read: u64,
     pub bytes_written: u64,
+    /// Of the bytes read and written, those through the page cache: from or into memory, or of a length,
+    /// that O_DIRECT cannot take, or on a path that refuses O_DIRECT.
+    pub bytes_buffered: u64,
     pub chunks: u64,
     pub retries: u64,
     /// The most chunks ever in the kernel at once on this path.
@@ -354,6 +363,7 @@ impl PathStats {
         PathStats {
             bytes_read: self.bytes_read - earlier.bytes_read,
             bytes_written: self.bytes_written - earlier.bytes_written,
+            bytes_buffered: self.bytes_buffered - earlier.bytes_buffered,
             chunks: self.chunks - earlier.chunks,
             retries: self.retries - earlier.retries,
             inflight_max: self.inflight_max,
@@ -413,6 +423,8 @@ struct TransferState {
     op: Op,
     file: Arc<IoFile>,
     fd: i32,
+    /// Whether `fd` moves the bytes with O_DIRECT.
+    direct: bool,
     chunks_left: AtomicUsize,
     first_error: Mutex<Option<Error>>,
     finish: Mutex<Option<Finish>>,
@@ -461,7 +473,7 @@ impl Chunk {
                 Op::Write => io::Error::from_raw_os_error(libc::EIO),
             })),
             Ok(n) => {
-                counters.moved(self.state.op, n);
+                counters.moved(self.state.op, n, self.state.direct);
                 if n < self.len {
                     counters.retries.fetch_add(1, Ordering::Relaxed);
                     self.advance(n);
@@ -521,10 +533,12 @@ fn split(transfer: Transfer, chunk_size: usize) -> Vec<Chunk> {
         }
     };
     let n_chunks = transfer.len.div_ceil(chunk_size).max(1);
+    let direct = transfer.direct && transfer.file.is_direct();
     let state = Arc::new(TransferState {
         op: transfer.op,
         file: transfer.file,
         fd,
+        direct,
         chunks_left: AtomicUsize::new(n_chunks),
         first_error: Mutex::new(None),
         finish: Mutex::new(transfer.finish),
