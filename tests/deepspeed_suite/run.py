@@ -20,7 +20,7 @@ engine swapped in by `sitecustomize.py`. A case's verdict:
   engine.
 
 Stock's cases with anything on NVMe run on DeepSpeed's async I/O op: `make test` builds it first
-(`make deepspeed-aio-op`); where it is not built, the first such case builds it.
+(`make deepspeed-aio`); where it is not built, the first such case builds it.
 
 Exits 1 on any REGRESSION or HARNESS verdict; prints a table and writes every outcome as JSON. Skips,
 saying so, when the tests are not found. The project holds no copy of DeepSpeed's code: the tree is
@@ -104,8 +104,8 @@ CASES = [
     # `TestZeroOffloadOptim` is ZeRO stage 1: on any accelerator neither builds a stage-3 offload engine.
     Cases(
         "unit/runtime/zero/test_nvme_checkpointing.py",
-        # Each pair of the parameters' and the optimizer's devices with either on NVMe, but the optimizer
-        # not offloaded (no engine of ours to build). fp16: skipped where the CPU has none.
+        # Each pair of the parameters' and the optimizer's devices with either on NVMe, but for `nvme-none`
+        # (the optimizer not offloaded: no engine of ours to build). fp16: skipped where the CPU has none.
         r"\[(none-nvme|cpu-nvme|nvme-cpu|nvme-nvme)\]",
         "ZeRO-Infinity's checkpoint saved and loaded into a new engine, the parameters and the optimizer on "
         "NVMe (fp16; skipped where the CPU has none)",

@@ -60,6 +60,12 @@ def _store() -> str:
     return store
 
 
+def _with_section(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `config` with our section, on the store of the engine built next (the test's own dict
+    stays as it wrote it)."""
+    return {**config, "mlp_offload": {"paths": [_store()]}}
+
+
 def _offload_device(zero: dict[str, Any], key: str) -> str:
     device = (zero.get(key) or {}).get("device") or "none"
     return str(getattr(device, "value", device))
@@ -77,7 +83,7 @@ def _patch_zero_init(partition_parameters: ModuleType) -> None:
             and _offload_device(zero, "offload_param") == "nvme"
             and _offload_device(zero, "offload_optimizer") in OUR_DEVICES
         ):
-            kwargs["config_dict_or_path"] = {**config, "mlp_offload": {"paths": [_store()]}}
+            kwargs["config_dict_or_path"] = _with_section(config)
         init(self, *args, **kwargs)
 
     partition_parameters.Init.__init__ = __init__
@@ -105,7 +111,7 @@ def _add_section_in_initialize(deepspeed: ModuleType) -> None:
             and zero.get("stage") == 3
             and _offload_device(zero, "offload_optimizer") == "nvme"
         ):
-            kwargs["config"] = {**config, "mlp_offload": {"paths": [_store()]}}
+            kwargs["config"] = _with_section(config)
         return initialize(*args, **kwargs)
 
     setattr(deepspeed, "initialize", initialize_with_section)  # noqa: B010 (typed as DeepSpeed's own)
@@ -136,9 +142,8 @@ def _patch_engine(deepspeed: ModuleType) -> None:
             global _engines_built
             if not isinstance(self.config, dict):
                 raise RuntimeError(f"deepspeed-suite harness: config is {type(self.config)}, not a dict")
-            # A copy: the test's own dict stays as it wrote it.
             if "mlp_offload" not in self.config:
-                self.config = {**self.config, "mlp_offload": {"paths": [_store()]}}
+                self.config = _with_section(self.config)
             _engines_built += 1
         built = configure(self, optimizer)
         if stage3_offload:

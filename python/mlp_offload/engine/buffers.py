@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from mlp_offload import _core
+from mlp_offload.engine.memory import PAGE_BYTES
 
 
 def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -23,16 +24,13 @@ def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> tor
     return torch.frombuffer(buffer, dtype=dtype)
 
 
-# The page that O_DIRECT's buffers are aligned to.
-PAGE = 4096
-
-
 def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """`numel` elements of `dtype` in page-aligned host memory of their own: the store reads and writes it
     with O_DIRECT (memory it cannot hand to O_DIRECT, as torch's allocator's 64-byte aligned memory, goes
     through the page cache)."""
     nbytes = numel * dtype.itemsize
-    return as_tensor(_core.HostBuffer(max(PAGE, -(-nbytes // PAGE) * PAGE)), dtype)[:numel]
+    rounded = max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
+    return as_tensor(_core.HostBuffer(rounded), dtype)[:numel]
 
 
 def register_with_cuda(address: int, nbytes: int) -> bool:
