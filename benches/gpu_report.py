@@ -6,6 +6,9 @@ there, `source .gpu/setup.sh` installs it and `make gpu-report` (or this script)
 
 Parts, in this order (all by default; name some to run only those, one call each if need be):
 
+- `accelerator-kernel`: the update's pass on the accelerator (`tests/test_accelerator_adam.py`: a Triton
+  kernel) against the host's fused pass, on CUDA, bit for bit: whether the GPU divides, takes square roots
+  and fuses exactly as the kernel asks (the interpreter here cannot tell);
 - `bitexact`: the bit-exact table on CUDA (`tests/test_bitexact.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
@@ -156,6 +159,12 @@ def largest_size(data: Path) -> str:
 CUDA = {"MLP_OFFLOAD_TEST_ACCELERATOR": "cuda", "MLP_OFFLOAD_TEST_FORK": "0"}
 ON_CPU = {"MLP_OFFLOAD_TEST_ACCELERATOR": "cpu", "MLP_OFFLOAD_TEST_FORK": "1", "DS_ACCELERATOR": "cpu"}
 PARTS = {
+    "accelerator-kernel": Part(
+        "the update's pass on the accelerator (a Triton kernel) against the host's fused pass on CUDA: "
+        "every precision mode, decay and tail arithmetic, bit for bit (issue 82's kernel table)",
+        pytest_part("tests/test_accelerator_adam.py"),
+        CUDA,
+    ),
     "bitexact": Part(
         "the bit-exact table on CUDA against stock DeepSpeed's device: cpu",
         pytest_part("tests/test_bitexact.py", "-k", "test_state_is_bit_equal_to_deepspeed_cpu_offload"),

@@ -231,6 +231,12 @@ class AdamKernel:
         kernel's arithmetic (its vector code's with `vector`, else its scalar loop's) differ from
         `other`'s at Adam step `step` with `group`'s hyperparameters (the bias state not advanced), the
         state in these dtypes; None if no random element from `seed` does."""
+    def constants(self, group: AdamGroup, step: int) -> dict[str, Any]:
+        """The per-element constants of a call at Adam step `step` with `group`'s hyperparameters, the
+        bias state advanced as `update` advances it: `beta1`, `beta2`, `one_minus_beta1`,
+        `one_minus_beta2`, `bias_correction2`, `eps`, `step_size`, `decay` (`"none"`, `"l2"` or
+        `"adamw"`) and `decay_value` (Adam's decay or AdamW's `-lr x decay`), as the accelerator's pass
+        takes them."""
     def vector_width_for(self, master_dtype: str, moments_dtype: str) -> int:
         """The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every
         element takes the scalar loop)."""

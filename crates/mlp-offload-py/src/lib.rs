@@ -8,7 +8,7 @@ use std::time::Duration;
 use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
 use mlp_offload_core::kernel::{
-    update_at, witness, AdamBias, AdamHyper, BiasSqrt, ChunkAt, Cuts, DeepSpeedArith, Kind,
+    update_at, witness, AdamBias, AdamHyper, BiasSqrt, ChunkAt, Cuts, Decay, DeepSpeedArith, Kind,
     MomentFma, Simd, StateKinds, StateLayout, TailFma,
 };
 use mlp_offload_core::model::{
@@ -684,6 +684,39 @@ impl AdamKernel {
         let (a, b) = (how(vector, self), how(other_vector, other));
         let found = py.detach(|| witness(a, b, &k, grad_scale, kinds, seed));
         Ok(found.map(|w| (w.param, w.exp_avg, w.exp_avg_sq, w.grad_bits)))
+    }
+
+    /// The per-element constants of a call at Adam step `step` with `group`'s hyperparameters, the bias
+    /// state advanced as `update` advances it (one state for every chunk, wherever it is updated, as
+    /// DeepSpeed's one `Adam_Optimizer` serves every subgroup): what the accelerator's pass
+    /// (`mlp_offload.engine.device_update`) takes. `decay` is `"none"`, `"l2"` or `"adamw"`, and
+    /// `decay_value` Adam's decay or AdamW's `-lr x decay`.
+    fn constants(&self, py: Python<'_>, group: &PyAdamGroup, step: u64) -> PyResult<Py<PyAny>> {
+        let k = self
+            .bias
+            .lock()
+            .expect("bias lock")
+            .constants(step, &group.hyper);
+        let (decay, decay_value) = match k.decay {
+            Decay::None => ("none", 0.0),
+            Decay::L2(d) => ("l2", d),
+            Decay::AdamW(w) => ("adamw", w),
+        };
+        let dict = pyo3::types::PyDict::new(py);
+        for (name, value) in [
+            ("beta1", k.beta1),
+            ("beta2", k.beta2),
+            ("one_minus_beta1", k.one_minus_beta1),
+            ("one_minus_beta2", k.one_minus_beta2),
+            ("bias_correction2", k.bias_correction2),
+            ("eps", k.eps),
+            ("step_size", k.step_size),
+            ("decay_value", decay_value),
+        ] {
+            dict.set_item(name, value)?;
+        }
+        dict.set_item("decay", decay)?;
+        Ok(dict.into_any().unbind())
     }
 
     /// The vector width of the DeepSpeed build it matches for a state in these dtypes (1: every element

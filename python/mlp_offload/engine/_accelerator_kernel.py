@@ -1,0 +1,160 @@
+"""The Triton kernel of the accelerator's pass (`accelerator_adam`, which says how it holds to the host's
+bits), imported at its first call. Each function mirrors its namesake in the core crate's
+`kernel/adam.rs`, `kernel/elem.rs` and `kernel/part.rs`."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def widen(x, KIND: tl.constexpr):
+    """fp32 from a loaded element (bf16 and fp16 as their int16 bits), exactly (`Elem::widen`)."""
+    if KIND == 0:
+        return x
+    h = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+    if KIND == 1:
+        return (h << 16).to(tl.float32, bitcast=True)
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    man = h & 0x3FF
+    normal = sign | ((exp + 112) << 23) | (man << 13)
+    special = tl.where(man == 0, sign | 0x7F800000, sign | 0x7FC00000 | (man << 13))
+    bits = tl.where(exp == 0x1F, special, normal)
+    # A subnormal half is `man x 2^-24`, a normal float: the product is exact.
+    tiny = (man.to(tl.float32) * 5.9604644775390625e-08).to(tl.uint32, bitcast=True) | sign
+    bits = tl.where(exp == 0, tiny, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def narrow(x, KIND: tl.constexpr, BF16_NAN: tl.constexpr):
+    """`x` rounded to nearest even into KIND, as bits (int16) where it is half precision
+    (`Elem::narrow`; a bf16 NaN becomes BF16_NAN: torch's 0xffff, CPU Adam's 0x7fc0)."""
+    if KIND == 0:
+        return x
+    bits = x.to(tl.uint32, bitcast=True)
+    if KIND == 1:
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        out = tl.where(x != x, BF16_NAN, rounded)
+        return out.to(tl.uint16).to(tl.int16, bitcast=True)
+    sign = (bits >> 16) & 0x8000
+    exp = ((bits >> 23) & 0xFF).to(tl.int32)
+    man = bits & 0x7FFFFF
+    nan = tl.where(man != 0, 0x0200 | (man >> 13), 0)
+    special = sign | 0x7C00 | nan
+    e = tl.where(exp == 0, -126, exp - 127)
+    significand = tl.where(exp == 0, man, man | 0x800000)
+    drop = tl.where(e >= -14, 13, 13 - 14 - e)
+    # Past 24 bits the value rounds to zero; the clamp keeps every shift below 32.
+    drop = tl.minimum(drop, 25).to(tl.uint32)
+    kept = significand >> drop
+    rest = significand & ((tl.full(drop.shape, 1, tl.uint32) << drop) - 1)
+    half = tl.full(drop.shape, 1, tl.uint32) << (drop - 1)
+    up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+    rounded = kept + up.to(tl.uint32)
+    value = tl.where(e >= -14, ((e + 15).to(tl.uint32) << 10) + rounded - 0x400, rounded)
+    value = tl.minimum(value, 0x7C00)
+    out = tl.where(exp == 0xFF, special, tl.where(e > 15, sign | 0x7C00, sign | value))
+    return out.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def product_sum(a, b, c, FUSED: tl.constexpr):
+    if FUSED:
+        return tl.fma(a, b, c)
+    return a * b + c
+
+
+@triton.jit
+def moment(old, beta, grad, one_minus, HOW: tl.constexpr):
+    if HOW == 0:
+        return tl.fma(grad, one_minus, old * beta)
+    if HOW == 1:
+        return tl.fma(old, beta, grad * one_minus)
+    return grad * one_minus + old * beta
+
+
+@triton.jit
+def adam(
+    p,
+    g,
+    m,
+    v,
+    k_ptr,
+    DECAY: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    VARIANCE: tl.constexpr,
+    OTHERS: tl.constexpr,
+):
+    """`adam_element`: the new parameter and moments."""
+    beta1 = tl.load(k_ptr + 0)
+    beta2 = tl.load(k_ptr + 1)
+    one_minus_beta1 = tl.load(k_ptr + 2)
+    one_minus_beta2 = tl.load(k_ptr + 3)
+    bias_correction2 = tl.load(k_ptr + 4)
+    eps = tl.load(k_ptr + 5)
+    step_size = tl.load(k_ptr + 6)
+    decay = tl.load(k_ptr + 7)
+    if DECAY == 1:
+        g = product_sum(p, decay, g, OTHERS)
+    m = moment(m, beta1, g, one_minus_beta1, MOMENTUM)
+    v = moment(v, beta2, g * g, one_minus_beta2, VARIANCE)
+    denominator = product_sum(tl.sqrt_rn(v), bias_correction2, eps, OTHERS)
+    update = tl.div_rn(m, denominator)
+    if DECAY == 2:
+        p = product_sum(p, decay, p, OTHERS)
+    return product_sum(update, step_size, p, OTHERS), m, v
+
+
+@triton.jit
+def adam_kernel(
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    g_ptr,
+    o_ptr,
+    k_ptr,
+    n,
+    vector_end,
+    MASTER: tl.constexpr,
+    MOMENTS: tl.constexpr,
+    GRAD: tl.constexpr,
+    PARAMS: tl.constexpr,
+    DECAY: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    VARIANCE: tl.constexpr,
+    OTHERS: tl.constexpr,
+    HALF_STATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < n
+    scale = tl.load(k_ptr + 8)
+    p = widen(tl.load(p_ptr + at, mask=inside, other=0), MASTER)
+    m = widen(tl.load(m_ptr + at, mask=inside, other=0), MOMENTS)
+    v = widen(tl.load(v_ptr + at, mask=inside, other=0), MOMENTS)
+    g = widen(tl.load(g_ptr + at, mask=inside, other=0), GRAD) * scale
+    if HALF_STATE:
+        # DeepSpeed's `mul_` of its half-precision gradient: torch rounds the product.
+        g = widen(narrow(g, GRAD, 0xFFFF), GRAD)
+    # DeepSpeed's vector code's fusing below `vector_end`, its scalar loop's past it.
+    pv, mv, vv = adam(p, g, m, v, k_ptr, DECAY, 0, 0, True)
+    pt, mt, vt = adam(p, g, m, v, k_ptr, DECAY, MOMENTUM, VARIANCE, OTHERS)
+    vector = at < vector_end
+    p = tl.where(vector, pv, pt)
+    m = tl.where(vector, mv, mt)
+    v = tl.where(vector, vv, vt)
+    if HALF_STATE:
+        # Each result stored as CPU Adam stores it; the parameters are the master weights' bits.
+        master = narrow(p, MASTER, 0x7FC0)
+        tl.store(p_ptr + at, master, mask=inside)
+        tl.store(m_ptr + at, narrow(m, MOMENTS, 0x7FC0), mask=inside)
+        tl.store(v_ptr + at, narrow(v, MOMENTS, 0x7FC0), mask=inside)
+        if PARAMS != 0:
+            tl.store(o_ptr + at, master, mask=inside)
+    else:
+        tl.store(p_ptr + at, p, mask=inside)
+        tl.store(m_ptr + at, m, mask=inside)
+        tl.store(v_ptr + at, v, mask=inside)
+        if PARAMS != 0:
+            tl.store(o_ptr + at, narrow(p, PARAMS, 0xFFFF), mask=inside)
