@@ -202,6 +202,27 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool
         {"overlap_backward": (False, "1 subgroups' parameters are on NVMe")},
     ),
     (
+        "the README's section: every subgroup the host's (ratio 1.0)",
+        {},
+        {},
+        True,
+        {"accelerator_update": (False, "offload_optimizer.ratio is 1.0")},
+    ),
+    (
+        "ratio on DeepSpeed's CPU accelerator: stock's CPU Adam steps every subgroup, so does ours",
+        {},
+        {"offload_ratio": (0.3, "cpu")},
+        True,
+        {"accelerator_update": (False, "on DeepSpeed's CPU accelerator stock updates every subgroup")},
+    ),
+    (
+        "ratio on a GPU that keeps no subgroup there (int(0.1 x 2) is 0)",
+        {},
+        {"offload_ratio": (0.9, "cuda")},
+        True,
+        {"accelerator_update": (False, "int((1 - ratio) x 2 subgroups) is 0")},
+    ),
+    (
         "bf16 master weights with overlap_backward: true: kept in the store",
         {**STREAMS, "overlap_backward": True},
         {"master": BF16},
@@ -317,6 +338,11 @@ def test_host_memory_and_where_it_came_from(
             {"subgroups_on_nvme": 1},
             r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe",
         ),
+        (
+            {},
+            {"offload_ratio": (0.3, "cuda")},
+            r"offload_optimizer\.ratio: 0\.3 keeps the first 1 of this rank's 2 subgroups on the cuda",
+        ),
     ],
     ids=[
         "a budget of no chunk",
@@ -326,6 +352,7 @@ def test_host_memory_and_where_it_came_from(
         "in params, backward true",
         "overlap true, parameters on NVMe",
         "overlap_backward true, parameters on NVMe",
+        "ratio keeping a subgroup on a GPU",
     ],
 )
 def test_what_cannot_be_is_refused_by_its_key(
@@ -333,6 +360,26 @@ def test_what_cannot_be_is_refused_by_its_key(
 ) -> None:
     with pytest.raises(ValueError, match=error):
         settle(section, facts(**given))
+
+
+@pytest.mark.parametrize(
+    ("ratio", "subgroups", "accelerator", "kept"),
+    [
+        # Stock's rule, `int((1 - ratio) * subgroups)`, truncation and float error included.
+        (0.8, 10, "cuda", 1),
+        (0.9, 10, "cuda", 0),
+        (0.3, 10, "cuda", 7),
+        (0.0, 4, "cuda", 4),
+        (0.5, 1, "cuda", 0),
+        (1.0, 10, "cuda", 0),
+        # DeepSpeed's CPU accelerator is named "cpu": every subgroup is CPU Adam's.
+        (0.3, 10, "cpu", 0),
+    ],
+)
+def test_the_subgroups_stock_keeps_on_the_accelerator(
+    ratio: float, subgroups: int, accelerator: str, kept: int
+) -> None:
+    assert settings_module.stock_accelerator_subgroups(ratio, subgroups, accelerator) == kept
 
 
 def test_the_machine_is_asked_once_and_only_where_a_choice_needs_it() -> None:

@@ -13,6 +13,7 @@ import contextlib
 import faulthandler
 import functools
 import gc
+import hashlib
 import json
 import os
 import re
@@ -202,6 +203,9 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
 
     section = case.get("mlp_offload")
     engine, optimizer = make_engine(section is not None and not case.get("plain_initialize"), section, 1234)
+    # The host's random state after the engine is built (stock's `ratio` draws from it there; dropout and
+    # anything else that draws later sees what it left).
+    rng_after_init = hashlib.sha256(torch.random.get_rng_state().numpy().tobytes()).hexdigest()
     if case.get("params_through_scratch"):
         # The path of a partition on an accelerator, on the CPU: the pass writes the new parameters into
         # the host scratch, copied to the partition after it (what a GPU's events and stream add is
@@ -356,6 +360,7 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
         # of a step rather than for each use.
         "persistent_params": len(getattr(optimizer, "persistent_parameters", [])),
         "optimizer_class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "rng_after_init": rng_after_init,
         # Type checks under the name imported before mlp_offload.install() and the module's name now.
         "is_deepspeed_stage3": [
             isinstance(optimizer, imported_before_install),

@@ -41,6 +41,7 @@ ATTRIBUTES = (
     "loss_scale",
     "clip_grad",
     "dtype",
+    "partial_offload",
 )
 
 
@@ -97,6 +98,13 @@ class DeepSpeedView:
         """The flat copy of a subgroup on NVMe, if one is held, written back where it changed and freed:
         the parameters' objects are current for the next fetch."""
         self.on_nvme.let_go()
+
+    def offload_ratio(self) -> tuple[float, str]:
+        """DeepSpeed's `offload_optimizer.ratio` (its `partial_offload`) and the name its placement of
+        subgroups compares with `"cpu"` (`get_accelerator()._name`)."""
+        from deepspeed.accelerator import get_accelerator
+
+        return float(self._opt.partial_offload), str(get_accelerator()._name)
 
     def backward_bytes(self, norm_buffer_size: int) -> int:
         """Host memory the first forward and backward take that the start-up has not: the parameters

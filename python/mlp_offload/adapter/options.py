@@ -181,11 +181,11 @@ OPTIONS: tuple[Option, ...] = (
     equal(f"{OO}.pipeline_read", "NVMe swapping's option, which the store replaces"),
     equal(f"{OO}.pipeline_write", "NVMe swapping's option, which the store replaces"),
     equal(f"{OO}.fast_init", "NVMe swapping's option, which the store replaces"),
-    refused(
+    equal(
         f"{OO}.ratio",
-        "partial offload: part of the state updated on the accelerator",
-        "leave it at 1.0",
-        lambda v: float(v) != 1.0,
+        "stock keeps its first int((1 - ratio) x subgroups) subgroups on the accelerator, stepped by torch's "
+        "AdamW; ours is bit-equal to device: cpu: any ratio on DeepSpeed's CPU accelerator (stock's CPU Adam "
+        "then steps every subgroup), refused at start where stock would keep some on a GPU",
     ),
     refused(f"{OO}.super_offload", "SuperOffload, another optimizer", "set it to false", _true),
     equal(f"{OO}.cpuadam_cores_perc", "read by SuperOffload only"),

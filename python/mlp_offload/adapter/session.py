@@ -205,6 +205,11 @@ class UpdateSession:
             "update_kernel": kernel_record(settings.kernel.fused, settings.dtypes, settings.kernel.why),
             # Whether the master weights are kept in the parameters, and why.
             "master_in_params": {"on": settings.master_in_params.on, "why": settings.master_in_params.why},
+            # Whether subgroups are updated on the accelerator (`offload_optimizer.ratio`), and why.
+            "accelerator_update": {
+                "on": settings.accelerator_update.on,
+                "why": settings.accelerator_update.why,
+            },
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},
             # Subgroups whose parameters are on NVMe, read and written by the update as it goes.

@@ -83,13 +83,15 @@ class StartFacts:
     `numels`: each subgroup's elements on this rank. `buffer_count`, `pin_memory`: DeepSpeed's
     `offload_optimizer` section. `master`: the master weights' dtype (`master_weights_and_grads_dtype`);
     `params`: the half-precision partitions'; `fp32_moments`: CPU Adam's `fp32_optimizer_states`;
-    `params_on_host`: whether the partitions are in host memory. `spare`: what this rank can spare now
-    (`memory.spare_host_memory`), asked once, where it is needed. `monitor`: whether the DeepSpeed config
-    enables one of its monitors. `subgroups_on_nvme`: the subgroups whose parameters DeepSpeed keeps on
-    NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory); `params_on_nvme_bytes`, the
-    bytes of their partitions there; `params_on_nvme_held`, the most host memory those take at once
-    (`NvmePartitions.most_held`), which `host_memory` holds beside the state. `backward_bytes`: host memory
-    the first backward takes that `spare` does not see yet (`DeepSpeedView.backward_bytes`)."""
+    `params_on_host`: whether the partitions are in host memory. `offload_ratio`: DeepSpeed's
+    `offload_optimizer.ratio` and its accelerator's name (`DeepSpeedView.offload_ratio`). `spare`: what this
+    rank can spare now (`memory.spare_host_memory`), asked once, where it is needed. `monitor`: whether the
+    DeepSpeed config enables one of its monitors. `subgroups_on_nvme`: the subgroups whose parameters
+    DeepSpeed keeps on NVMe, past `offload_param.max_in_cpu` (no flat partition in host memory);
+    `params_on_nvme_bytes`, the bytes of their partitions there; `params_on_nvme_held`, the most host memory
+    those take at once (`NvmePartitions.most_held`), which `host_memory` holds beside the state.
+    `backward_bytes`: host memory the first backward takes that `spare` does not see yet
+    (`DeepSpeedView.backward_bytes`)."""
 
     numels: tuple[int, ...]
     buffer_count: int
@@ -104,6 +106,7 @@ class StartFacts:
     params_on_nvme_bytes: int = 0
     params_on_nvme_held: int = 0
     backward_bytes: int = 0
+    offload_ratio: tuple[float, str] = (1.0, "cpu")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class Settings:
     """Subgroups whose parameters DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`)."""
     params_on_nvme_bytes: int
     """The bytes of their partitions there (the plan counts their reads and writes)."""
+    accelerator_update: Choice
+    """Subgroups updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`)."""
 
     @property
     def every_chunk_cached(self) -> bool:
@@ -161,6 +166,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     finds it. A setting that cannot be is a `ValueError` naming its key."""
     spare = _Spare(facts.spare)
     in_params = _master_in_params(config, facts)
+    accelerator_update = _accelerator_update(facts)
     moments = torch.float32 if facts.fp32_moments else facts.master
     dtypes = StateDtypes(facts.master, moments, in_params.on)
     host_memory, source = _host_memory(config, facts, dtypes.bytes_per_element, spare)
@@ -225,6 +231,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         params_on_host=facts.params_on_host,
         subgroups_on_nvme=facts.subgroups_on_nvme,
         params_on_nvme_bytes=facts.params_on_nvme_bytes,
+        accelerator_update=accelerator_update,
     )
 
 
@@ -268,6 +275,37 @@ def _master_in_params(config: MLPOffloadConfig, facts: StartFacts) -> Choice:
     if setting is True:
         raise ValueError(troubleshooting.MASTER_IN_PARAMS.message(why=why_not))
     return Choice(False, f"off: {why_not}")
+
+
+def stock_accelerator_subgroups(ratio: float, subgroups: int, accelerator: str) -> int:
+    """How many subgroups, the first ones, stock DeepSpeed keeps on the accelerator with
+    `offload_optimizer.ratio` (its own rule, truncation included: subgroup i is the CPU's from
+    `int((1 - ratio) * subgroups)` on), where the accelerator is not DeepSpeed's CPU one."""
+    return 0 if accelerator == "cpu" else int((1 - ratio) * subgroups)
+
+
+def _accelerator_update(facts: StartFacts) -> Choice:
+    """Whether subgroups are updated on the accelerator, and why (`offload_optimizer.ratio`). Where
+    stock keeps some there, its torch AdamW gives other bits than CPU Adam's; ours would update them
+    there with CPU Adam's own arithmetic (`engine.accelerator_adam`), and until the engine keeps their
+    state on the accelerator, that is refused by the key."""
+    ratio, accelerator = facts.offload_ratio
+    subgroups = len(facts.numels)
+    if ratio == 1.0:
+        return Choice(False, "off: offload_optimizer.ratio is 1.0, every subgroup the host's")
+    on_accelerator = stock_accelerator_subgroups(ratio, subgroups, accelerator)
+    if on_accelerator:
+        raise ValueError(
+            troubleshooting.RATIO.message(
+                ratio=ratio, count=on_accelerator, subgroups=subgroups, accelerator=accelerator
+            )
+        )
+    where = (
+        "on DeepSpeed's CPU accelerator stock updates every subgroup with CPU Adam"
+        if accelerator == "cpu"
+        else f"int((1 - ratio) x {subgroups} subgroups) is 0, so stock keeps none on the accelerator"
+    )
+    return Choice(False, f"off: offload_optimizer.ratio is {ratio}, but {where}; so does ours, bit for bit")
 
 
 def _host_memory(

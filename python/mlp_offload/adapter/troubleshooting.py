@@ -219,6 +219,23 @@ HOST_MEMORY = Trouble(
     "through",
     'raise `host_memory` (or set it to "auto"), lower `update_chunk`, or lower `cache_chunks`',
 )
+RATIO = Trouble(
+    "ratio",
+    "offload_optimizer.ratio keeping subgroups on the accelerator",
+    "zero_optimization.offload_optimizer.ratio: {ratio} keeps the first {count} of this rank's {subgroups} "
+    "subgroups on the {accelerator} accelerator, where stock DeepSpeed updates them with torch's AdamW "
+    "(other bits than CPU Adam's); mlp-offload does not update subgroups on the accelerator yet. Leave "
+    "ratio at 1.0, or at a value that keeps none there: above 1 - 1/{subgroups}",
+    REFUSAL,
+    "stock's `ratio` keeps its first `int((1 - ratio) x subgroups)` subgroups' state on the accelerator and "
+    "steps them with torch's AdamW, whose arithmetic is not CPU Adam's (and whose first param group keeps "
+    "its learning rate from construction, and whose state no checkpoint saves); mlp-offload's update is "
+    "bit-equal to `device: cpu`, and it does not keep state on the accelerator yet",
+    "leave `offload_optimizer.ratio` at 1.0: every subgroup through the store, bit-equal to `device: cpu`; "
+    "on DeepSpeed's CPU accelerator, and where the truncation keeps no subgroup there, any ratio trains "
+    "as stock's",
+    "`offload_optimizer.ratio` below 1 - 1/subgroups on a GPU",
+)
 MASTER_IN_PARAMS = Trouble(
     "master-in-params",
     "master_in_params: true where the parameters do not hold the master weights",
@@ -287,6 +304,7 @@ FORMATTED_HERE = (
     UNIVERSAL_SIZE,
     UNIVERSAL_EXPERT,
     HOST_MEMORY,
+    RATIO,
     MASTER_IN_PARAMS,
     UPDATE_KERNEL,
     UPDATE_KERNEL_HALF,

@@ -269,6 +269,7 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             backward_bytes=view.backward_bytes(_NORM_BUFFER_SIZE),
             spare=memory.spare_host_memory,
             monitor=self._mlp_monitor,
+            offload_ratio=view.offload_ratio(),
         )
 
     def _mlp_check_kernel(

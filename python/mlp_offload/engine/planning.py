@@ -258,8 +258,9 @@ def start_line(record: StartRecord) -> str:
         f"{r['host_memory'] / 2**30:.2f} GiB ({r['host_memory_source']}) = {r['buffers']} chunk "
         f"buffers + {grad_mib:.1f} MiB fp32 gradient, {r['cached_chunks']} chunks cached; "
         f"{described_pages}; update kernel: {kernel['kernel']} ({kernel['why']}); overlap with the next "
-        f"forward: {r['overlap']['why']}; with backward: {r['overlap_backward']['why']}; weights "
-        f"{weights}; predicted update {predicted:.2f} s{params}"
+        f"forward: {r['overlap']['why']}; with backward: {r['overlap_backward']['why']}; on the "
+        f"accelerator: {r['accelerator_update']['why']}; weights {weights}; predicted update "
+        f"{predicted:.2f} s{params}"
     )
 
 

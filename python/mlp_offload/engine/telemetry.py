@@ -81,6 +81,10 @@ class StartRecord(TypedDict):
         "Whether the master weights are kept in the parameters and the store keeps the moments alone "
         "(`master_in_params`), and why.",
     ]
+    accelerator_update: Annotated[
+        OnAndWhy,
+        "Whether subgroups are updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`), and why.",
+    ]
     overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
     subgroups_on_nvme: Annotated[
         int, "Subgroups whose parameters DeepSpeed keeps on NVMe, past `offload_param.max_in_cpu`."
