@@ -9,10 +9,12 @@
 //! - [`buffer`]: page-aligned host buffers and their pool; [`completion`]: the handle a caller waits on;
 //! - [`checksum`]: CRC32C of objects; [`kernel`]: the update's fused pass (Adam as DeepSpeed computes
 //!   it, the conversions, the checksums folded in);
-//! - [`model`]: the I/O performance model; [`probe`]: the paths' measured bandwidths; [`blockstat`]:
-//!   what a block device itself saw;
+//! - [`model`]: the I/O performance model; [`accelerator_update`]: which chunks the accelerator
+//!   updates, and the time that split predicts; [`probe`]: the paths' measured bandwidths;
+//!   [`blockstat`]: what a block device itself saw;
 //! - [`error`]: the one error type.
 
+pub mod accelerator_update;
 pub mod admission;
 pub mod blockstat;
 pub mod buffer;
