@@ -9,6 +9,8 @@ Parts, in this order (all by default; name some to run only those, one call each
 - `accelerator-kernel`: the update's pass on the accelerator (`tests/test_accelerator_adam.py`: a Triton
   kernel) against the host's fused pass, on CUDA, bit for bit: whether the GPU divides, takes square roots
   and fuses exactly as the kernel asks (the interpreter here cannot tell);
+- `ratio`: `offload_optimizer.ratio` with ours on CUDA (`tests/test_ratio.py`): its subgroups kept in the
+  GPU's memory and updated there, bit-equal to stock's `device: cpu`;
 - `bitexact`: the bit-exact table on CUDA (`tests/test_bitexact.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
@@ -163,6 +165,13 @@ PARTS = {
         "the update's pass on the accelerator (a Triton kernel) against the host's fused pass on CUDA: "
         "every precision mode, decay and tail arithmetic, bit for bit (issue 82's kernel table)",
         pytest_part("tests/test_accelerator_adam.py"),
+        CUDA,
+    ),
+    "ratio": Part(
+        "DeepSpeed's offload_optimizer.ratio with ours on CUDA: the first subgroups kept in the GPU's memory "
+        "and updated there by the Triton kernel, bit-equal to stock's device: cpu (fp32, bf16, accumulation "
+        "with clipping, the update during backward)",
+        pytest_part("tests/test_ratio.py", "-k", "bit_equal"),
         CUDA,
     ),
     "bitexact": Part(

@@ -34,7 +34,7 @@ PACKAGE = Path(accelerator_adam.__file__).parent
 # Adam steps of the calls, in order: a repeat (the next chunk of a subgroup), the next ones, a jump.
 STEPS = [1, 1, 2, 3, 9]
 # Two blocks of the kernel and a tail of every width's (37 is 5 past 16s and 8s, 1 past 4s).
-N = 2 * accelerator_adam.BLOCK + 37
+N = 2 * accelerator_adam.block_for(DEVICE) + 37
 VECTOR_TAIL = {"momentum": "gradient", "variance": "gradient", "others": True}
 
 
@@ -78,6 +78,8 @@ def row(state: StateDtypes, grad: torch.dtype, params: torch.dtype | None, **how
 
 ROWS = {
     "fp32 state, fp32 training": row(StateDtypes(), F32, None),
+    # DeepSpeed's fp32 partitions: the pass writes the new weights there too.
+    "fp32 state, fp32 parameters": row(StateDtypes(), F32, F32),
     "fp32 state, bf16 parameters": row(StateDtypes(), BF16, BF16),
     "fp32 state, fp16 parameters": row(StateDtypes(), F16, F16, tail="old and separate, others unfused"),
     "bf16 weights": row(StateDtypes(BF16, F32), BF16, BF16),

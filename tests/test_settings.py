@@ -338,11 +338,6 @@ def test_host_memory_and_where_it_came_from(
             {"subgroups_on_nvme": 1},
             r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe",
         ),
-        (
-            {},
-            {"offload_ratio": (0.3, "cuda")},
-            r"offload_optimizer\.ratio: 0\.3 keeps the first 1 of this rank's 2 subgroups on the cuda",
-        ),
     ],
     ids=[
         "a budget of no chunk",
@@ -352,7 +347,6 @@ def test_host_memory_and_where_it_came_from(
         "in params, backward true",
         "overlap true, parameters on NVMe",
         "overlap_backward true, parameters on NVMe",
-        "ratio keeping a subgroup on a GPU",
     ],
 )
 def test_what_cannot_be_is_refused_by_its_key(
@@ -360,6 +354,40 @@ def test_what_cannot_be_is_refused_by_its_key(
 ) -> None:
     with pytest.raises(ValueError, match=error):
         settle(section, facts(**given))
+
+
+@pytest.mark.parametrize(
+    ("ratio", "accelerator", "interpreted", "kept", "why"),
+    [
+        (0.3, "cuda", False, 1, "keeps the first 1 of 2 subgroups in the cuda accelerator"),
+        (0.3, "cpu", False, 0, "on DeepSpeed's CPU accelerator stock updates every subgroup"),
+        (0.3, "cpu", True, 1, "in host memory, through Triton's interpreter"),
+        (0.9, "cpu", True, 0, "on DeepSpeed's CPU accelerator"),
+    ],
+    ids=["a GPU", "DeepSpeed's CPU accelerator", "Triton's interpreter", "the interpreter, none kept"],
+)
+def test_the_subgroups_kept_on_the_accelerator_have_no_chunk(
+    ratio: float, accelerator: str, interpreted: bool, kept: int, why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock's first subgroups on the accelerator are kept there whole: the store's layout gives them no
+    chunk, and their master weights stay apart from the parameters."""
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resolved = settle({}, facts(offload_ratio=(ratio, accelerator), master=BF16))
+    assert resolved.accelerator_subgroups == kept
+    assert (resolved.accelerator_update.on, why in resolved.accelerator_update.why) == (kept > 0, True)
+    assert {i for i, _, _ in resolved.layout.chunks} == set(range(kept, len(NUMELS)))
+    assert resolved.numels == NUMELS and resolved.host_numels == (0,) * kept + NUMELS[kept:]
+    assert resolved.master_in_params.on is (kept == 0)
+
+
+def test_subgroups_on_the_accelerator_without_the_fused_pass_are_refused_by_the_key() -> None:
+    with pytest.raises(
+        ValueError, match=r"offload_optimizer\.ratio: 0\.3 keeps the first 1 of this rank's 2"
+    ):
+        settle({}, facts(offload_ratio=(0.3, "cuda")), fused=False)
 
 
 @pytest.mark.parametrize(

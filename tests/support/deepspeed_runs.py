@@ -398,12 +398,18 @@ def failed_runs(name: str, runs: list[HarnessRun], exits: list[int | None]) -> s
 
 
 def run_case(
-    case: dict[str, Any], tmp_path: Path, name: str, cgroup: Path | None = None, ranks: int = 1
+    case: dict[str, Any],
+    tmp_path: Path,
+    name: str,
+    cgroup: Path | None = None,
+    ranks: int = 1,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Runs the harness on `case`, one process per rank, and returns rank 0's result (its stdout and
     stderr under `"output"`); with several ranks, every rank's result is under `"ranks"`. A stock run
-    that leaves nothing else to look at is run once per configuration and code (`stock_cache`)."""
-    kept = stock_cache(case, ranks) if cgroup is None else None
+    that leaves nothing else to look at is run once per configuration and code (`stock_cache`). `env`:
+    variables set for the run (no stock run with them is kept)."""
+    kept = stock_cache(case, ranks) if cgroup is None and not env else None
     if kept is not None and kept.exists():
         results: list[dict[str, Any]] = torch.load(kept, weights_only=False)
         return {**results[0], "ranks": results} if ranks > 1 else results[0]
@@ -411,6 +417,8 @@ def run_case(
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps(case))
     runs = rank_runs(spec, tmp_path, name, ranks, cgroup=cgroup)
+    for run in runs:
+        run.env.update(env or {})
     exits = run_harness(runs)
     if any(code != 0 for code in exits):
         raise AssertionError(failed_runs(name, runs, exits))

@@ -110,7 +110,7 @@ class ChunkUpdater:
         assert fused is not None
         i, first, count = state.chunks[chunk]
         half = view.partition(i)[first : first + count]
-        grad = self._pass_gradient(i, first, count, stale_ranges)
+        grad = self.pass_gradient(i, first, count, stale_ranges)
         in_params = state.stored.master_in_params
         set_apart = in_params and state.take_master_set_apart(chunk)
         params = half
@@ -165,7 +165,7 @@ class ChunkUpdater:
         view.after_fused_pass(i, step)
         return (sums.read if read_cuts else None), (sums.write if write_cuts else None)
 
-    def _pass_gradient(
+    def pass_gradient(
         self, i: int, first: int, count: int, stale_ranges: stale_gradients.StaleRanges | None
     ) -> torch.Tensor:
         """The gradient the fused pass reads for subgroup `i`'s elements `first..first + count`: DeepSpeed's
@@ -179,7 +179,9 @@ class ChunkUpdater:
             # weights' dtype (DeepSpeed's gradient buffer's), those parameters' through the factors since
             # theirs. In the chunk's fp32 gradient buffer of the budget, where the parameters are on the
             # host (it is unused then); else a buffer of its own.
-            buffer = self.grad.view(master) if self.params_on_host else torch.empty(count, dtype=master)
+            room = self.grad.view(master) if self.params_on_host else None
+            # A subgroup on the accelerator is updated whole: more than a chunk's buffer holds.
+            buffer = room if room is not None and room.numel() >= count else torch.empty(count, dtype=master)
             widened = buffer[:count]
             widened.copy_(grad)
             stale_gradients.apply(widened, first, ranges)

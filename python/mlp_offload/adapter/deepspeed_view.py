@@ -106,6 +106,12 @@ class DeepSpeedView:
 
         return float(self._opt.partial_offload), str(get_accelerator()._name)
 
+    def accelerator_device(self) -> torch.device:
+        """The device DeepSpeed computes on (the CPU on its CPU accelerator)."""
+        from deepspeed.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+
     def backward_bytes(self, norm_buffer_size: int) -> int:
         """Host memory the first forward and backward take that the start-up has not: the parameters
         DeepSpeed gathers where it computes on the host (`most_gathered_elements`), its reduce buckets

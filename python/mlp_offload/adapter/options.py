@@ -183,9 +183,10 @@ OPTIONS: tuple[Option, ...] = (
     equal(f"{OO}.fast_init", "NVMe swapping's option, which the store replaces"),
     equal(
         f"{OO}.ratio",
-        "stock keeps its first int((1 - ratio) x subgroups) subgroups on the accelerator, stepped by torch's "
-        "AdamW; ours is bit-equal to device: cpu: any ratio on DeepSpeed's CPU accelerator (stock's CPU Adam "
-        "then steps every subgroup), refused at start where stock would keep some on a GPU",
+        "stock keeps its first int((1 - ratio) x subgroups) subgroups' state on the accelerator, stepped by "
+        "torch's AdamW (other bits than CPU Adam's; on DeepSpeed's CPU accelerator, none: its CPU Adam steps "
+        "every one); ours keeps the same ones there, updated by a Triton kernel with CPU Adam's own "
+        "arithmetic: bit-equal to device: cpu, whatever the ratio",
     ),
     refused(f"{OO}.super_offload", "SuperOffload, another optimizer", "set it to false", _true),
     equal(f"{OO}.cpuadam_cores_perc", "read by SuperOffload only"),

@@ -25,6 +25,7 @@ from mlp_offload.adapter.settings import KernelCheck, Settings
 from mlp_offload.adapter.stale_gradients import StaleGradients
 from mlp_offload.common.config import MLPOffloadConfig
 from mlp_offload.engine import memory
+from mlp_offload.engine.accelerator_state import AcceleratorState
 from mlp_offload.engine.fused_update import FusedAdam, kernel_record
 from mlp_offload.engine.overlap import GradsFinal, update_thread
 from mlp_offload.engine.pipeline import ChunkPipeline
@@ -38,6 +39,17 @@ log = logging.getLogger("mlp_offload")
 
 # Each parameter with a partition on this rank: its id, subgroup, offset in the subgroup, elements.
 ParamRanges = list[tuple[int, int, int, int]]
+
+
+def _accelerator_state(settings: Settings, view: DeepSpeedView) -> AcceleratorState | None:
+    """The state of the subgroups kept on the accelerator (`offload_optimizer.ratio`), if any: in the
+    accelerator's memory, updated with the fused pass's own kernel (one bias state for both sides)."""
+    k = settings.accelerator_subgroups
+    if k == 0:
+        return None
+    assert settings.kernel.fused is not None, "the settings refuse subgroups on the accelerator without it"
+    numels = list(settings.numels[:k])
+    return AcceleratorState(numels, view.accelerator_device(), settings.dtypes, settings.kernel.fused.kernel)
 
 
 @dataclass
@@ -103,6 +115,7 @@ class UpdateSession:
             device_sharing=planner.device_sharing(),
         )
         try:
+            accelerator = _accelerator_state(settings, view)
             state = ChunkedState(
                 store,
                 settings.numels,
@@ -115,6 +128,7 @@ class UpdateSession:
                 kept_copies=settings.kept_copies,
                 stored=settings.dtypes,
                 partition=view.partition,
+                accelerator=accelerator,
             )
         except BaseException:
             # Nothing is left holding the paths (the store's locks) or the telemetry file.

@@ -11,6 +11,9 @@ here, named as its key.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +158,14 @@ class Settings:
     """The bytes of their partitions there (the plan counts their reads and writes)."""
     accelerator_update: Choice
     """Subgroups updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`)."""
+    accelerator_subgroups: int
+    """How many: the first ones, their state kept whole on the accelerator and out of the store."""
+
+    @property
+    def host_numels(self) -> tuple[int, ...]:
+        """Each subgroup's elements in the store: none of those on the accelerator."""
+        k = self.accelerator_subgroups
+        return (0,) * k + tuple(self.numels[k:])
 
     @property
     def every_chunk_cached(self) -> bool:
@@ -165,8 +176,11 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     """The settings of `config` for a model and machine of `facts`, the update kernel as `check_kernel`
     finds it. A setting that cannot be is a `ValueError` naming its key."""
     spare = _Spare(facts.spare)
-    in_params = _master_in_params(config, facts)
-    accelerator_update = _accelerator_update(facts)
+    accelerator_update, on_accelerator = _accelerator_update(facts)
+    in_params = _master_in_params(config, facts, on_accelerator)
+    numels = facts.numels
+    # The store holds the other subgroups alone.
+    facts = dataclasses.replace(facts, numels=(0,) * on_accelerator + numels[on_accelerator:])
     moments = torch.float32 if facts.fp32_moments else facts.master
     dtypes = StateDtypes(facts.master, moments, in_params.on)
     host_memory, source = _host_memory(config, facts, dtypes.bytes_per_element, spare)
@@ -189,6 +203,13 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     threads = None if config.update_threads == "auto" else config.update_threads
     kernel = check_kernel(config.update_kernel, dtypes, dtypes, threads)
     fused = kernel.fused is not None
+    if on_accelerator and not fused:
+        raise ValueError(
+            troubleshooting.RATIO.message(
+                **_ratio_fields(facts, on_accelerator),
+                why=f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({kernel.why})",
+            )
+        )
     every_cached = cache_slots == len(layout.chunks)
     overlap = _off_with_params_on_nvme(
         "overlap", config.overlap, facts, _overlap(config.overlap, fused, every_cached)
@@ -210,7 +231,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
     chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
     return Settings(
-        numels=facts.numels,
+        numels=numels,
         host_memory=host_memory,
         host_memory_source=source,
         layout=layout,
@@ -232,6 +253,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         subgroups_on_nvme=facts.subgroups_on_nvme,
         params_on_nvme_bytes=facts.params_on_nvme_bytes,
         accelerator_update=accelerator_update,
+        accelerator_subgroups=on_accelerator,
     )
 
 
@@ -248,7 +270,7 @@ class _Spare:
         return self._found
 
 
-def _master_in_params(config: MLPOffloadConfig, facts: StartFacts) -> Choice:
+def _master_in_params(config: MLPOffloadConfig, facts: StartFacts, on_accelerator: int) -> Choice:
     """Whether the master weights are kept in the parameters (`master_in_params`), and why;
     `master_in_params: true` where they cannot be is refused, saying why."""
     setting = config.master_in_params
@@ -266,6 +288,8 @@ def _master_in_params(config: MLPOffloadConfig, facts: StartFacts) -> Choice:
             "overlap_backward is true, and undoing a chunk's update during backward needs the master "
             "weights apart from the parameters"
         )
+    elif on_accelerator:
+        why_not = f"{on_accelerator} subgroups are kept on the accelerator, with their master weights apart"
     if why_not is None:
         return Choice(
             True,
@@ -284,28 +308,62 @@ def stock_accelerator_subgroups(ratio: float, subgroups: int, accelerator: str) 
     return 0 if accelerator == "cpu" else int((1 - ratio) * subgroups)
 
 
-def _accelerator_update(facts: StartFacts) -> Choice:
-    """Whether subgroups are updated on the accelerator, and why (`offload_optimizer.ratio`). Where
-    stock keeps some there, its torch AdamW gives other bits than CPU Adam's; ours would update them
-    there with CPU Adam's own arithmetic (`engine.accelerator_adam`), and until the engine keeps their
-    state on the accelerator, that is refused by the key."""
+def _accelerator_update(facts: StartFacts) -> tuple[Choice, int]:
+    """Whether subgroups are updated on the accelerator, why, and how many (`offload_optimizer.ratio`):
+    those stock keeps there, the first `int((1 - ratio) x subgroups)`, whose state we keep there too,
+    updated by the host pass's own arithmetic (`engine.accelerator_adam`) where stock runs torch's
+    AdamW, so the bits are `device: cpu`'s. On DeepSpeed's CPU accelerator stock keeps none there, and
+    neither do we, but where Triton's interpreter is on (`TRITON_INTERPRET=1`, how the tests run the
+    accelerator's kernel without a GPU): there they are kept apart in host memory, as a GPU would keep
+    them."""
     ratio, accelerator = facts.offload_ratio
     subgroups = len(facts.numels)
     if ratio == 1.0:
-        return Choice(False, "off: offload_optimizer.ratio is 1.0, every subgroup the host's")
-    on_accelerator = stock_accelerator_subgroups(ratio, subgroups, accelerator)
-    if on_accelerator:
+        return Choice(False, "off: offload_optimizer.ratio is 1.0, every subgroup the host's"), 0
+    interpreted = accelerator == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    on_accelerator = (
+        int((1 - ratio) * subgroups)
+        if interpreted
+        else stock_accelerator_subgroups(ratio, subgroups, accelerator)
+    )
+    if on_accelerator and importlib.util.find_spec("triton") is None:
         raise ValueError(
             troubleshooting.RATIO.message(
-                ratio=ratio, count=on_accelerator, subgroups=subgroups, accelerator=accelerator
+                **_ratio_fields(facts, on_accelerator),
+                why="Triton, which runs the accelerator's kernel, is not installed",
             )
+        )
+    if on_accelerator:
+        where = (
+            "host memory, through Triton's interpreter" if interpreted else f"the {accelerator} accelerator"
+        )
+        return (
+            Choice(
+                True,
+                f"on: offload_optimizer.ratio {ratio} keeps the first {on_accelerator} of {subgroups} "
+                f"subgroups in {where}, as stock does, updated there by CPU Adam's own arithmetic where "
+                "stock runs torch's AdamW: bit-equal to device: cpu",
+            ),
+            on_accelerator,
         )
     where = (
         "on DeepSpeed's CPU accelerator stock updates every subgroup with CPU Adam"
         if accelerator == "cpu"
         else f"int((1 - ratio) x {subgroups} subgroups) is 0, so stock keeps none on the accelerator"
     )
-    return Choice(False, f"off: offload_optimizer.ratio is {ratio}, but {where}; so does ours, bit for bit")
+    return Choice(
+        False, f"off: offload_optimizer.ratio is {ratio}, but {where}; so does ours, bit for bit"
+    ), 0
+
+
+def _ratio_fields(facts: StartFacts, on_accelerator: int) -> dict[str, object]:
+    ratio, accelerator = facts.offload_ratio
+    return {
+        "ratio": ratio,
+        "count": on_accelerator,
+        "subgroups": len(facts.numels),
+        "accelerator": accelerator,
+    }
 
 
 def _host_memory(

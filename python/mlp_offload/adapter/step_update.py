@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from mlp_offload import _core
 from mlp_offload.adapter import stale_gradients
@@ -75,6 +76,7 @@ class StepUpdate:
         # Subgroups on NVMe that this update overwrites whole, one after another, are not read first.
         self.view.on_nvme.written_whole = self._written_whole() if not committed else set()
         try:
+            self._update_on_accelerator(subgroup_done)
             stats = self._chunk_loop(subgroup_done)
         finally:
             self.view.on_nvme.written_whole = set()
@@ -86,6 +88,31 @@ class StepUpdate:
         if self.settled.idle:
             state.give_back_idle_slots(())
         return stats if self.settled.stats is None else self.settled.stats.add(stats)
+
+    def _update_on_accelerator(self, subgroup_done: Callable[[int], None]) -> None:
+        """The subgroups kept on the accelerator (`offload_optimizer.ratio`), each in one call of the
+        accelerator's pass, before the host's chunks: the first subgroups, which the next forward needs
+        first. Their gradients go over from DeepSpeed's host buffer; the parameters are written there."""
+        accelerator = self.session.state.accelerator
+        if accelerator is None:
+            return
+        t = time.perf_counter()
+        subgroups = range(len(accelerator.numels))
+        with self.chunk_update.copying_to_device():
+            for i in subgroups:
+                step = self.snapshot.steps[i] + 1
+                grad = self.chunk_update.pass_gradient(i, 0, accelerator.numels[i], self.stale_ranges)
+                group = self.adam_groups[self.view.group_of(i)]
+                accelerator.update(
+                    i, grad, self.view.partition(i), group=group, step=step, grad_scale=self.grad_scale
+                )
+                self.view.after_fused_pass(i, step)
+            if not get_accelerator().is_synchronized_device():
+                get_accelerator().current_stream().synchronize()
+        for i in subgroups:
+            self.view.unflatten(i)
+            subgroup_done(i)
+        self.compute_secs += time.perf_counter() - t
 
     def _written_whole(self) -> set[int]:
         """The subgroups whose every element this update writes before anything reads it: all of them

@@ -221,20 +221,18 @@ HOST_MEMORY = Trouble(
 )
 RATIO = Trouble(
     "ratio",
-    "offload_optimizer.ratio keeping subgroups on the accelerator",
+    "offload_optimizer.ratio keeping subgroups on the accelerator, where they cannot be updated",
     "zero_optimization.offload_optimizer.ratio: {ratio} keeps the first {count} of this rank's {subgroups} "
-    "subgroups on the {accelerator} accelerator, where stock DeepSpeed updates them with torch's AdamW "
-    "(other bits than CPU Adam's); mlp-offload does not update subgroups on the accelerator yet. Leave "
-    "ratio at 1.0, or at a value that keeps none there: above 1 - 1/{subgroups}",
+    "subgroups on the {accelerator} accelerator, as stock does, where mlp-offload updates them with CPU "
+    "Adam's own arithmetic (stock runs torch's AdamW there), but {why}. Leave ratio at 1.0, or at a value "
+    "that keeps none there: above 1 - 1/{subgroups}",
     REFUSAL,
-    "stock's `ratio` keeps its first `int((1 - ratio) x subgroups)` subgroups' state on the accelerator and "
-    "steps them with torch's AdamW, whose arithmetic is not CPU Adam's (and whose first param group keeps "
-    "its learning rate from construction, and whose state no checkpoint saves); mlp-offload's update is "
-    "bit-equal to `device: cpu`, and it does not keep state on the accelerator yet",
-    "leave `offload_optimizer.ratio` at 1.0: every subgroup through the store, bit-equal to `device: cpu`; "
-    "on DeepSpeed's CPU accelerator, and where the truncation keeps no subgroup there, any ratio trains "
-    "as stock's",
-    "`offload_optimizer.ratio` below 1 - 1/subgroups on a GPU",
+    "stock's `ratio` keeps its first `int((1 - ratio) x subgroups)` subgroups' state on the accelerator; "
+    "mlp-offload keeps the same ones there and updates them with its Triton kernel, bit-equal to CPU "
+    "Adam, which needs Triton (torch's CUDA wheels bring it) and the fused pass (`update_kernel`)",
+    'install Triton, or leave `update_kernel` at "auto" where the fused pass\'s check agrees; else leave '
+    "`offload_optimizer.ratio` at 1.0: every subgroup through the store, bit-equal to `device: cpu`",
+    "`offload_optimizer.ratio` below 1 without Triton or the fused pass",
 )
 MASTER_IN_PARAMS = Trouble(
     "master-in-params",

@@ -120,6 +120,7 @@ def adam_kernel(
     MOMENTS: tl.constexpr,
     GRAD: tl.constexpr,
     PARAMS: tl.constexpr,
+    WRITES_PARAMS: tl.constexpr,
     DECAY: tl.constexpr,
     MOMENTUM: tl.constexpr,
     VARIANCE: tl.constexpr,
@@ -150,11 +151,11 @@ def adam_kernel(
         tl.store(p_ptr + at, master, mask=inside)
         tl.store(m_ptr + at, narrow(m, MOMENTS, 0x7FC0), mask=inside)
         tl.store(v_ptr + at, narrow(v, MOMENTS, 0x7FC0), mask=inside)
-        if PARAMS != 0:
+        if WRITES_PARAMS:
             tl.store(o_ptr + at, master, mask=inside)
     else:
         tl.store(p_ptr + at, p, mask=inside)
         tl.store(m_ptr + at, m, mask=inside)
         tl.store(v_ptr + at, v, mask=inside)
-        if PARAMS != 0:
+        if WRITES_PARAMS:
             tl.store(o_ptr + at, narrow(p, PARAMS, 0xFFFF), mask=inside)

@@ -30,8 +30,17 @@ import torch
 from mlp_offload import _core
 from mlp_offload.engine.state_dtypes import StateDtypes
 
-# Elements per program: a multiple of every vector width DeepSpeed builds with.
+# Elements per program: a multiple of every vector width DeepSpeed builds with. Through Triton's
+# interpreter (a CPU device) each program's operations are numpy's over the block: a large one keeps the
+# interpreter's overhead per element small.
 BLOCK = 1024
+INTERPRETED_BLOCK = 1 << 16
+
+
+def block_for(device: torch.device) -> int:
+    """Elements per program of the kernel on `device`."""
+    return INTERPRETED_BLOCK if device.type == "cpu" else BLOCK
+
 
 # The order of the constants in the tensor the kernel reads them from.
 CONSTANTS = (
@@ -113,7 +122,8 @@ class AcceleratorAdam:
     def _launch(self, *arrays: Any) -> None:
         master, exp_avg, exp_avg_sq, grad, out, k_tensor, n, decay, writes_params = arrays
         momentum, variance, others = self.tail
-        _kernel()[(max(1, -(-n // BLOCK)),)](
+        block = block_for(grad.device)
+        _kernel()[(max(1, -(-n // block)),)](
             _bits(master),
             _bits(exp_avg),
             _bits(exp_avg_sq),
@@ -126,13 +136,14 @@ class AcceleratorAdam:
             MASTER=KIND_CODES[master.dtype],
             MOMENTS=KIND_CODES[exp_avg.dtype],
             GRAD=KIND_CODES[grad.dtype],
-            PARAMS=KIND_CODES[out.dtype] if writes_params else 0,
+            PARAMS=KIND_CODES[out.dtype],
+            WRITES_PARAMS=writes_params,
             DECAY=DECAY_CODES[decay],
             MOMENTUM=momentum,
             VARIANCE=variance,
             OTHERS=others,
             HALF_STATE=not self.dtypes.is_fp32,
-            BLOCK=BLOCK,
+            BLOCK=block,
             enable_fp_fusion=False,
         )
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from mlp_offload.engine import memory
+from mlp_offload.engine.accelerator_state import AcceleratorState
 from mlp_offload.engine.fused_update import crc32c_of, same_bits
 from mlp_offload.engine.pipeline import ChunkPipeline
 from mlp_offload.engine.state_dtypes import FP32_STATE, StateDtypes
@@ -50,7 +51,9 @@ class ChunkedState:
     `shadow_slots`: the store gives every object two slots; `kept_copies`: see `ChunkPipeline` (every
     chunk cached); `stored`: the dtypes each chunk keeps its arrays in (`layout.state_bytes` of them);
     `partition`: subgroup -> its half-precision partition (on the host or an accelerator), where the
-    master weights are kept in the parameters (`stored.master_in_params`).
+    master weights are kept in the parameters (`stored.master_in_params`). `accelerator`: the first
+    subgroups, kept whole on the accelerator and out of the store (the layout gives them no chunk); the
+    whole-subgroup views (`gather`, `scatter`, `set_params`) go there for them.
     Objects left in the store by an earlier run (another model, subgroup or chunk size) are removed.
     """
 
@@ -68,6 +71,7 @@ class ChunkedState:
         kept_copies: int = 0,
         stored: StateDtypes = FP32_STATE,
         partition: Callable[[int], torch.Tensor] | None = None,
+        accelerator: AcceleratorState | None = None,
     ) -> None:
         if layout.state_bytes != stored.bytes_per_element:
             raise ValueError(
@@ -79,6 +83,7 @@ class ChunkedState:
         self.store = store
         self.stored = stored
         self.partition = partition
+        self.accelerator = accelerator
         # Per chunk, master weights set apart from its parameters (`set_master`), and its parameters'
         # CRC32C as the engine last left them; with the master weights in the parameters only.
         self.master_set_apart: dict[int, torch.Tensor] = {}
@@ -149,6 +154,8 @@ class ChunkedState:
             exp_avg_sq.zero_()
 
         self.pipeline.initialize(fill)
+        if self.accelerator is not None:
+            self.accelerator.initialize(half_precision)
         if self.stored.master_in_params:
             for chunk in range(len(self.chunks)):
                 self.note_params(chunk)
@@ -308,6 +315,8 @@ class ChunkedState:
     def gather(self, subgroup: int) -> torch.Tensor:
         """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]` (widened: exact):
         per chunk, the pipeline's host copy where it has one, else the store's."""
+        if self.accelerator is not None and subgroup in self.accelerator:
+            return self.accelerator.gather(subgroup)
         state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
@@ -319,6 +328,9 @@ class ChunkedState:
     def set_params(self, subgroup: int, values: torch.Tensor) -> None:
         """Makes `values` (the subgroup's elements, any float dtype) its master weights, chunk by chunk,
         as DeepSpeed's copy into its master weights converts them; the moments stay."""
+        if self.accelerator is not None and subgroup in self.accelerator:
+            self.accelerator.set_params(subgroup, values)
+            return
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             _, first, count = self.chunks[chunk]
@@ -338,6 +350,9 @@ class ChunkedState:
         """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32, values of the dtypes the chunks
         keep: exact) current, chunk by chunk: in the pipeline's host copy where it has one, and in the
         store."""
+        if self.accelerator is not None and subgroup in self.accelerator:
+            self.accelerator.scatter(subgroup, state)
+            return
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
             self.write(chunk, functools.partial(_copy_parts, state, self._slices(chunk)), scratch)
