@@ -7,7 +7,6 @@ would keep subgroups on a GPU, the start-up refuses it by the key (`tests/test_s
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +71,18 @@ def stock_of(case: dict[str, Any]) -> dict[str, Any]:
     return {**case, "ds_options": {k: v for k, v in case["ds_options"].items() if k != RATIO}}
 
 
-@pytest.mark.parametrize("where", list(WHERE))
-@pytest.mark.parametrize(
-    ("ds_case", "extra", "ranks"),
-    [pytest.param(*r[1:], marks=[ONE_NODE] if r[3] > 1 else [], id=r[0]) for r in ROWS],
-)
+def _row_params() -> list[Any]:
+    """Each row through the accelerator's path; the README's row through the store too (the other rows'
+    store path is `device: cpu`'s, which `test_bitexact.py` covers)."""
+    return [
+        pytest.param(*r[1:], where, marks=[ONE_NODE] if r[3] > 1 else [], id=f"{r[0]}-{where}")
+        for k, r in enumerate(ROWS)
+        for where in WHERE
+        if k == 0 or where == "accelerator"
+    ]
+
+
+@pytest.mark.parametrize(("ds_case", "extra", "ranks", "where"), _row_params())
 def test_ratio_is_bit_equal_to_stocks_ratio(
     ds_case: dict[str, Any],
     extra: dict[str, Any],
@@ -96,6 +102,11 @@ def test_ratio_is_bit_equal_to_stocks_ratio(
         assert a["rng_after_init"] == b["rng_after_init"]
     start = ours["telemetry"][0]
     assert start["accelerator_update"]["on"] is (where == "accelerator")
+    # Stock's rule: the first int((1 - ratio) x subgroups), each of 12 or 6 bytes an element there.
+    subgroups = start["subgroups"] if where == "accelerator" else 0
+    kept = int((1 - ds_case["ds_options"][RATIO]) * subgroups)
+    assert start["accelerator_update"]["subgroups"] == kept
+    assert (start["accelerator_update"]["bytes"] > 0) is (kept > 0)
     assert why in start["accelerator_update"]["why"]
     # Said at start, on the start line too.
     assert f"on the accelerator: {start['accelerator_update']['why']}" in planning.start_line(start)
@@ -114,15 +125,14 @@ def test_stocks_ratio_draws_from_the_host_random_state(tmp_path: Path) -> None:
 CHECKPOINTS = [("stock saves, ours resumes", False, True), ("ours saves, stock resumes", True, False)]
 
 
-@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize(
     ("ours_saves", "ours_resumes"), [c[1:] for c in CHECKPOINTS], ids=[c[0] for c in CHECKPOINTS]
 )
 def test_a_checkpoint_with_ratio_moves_both_ways_with_stocks(
-    ours_saves: bool, ours_resumes: bool, where: str, work_dirs: list[Path], tmp_path: Path
+    ours_saves: bool, ours_resumes: bool, work_dirs: list[Path], tmp_path: Path
 ) -> None:
     """Saved at step 3 and loaded into a new engine, three more steps: the bits of stock's `ratio` saving
-    and loading itself."""
+    and loading itself, ours with subgroups on the accelerator (through the interpreter)."""
     if ON_CUDA:
         pytest.skip(
             "on a GPU stock's ratio steps its share with torch's AdamW, whose state no checkpoint saves"
@@ -140,7 +150,7 @@ def test_a_checkpoint_with_ratio_moves_both_ways_with_stocks(
         case["mlp_offload"] = ours_section
     if ours_resumes:
         case["resume_mlp_offload"] = ours_section
-    both = run_case(case, tmp_path, "both", env=WHERE[where][0])
+    both = run_case(case, tmp_path, "both", env=WHERE["accelerator"][0])
     assert both["optimizer_class"].startswith(
         "mlp_offload.adapter.zero3." if ours_resumes else "deepspeed.runtime.zero.stage3."
     )
@@ -149,7 +159,7 @@ def test_a_checkpoint_with_ratio_moves_both_ways_with_stocks(
 
 @ONE_NODE
 def test_a_universal_checkpoint_of_subgroups_on_the_accelerator(
-    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+    work_dirs: list[Path], tmp_path: Path
 ) -> None:
     """Ours with subgroups on the accelerator saves on 2 ranks, DeepSpeed's converter makes it universal,
     and ours on 1 rank resumes it in a new process: stock's `ratio` resuming its own, bit for bit."""
@@ -158,11 +168,11 @@ def test_a_universal_checkpoint_of_subgroups_on_the_accelerator(
     if ON_CUDA:
         pytest.skip("one GPU: the save runs on two ranks")
     ckpt, universal_dir = tmp_path / "ckpt", tmp_path / "universal"
-    saves = {**ds_case, "mlp_offload": {"paths": [str(p) for p in probed_paths(2)]}}
+    saves = {**ds_case, "mlp_offload": section(work_dirs[:1])}
     saves |= {"steps": SAVE_AT + 1, "save_at": SAVE_AT, "checkpoint_dir": str(ckpt)}
     run_case(saves, tmp_path, "saves", ranks=2, env=env)
     convert_to_universal(ckpt / "ckpt", universal_dir / "ckpt")
-    resume = {**ds_case, "mlp_offload": {"paths": [str(p) for p in probed_paths(1)]}}
+    resume = {**ds_case, "mlp_offload": section(work_dirs[1:2])}
     resume |= {"resume_at": SAVE_AT, "checkpoint_dir": str(universal_dir)}
     resumed = run_case(universal(resume), tmp_path, "resumed", env=env)
     assert resumed["telemetry"][0]["accelerator_update"]["on"]

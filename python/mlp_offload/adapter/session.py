@@ -223,6 +223,8 @@ class UpdateSession:
             "accelerator_update": {
                 "on": settings.accelerator_update.on,
                 "why": settings.accelerator_update.why,
+                "subgroups": settings.accelerator_subgroups,
+                "bytes": 0 if self.state.accelerator is None else self.state.accelerator.nbytes,
             },
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},

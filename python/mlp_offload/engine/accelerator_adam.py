@@ -34,7 +34,7 @@ from mlp_offload.engine.state_dtypes import StateDtypes
 # interpreter (a CPU device) each program's operations are numpy's over the block: a large one keeps the
 # interpreter's overhead per element small.
 BLOCK = 1024
-INTERPRETED_BLOCK = 1 << 16
+INTERPRETED_BLOCK = 1 << 14
 
 
 def block_for(device: torch.device) -> int:

@@ -42,6 +42,17 @@ class OnAndWhy(TypedDict):
     why: Annotated[str, "Why, in words."]
 
 
+class AcceleratorAtStart(TypedDict):
+    """Whether subgroups are updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`), and why."""
+
+    on: Annotated[bool, "Whether it is on."]
+    why: Annotated[str, "Why, in words."]
+    subgroups: Annotated[
+        int, "The subgroups kept whole on the accelerator, the first ones (none in the store)."
+    ]
+    bytes: Annotated[int, "The accelerator memory their state takes."]
+
+
 class BackwardAtStart(TypedDict):
     """Whether chunks are updated during backward (`overlap_backward`), and why."""
 
@@ -82,7 +93,7 @@ class StartRecord(TypedDict):
         "(`master_in_params`), and why.",
     ]
     accelerator_update: Annotated[
-        OnAndWhy,
+        AcceleratorAtStart,
         "Whether subgroups are updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`), and why.",
     ]
     overlap: Annotated[OnAndWhy, "Whether the update runs behind the next forward (`overlap`), and why."]
