@@ -107,6 +107,11 @@ def test_ratio_is_bit_equal_to_stocks_ratio(
     kept = int((1 - ds_case["ds_options"][RATIO]) * subgroups)
     assert start["accelerator_update"]["subgroups"] == kept
     assert (start["accelerator_update"]["bytes"] > 0) is (kept > 0)
+    # Each step says what it updated there.
+    steps = [r for r in ours["telemetry"] if r.get("event") == "step"]
+    assert steps and all((r["accelerator_update"] is not None) is (kept > 0) for r in steps)
+    if kept:
+        assert {r["accelerator_update"]["subgroups"] for r in steps} == {kept}
     assert why in start["accelerator_update"]["why"]
     # Said at start, on the start line too.
     assert f"on the accelerator: {start['accelerator_update']['why']}" in planning.start_line(start)

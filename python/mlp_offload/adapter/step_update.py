@@ -21,7 +21,7 @@ from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.pipeline import StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
-from mlp_offload.engine.telemetry import OverlapStep
+from mlp_offload.engine.telemetry import AcceleratorStep, OverlapStep
 
 
 @dataclass
@@ -51,6 +51,8 @@ class StepUpdate:
     # The param groups as the fused pass takes them, made once for the step.
     adam_groups: list[_core.AdamGroup] = field(init=False)
     compute_secs: float = 0.0
+    # The update of the subgroups kept on the accelerator, once it ran (None: none there).
+    accelerator_record: AcceleratorStep | None = None
     end: float = 0.0
     # When step() returned (set by it; None while it has not).
     returned: float | None = None
@@ -98,10 +100,12 @@ class StepUpdate:
             return
         t = time.perf_counter()
         subgroups = range(len(accelerator.numels))
+        grad_bytes = 0
         with self.chunk_update.copying_to_device():
             for i in subgroups:
                 step = self.snapshot.steps[i] + 1
                 grad = self.chunk_update.pass_gradient(i, 0, accelerator.numels[i], self.stale_ranges)
+                grad_bytes += grad.numel() * grad.element_size()
                 group = self.adam_groups[self.view.group_of(i)]
                 accelerator.update(
                     i, grad, self.view.partition(i), group=group, step=step, grad_scale=self.grad_scale
@@ -112,7 +116,14 @@ class StepUpdate:
         for i in subgroups:
             self.view.unflatten(i)
             subgroup_done(i)
-        self.compute_secs += time.perf_counter() - t
+        secs = time.perf_counter() - t
+        self.compute_secs += secs
+        self.accelerator_record = {
+            "subgroups": len(subgroups),
+            "elements": sum(accelerator.numels),
+            "grad_bytes": grad_bytes,
+            "secs": secs,
+        }
 
     def _written_whole(self) -> set[int]:
         """The subgroups whose every element this update writes before anything reads it: all of them
@@ -203,6 +214,11 @@ class StepUpdate:
             session.store,
             stats,
             StepTimes(self.end - self.start, self.fwd_bwd_secs, self.backward_secs, self.compute_secs),
-            dataclasses.replace(self.parts, overlap=overlap, params_on_nvme=self.view.on_nvme.step_record()),
+            dataclasses.replace(
+                self.parts,
+                overlap=overlap,
+                params_on_nvme=self.view.on_nvme.step_record(),
+                accelerator_update=self.accelerator_record,
+            ),
         )
         session.fp32_grads.clear()

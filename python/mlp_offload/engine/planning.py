@@ -23,6 +23,7 @@ from mlp_offload.engine import memory, profiles
 from mlp_offload.engine.pipeline import ChunkPipeline, StepStats
 from mlp_offload.engine.store import ObjectStore
 from mlp_offload.engine.telemetry import (
+    AcceleratorStep,
     BackwardStep,
     GradsFinal,
     OverlapStep,
@@ -227,13 +228,15 @@ class StepParts:
     (`overlap.GradsFinal`); `overlap_backward`, the update during backward and whether it was kept;
     `stale`, the parameters this boundary gave no gradient, updated with an earlier one
     (`mlp_offload.adapter.stale_gradients`); `params_on_nvme`, the update's reads and writes of the
-    parameters on NVMe (`mlp_offload.adapter.nvme_partitions`)."""
+    parameters on NVMe (`mlp_offload.adapter.nvme_partitions`); `accelerator_update`, the subgroups
+    kept on the accelerator (`engine.accelerator_state`)."""
 
     overlap: OverlapStep | None = None
     grads_final: GradsFinal | None = None
     overlap_backward: BackwardStep | None = None
     stale: StaleStep | None = None
     params_on_nvme: ParamsOnNvmeStep | None = None
+    accelerator_update: AcceleratorStep | None = None
 
 
 def start_line(record: StartRecord) -> str:
@@ -533,6 +536,7 @@ class UpdatePlanner:
             "overlap_backward": parts.overlap_backward,
             "stale": parts.stale,
             "params_on_nvme": parts.params_on_nvme,
+            "accelerator_update": parts.accelerator_update,
             "host_bytes": self._host_bytes(parts),
         }
         self.emit(record)

@@ -193,6 +193,15 @@ class StaleStep(TypedDict):
     ]
 
 
+class AcceleratorStep(TypedDict):
+    """The update of the subgroups kept on the accelerator (`offload_optimizer.ratio`) in a step."""
+
+    subgroups: Annotated[int, "Subgroups updated there."]
+    elements: Annotated[int, "Their elements."]
+    grad_bytes: Annotated[int, "Bytes of their gradients copied there from DeepSpeed's host buffer."]
+    secs: Annotated[float, "Seconds their update took, the copies included, before the host's chunks."]
+
+
 class ParamsOnNvmeStep(TypedDict):
     """The update's reads and writes of the parameters DeepSpeed keeps on NVMe, past
     `offload_param.max_in_cpu` (`adapter.nvme_partitions`)."""
@@ -266,6 +275,9 @@ class StepRecord(TypedDict):
     stale: Annotated[StaleStep | None, "The parameters updated with an earlier gradient."]
     params_on_nvme: Annotated[
         ParamsOnNvmeStep | None, "The parameters on NVMe past `max_in_cpu` (null: none there)."
+    ]
+    accelerator_update: Annotated[
+        AcceleratorStep | None, "The subgroups kept on the accelerator (null: none there)."
     ]
     host_bytes: Annotated[
         int,
