@@ -15,6 +15,7 @@ import pytest
 from conftest import ONE_NODE
 from deepspeed_runs import (
     SAVE_AT,
+    STATE_MODES,
     assert_bit_equal,
     convert_to_universal,
     run_case,
@@ -41,6 +42,24 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         1,
     ),
     ("two ranks, ratio 0.5", {"fp32": True, "ds_options": {RATIO: 0.5}}, {"host_memory": "64M"}, 2),
+    (
+        "layers dropped from some steps (stale gradients), accumulation 2, ratio 0.5",
+        {"fp32": True, "layer_drop": [1, 2, 5], "grad_accum": 2, "ds_options": {RATIO: 0.5}},
+        STREAMS,
+        1,
+    ),
+    (
+        "fp16 with an overflow step, ratio 0.5",
+        {"fp16": True, "overflow_at_step": 2, "ds_options": {RATIO: 0.5}},
+        STREAMS,
+        1,
+    ),
+    (
+        "bf16 weights and moments, ratio 0.5",
+        {"ds_options": {**STATE_MODES["bf16 weights and moments"][0]["ds_options"], RATIO: 0.5}},
+        STREAMS,
+        1,
+    ),
     (
         # Without clipping, the host's chunks updated during backward are kept.
         "the update during backward, ratio 0.5",
