@@ -689,7 +689,7 @@ impl AdamKernel {
     /// The per-element constants of a call at Adam step `step` with `group`'s hyperparameters, the bias
     /// state advanced as `update` advances it (one state for every chunk, wherever it is updated, as
     /// DeepSpeed's one `Adam_Optimizer` serves every subgroup): what the accelerator's pass
-    /// (`mlp_offload.engine.device_update`) takes. `decay` is `"none"`, `"l2"` or `"adamw"`, and
+    /// (`mlp_offload.engine.accelerator_adam`) takes. `decay` is `"none"`, `"l2"` or `"adamw"`, and
     /// `decay_value` Adam's decay or AdamW's `-lr x decay`.
     fn constants(&self, py: Python<'_>, group: &PyAdamGroup, step: u64) -> PyResult<Py<PyAny>> {
         let k = self

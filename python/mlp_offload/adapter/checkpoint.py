@@ -250,7 +250,7 @@ def _load_universal_state(opt: Any, session: UpdateSession, view: DeepSpeedView,
     scratch = torch.empty(state.layout.buffer_bytes, dtype=torch.uint8)
     for i, of_subgroup in enumerate(parts):
         half = view.partition(i)
-        if state.accelerator is not None and i in state.accelerator:
+        if state.accelerator_of(i) is not None:
             # Kept whole on the accelerator: loaded whole.
             arrays = tuple(torch.empty(half.numel(), dtype=master) for _ in UNIVERSAL_KEYS)
             _universal_chunk(of_subgroup, 0, master, half, arrays)
@@ -300,13 +300,13 @@ def _load_universal_weights(
                 "ZeRO-3 universal module-only checkpoint load requires available parameter "
                 f"partitions for subgroup {i}."
             )
-        if state.accelerator is not None and i in state.accelerator and load_from_fp32_weights:
+        if state.accelerator_of(i) is not None and load_from_fp32_weights:
             # Kept whole on the accelerator: its master weights whole.
             values = torch.empty(half.numel(), dtype=master)
             fill_from_universal(values, of_subgroup, "fp32", 0)
             half.data.copy_(values)
             state.set_params(i, values)
-        elif state.accelerator is not None and i in state.accelerator:
+        elif state.accelerator_of(i) is not None:
             fill_from_universal(half.data, of_subgroup, "fp32", 0)
         for chunk in state.of_subgroup[i]:
             _, first, count = state.chunks[chunk]

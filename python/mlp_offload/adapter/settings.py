@@ -164,8 +164,7 @@ class Settings:
     @property
     def host_numels(self) -> tuple[int, ...]:
         """Each subgroup's elements in the store: none of those on the accelerator."""
-        k = self.accelerator_subgroups
-        return (0,) * k + tuple(self.numels[k:])
+        return _store_numels(self.numels, self.accelerator_subgroups)
 
     @property
     def every_chunk_cached(self) -> bool:
@@ -180,7 +179,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     in_params = _master_in_params(config, facts, on_accelerator)
     numels = facts.numels
     # The store holds the other subgroups alone.
-    facts = dataclasses.replace(facts, numels=(0,) * on_accelerator + numels[on_accelerator:])
+    facts = dataclasses.replace(facts, numels=_store_numels(numels, on_accelerator))
     moments = torch.float32 if facts.fp32_moments else facts.master
     dtypes = StateDtypes(facts.master, moments, in_params.on)
     host_memory, source = _host_memory(config, facts, dtypes.bytes_per_element, spare)
@@ -301,11 +300,21 @@ def _master_in_params(config: MLPOffloadConfig, facts: StartFacts, on_accelerato
     return Choice(False, f"off: {why_not}")
 
 
+def _store_numels(numels: tuple[int, ...], on_accelerator: int) -> tuple[int, ...]:
+    """Each subgroup's elements in the store: none of the first `on_accelerator`, kept there."""
+    return (0,) * on_accelerator + tuple(numels[on_accelerator:])
+
+
+def _ratio_rule(ratio: float, subgroups: int) -> int:
+    """Stock's rule for `offload_optimizer.ratio`, truncation included: subgroup i is the CPU's from
+    `int((1 - ratio) * subgroups)` on, the ones before it the accelerator's."""
+    return int((1 - ratio) * subgroups)
+
+
 def stock_accelerator_subgroups(ratio: float, subgroups: int, accelerator: str) -> int:
     """How many subgroups, the first ones, stock DeepSpeed keeps on the accelerator with
-    `offload_optimizer.ratio` (its own rule, truncation included: subgroup i is the CPU's from
-    `int((1 - ratio) * subgroups)` on), where the accelerator is not DeepSpeed's CPU one."""
-    return 0 if accelerator == "cpu" else int((1 - ratio) * subgroups)
+    `offload_optimizer.ratio` (`_ratio_rule`), where the accelerator is not DeepSpeed's CPU one."""
+    return 0 if accelerator == "cpu" else _ratio_rule(ratio, subgroups)
 
 
 def _accelerator_update(facts: StartFacts) -> tuple[Choice, int]:
@@ -322,7 +331,7 @@ def _accelerator_update(facts: StartFacts) -> tuple[Choice, int]:
         return Choice(False, "off: offload_optimizer.ratio is 1.0, every subgroup the host's"), 0
     interpreted = accelerator == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     on_accelerator = (
-        int((1 - ratio) * subgroups)
+        _ratio_rule(ratio, subgroups)
         if interpreted
         else stock_accelerator_subgroups(ratio, subgroups, accelerator)
     )

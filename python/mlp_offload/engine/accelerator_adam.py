@@ -22,13 +22,15 @@ before the first call), which computes an `fma` exactly; that is how `make test`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
+import numpy
 import torch
 
 from mlp_offload import _core
-from mlp_offload.engine.state_dtypes import StateDtypes
+from mlp_offload.engine.state_dtypes import DTYPES, StateDtypes
 
 # Elements per program: a multiple of every vector width DeepSpeed builds with. Through Triton's
 # interpreter (a CPU device) each program's operations are numpy's over the block: a large one keeps the
@@ -80,15 +82,15 @@ class AcceleratorAdam:
     """DeepSpeed's CPU Adam update of a subgroup's (or a chunk's) state held on the accelerator, with
     the gradient's unscaling and the half-precision copy, in one kernel: the host's fused pass
     (`fused_update.FusedAdam`), bit for bit. `kernel` is the host pass's own `_core.AdamKernel`, so that
-    the bias state is one, and its arithmetic (found at start-up) is the one matched; `adamw` is
-    DeepSpeed's `adamw_mode`, `dtypes` the state's."""
+    the bias state is one, and its arithmetic (found at start-up) is the one matched (DeepSpeed's
+    `adamw_mode` is in each call's `group`); `dtypes` the state's."""
 
     def __init__(self, kernel: _core.AdamKernel, *, dtypes: StateDtypes) -> None:
         self.kernel = kernel
         self.dtypes = dtypes
         arith = kernel.arith
         self.tail = (MOMENT_CODES[arith["momentum"]], MOMENT_CODES[arith["variance"]], bool(arith["others"]))
-        self.vector_width = kernel.vector_width_for(*_names(dtypes))
+        self.vector_width = kernel.vector_width_for(DTYPES[dtypes.master], DTYPES[dtypes.moments])
 
     def update(
         self,
@@ -116,36 +118,32 @@ class AcceleratorAdam:
         on = grad.device
         k_tensor = torch.tensor(constants, dtype=torch.float32).to(on)
         out = grad if params is None else params
-        with _quiet_interpreter(on):
-            self._launch(master, exp_avg, exp_avg_sq, grad, out, k_tensor, n, k["decay"], params is not None)
-
-    def _launch(self, *arrays: Any) -> None:
-        master, exp_avg, exp_avg_sq, grad, out, k_tensor, n, decay, writes_params = arrays
         momentum, variance, others = self.tail
-        block = block_for(grad.device)
-        _kernel()[(max(1, -(-n // block)),)](
-            _bits(master),
-            _bits(exp_avg),
-            _bits(exp_avg_sq),
-            _bits(grad),
-            _bits(out),
-            k_tensor,
-            n,
-            # A build without SIMD (width 1) runs every element through its scalar loop.
-            0 if self.vector_width == 1 else n - n % self.vector_width,
-            MASTER=KIND_CODES[master.dtype],
-            MOMENTS=KIND_CODES[exp_avg.dtype],
-            GRAD=KIND_CODES[grad.dtype],
-            PARAMS=KIND_CODES[out.dtype],
-            WRITES_PARAMS=writes_params,
-            DECAY=DECAY_CODES[decay],
-            MOMENTUM=momentum,
-            VARIANCE=variance,
-            OTHERS=others,
-            HALF_STATE=not self.dtypes.is_fp32,
-            BLOCK=block,
-            enable_fp_fusion=False,
-        )
+        block = block_for(on)
+        with _quiet_interpreter(on):
+            _kernel()[(max(1, -(-n // block)),)](
+                _bits(master),
+                _bits(exp_avg),
+                _bits(exp_avg_sq),
+                _bits(grad),
+                _bits(out),
+                k_tensor,
+                n,
+                # A build without SIMD (width 1) runs every element through its scalar loop.
+                0 if self.vector_width == 1 else n - n % self.vector_width,
+                MASTER=KIND_CODES[master.dtype],
+                MOMENTS=KIND_CODES[exp_avg.dtype],
+                GRAD=KIND_CODES[grad.dtype],
+                PARAMS=KIND_CODES[out.dtype],
+                WRITES_PARAMS=params is not None,
+                DECAY=DECAY_CODES[k["decay"]],
+                MOMENTUM=momentum,
+                VARIANCE=variance,
+                OTHERS=others,
+                HALF_STATE=not self.dtypes.is_fp32,
+                BLOCK=block,
+                enable_fp_fusion=False,
+            )
 
     def _check(self, tensors: list[torch.Tensor], n: int) -> None:
         device = tensors[0].device
@@ -162,17 +160,7 @@ class AcceleratorAdam:
             raise ValueError(f"master, exp_avg, exp_avg_sq: {got} where the state is {self.dtypes}")
 
 
-def _quiet_interpreter(device: torch.device) -> Any:
+def _quiet_interpreter(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Triton's interpreter (the kernel on a CPU device) computes with numpy, which warns where IEEE
     arithmetic overflows, divides by zero or meets a NaN, as the kernel means it to."""
-    import contextlib
-
-    import numpy
-
     return numpy.errstate(all="ignore") if device.type == "cpu" else contextlib.nullcontext()
-
-
-def _names(dtypes: StateDtypes) -> tuple[str, str]:
-    from mlp_offload.engine.state_dtypes import DTYPES
-
-    return DTYPES[dtypes.master], DTYPES[dtypes.moments]

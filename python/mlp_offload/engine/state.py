@@ -312,11 +312,15 @@ class ChunkedState:
         self.store.read(self.keys[chunk], chunk_state).wait()
         return chunk_state
 
+    def accelerator_of(self, subgroup: int) -> AcceleratorState | None:
+        """The accelerator's state, where the subgroup is kept whole (no chunk of it in the store)."""
+        return self.accelerator if self.accelerator is not None and subgroup in self.accelerator else None
+
     def gather(self, subgroup: int) -> torch.Tensor:
         """A fresh fp32 copy of the subgroup's newest `[params | exp_avg | exp_avg_sq]` (widened: exact):
         per chunk, the pipeline's host copy where it has one, else the store's."""
-        if self.accelerator is not None and subgroup in self.accelerator:
-            return self.accelerator.gather(subgroup)
+        if (held := self.accelerator_of(subgroup)) is not None:
+            return held.gather(subgroup)
         state = torch.empty(STATE_TENSORS * self.numels[subgroup], dtype=FP32)
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
@@ -328,8 +332,8 @@ class ChunkedState:
     def set_params(self, subgroup: int, values: torch.Tensor) -> None:
         """Makes `values` (the subgroup's elements, any float dtype) its master weights, chunk by chunk,
         as DeepSpeed's copy into its master weights converts them; the moments stay."""
-        if self.accelerator is not None and subgroup in self.accelerator:
-            self.accelerator.set_params(subgroup, values)
+        if (held := self.accelerator_of(subgroup)) is not None:
+            held.set_params(subgroup, values)
             return
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
@@ -350,8 +354,8 @@ class ChunkedState:
         """Makes the subgroup's `[params | exp_avg | exp_avg_sq]` (fp32, values of the dtypes the chunks
         keep: exact) current, chunk by chunk: in the pipeline's host copy where it has one, and in the
         store."""
-        if self.accelerator is not None and subgroup in self.accelerator:
-            self.accelerator.scatter(subgroup, state)
+        if (held := self.accelerator_of(subgroup)) is not None:
+            held.scatter(subgroup, state)
             return
         scratch = self._scratch()
         for chunk in self.of_subgroup[subgroup]:
