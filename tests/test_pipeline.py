@@ -882,3 +882,91 @@ def test_the_adam_time_per_chunk_counts_only_the_chunks_updated_inside_step(work
             planner.close()
     assert predictions[0] is not None and predictions[0] > 0.0
     assert predictions[1] == pytest.approx(predictions[0]), predictions
+
+
+class LaterBumps(Bumps):
+    """`Bumps` whose chunks in `later` are updated on a thread of their own after the call returns (as
+    the accelerator's copies and kernel run on after their queueing): the update returns a
+    `DeferredUpdate`, and the chunk's buffer must stay untouched until it is done."""
+
+    def __init__(self, chunks: int, later: set[int]) -> None:
+        super().__init__(chunks)
+        self.later = later
+        self.finished: list[int] = []
+
+    def __call__(self, index: int, view: torch.Tensor) -> Any:
+        if index not in self.later:
+            return super().__call__(index, view)
+        self.seen[-1].append(index)
+
+        def later() -> None:
+            time.sleep(0.005)
+            view.add_(1)
+
+        worker = threading.Thread(target=later)
+        worker.start()
+
+        def finish() -> None:
+            assert not worker.is_alive(), "finished before it was done"
+            self.finished.append(index)
+
+        return pipeline_module.DeferredUpdate(lambda: not worker.is_alive(), finish, worker.join)
+
+
+# chunks, buffers, cache_chunks, the chunks updated later
+DEFERRED = [
+    (6, 6, None, {4, 5}),  # every chunk cached: the later ones cached once done
+    (8, 3, 0, {0, 1, 2}),  # the bare stream, as many later as buffers: the loop waits for them to free one
+    (8, 4, 2, {1, 3, 5, 7}),  # cached and streamed, later ones among them
+    (5, 2, None, {0, 1, 2, 3, 4}),  # every chunk later
+]
+
+
+@pytest.mark.parametrize(("chunks", "buffers", "cache", "later"), DEFERRED)
+def test_updates_that_go_on_past_their_call_are_placed_once_done(
+    engine: str, work_dirs: list[Path], chunks: int, buffers: int, cache: int | None, later: set[int]
+) -> None:
+    bump = LaterBumps(chunks, later)
+    with ObjectStore(work_dirs[:2], engine=engine) as store:
+        pipeline = ChunkPipeline(store, bump.keys, bump.sizes, buffers, cache_slots=cache)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        steps = 3
+        for step in range(steps):
+            bump.seen.append([])
+            pipeline.run_step(bump, drain=step % 2 == 0)
+            assert sorted(bump.seen[-1]) == list(range(chunks))
+        assert sorted(bump.finished) == sorted(list(later) * steps), "each finished once a step"
+        pipeline.flush()
+        bump.assert_stored(store, steps)
+
+
+def test_a_step_that_fails_waits_for_its_updates_still_going_on(work_dirs: list[Path]) -> None:
+    """The host's update raises while a chunk's update goes on past its call: the step waits for that one
+    (no copy may land in a buffer given back), finishes none, and raises the failure."""
+    bump = LaterBumps(4, set())
+    waited: list[int] = []
+    with ObjectStore(work_dirs[:1]) as store:
+        pipeline = ChunkPipeline(store, bump.keys, bump.sizes, 4, cache_slots=0)
+        pipeline.initialize(lambda i, view: view.fill_(i))
+        order = pipeline.order
+        bump.later = {order[0]}
+
+        def update(index: int, view: torch.Tensor) -> Any:
+            if index == order[2]:
+                raise OSError(errno.EIO, "the host's pass failed")
+            result = bump(index, view)
+            if isinstance(result, pipeline_module.DeferredUpdate):
+                join = result.wait
+
+                def wait() -> None:
+                    join()
+                    waited.append(index)
+
+                result.done = lambda: False
+                result.wait = wait
+            return result
+
+        bump.seen.append([])
+        with pytest.raises(OSError, match="the host's pass failed"):
+            pipeline.run_step(update)
+        assert waited == [order[0]] and bump.finished == []

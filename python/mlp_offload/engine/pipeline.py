@@ -48,7 +48,7 @@ from mlp_offload.engine.store import ObjectStore
 # Boundaries in a row that want fewer kept copies than are held before the idle ones go back.
 KEPT_IDLE_BOUNDARIES = 4
 
-__all__ = ["ChunkPipeline", "KeptCopy", "StepStats", "next_order"]
+__all__ = ["ChunkPipeline", "DeferredUpdate", "KeptCopy", "StepStats", "next_order"]
 
 
 @dataclass
@@ -98,6 +98,19 @@ class KeptCopy:
 
     state: torch.Tensor
     filled: bool = False
+
+
+@dataclass
+class DeferredUpdate:
+    """A chunk's update that goes on after `update` returned it (on the accelerator, beside the host's
+    pass): the chunk's buffer stays the update's until `done()`, or until `wait()` returns; `finish()`,
+    called then, returns what `update` would have (the checksums as read and as written, with
+    `checksums_in_update`). A step that fails waits for it without finishing it: no copy may land in a
+    buffer given back."""
+
+    done: Callable[[], bool]
+    finish: Callable[[], tuple[list[int] | None, list[int] | None] | None]
+    wait: Callable[[], None]
 
 
 def next_order(
@@ -472,11 +485,17 @@ class ChunkPipeline:
                 stats.write_wait_seconds += _waited(handle)
                 self._free.append(buffer)
         loop = _StepLoop(self, update, checksums_in_update, staged, order, keep, retained, stats)
-        for i in order:
-            loop.read_ahead()
-            if ready is not None and not loop.wait_ready(i, ready):
-                break
-            loop.run_chunk(i)
+        try:
+            for i in order:
+                loop.read_ahead()
+                if ready is not None and not loop.wait_ready(i, ready):
+                    break
+                loop.run_chunk(i)
+            while loop.settle(block=True):
+                pass
+        except BaseException:
+            loop.abandon_deferred()
+            raise
         if drain:
             while loop.reclaim(block=True):
                 pass
@@ -572,6 +591,9 @@ class _StepLoop:
         self.to_read = deque(i for i in order if i not in pipeline._resident and i not in retained)
         self.reading: dict[int, tuple[_core.HostBuffer, _core.IoHandle]] = {}
         self.writing: deque[tuple[int, _core.HostBuffer, _core.IoHandle]] = deque()
+        # Updates that go on past their call, in the order they began: each chunk's buffer, and what
+        # placing it needs once it ends.
+        self.deferred: deque[tuple[int, _core.HostBuffer, _Call]] = deque()
 
     def _wait_write(self, handle: _core.IoHandle) -> None:
         self.stats.write_wait_seconds += _waited(handle)
@@ -585,9 +607,32 @@ class _StepLoop:
         self.pipeline._free.append(buffer)
         return True
 
+    def settle(self, block: bool) -> bool:
+        """Places the chunk of the oldest deferred update once it ended (or, with `block`, waits for
+        it): verified, then cached or written as `run_chunk` places one."""
+        if not self.deferred or not (block or self.deferred[0][2].result.done()):
+            return False
+        i, buffer, call = self.deferred.popleft()
+        call.result.wait()
+        call.result = call.result.finish()
+        self._place(i, buffer, None, self._sums(i, call))
+        return True
+
+    def abandon_deferred(self) -> None:
+        """A step that failed: waits for every deferred update (their errors are the failure's), and
+        drops their buffers, as a failed update drops its chunk's."""
+        while self.deferred:
+            _, _, call = self.deferred.popleft()
+            try:
+                call.result.wait()
+            except Exception:
+                pass
+
     def read_ahead(self) -> None:
         """Reads the next chunks into every buffer free, or freed by a write done."""
         p = self.pipeline
+        while self.settle(block=False):
+            pass
         while self.to_read:
             buffer = p._take_buffer()
             if buffer is None:
@@ -637,6 +682,9 @@ class _StepLoop:
             # Every buffer is resident or held by a write in flight: the oldest write frees one. (Reads
             # go out in order, and at least one buffer is not a cache slot.)
             if not self.writing:
+                # The buffers are held by updates that go on: the oldest's chunk is placed once it ends.
+                if self.settle(block=True):
+                    continue
                 raise RuntimeError(f"chunk {i}: no buffer to read into and no write to wait for")
             self.reclaim(block=True)
             self.read_ahead()
@@ -653,7 +701,7 @@ class _StepLoop:
         kept = p._kept_free.pop() if self.staged and cached else None
         copy = None if kept is None else KeptCopy(p.view(i, kept[1]))
         try:
-            sums = self._update(i, view, was_read, copy)
+            call = self._call(i, view, was_read, copy)
         except BaseException:
             if kept is not None and copy is not None:
                 p._resident[i] = buffer
@@ -665,6 +713,24 @@ class _StepLoop:
                     # The pass checks its arguments before it touches memory: the buffer is as it was.
                     p._kept_free.append(kept)
             raise
+        if isinstance(call.result, DeferredUpdate):
+            if kept is not None or self.staged:
+                call.result.wait()
+                raise ValueError(f"chunk {i}: a staged part's update does not go on past its call")
+            self.deferred.append((i, buffer, call))
+            return
+        self._place(i, buffer, kept, self._sums(i, call))
+
+    def _place(
+        self,
+        i: int,
+        buffer: _core.HostBuffer,
+        kept: tuple[PinnedBufferPool, _core.HostBuffer] | None,
+        sums: tuple[list[int], list[int]] | None,
+    ) -> None:
+        """Chunk `i`, updated in `buffer`: held with its kept copy (staged), cached, or written."""
+        p, stats = self.pipeline, self.stats
+        view = p.view(i, buffer)
         if kept is not None:
             p._resident[i] = buffer
             p._kept_held[i] = kept
@@ -678,24 +744,40 @@ class _StepLoop:
             if self.staged:
                 stats.staged.append(i)
 
-    def _update(
-        self, i: int, view: torch.Tensor, was_read: bool, copy: KeptCopy | None
-    ) -> tuple[list[int], list[int]] | None:
-        """Runs the update on chunk `i`'s state; with the checksums in it, verifies the read's and
-        returns the write's (its cuts and sums), else None."""
+    def _call(self, i: int, view: torch.Tensor, was_read: bool, copy: KeptCopy | None) -> _Call:
+        """Runs the update on chunk `i`'s state (with the checksums in it, asked for at the stripes the
+        store reads and writes); what it returned, and what verifying it needs."""
         p = self.pipeline
         extra = {} if copy is None else {"kept": copy}
         if not self.checksums_in_update:
-            self.update(i, view, **extra)
-            return None
+            return _Call(self.update(i, view, **extra))
         # Without the store's checksums, no cuts: the update hashes nothing.
         check = p.store.read_check(p.keys[i]) if was_read and self.sums_here else None
         read_cuts = check.starts if check is not None and check.has_sums else None
         write_cuts = None if i in self.keep or not self.sums_here else p.store.write_cuts(p.sizes[i])
-        read_sums, write_sums = self.update(i, view, read_cuts, write_cuts, **extra)
-        if copy is not None or not self.sums_here:
+        result = self.update(i, view, read_cuts, write_cuts, **extra)
+        return _Call(result, check, read_cuts, write_cuts, copy is not None)
+
+    def _sums(self, i: int, call: _Call) -> tuple[list[int], list[int]] | None:
+        """With the checksums in the update, verifies the read's and returns the write's (its cuts and
+        sums), else None."""
+        if not self.checksums_in_update or call.kept or not self.sums_here:
             return None
-        if check is not None and read_cuts is not None:
+        read_sums, write_sums = call.result
+        if call.check is not None and call.read_cuts is not None:
             # Raises CorruptObjectError naming the stripe's file: nothing made of it is kept.
-            p.store.verify(check, read_sums)
-        return None if write_cuts is None else (write_cuts, write_sums)
+            self.pipeline.store.verify(call.check, read_sums)
+        return None if call.write_cuts is None else (call.write_cuts, write_sums)
+
+
+@dataclass
+class _Call:
+    """What a chunk's update returned (its checksums, or a `DeferredUpdate` until it ends), and what its
+    verification takes: the store's record of the read, the cuts asked for, and whether it took a kept
+    copy (whose chunk stays in host memory: no checksums)."""
+
+    result: Any
+    check: Any = None
+    read_cuts: list[int] | None = None
+    write_cuts: list[int] | None = None
+    kept: bool = False
