@@ -483,3 +483,126 @@ def test_deepspeeds_objects_the_engine_does_not_take_are_refused_by_name(
         return
     with pytest.raises(ValueError, match=error):
         refuse(DeepSpeedZeroOffloadOptimizerConfig(**offload), made)
+
+
+CHUNKS_THERE = {"accelerator_update_chunks": 2}
+
+# name, the section, the facts, TRITON_INTERPRET, fused, on, why (a part)
+CHUNK_CHOICES: list[tuple[str, dict[str, Any], dict[str, Any], bool, bool, bool, str]] = [
+    (
+        "the README's section on a GPU",
+        {},
+        {"offload_ratio": (1.0, "cuda")},
+        False,
+        True,
+        True,
+        "on the cuda accelerator",
+    ),
+    ("on DeepSpeed's CPU accelerator", {}, {}, False, True, False, "DeepSpeed's accelerator is the CPU"),
+    ("through Triton's interpreter", {}, {}, True, True, True, "through Triton's interpreter"),
+    (
+        "memory 0",
+        {"accelerator_update_memory": 0},
+        {"offload_ratio": (1.0, "cuda")},
+        False,
+        True,
+        False,
+        "is 0",
+    ),
+    (
+        "chunks 0",
+        {"accelerator_update_chunks": 0},
+        {"offload_ratio": (1.0, "cuda")},
+        False,
+        True,
+        False,
+        "is 0",
+    ),
+    ("another accelerator", {}, {"offload_ratio": (1.0, "hpu")}, False, True, False, "not on hpu"),
+    ("without the fused pass", {}, {"offload_ratio": (1.0, "cuda")}, False, False, False, "fused pass"),
+    (
+        "the master weights in the parameters",
+        {},
+        {"offload_ratio": (1.0, "cuda"), "master": BF16, "fp32_moments": False},
+        False,
+        True,
+        False,
+        "master_in_params",
+    ),
+    (
+        "the update during backward on",
+        {"overlap_backward": True, "master_in_params": False},
+        {"offload_ratio": (1.0, "cuda")},
+        False,
+        True,
+        False,
+        "during backward",
+    ),
+    (
+        # Both "auto": the update during backward stays where it is on.
+        "the partitions on a GPU, the update during backward on",
+        {},
+        {"offload_ratio": (1.0, "cuda"), "params_on_host": False},
+        False,
+        True,
+        False,
+        "during backward",
+    ),
+    (
+        "asked for, the update during backward gives way",
+        CHUNKS_THERE,
+        {"offload_ratio": (1.0, "cuda"), "params_on_host": False},
+        False,
+        True,
+        True,
+        "2 every step",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "interpreted", "fused", "on", "why"),
+    [c[1:] for c in CHUNK_CHOICES],
+    ids=[c[0] for c in CHUNK_CHOICES],
+)
+def test_whether_chunks_stream_to_the_accelerator_and_why(
+    section: dict[str, Any],
+    given: dict[str, Any],
+    interpreted: bool,
+    fused: bool,
+    on: bool,
+    why: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resolved = settle(section, facts(**given), fused=fused)
+    assert resolved.accelerator_chunks.on is on
+    assert why in resolved.accelerator_chunks.why
+    if on:
+        assert not resolved.overlap_backward.on
+    if section is CHUNKS_THERE:
+        assert "accelerator_update_chunks" in resolved.overlap_backward.why
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "error"),
+    [
+        ({"accelerator_update_chunks": 2}, {}, "accelerator_update_chunks: chunks cannot stream .* the CPU"),
+        ({"accelerator_update_memory": "1G"}, {}, "accelerator_update_memory: chunks cannot stream"),
+        (
+            {"accelerator_update_memory": "1G", "overlap_backward": True},
+            {"offload_ratio": (1.0, "cuda")},
+            "overlap_backward: true, and accelerator_update_memory asks",
+        ),
+    ],
+    ids=["chunks asked for on the CPU", "memory asked for on the CPU", "with overlap_backward true"],
+)
+def test_chunks_asked_for_where_they_cannot_be_are_refused_by_the_key(
+    section: dict[str, Any], given: dict[str, Any], error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=error):
+        settle(section, facts(**given))

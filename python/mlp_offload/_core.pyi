@@ -16,6 +16,7 @@ __all__ = [
     "StateLayout",
     "WeightTuner",
     "__version__",
+    "accelerator_split",
     "block_activity",
     "block_counters",
     "crc32c",
@@ -407,6 +408,15 @@ def probe_bandwidth(
 
 def io_uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used in this process, or None when it can."""
+
+def accelerator_split(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Which of a step's chunks the accelerator updates beside the host, and the time predicted.
+
+    `inputs`: `chunk_elements` (in the step's order), `state_bytes_per_element`, `grad_bytes_per_element`,
+    `host_elements_per_s`, `device_elements_per_s`, `h2d_bytes_per_s`, `d2h_bytes_per_s`,
+    `device_memory`, `host_memory_bytes_per_s` (0: not limiting), `host_bytes_per_element`, `io_secs`.
+    Returns `device_chunks` (the last ones), `device_slots`, `host_secs`, `device_secs`, `memory_secs`,
+    `predicted_secs` and `host_only_secs`. A rate that is not a positive number is a ValueError naming it."""
 
 def plan_update(
     paths: list[dict[str, Any]],

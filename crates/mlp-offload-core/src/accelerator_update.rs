@@ -7,13 +7,13 @@
 //! a matter of time alone: the host pass, the accelerator's copies and kernel, and the host memory both
 //! sides' traffic crosses.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
 /// The rates and sizes the split is chosen from: the step's chunks (their elements, in the order the
 /// step updates them), each side's measured rate and the memory each may use.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct SplitInputs {
     /// Each chunk's elements, in the step's order.
     pub chunk_elements: Vec<u64>,

@@ -5,6 +5,7 @@ use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use mlp_offload_core::accelerator_update::{split as split_update, SplitInputs};
 use mlp_offload_core::admission::Sharing;
 use mlp_offload_core::blockstat::{BlockActivity, BlockCounters};
 use mlp_offload_core::kernel::{
@@ -1305,6 +1306,17 @@ fn plan_update(
     to_py_json(py, &planned)
 }
 
+/// Which of a step's chunks the accelerator updates beside the host (Deep Optimizer States) and the
+/// time that split predicts: `inputs` a dict of `accelerator_update::SplitInputs`' fields (the chunks'
+/// elements in the step's order, the measured rates, the memory), the result a dict of `Split`'s.
+#[pyfunction]
+fn accelerator_split(py: Python<'_>, inputs: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let inputs: SplitInputs = depythonize(&inputs)
+        .map_err(|e| to_py(Error::config("accelerator_split", e.to_string())))?;
+    let chosen = py.detach(|| split_update(&inputs)).map_err(to_py)?;
+    to_py_json(py, &chosen)
+}
+
 /// The host buffers' pages the probe's figures call for (`"huge"` or `"small"`): one dict per path with
 /// the `small_`/`huge_` `read_`/`write_bytes_per_s` of its `pages` probe.
 #[pyfunction]
@@ -1401,6 +1413,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(io_uring_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(plan_update, m)?)?;
+    m.add_function(wrap_pyfunction!(accelerator_split, m)?)?;
     m.add_function(wrap_pyfunction!(pages_choice, m)?)?;
     m.add_function(wrap_pyfunction!(block_counters, m)?)?;
     m.add_function(wrap_pyfunction!(block_activity, m)?)?;

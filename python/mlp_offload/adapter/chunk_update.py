@@ -166,11 +166,18 @@ class ChunkUpdater:
         return (sums.read if read_cuts else None), (sums.write if write_cuts else None)
 
     def pass_gradient(
-        self, i: int, first: int, count: int, stale_ranges: stale_gradients.StaleRanges | None
+        self,
+        i: int,
+        first: int,
+        count: int,
+        stale_ranges: stale_gradients.StaleRanges | None,
+        *,
+        own: bool = False,
     ) -> torch.Tensor:
         """The gradient the fused pass reads for subgroup `i`'s elements `first..first + count`: DeepSpeed's
         half-precision one as it is (the pass widens it), else in the master weights' dtype where stale
-        gradients or a gradient setter's fp32 one make it so."""
+        gradients or a gradient setter's fp32 one make it so. `own`: never in the buffer the next
+        chunk's gradient reuses (a copy there may still read it)."""
         master = self.session.dtypes.master
         grad = self.gradient(i)[first : first + count]
         ranges = None if stale_ranges is None else stale_ranges.get(i)
@@ -179,7 +186,7 @@ class ChunkUpdater:
             # weights' dtype (DeepSpeed's gradient buffer's), those parameters' through the factors since
             # theirs. In the chunk's fp32 gradient buffer of the budget, where the parameters are on the
             # host (it is unused then); else a buffer of its own.
-            room = self.grad.view(master) if self.params_on_host else None
+            room = self.grad.view(master) if self.params_on_host and not own else None
             # A subgroup on the accelerator is updated whole: more than a chunk's buffer holds.
             buffer = room if room is not None and room.numel() >= count else torch.empty(count, dtype=master)
             widened = buffer[:count]

@@ -10,6 +10,7 @@ read what they need from it and never reach back into the optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +22,11 @@ import torch
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
 from mlp_offload.adapter.monitors import MonitorWriter, UpdateTimers
 from mlp_offload.adapter.param_swapper import StoreParamSwapper, require_ours
-from mlp_offload.adapter.settings import KernelCheck, Settings
+from mlp_offload.adapter.settings import Choice, KernelCheck, Settings
 from mlp_offload.adapter.stale_gradients import StaleGradients
 from mlp_offload.common.config import MLPOffloadConfig
 from mlp_offload.engine import memory
+from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, check_on_device
 from mlp_offload.engine.accelerator_state import AcceleratorState
 from mlp_offload.engine.fused_update import FusedAdam, kernel_record
 from mlp_offload.engine.overlap import GradsFinal, update_thread
@@ -52,6 +54,22 @@ def _accelerator_state(settings: Settings, view: DeepSpeedView) -> AcceleratorSt
     return AcceleratorState(numels, view.accelerator_device(), settings.dtypes, settings.kernel.fused.kernel)
 
 
+def _chunks_checked(settings: Settings, view: DeepSpeedView) -> Settings:
+    """With chunks streamed to the accelerator, the kernel there checked once against the host pass
+    (`accelerator_chunks.check_on_device`): where its bits differ, off, saying why."""
+    if not settings.accelerator_chunks.on:
+        return settings
+    assert settings.kernel.fused is not None, "the settings stream no chunk there without it"
+    half = view.partition_dtype
+    differs = check_on_device(
+        settings.kernel.fused.kernel.arith, settings.dtypes, half, half, view.accelerator_device()
+    )
+    if differs is None:
+        return settings
+    log.warning("mlp_offload: %s; every chunk is the host's", differs)
+    return dataclasses.replace(settings, accelerator_chunks=Choice(False, f"off: {differs}"))
+
+
 @dataclass
 class UpdateSession:
     """The engine of one optimizer (module docs). `fused` and `dtypes` are the update's kernel and the
@@ -74,6 +92,8 @@ class UpdateSession:
     update_thread: ThreadPoolExecutor | None
     max_inflight: tuple[int, str]
     fused: FusedAdam | None = None
+    # The chunks each step streams to the accelerator beside the host's pass (None: off).
+    accelerator_chunks: AcceleratorChunks | None = None
     dtypes: StateDtypes = field(default_factory=StateDtypes)
     fp32_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     monitor: MonitorWriter = field(default_factory=lambda: MonitorWriter(False))
@@ -99,6 +119,7 @@ class UpdateSession:
         with a partition here; `check_kernel`, `spare`: the settings' (for a checkpoint's moments, and
         the kept copies' memory while training)."""
         require_ours(view.on_nvme.swapper())
+        settings = _chunks_checked(settings, view)
         planner = UpdatePlanner(config, rank)
         # Before the store opens: its node-wide admission takes the device limits the profile gives.
         planner.load_profile()
@@ -162,6 +183,15 @@ class UpdateSession:
             update_thread=update_thread() if on_thread else None,
             max_inflight=planner.max_inflight(),
             fused=settings.kernel.fused,
+            accelerator_chunks=(
+                AcceleratorChunks(
+                    view.accelerator_device(),
+                    memory=settings.accelerator_update_memory,
+                    pinned=settings.accelerator_update_chunks,
+                )
+                if settings.accelerator_chunks.on
+                else None
+            ),
             dtypes=settings.dtypes,
             monitor=monitor,
         )
@@ -225,6 +255,12 @@ class UpdateSession:
                 "why": settings.accelerator_update.why,
                 "subgroups": settings.accelerator_subgroups,
                 "bytes": 0 if self.state.accelerator is None else self.state.accelerator.nbytes,
+                "chunks": {
+                    "on": settings.accelerator_chunks.on,
+                    "why": settings.accelerator_chunks.why,
+                    "memory": settings.accelerator_update_memory,
+                    "chunks": settings.accelerator_update_chunks,
+                },
             },
             # Whether the update runs behind the next forward, and why.
             "overlap": {"on": settings.overlap.on, "why": settings.overlap.why},

@@ -160,6 +160,12 @@ class Settings:
     """Subgroups updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`)."""
     accelerator_subgroups: int
     """How many: the first ones, their state kept whole on the accelerator and out of the store."""
+    accelerator_chunks: Choice
+    """Whether each step streams chunks to the accelerator beside the host's pass."""
+    accelerator_update_memory: int | None
+    """The accelerator memory that may take (None: what is free at each step)."""
+    accelerator_update_chunks: int | None
+    """Chunks every step (None: the model's choice)."""
 
     @property
     def host_numels(self) -> tuple[int, ...]:
@@ -222,11 +228,13 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         facts,
         _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on),
     )
+    backward = _backward_or_chunks_there(config, backward)
     if not backward.on:
         kept_copies = 0
     buffers, cache_slots = memory.stream_buffers(
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
+    chunks_there = _accelerator_chunks(config, facts, kernel if not fused else None, in_params, backward)
     in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
     chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
     return Settings(
@@ -253,7 +261,80 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         params_on_nvme_bytes=facts.params_on_nvme_bytes,
         accelerator_update=accelerator_update,
         accelerator_subgroups=on_accelerator,
+        accelerator_chunks=chunks_there,
+        accelerator_update_memory=_size_or_auto(config.accelerator_update_memory),
+        accelerator_update_chunks=_size_or_auto(config.accelerator_update_chunks),
     )
+
+
+def _backward_or_chunks_there(config: MLPOffloadConfig, backward: Choice) -> Choice:
+    """The update during backward stages its chunks in host memory, which chunks streamed to the
+    accelerator are not: where those are asked for by a key, `overlap_backward: "auto"` gives way (both
+    asked for is an error naming the keys); with both "auto", the update during backward stays where it
+    is on."""
+    asked = [
+        key
+        for key in ("accelerator_update_memory", "accelerator_update_chunks")
+        if getattr(config, key) not in ("auto", 0)
+    ]
+    if not asked or not backward.on:
+        return backward
+    if config.overlap_backward is True:
+        raise ValueError(
+            f"overlap_backward: true, and {asked[0]} asks for chunks on the accelerator: the update "
+            "during backward stages its chunks in host memory; set one of them to what it would be off"
+        )
+    return Choice(False, f"off: chunks stream to the accelerator beside the host's pass ({asked[0]})")
+
+
+def _size_or_auto(value: int | str) -> int | None:
+    return None if value == "auto" else int(value)
+
+
+def _accelerator_chunks(
+    config: MLPOffloadConfig,
+    facts: StartFacts,
+    no_fused: KernelChoice | None,
+    in_params: Choice,
+    backward: Choice,
+) -> Choice:
+    """Whether each step streams chunks to the accelerator beside the host's pass
+    (`accelerator_update_memory`), and why. Where it cannot be, "auto" says why at start; a size or a
+    number of chunks asked for is an error naming the key."""
+    memory_setting, chunks_setting = config.accelerator_update_memory, config.accelerator_update_chunks
+    if memory_setting == 0:
+        return Choice(False, "off: accelerator_update_memory is 0")
+    if chunks_setting == 0:
+        return Choice(False, "off: accelerator_update_chunks is 0")
+    accelerator = facts.offload_ratio[1]
+    interpreted = accelerator == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    why_not = None
+    if accelerator == "cpu" and not interpreted:
+        why_not = "DeepSpeed's accelerator is the CPU (TRITON_INTERPRET=1 runs the kernel there, slowly)"
+    elif accelerator not in ("cpu", "cuda"):
+        why_not = f"the accelerator's kernel runs on CUDA (or Triton's interpreter), not on {accelerator}"
+    elif importlib.util.find_spec("triton") is None:
+        why_not = "Triton, which runs the accelerator's kernel, is not installed"
+    elif no_fused is not None:
+        why_not = f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({no_fused.why})"
+    elif in_params.on:
+        why_not = "the master weights are in the parameters (master_in_params), which chunks there keep apart"
+    elif backward.on:
+        why_not = "chunks are updated during backward (overlap_backward), staged in host memory"
+    elif facts.subgroups_on_nvme:
+        why_not = f"{facts.subgroups_on_nvme} subgroups' parameters are on NVMe"
+    if why_not is None:
+        where = (
+            "through Triton's interpreter in host memory"
+            if interpreted
+            else f"on the {accelerator} accelerator"
+        )
+        chose = "the model's choice each step" if chunks_setting == "auto" else f"{chunks_setting} every step"
+        return Choice(True, f"on: chunks stream {where} beside the host's pass, {chose}, bit-equal")
+    if memory_setting != "auto" or chunks_setting != "auto":
+        key = "accelerator_update_memory" if memory_setting != "auto" else "accelerator_update_chunks"
+        raise ValueError(f"{key}: chunks cannot stream to the accelerator here: {why_not}")
+    return Choice(False, f"off: {why_not}")
 
 
 class _Spare:

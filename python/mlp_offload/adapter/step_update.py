@@ -19,9 +19,12 @@ from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
-from mlp_offload.engine.pipeline import StepStats
+from mlp_offload.engine.accelerator_adam import AcceleratorAdam
+from mlp_offload.engine.accelerator_chunks import StepSplit, slot_bytes
+from mlp_offload.engine.fused_update import crc32c_of
+from mlp_offload.engine.pipeline import DeferredUpdate, StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
-from mlp_offload.engine.telemetry import AcceleratorStep, OverlapStep
+from mlp_offload.engine.telemetry import AcceleratorStep, ChunksStep, OverlapStep
 
 
 @dataclass
@@ -51,6 +54,13 @@ class StepUpdate:
     # The param groups as the fused pass takes them, made once for the step.
     adam_groups: list[_core.AdamGroup] = field(init=False)
     compute_secs: float = 0.0
+    # The chunks this step streams to the accelerator (`AcceleratorChunks`), and the host pass's time
+    # and elements over the others.
+    split: StepSplit | None = None
+    chunks_there: frozenset[int] = frozenset()
+    update_pass: AcceleratorAdam | None = None
+    host_secs: float = 0.0
+    host_elements: int = 0
     # The update of the subgroups kept on the accelerator, once it ran (None: none there).
     accelerator_record: AcceleratorStep | None = None
     end: float = 0.0
@@ -83,6 +93,7 @@ class StepUpdate:
         finally:
             self.view.on_nvme.written_whole = set()
         self.end = time.perf_counter()
+        self._record_chunks_there()
         if not committed:
             # The whole update ran here: what the plan of the update during backward goes by without a
             # prediction.
@@ -123,7 +134,41 @@ class StepUpdate:
             "elements": sum(accelerator.numels),
             "grad_bytes": grad_bytes,
             "secs": secs,
+            "chunks": None,
         }
+
+    def _record_chunks_there(self) -> None:
+        """The step record's part of the chunks streamed to the accelerator, once every one ended: what
+        was chosen and why, predicted and measured (the rates the next step's choice takes)."""
+        there, split = self.session.accelerator_chunks, self.split
+        if there is None or split is None:
+            return
+        out, kernel, back = there.end(self.host_elements, self.host_secs)
+        predicted = split.predicted or {}
+        record: ChunksStep = {
+            "chunks": len(self.chunks_there),
+            "host_chunks": len(self.session.state.chunks) - len(self.chunks_there),
+            "elements": sum(d.elements for d in there.dispatched),
+            "bytes_out": sum(d.out_bytes for d in there.dispatched),
+            "bytes_back": sum(d.back_bytes for d in there.dispatched),
+            "slots": split.slots if self.chunks_there else 0,
+            "why": split.why,
+            "predicted_secs": predicted.get("predicted_secs"),
+            "predicted_host_only_secs": predicted.get("host_only_secs"),
+            "host_secs": self.host_secs,
+            "copy_out_secs": out,
+            "kernel_secs": kernel,
+            "copy_back_secs": back,
+        }
+        if self.accelerator_record is None:
+            self.accelerator_record = {
+                "subgroups": 0,
+                "elements": 0,
+                "grad_bytes": 0,
+                "secs": 0.0,
+                "chunks": None,
+            }
+        self.accelerator_record["chunks"] = record
 
     def _written_whole(self) -> set[int]:
         """The subgroups whose every element this update writes before anything reads it: all of them
@@ -142,16 +187,99 @@ class StepUpdate:
         pipeline, committed = session.pipeline, self.settled.committed
         if session.fused is not None:
             ran_in_backward = self.settled.stats is not None
+            only: list[int] | None
+            if ran_in_backward:
+                only = [c for c in pipeline.order if c not in committed]
+            else:
+                only = self._split_chunks()
             with self.chunk_update.copying_to_device():
                 stats = pipeline.run_step(
                     functools.partial(self.fused_chunk, subgroup_done=subgroup_done),
                     drain=False,
                     checksums_in_update=True,
-                    only=[c for c in pipeline.order if c not in committed] if ran_in_backward else None,
+                    only=only,
                 )
         else:
             stats = pipeline.run_step(self.deepspeed_chunk, drain=False)
         return stats
+
+    def _split_chunks(self) -> list[int] | None:
+        """The chunks this step streams to the accelerator (`AcceleratorChunks.choose`), set aside in
+        `chunks_there`: those the step takes first, so their copies and kernels run beside the host's
+        pass over the rest. In chunk order (the forward needs the first chunks first) they are the last
+        ones, taken first: the step's order, returned (None: the pipeline's own)."""
+        session = self.session
+        there = session.accelerator_chunks
+        if there is None or session.fused is None:
+            return None
+        if session.dtypes != session.state.stored:
+            # A checkpoint's load left the moments in another dtype than the chunks keep them in.
+            return None
+        order, ascending = session.pipeline.order, session.pipeline.ascending
+        # `choose` takes the last chunks of the order it is given.
+        candidates = order if ascending else order[::-1]
+        dtypes = session.dtypes
+        elements = [session.state.chunks[c][2] for c in candidates]
+        grad_size = self.chunk_update.gradient(session.state.chunks[candidates[-1]][0]).element_size()
+        params_size = self.view.partition_dtype.itemsize
+        host_bpe = 2 * dtypes.bytes_per_element + grad_size + params_size
+        room = slot_bytes(max(elements), dtypes.nbytes(1), grad_size, params_size)
+        self.split = there.choose(elements, dtypes.bytes_per_element, grad_size, host_bpe, room)
+        chosen = [candidates[k] for k in self.split.chunks]
+        self.chunks_there = frozenset(chosen)
+        there.begin(self.split, room)
+        if not chosen:
+            return None
+        self.update_pass = AcceleratorAdam(session.fused.kernel, dtypes=dtypes)
+        return chosen + [c for c in order if c not in self.chunks_there] if ascending else None
+
+    def _stripe_sums(self, state_bytes: torch.Tensor, cuts: list[int] | None) -> list[int] | None:
+        """The CRC32C of each stripe of a chunk's bytes, cut at `cuts`, as the fused pass sums them."""
+        if cuts is None:
+            return None
+        ends = [*cuts[1:], state_bytes.numel()]
+        return [crc32c_of(state_bytes[a:b]) for a, b in zip(cuts, ends, strict=True)]
+
+    def chunk_there(
+        self,
+        chunk: int,
+        state_bytes: torch.Tensor,
+        read_cuts: list[int] | None,
+        write_cuts: list[int] | None,
+        subgroup_done: Callable[[int], None],
+    ) -> DeferredUpdate:
+        """The update of one chunk on the accelerator, queued: its checksums as read now, as written once
+        its copy back ended, when the pipeline finishes it (and the subgroup's last chunk is done)."""
+        session, view = self.session, self.view
+        there, update_pass = session.accelerator_chunks, self.update_pass
+        assert there is not None and update_pass is not None
+        i, first, count = session.state.chunks[chunk]
+        step = self.snapshot.steps[i] + 1
+        read_sums = self._stripe_sums(state_bytes, read_cuts)
+        # A gradient of its own: a reused buffer could change before its copy there ran.
+        grad = self.chunk_update.pass_gradient(i, first, count, self.stale_ranges, own=True)
+        args = {"group": self.adam_groups[view.group_of(i)], "step": step, "grad_scale": self.grad_scale}
+        queued = there.dispatch(
+            update_pass, session.dtypes, state_bytes, grad, view.partition(i)[first : first + count], args
+        )
+
+        def finish() -> tuple[list[int] | None, list[int] | None]:
+            queued.wait()
+            view.after_fused_pass(i, step)
+            self._chunk_done(i, subgroup_done)
+            return read_sums, self._stripe_sums(state_bytes, write_cuts)
+
+        return DeferredUpdate(queued.done, finish, queued.wait)
+
+    def _chunk_done(self, i: int, subgroup_done: Callable[[int], None]) -> None:
+        """One more chunk of subgroup `i` updated: after its last, its parameters are whole."""
+        self.remaining[i] -= 1
+        if self.remaining[i] == 0:
+            self.view.unflatten(i)
+            # The copies to the device are queued on this thread's stream; the forward's all-gather
+            # runs on another.
+            self.chunk_update.sync_copies()
+            subgroup_done(i)
 
     def fused_chunk(
         self,
@@ -160,10 +288,12 @@ class StepUpdate:
         read_cuts: list[int] | None,
         write_cuts: list[int] | None,
         subgroup_done: Callable[[int], None],
-    ) -> tuple[list[int] | None, list[int] | None]:
-        """The update of one chunk as one fused pass, checksums included."""
+    ) -> tuple[list[int] | None, list[int] | None] | DeferredUpdate:
+        """The update of one chunk as one fused pass, checksums included; or queued on the accelerator."""
+        if chunk in self.chunks_there:
+            return self.chunk_there(chunk, state_bytes, read_cuts, write_cuts, subgroup_done)
         t = time.perf_counter()
-        i = self.session.state.chunks[chunk][0]
+        i, _, count = self.session.state.chunks[chunk]
         try:
             sums = self.chunk_update.fused(
                 chunk,
@@ -175,16 +305,13 @@ class StepUpdate:
                 write_cuts,
                 stale_ranges=self.stale_ranges,
             )
-            self.remaining[i] -= 1
-            if self.remaining[i] == 0:
-                self.view.unflatten(i)
-                # The copies to the device are queued on this thread's stream; the forward's all-gather
-                # runs on another.
-                self.chunk_update.sync_copies()
-                subgroup_done(i)
+            self._chunk_done(i, subgroup_done)
+            self.host_elements += count
             return sums
         finally:
-            self.compute_secs += time.perf_counter() - t
+            secs = time.perf_counter() - t
+            self.compute_secs += secs
+            self.host_secs += secs
 
     def deepspeed_chunk(self, chunk: int, state_bytes: torch.Tensor) -> None:
         """DeepSpeed's per-subgroup update on one chunk of it: every operation is elementwise, and chunk

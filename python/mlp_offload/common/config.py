@@ -145,6 +145,28 @@ class MLPOffloadConfig(BaseModel):
     update during backward off); `false`: the master weights in the store too. The start-up record says
     which, and why (docs/design/master-in-params.md)."""
 
+    accelerator_update_memory: Size | Literal["auto"] = "auto"
+    """Accelerator memory the update may use for chunks streamed there beside the host's pass.
+
+    Each step the performance model sends some chunks' state and gradients to the accelerator, where the
+    host pass's own arithmetic updates them (bit for bit the same, checked there at start-up), while the
+    host's pass updates the others, so that both sides end together (Deep Optimizer States;
+    docs/model.md). It weighs the measured rates of both passes and of the copies each way. `"auto"`:
+    the accelerator memory free at the step; a size: at most that; `0`: off, every chunk the host's. It
+    needs the fused pass with the master weights apart from the parameters, and a GPU (or Triton's
+    interpreter on DeepSpeed's CPU accelerator, `TRITON_INTERPRET=1`). The update during backward
+    stages its chunks in host memory: where both keys here are `"auto"` and it is on, this is off; a
+    key set here turns its `"auto"` off. The start-up record says whether it is on, and why; each
+    step's record says what it chose, predicted and measured."""
+
+    accelerator_update_chunks: Annotated[int, Field(ge=0, strict=True)] | Literal["auto"] = "auto"
+    """Chunks the accelerator updates each step (`accelerator_update_memory`).
+
+    `"auto"`: the performance model's choice each step, from the rates measured in the steps before
+    (the first step with it on sends one chunk there to measure them). A number: that many every step,
+    whatever the model would choose (as many as the step has at most; none where the memory holds no
+    chunk); `0`: off."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

@@ -262,7 +262,8 @@ def start_line(record: StartRecord) -> str:
         f"buffers + {grad_mib:.1f} MiB fp32 gradient, {r['cached_chunks']} chunks cached; "
         f"{described_pages}; update kernel: {kernel['kernel']} ({kernel['why']}); overlap with the next "
         f"forward: {r['overlap']['why']}; with backward: {r['overlap_backward']['why']}; on the "
-        f"accelerator: {r['accelerator_update']['why']}; weights {weights}; predicted update "
+        f"accelerator: {r['accelerator_update']['why']}; chunks streamed there: "
+        f"{r['accelerator_update']['chunks']['why']}; weights {weights}; predicted update "
         f"{predicted:.2f} s{params}"
     )
 

@@ -51,6 +51,22 @@ class AcceleratorAtStart(TypedDict):
         int, "The subgroups kept whole on the accelerator, the first ones (none in the store)."
     ]
     bytes: Annotated[int, "The accelerator memory their state takes."]
+    chunks: Annotated[
+        ChunksAtStart,
+        "Whether chunks stream to the accelerator beside the host's pass (`accelerator_update_memory`).",
+    ]
+
+
+class ChunksAtStart(TypedDict):
+    """Whether each step streams chunks to the accelerator beside the host's pass
+    (`accelerator_update_memory`, `accelerator_update_chunks`), and why."""
+
+    on: Annotated[bool, "Whether it is on."]
+    why: Annotated[str, "Why, in words."]
+    memory: Annotated[
+        int | None, "The accelerator memory it may use, in bytes (null: what is free at each step)."
+    ]
+    chunks: Annotated[int | None, "Chunks every step (null: the performance model's choice each step)."]
 
 
 class BackwardAtStart(TypedDict):
@@ -194,12 +210,39 @@ class StaleStep(TypedDict):
 
 
 class AcceleratorStep(TypedDict):
-    """The update of the subgroups kept on the accelerator (`offload_optimizer.ratio`) in a step."""
+    """The update on the accelerator in a step: the subgroups kept there (`offload_optimizer.ratio`), and
+    the chunks streamed there beside the host's pass (`accelerator_update_memory`)."""
 
     subgroups: Annotated[int, "Subgroups updated there."]
     elements: Annotated[int, "Their elements."]
     grad_bytes: Annotated[int, "Bytes of their gradients copied there from DeepSpeed's host buffer."]
     secs: Annotated[float, "Seconds their update took, the copies included, before the host's chunks."]
+    chunks: Annotated[
+        ChunksStep | None, "The chunks streamed there beside the host's pass (null: off this step)."
+    ]
+
+
+class ChunksStep(TypedDict):
+    """The chunks a step streamed to the accelerator beside the host's pass
+    (`accelerator_update_memory`), predicted and measured."""
+
+    chunks: Annotated[int, "Chunks updated there."]
+    host_chunks: Annotated[int, "Chunks the host's pass updated."]
+    elements: Annotated[int, "The elements of the chunks there."]
+    bytes_out: Annotated[int, "Bytes copied there: their state and gradients."]
+    bytes_back: Annotated[
+        int, "Bytes copied back: their state (and the parameters where those are on the host)."
+    ]
+    slots: Annotated[int, "Chunks in flight there at once."]
+    why: Annotated[str, "Why this many, in words."]
+    predicted_secs: Annotated[
+        float | None, "The model's update time for this split (null: no model chose it)."
+    ]
+    predicted_host_only_secs: Annotated[float | None, "The model's update time with every chunk the host's."]
+    host_secs: Annotated[float, "Seconds of the host's pass over its chunks."]
+    copy_out_secs: Annotated[float, "Seconds of the copies there, summed over the chunks."]
+    kernel_secs: Annotated[float, "Seconds of the kernel there, summed over the chunks."]
+    copy_back_secs: Annotated[float, "Seconds of the copies back, summed over the chunks."]
 
 
 class ParamsOnNvmeStep(TypedDict):
@@ -277,7 +320,8 @@ class StepRecord(TypedDict):
         ParamsOnNvmeStep | None, "The parameters on NVMe past `max_in_cpu` (null: none there)."
     ]
     accelerator_update: Annotated[
-        AcceleratorStep | None, "The subgroups kept on the accelerator (null: none there)."
+        AcceleratorStep | None,
+        "The subgroups kept on the accelerator and the chunks streamed there (null: neither this step).",
     ]
     host_bytes: Annotated[
         int,

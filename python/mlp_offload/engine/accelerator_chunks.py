@@ -1,0 +1,350 @@
+"""Chunks streamed to the accelerator beside the host's pass (Deep Optimizer States, exactly): each step
+the performance model (`_core.accelerator_split`, docs/model.md) chooses how many of the step's chunks
+go there from the rates measured in the steps before; each goes over with its gradient, is updated by
+the host pass's own arithmetic (`accelerator_adam.AcceleratorAdam`, bit for bit) and comes back into its
+host buffer, while the host's pass updates the others. The copies and kernels of two chunks at a time run
+on two streams of their own, so that one's copies run beside the other's kernel; the host thread only
+queues them (`dispatch`), and the pipeline places each chunk once its copy back ended
+(`pipeline.DeferredUpdate`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mlp_offload import _core
+from mlp_offload.engine.accelerator_adam import AcceleratorAdam
+from mlp_offload.engine.state_dtypes import StateDtypes
+
+# Chunks in flight on the accelerator at once, at most: the model's two slots.
+SLOTS = 2
+# Offsets of the arrays in a slot (the gradient and the parameters after the state), as the kernel's
+# vector loads like them.
+SLOT_ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def slot_bytes(elements: int, state_bpe: int, grad_size: int, params_size: int) -> int:
+    """The accelerator memory of one slot: a chunk of `elements`, its state (`state_bpe` bytes an
+    element), its gradient and, where the parameters are on the host, their scratch."""
+    return _align(elements * state_bpe) + _align(elements * grad_size) + _align(elements * params_size)
+
+
+@dataclass
+class Rates:
+    """What the model weighs, as last measured (None: not yet)."""
+
+    host_elements_per_s: float | None = None
+    device_elements_per_s: float | None = None
+    h2d_bytes_per_s: float | None = None
+    d2h_bytes_per_s: float | None = None
+
+    def device_known(self) -> bool:
+        return None not in (self.device_elements_per_s, self.h2d_bytes_per_s, self.d2h_bytes_per_s)
+
+
+@dataclass
+class StepSplit:
+    """One step's split: the chunks the accelerator updates (of the step's order), the slots they take,
+    why, and the model's prediction (None where no model chose it)."""
+
+    chunks: list[int]
+    slots: int
+    why: str
+    predicted: dict[str, Any] | None = None
+
+
+@dataclass
+class Dispatched:
+    """One chunk queued on the accelerator: its end (an event on a GPU; None where it ran at once), and
+    its stages' timings (events, or seconds where it ran at once)."""
+
+    elements: int
+    out_bytes: int
+    back_bytes: int
+    end: Any
+    stages: list[Any]
+
+    def done(self) -> bool:
+        return self.end is None or bool(self.end.query())
+
+    def wait(self) -> None:
+        if self.end is not None:
+            self.end.synchronize()
+
+    def seconds(self) -> tuple[float, float, float]:
+        """The copy out, the kernel and the copy back, in seconds (once done)."""
+        if self.end is None:
+            return tuple(self.stages)  # type: ignore[return-value]
+        e = self.stages
+        return tuple(e[k].elapsed_time(e[k + 1]) / 1e3 for k in range(3))  # type: ignore[return-value]
+
+
+class AcceleratorChunks:
+    """The chunks a step streams to `device` (see the module docs). `memory`: the accelerator memory the
+    update may use (None: what is free at each step); `pinned`: chunks every step (None: the model's
+    choice); `interpreted`: the kernel runs through Triton's interpreter on the host (DeepSpeed's CPU
+    accelerator), where no device memory is free or taken."""
+
+    def __init__(self, device: torch.device, *, memory: int | None, pinned: int | None) -> None:
+        self.device = device
+        self.memory = memory
+        self.pinned = pinned
+        self.rates = Rates()
+        on_gpu = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device) for _ in range(SLOTS)] if on_gpu else []
+        self.slot_tensors: list[torch.Tensor] = []
+        self.queued = 0
+        self.dispatched: list[Dispatched] = []
+
+    def free_memory(self) -> int:
+        """The accelerator memory the update may use at this step."""
+        if self.device.type != "cuda":
+            # Through the interpreter the chunks' copies are host memory: nothing on a device limits them.
+            return self.memory if self.memory is not None else 1 << 62
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # What torch's allocator holds unused is free to it too.
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free if self.memory is None else min(free, self.memory)
+
+    def choose(
+        self, elements: list[int], state_bpe: int, grad_bpe: int, host_bpe: int, slot: int
+    ) -> StepSplit:
+        """How many of the step's chunks (`elements` each, in the step's order) the accelerator takes,
+        their state `state_bpe` bytes an element, their gradient `grad_bpe`, the host pass's traffic
+        `host_bpe`, a slot's memory `slot` (`slot_bytes`); the chunks are the last ones of `elements`."""
+        n = len(elements)
+        memory = self.free_memory()
+        slots = min(SLOTS, memory // slot) if slot else 0
+        if slots == 0:
+            return StepSplit(
+                [], 0, f"{memory:,} bytes of accelerator memory free, less than a chunk's {slot:,}"
+            )
+        if self.pinned is not None:
+            k = min(self.pinned, n)
+            return StepSplit(list(range(n - k, n)), slots, f"accelerator_update_chunks is {self.pinned}")
+        if self.rates.host_elements_per_s is None or not self.rates.device_known():
+            return StepSplit([n - 1], slots, "one chunk there measures the accelerator's rates")
+        predicted = _core.accelerator_split(
+            {
+                "chunk_elements": elements,
+                "state_bytes_per_element": state_bpe,
+                "grad_bytes_per_element": grad_bpe,
+                "host_elements_per_s": self.rates.host_elements_per_s,
+                "device_elements_per_s": self.rates.device_elements_per_s,
+                "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
+                "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
+                "device_memory": memory,
+                "host_memory_bytes_per_s": 0.0,
+                "host_bytes_per_element": host_bpe,
+                "io_secs": 0.0,
+            }
+        )
+        chunks = list(predicted.pop("device_chunks"))
+        why = (
+            f"the model: {len(chunks)} of {n} chunks end both sides together"
+            if chunks
+            else f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
+        )
+        return StepSplit(chunks, predicted["device_slots"] or slots, why, predicted)
+
+    def begin(self, split: StepSplit, slot_bytes: int) -> None:
+        """A step's chunks on the accelerator begin: its slots' memory, `slot_bytes` each (none where
+        the split sends none there)."""
+        self.slot_tensors = [
+            torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(split.slots if split.chunks else 0)
+        ]
+        self.queued = 0
+        self.dispatched = []
+
+    def end(self, host_elements: int, host_secs: float) -> tuple[float, float, float]:
+        """The step's chunks there ended (each waited for): the rates measured, and the slots' memory
+        given back. `host_elements`, `host_secs`: the host pass's over its chunks this step. Returns the
+        seconds of the copies out, the kernels and the copies back, each summed over the chunks."""
+        if host_elements and host_secs > 0:
+            self.rates.host_elements_per_s = host_elements / host_secs
+        stages = [d.seconds() for d in self.dispatched]
+        out = sum(s[0] for s in stages)
+        kernel = sum(s[1] for s in stages)
+        back = sum(s[2] for s in stages)
+        if self.dispatched and min(out, kernel, back) > 0:
+            self.rates.device_elements_per_s = sum(d.elements for d in self.dispatched) / kernel
+            self.rates.h2d_bytes_per_s = sum(d.out_bytes for d in self.dispatched) / out
+            self.rates.d2h_bytes_per_s = sum(d.back_bytes for d in self.dispatched) / back
+        self.slot_tensors = []
+        return out, kernel, back
+
+    def dispatch(
+        self,
+        update_pass: AcceleratorAdam,
+        dtypes: StateDtypes,
+        state: torch.Tensor,
+        grad: torch.Tensor,
+        params: torch.Tensor,
+        kernel_args: dict[str, Any],
+    ) -> Dispatched:
+        """Queues one chunk's update: its state (`state`, the chunk's bytes in host memory) and its
+        gradient go over, the kernel runs with `kernel_args` (`AcceleratorAdam.update`'s keywords; it
+        is queued now, in the host thread's order of calls: one bias state), the new parameters go into
+        `params` (on the accelerator, or copied back where they are on the host) and the state back into
+        `state`. The host memory of `state` and `grad` must stay until the chunk ends."""
+        n = grad.numel()
+        slot = self.queued % len(self.slot_tensors)
+        self.queued += 1
+        room = self.slot_tensors[slot]
+        nbytes = dtypes.nbytes(n)
+        at_grad = _align(nbytes)
+        at_params = at_grad + _align(n * grad.element_size())
+        device_state = room[:nbytes]
+        device_grad = room[at_grad : at_grad + n * grad.element_size()].view(grad.dtype)
+        on_device = params.device == self.device
+        device_params = (
+            params
+            if on_device
+            else room[at_params : at_params + n * params.element_size()].view(params.dtype)
+        )
+        master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
+        args = kernel_args
+        out_bytes = nbytes + n * grad.element_size()
+        back_bytes = nbytes + (0 if on_device else n * params.element_size())
+        if not self.streams:
+            t = [time.perf_counter()]
+            device_state.copy_(state[:nbytes])
+            device_grad.copy_(grad)
+            t.append(time.perf_counter())
+            update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **args)
+            t.append(time.perf_counter())
+            state[:nbytes].copy_(device_state)
+            if not on_device:
+                params.copy_(device_params)
+            t.append(time.perf_counter())
+            seconds = [t[k + 1] - t[k] for k in range(3)]
+            dispatched = Dispatched(n, out_bytes, back_bytes, None, seconds)
+        else:
+            dispatched = self._queue(
+                slot,
+                state[:nbytes],
+                device_state,
+                grad,
+                device_grad,
+                params,
+                device_params,
+                lambda: update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **args),
+            )
+            dispatched.elements, dispatched.out_bytes, dispatched.back_bytes = n, out_bytes, back_bytes
+        self.dispatched.append(dispatched)
+        return dispatched
+
+    def _queue(
+        self,
+        slot: int,
+        state: torch.Tensor,
+        device_state: torch.Tensor,
+        grad: torch.Tensor,
+        device_grad: torch.Tensor,
+        params: torch.Tensor,
+        device_params: torch.Tensor,
+        kernel: Callable[[], None],
+    ) -> Dispatched:
+        """The copies and the kernel of one chunk, queued on its slot's stream: after whatever the
+        caller's stream queued before (the update's own copies), and after the slot's last chunk."""
+        stream = self.streams[slot]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        with torch.cuda.stream(stream):
+            events[0].record(stream)
+            device_state.copy_(state, non_blocking=True)
+            device_grad.copy_(grad, non_blocking=True)
+            events[1].record(stream)
+            kernel()
+            events[2].record(stream)
+            state.copy_(device_state, non_blocking=True)
+            if device_params is not params:
+                params.copy_(device_params, non_blocking=True)
+            events[3].record(stream)
+        return Dispatched(0, 0, 0, events[3], events)
+
+
+# The start-up check's chunk: two of a GPU's blocks and a tail of every vector width.
+CHECK_ELEMENTS = 2 * 1024 + 37
+# Values the check puts among the random ones: NaN, infinities, subnormals, -0.0, past fp16's range.
+CHECK_SPECIALS = [float("nan"), float("inf"), float("-inf"), 1e-40, -2e-41, -0.0, 7e4, 1e38]
+
+
+def _check_inputs(dtypes: StateDtypes, grad_dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's state bytes and gradient for the check, random with specials, the last element one."""
+    generator = torch.Generator().manual_seed(20261206)
+
+    def values(scale: float) -> torch.Tensor:
+        x = torch.randn(n, generator=generator) * scale
+        picks = torch.randint(0, 13, (n,), generator=generator) == 0
+        picks[-1] = True
+        specials = torch.tensor(CHECK_SPECIALS)
+        x[picks] = specials[torch.randint(0, len(specials), (int(picks.sum()),), generator=generator)]
+        return x
+
+    state = torch.zeros(dtypes.nbytes(n), dtype=torch.uint8)
+    for array, scale in zip(dtypes.arrays(state, n), (0.05, 1e-3, 1e-6), strict=True):
+        array.copy_(values(scale).abs() if scale == 1e-6 else values(scale))
+    return state, values(1e-2).to(grad_dtype)
+
+
+def check_on_device(
+    arith: dict[str, Any],
+    dtypes: StateDtypes,
+    grad_dtype: torch.dtype,
+    params_dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
+    """Whether the accelerator's kernel on `device` gives the host pass's bits (the same, or both NaN)
+    for a chunk of this build's arithmetic (`arith`) and these dtypes, over two steps; None where it
+    does, else what differs. Kernels of their own: the session's bias state is not touched."""
+    from mlp_offload.engine.fused_update import FusedAdam, adam_group
+
+    n = CHECK_ELEMENTS
+    state, grad = _check_inputs(dtypes, grad_dtype, n)
+    host_params = torch.zeros(n, dtype=params_dtype)
+    group = adam_group({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}, True)
+    room = torch.empty(slot_bytes(n, dtypes.bytes_per_element, grad.element_size(), 4), dtype=torch.uint8)
+    on_device = room.to(device)
+    device_state = on_device[: dtypes.nbytes(n)]
+    device_state.copy_(state)
+    device_grad = grad.to(device)
+    device_params = torch.zeros(n, dtype=params_dtype, device=device)
+    host = FusedAdam(_core.AdamKernel(0.9, 0.999, **arith), adamw=True, threads=1, dtypes=dtypes)
+    accelerator = AcceleratorAdam(_core.AdamKernel(0.9, 0.999, **arith), dtypes=dtypes)
+    for step in (1, 2):
+        host.update(state, grad, host_params, group=group, step=step, grad_scale=1 / 1024)
+        master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
+        accelerator.update(
+            master,
+            exp_avg,
+            exp_avg_sq,
+            device_grad,
+            device_params,
+            group=group,
+            step=step,
+            grad_scale=1 / 1024,
+        )
+    names = ("master weights", "exp_avg", "exp_avg_sq")
+    pairs = list(zip(names, dtypes.arrays(state, n), dtypes.arrays(device_state.cpu(), n), strict=True))
+    pairs.append(("parameters", host_params, device_params.cpu()))
+    for name, a, b in pairs:
+        bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+        same = (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
+        if not bool(same.all()):
+            first = int((~same).nonzero()[0])
+            return (
+                f"the accelerator's kernel gave other bits than the host pass at start-up: {name}, "
+                f"{int((~same).sum())} of {n} elements, the first at {first} ({float(a[first])!r} on the "
+                f"host, {float(b[first])!r} there)"
+            )
+    return None

@@ -1,0 +1,228 @@
+"""Chunks streamed to the accelerator beside the host's pass (`accelerator_update_memory`, Deep
+Optimizer States), against stock DeepSpeed's `device: cpu`, bit for bit: the accelerator's side runs the
+kernel through Triton's interpreter on DeepSpeed's CPU accelerator (`TRITON_INTERPRET=1`), with every
+copy there and back, so that each path and each split is checked here: the model's choice (one chunk
+the first step, to measure, then its own), some chunks and every chunk, cached and streamed, in chunk
+order behind the next forward and in the cache's order inside `step()`, with checksums, stale
+gradients, an fp16 overflow and two ranks. The model's split is table-tested with hand-worked figures
+in `crates/mlp-offload-core/src/accelerator_update.rs`; the engine's choice around it, and the start-up
+check of the kernel there, below."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import ONE_NODE
+from deepspeed_runs import assert_bit_equal, run_case, section
+from mlp_offload import _core
+from mlp_offload.engine import accelerator_chunks, planning
+from mlp_offload.engine.accelerator_adam import AcceleratorAdam
+from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Rates, slot_bytes
+from mlp_offload.engine.state_dtypes import StateDtypes
+
+ON_CUDA = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR") == "cuda"
+INTERPRETED = {} if ON_CUDA else {"TRITON_INTERPRET": "1"}
+STREAMS = {"host_memory": "200K", "update_chunk": "24K"}
+
+# name, the DeepSpeed case, the section's extra keys (the README's section otherwise), ranks, chunks
+# there each step (None: as the model chooses)
+ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int, list[int] | None]] = [
+    ("fp32, the README's section: the model's choice", {"fp32": True}, {}, 1, None),
+    ("fp32, the README's section: 2 chunks", {"fp32": True}, {"accelerator_update_chunks": 2}, 1, None),
+    (
+        "bf16 streamed, inside step(): every chunk",
+        {},
+        {**STREAMS, "overlap": False, "accelerator_update_chunks": 1000},
+        1,
+        None,
+    ),
+    (
+        "bf16 streamed behind the next forward, stale gradients, accumulation 2 with clipping: 3 chunks",
+        {"layer_drop": [1, 2], "grad_accum": 2, "clip": 0.05},
+        {**STREAMS, "overlap": True, "accelerator_update_chunks": 3},
+        1,
+        None,
+    ),
+    (
+        "fp16 with an overflow step, streamed: 2 chunks",
+        {"fp16": True, "overflow_at_step": 2},
+        {**STREAMS, "accelerator_update_chunks": 2},
+        1,
+        None,
+    ),
+    ("two ranks: 1 chunk", {"fp32": True}, {"host_memory": "64M", "accelerator_update_chunks": 1}, 2, None),
+]
+
+
+def _steps(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in result["telemetry"] if r.get("event") == "step"]
+
+
+@pytest.mark.parametrize(
+    ("ds_case", "extra", "ranks"),
+    [pytest.param(*r[1:4], marks=[ONE_NODE] if r[3] > 1 else [], id=r[0]) for r in ROWS],
+)
+def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
+    ds_case: dict[str, Any], extra: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
+) -> None:
+    case = {**ds_case, "steps": 4}
+    stock = run_case(case, tmp_path, "stock", ranks=ranks)
+    ours = run_case(
+        {**case, "mlp_offload": section(work_dirs[:1], **extra)},
+        tmp_path,
+        "ours",
+        ranks=ranks,
+        env=INTERPRETED,
+    )
+    for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
+        assert_bit_equal(a, b)
+    start = ours["telemetry"][0]["accelerator_update"]["chunks"]
+    assert start["on"] and "beside the host's pass" in start["why"]
+    assert f"chunks streamed there: {start['why']}" in planning.start_line(ours["telemetry"][0])
+    there = [r["accelerator_update"]["chunks"] for r in _steps(ours)]
+    assert there and all(r is not None for r in there)
+    pinned = extra.get("accelerator_update_chunks")
+    chunks = ours["telemetry"][0]["chunks"]
+    if pinned is None:
+        # One chunk measures the rates; then the model's choice, with its prediction.
+        assert there[0]["chunks"] == 1 and "measures" in there[0]["why"]
+        assert all(r["predicted_secs"] is not None and "the model" in r["why"] for r in there[1:])
+    else:
+        assert {r["chunks"] for r in there} == {min(pinned, chunks)}
+        assert all(r["host_chunks"] == chunks - r["chunks"] for r in there)
+    for r in there:
+        assert (r["bytes_out"] > 0) is (r["chunks"] > 0)
+        assert (r["kernel_secs"] > 0) is (r["chunks"] > 0)
+
+
+def test_the_split_changes_between_steps_and_stays_bit_equal(work_dirs: list[Path], tmp_path: Path) -> None:
+    """The model's choice over a run: the first step one chunk, then as the measured rates say (through
+    the interpreter, the host's pass is the faster: none), bit for bit stock's whatever it chose."""
+    case = {"steps": 4}
+    stock = run_case(case, tmp_path, "stock")
+    extra = {**STREAMS, "overlap_backward": False}
+    ours = run_case(
+        {**case, "mlp_offload": section(work_dirs[:1], **extra)}, tmp_path, "ours", env=INTERPRETED
+    )
+    assert_bit_equal(ours, stock)
+    counts = [r["accelerator_update"]["chunks"]["chunks"] for r in _steps(ours)]
+    assert len(set(counts)) > 1, counts
+
+
+def _chooser(
+    rates: Rates | None, *, memory: int | None = None, pinned: int | None = None
+) -> AcceleratorChunks:
+    chooser = AcceleratorChunks(torch.device("cpu"), memory=memory, pinned=pinned)
+    if rates is not None:
+        chooser.rates = rates
+    return chooser
+
+
+M = 1 << 20
+MEASURED = Rates(
+    host_elements_per_s=1.8e9, device_elements_per_s=2e10, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9
+)
+SLOT = slot_bytes(16 * M, 12, 2, 2)
+
+# name, rates measured, memory, pinned, chunks there (the last of 64), slots, why (a part)
+CHOICES: list[tuple[str, Rates | None, int | None, int | None, int, int, str]] = [
+    ("nothing measured yet: one chunk measures", None, None, None, 1, 2, "measures"),
+    ("measured, PCIe bound: the model's 31", MEASURED, None, None, 31, 2, "the model: 31 of 64"),
+    ("pinned: that many whatever the model", MEASURED, None, 5, 5, 2, "accelerator_update_chunks is 5"),
+    ("pinned past the chunks: every one", MEASURED, None, 100, 64, 2, "accelerator_update_chunks is 100"),
+    ("memory for one slot: one in flight", MEASURED, SLOT, None, 21, 1, "the model: 21 of 64"),
+    ("memory short of a slot: none", MEASURED, SLOT - 1, 5, 0, 0, "less than a chunk's"),
+    (
+        "a slow accelerator: the host alone",
+        # One chunk's kernel there (1.68 s) outlasts the host's whole pass (0.60 s).
+        Rates(1.8e9, 1e7, 25e9, 25e9),
+        None,
+        None,
+        0,
+        2,
+        "every chunk the host's is the fastest",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("rates", "memory", "pinned", "count", "slots", "why"),
+    [c[1:] for c in CHOICES],
+    ids=[c[0] for c in CHOICES],
+)
+def test_the_choice_of_chunks(
+    rates: Rates | None, memory: int | None, pinned: int | None, count: int, slots: int, why: str
+) -> None:
+    """`AcceleratorChunks.choose` over 64 chunks of 16 Mi elements, fp32 state, bf16 gradients (the rows
+    of `accelerator_update.rs`, which work the model's figures out by hand)."""
+    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, 12, 2, 28, SLOT)
+    assert split.chunks == list(range(64 - count, 64))
+    assert split.slots == slots
+    assert why in split.why
+    if "the model" in why:
+        assert split.predicted is not None and split.predicted["predicted_secs"] > 0
+    if count and split.predicted is not None:
+        assert split.predicted["predicted_secs"] < split.predicted["host_only_secs"]
+
+
+def test_the_split_binding_names_a_rate_that_is_not_one() -> None:
+    inputs = {
+        "chunk_elements": [M] * 4,
+        "state_bytes_per_element": 12,
+        "grad_bytes_per_element": 2,
+        "host_elements_per_s": 1e9,
+        "device_elements_per_s": 0.0,
+        "h2d_bytes_per_s": 1e9,
+        "d2h_bytes_per_s": 1e9,
+        "device_memory": 1 << 30,
+        "host_memory_bytes_per_s": 0.0,
+        "host_bytes_per_element": 28,
+        "io_secs": 0.0,
+    }
+    with pytest.raises(ValueError, match="device_elements_per_s"):
+        _core.accelerator_split(inputs)
+
+
+CHECKED = [
+    ("fp32 state, fp32 parameters", StateDtypes(), torch.float32),
+    ("fp32 state, bf16 parameters", StateDtypes(), torch.bfloat16),
+    ("bf16 weights and moments", StateDtypes(torch.bfloat16, torch.bfloat16), torch.bfloat16),
+    ("fp16 weights", StateDtypes(torch.float16, torch.float32), torch.float16),
+]
+ARITH = {
+    "vector_width": 16,
+    "momentum": "gradient",
+    "variance": "gradient",
+    "others": True,
+    "bias_sqrt": "float",
+}
+
+
+@pytest.mark.parametrize(("dtypes", "half"), [c[1:] for c in CHECKED], ids=[c[0] for c in CHECKED])
+def test_the_start_up_check_passes_the_kernel_and_names_what_differs(
+    dtypes: StateDtypes, half: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check a session runs before it streams chunks there (`check_on_device`): the kernel as it is
+    passes; one whose second moment is a bit off at the last step is named, with the first element
+    that differs."""
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if ON_CUDA else "cpu")
+    assert accelerator_chunks.check_on_device(ARITH, dtypes, half, half, device) is None
+    real = AcceleratorAdam.update
+
+    def a_bit_off(self: AcceleratorAdam, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        if kwargs["step"] == 1:
+            return
+        exp_avg_sq = args[2]
+        exp_avg_sq.view({4: torch.int32, 2: torch.int16}[exp_avg_sq.element_size()])[5] ^= 1
+
+    monkeypatch.setattr(AcceleratorAdam, "update", a_bit_off)
+    differs = accelerator_chunks.check_on_device(ARITH, dtypes, half, half, device)
+    assert differs is not None and "exp_avg_sq, 1 of" in differs and "the first at 5" in differs
