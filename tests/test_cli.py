@@ -506,6 +506,29 @@ def test_plan_splits_by_device_and_sizes_the_cache(work_dirs: list[Path]) -> Non
     assert "the forward and the backward each read them in" in table, table
 
 
+def test_plan_says_how_many_chunks_stream_to_the_accelerator(work_dirs: list[Path]) -> None:
+    """`plan --accelerator-elements-per-s` with the host pass's and the copies' rates: the chunks the
+    engine's model would send to the accelerator beside the host's pass (the last ones), and the update
+    it predicts against the host's alone; a rate missing is refused by its option."""
+    args = ("plan", *PROBE_OPTIONS, "--params", "100M", "--sub-group-size", "2e7", "--host-memory", "2G")
+    # The host pass at 1.8e9 elements a second (of 12 bytes), the kernel at 2e10, PCIe at 25 GB/s.
+    rates = ("--adam-bytes-per-s", "21600000000", "--accelerator-elements-per-s", "2e10")
+    copies = ("--h2d-bytes-per-s", "25000000000", "--d2h-bytes-per-s", "25000000000")
+    out = json.loads(run_cli(*args, *rates, *copies, "--json", "-q", str(work_dirs[0])).stdout)
+    split, chunks = out["accelerator_split"], out["workload"]["chunks"]
+    # Every chunk cached (no I/O floor): the 100M elements on the host take 55.6 ms.
+    assert split["host_only_secs"] == pytest.approx(1e8 / 1.8e9, rel=1e-9)
+    there = split["device_chunks"]
+    assert 0 < len(there) < chunks and there == list(range(chunks - len(there), chunks))
+    assert split["predicted_secs"] < split["host_only_secs"] and split["device_slots"] == 2
+    table = run_cli(*args, *rates, *copies, "-q", str(work_dirs[0])).stdout
+    assert f"on the accelerator beside the host's pass: {len(there)} of {chunks} chunks" in table, table
+    without = json.loads(run_cli(*args, "--json", "-q", str(work_dirs[0])).stdout)
+    assert without["accelerator_split"] is None
+    refused = run_cli(*args, *rates, *copies[2:], str(work_dirs[0]), check=False)
+    assert refused.returncode == 2 and "--h2d-bytes-per-s: needed" in refused.stderr, refused.stderr
+
+
 def test_plan_rejects_a_budget_below_one_chunk_before_it_probes(
     work_dirs: list[Path], profile_dir: Path
 ) -> None:

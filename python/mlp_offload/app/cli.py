@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from mlp_offload import _core
 from mlp_offload.app import doctor
 from mlp_offload.app import train as train_job
 from mlp_offload.app.tables import render_table
@@ -211,6 +212,14 @@ def _check_plan_args(args: argparse.Namespace) -> None:
     """`--nodes` and `--locality` refused as they are wrong, before anything is probed."""
     if args.nodes < 1:
         raise ValueError(f"--nodes: {args.nodes} is not a number of nodes")
+    if args.accelerator_elements_per_s:
+        for key in ("adam_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+            if getattr(args, key) <= 0:
+                option = "--" + key.replace("_", "-")
+                raise ValueError(
+                    f"{option}: needed with --accelerator-elements-per-s (the split weighs both passes and "
+                    "the copies each way)"
+                )
     if args.locality is not None and (
         len(args.locality) != len(args.dirs) or not set(args.locality) <= {"node-local", "shared"}
     ):
@@ -260,6 +269,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(source, file=sys.stderr)
     layout, plan = plan_at(profile, numels, args.host_memory, args)
     by_budget = _plans_by_budget(profile, numels, args)
+    split = _accelerator_split(layout, plan, args)
     workload = {
         "params": args.params,
         "sub_group_size": group,
@@ -285,13 +295,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "node_share": profile.node_share(args.nodes, args.locality),
                     "plan": plan,
                     "by_host_memory": by_budget,
+                    "accelerator_split": split,
                 },
                 indent=2,
             )
         )
     else:
         _print_plan(profile, args, workload, plan, by_budget)
+        if split is not None:
+            _print_split(split, len(layout.chunks), plan["io_floor_secs"])
     return 0
+
+
+def _accelerator_split(
+    layout: memory.ChunkLayout, plan: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """The chunks that stream to the accelerator beside the host's pass (`accelerator_update_memory`),
+    as the engine's model chooses them once it has measured these rates; None without
+    `--accelerator-elements-per-s`. The gradient in bf16, the parameters too; the I/O floor the plan's."""
+    if not args.accelerator_elements_per_s:
+        return None
+    elements = [count for _, _, count in layout.chunks]
+    return _core.accelerator_split(
+        {
+            "chunk_elements": elements,
+            "state_bytes_per_element": args.state_bytes,
+            "grad_bytes_per_element": 2,
+            "host_elements_per_s": args.adam_bytes_per_s / args.state_bytes,
+            "device_elements_per_s": float(args.accelerator_elements_per_s),
+            "h2d_bytes_per_s": float(args.h2d_bytes_per_s),
+            "d2h_bytes_per_s": float(args.d2h_bytes_per_s),
+            "device_memory": args.accelerator_memory,
+            "host_memory_bytes_per_s": 0.0,
+            "host_bytes_per_element": 2 * args.state_bytes + 4,
+            "io_secs": plan["io_floor_secs"],
+        }
+    )
+
+
+def _print_split(split: dict[str, Any], chunks: int, io_floor_secs: float) -> None:
+    print(
+        f"\non the accelerator beside the host's pass: {len(split['device_chunks'])} of {chunks} chunks "
+        f"({split['device_slots']} in flight), the update {split['predicted_secs']:.2f} s against "
+        f"{split['host_only_secs']:.2f} s on the host alone (host {split['host_secs']:.2f} s, accelerator "
+        f"{split['device_secs']:.2f} s, the I/O floor {io_floor_secs:.2f} s; host memory's bandwidth not "
+        "weighed)"
+    )
 
 
 def _print_plan(
@@ -495,6 +544,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--fwd-bwd-secs", type=float, default=0.0, help="forward+backward time per step, when known"
+    )
+    plan.add_argument(
+        "--accelerator-elements-per-s",
+        type=parse_count,
+        default=0,
+        help="elements a second the accelerator's kernel of the update runs at, when known (2e10; with "
+        "--adam-bytes-per-s, --h2d-bytes-per-s and --d2h-bytes-per-s: how many chunks stream to the "
+        "accelerator beside the host's pass, as accelerator_update_memory chooses; 0: not modelled)",
+    )
+    plan.add_argument(
+        "--h2d-bytes-per-s", type=parse_size, default=0, help="host-to-accelerator copy rate (25G)"
+    )
+    plan.add_argument(
+        "--d2h-bytes-per-s", type=parse_size, default=0, help="accelerator-to-host copy rate (25G)"
+    )
+    plan.add_argument(
+        "--accelerator-memory",
+        type=parse_size,
+        default=8 << 30,
+        help="accelerator memory the update may use (accelerator_update_memory; 8G)",
     )
     plan.add_argument(
         "--params-on-nvme",
