@@ -16,6 +16,9 @@ Contenders (same model, data, seed and DeepSpeed settings; `sub_group_size` 2e7 
 - `...-noadmit` after either: the same without node-wide admission (`device_inflight: "off"`), for
   `--ranks` above 1 (with one rank admission is off anyway);
 - `ds-cpu`: the optimizer state in DRAM (`offload_optimizer: {device: cpu}`), the floor of any offload;
+- `ds-cpu-ratio-0.3`, `ds-cpu-ratio-0.5`: the same with stock's `offload_optimizer.ratio` (ZeRO-Offload++):
+  its first subgroups' state on the GPU, updated there by torch's AdamW (on DeepSpeed's CPU accelerator,
+  `ds-cpu` itself);
 - `mlp-offload+NAME`, one per `--variant NAME=JSON`: `mlp-offload` with those keys of our section, for
   A/B runs of a setting, e.g. `--variant inflight16='{"max_inflight": 16}'`; `--variant BASE/NAME=JSON`
   adds `mlp-offload-BASE+NAME` the same way, e.g. `--variant half/serial='{"overlap": false}'`.
@@ -68,6 +71,8 @@ CONTENDERS = (
     "mlp-offload-capped",
     "mlp-offload-capped-noadmit",
     "ds-cpu",
+    "ds-cpu-ratio-0.3",
+    "ds-cpu-ratio-0.5",
 )
 # Contenders on the test bed's capped loop device (alone or beside the work disk).
 TESTBED_CONTENDERS = tuple(c for c in CONTENDERS if "2path" in c or "capped" in c)
@@ -130,6 +135,9 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
             "buffer_count": count,
             "buffer_size": largest,
         }
+    if contender.startswith("ds-cpu-ratio-"):
+        # ZeRO-Offload++: stock keeps the first subgroups' state on the GPU, updated by torch's AdamW there.
+        offload["ratio"] = float(contender.removeprefix("ds-cpu-ratio-"))
     if contender.startswith("ds-nvme"):
         pipelined = contender == "ds-nvme-pipelined"
         offload.update(
@@ -254,7 +262,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     # Each data-parallel rank its own batches.
     data = torch.Generator().manual_seed(1 + rank)
     steps: list[dict[str, Any]] = []
-    watch = DeviceWatch(spec["paths"]) if spec["contender"] != "ds-cpu" else None
+    watch = DeviceWatch(spec["paths"]) if not spec["contender"].startswith("ds-cpu") else None
     updates: list[dict[str, Any]] = []
     traces: list[dict[str, Any]] = []
     if watch is not None:
@@ -624,8 +632,12 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             ranks = launch(spec_file, root / contender, env, args.ranks, testbed_up)
             for result in ranks:
                 result["paths"] = run_paths
-                result["path_bytes_per_s"] = bandwidths[tuple(run_paths)] if contender != "ds-cpu" else []
-                result["fio_bytes_per_s"] = floors[tuple(run_paths)] if contender != "ds-cpu" else 0.0
+                result["path_bytes_per_s"] = (
+                    bandwidths[tuple(run_paths)] if not contender.startswith("ds-cpu") else []
+                )
+                result["fio_bytes_per_s"] = (
+                    floors[tuple(run_paths)] if not contender.startswith("ds-cpu") else 0.0
+                )
             runs[contender].append(merge_ranks(ranks))
             # Each run's figures as it ends: a bench cut off by a time limit keeps what it measured.
             print(f"  {contender}: {describe_run(runs[contender][-1])}", file=sys.stderr, flush=True)
@@ -741,9 +753,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         moved = row["bytes_read"] + row["bytes_written"]
         # fio's figure where there is one, else our probe's.
         bandwidth = rounds[0].get("fio_bytes_per_s") or sum(rounds[0]["path_bytes_per_s"])
-        row["io_floor_secs"] = moved / bandwidth if contender != "ds-cpu" and bandwidth > 0 else 0.0
+        row["io_floor_secs"] = (
+            moved / bandwidth if not contender.startswith("ds-cpu") and bandwidth > 0 else 0.0
+        )
         row["update_over_io_floor"] = row["update"] / row["io_floor_secs"] if row["io_floor_secs"] else None
-        row["update_bytes_per_s"] = moved / row["update"] if contender != "ds-cpu" else 0.0
+        row["update_bytes_per_s"] = moved / row["update"] if not contender.startswith("ds-cpu") else 0.0
         if disks := [s["disk"] for s in steps if "disk" in s]:
             row["disk"] = disk_medians(disks)
         if watched := watched_threads(steps):

@@ -11,6 +11,11 @@ Parts, in this order (all by default; name some to run only those, one call each
   and fuses exactly as the kernel asks (the interpreter here cannot tell);
 - `ratio`: `offload_optimizer.ratio` with ours on CUDA (`tests/test_ratio.py`): its subgroups kept in the
   GPU's memory and updated there, bit-equal to stock's `device: cpu`;
+- `accelerator-chunks`: chunks streamed to the GPU beside the host's pass
+  (`tests/test_accelerator_chunks.py`), bit-equal to stock's `device: cpu`, and the start-up check of the
+  kernel there;
+- `e2e-1B-split`, `e2e-1B-split-nvme`: LLaMA 1B with those chunks, the state in DRAM against DeepSpeed's
+  `device: cpu` and its `ratio` 0.3 and 0.5, and streamed from NVMe against its NVMe offload (issue 82);
 - `bitexact`: the bit-exact table on CUDA (`tests/test_bitexact.py`: bf16 and fp16, accumulation, clipping,
   one and two paths, the update behind the next forward on and off), against stock DeepSpeed's
   `device: cpu` on the same GPU;
@@ -173,6 +178,43 @@ PARTS = {
         "with clipping, the update during backward)",
         pytest_part("tests/test_ratio.py", "-k", "bit_equal"),
         CUDA,
+    ),
+    "accelerator-chunks": Part(
+        "chunks streamed to the GPU beside the host's pass (accelerator_update_memory, Deep Optimizer "
+        "States) on CUDA: the start-up check, the model's choice, some and every chunk, cached and streamed, "
+        "bit-equal to stock's device: cpu (issue 82's item 3)",
+        pytest_part("tests/test_accelerator_chunks.py"),
+        CUDA,
+    ),
+    "e2e-1B-split": Part(
+        "LLaMA 1B, the state in DRAM: DeepSpeed device: cpu and its ratio 0.3 and 0.5 (ZeRO-Offload++) "
+        "against ours with chunks streamed to the GPU beside the host's pass (the update during backward "
+        'off, which both at "auto" keep on), behind the next forward and inside step(), and without '
+        "the split (issue 82's targets: 2x device: cpu, ahead of stock's best ratio)",
+        e2e_part(
+            "1B",
+            "ds-cpu,ds-cpu-ratio-0.3,ds-cpu-ratio-0.5",
+            "e2e-1B-split",
+            (
+                'default/split={"overlap_backward": false}',
+                'default/split-serial={"overlap_backward": false, "overlap": false}',
+                'default/host={"overlap_backward": false, "accelerator_update_memory": 0}',
+            ),
+        ),
+    ),
+    "e2e-1B-split-nvme": Part(
+        "LLaMA 1B streamed from NVMe: DeepSpeed's pipelined NVMe offload against ours at its memory with "
+        "chunks streamed to the GPU beside the host's pass, and without them (the update during backward "
+        "off in both; issue 82's target: 2x DeepSpeed's NVMe offload)",
+        e2e_part(
+            "1B",
+            "ds-nvme-pipelined",
+            "e2e-1B-split-nvme",
+            (
+                'split={"overlap_backward": false}',
+                'host={"overlap_backward": false, "accelerator_update_memory": 0}',
+            ),
+        ),
     ),
     "bitexact": Part(
         "the bit-exact table on CUDA against stock DeepSpeed's device: cpu",

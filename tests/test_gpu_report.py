@@ -49,4 +49,4 @@ def test_without_cuda_every_part_says_it_skipped_and_why(tmp_path: Path) -> None
 def test_an_unknown_part_is_refused_by_name(tmp_path: Path) -> None:
     proc = report("--out", tmp_path, "bitexact", "e2e-2B")
     assert proc.returncode == 2
-    assert "e2e-2B: not among accelerator-kernel, ratio, bitexact" in proc.stderr
+    assert "e2e-2B: not among accelerator-kernel, ratio, accelerator-chunks, e2e-1B-split" in proc.stderr
