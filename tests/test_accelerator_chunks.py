@@ -20,6 +20,7 @@ import torch
 from conftest import ONE_NODE
 from deepspeed_runs import assert_bit_equal, run_case, section
 from mlp_offload import _core
+from mlp_offload.adapter import troubleshooting
 from mlp_offload.engine import accelerator_chunks, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
 from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Rates, slot_bytes
@@ -225,4 +226,7 @@ def test_the_start_up_check_passes_the_kernel_and_names_what_differs(
 
     monkeypatch.setattr(AcceleratorAdam, "update", a_bit_off)
     differs = accelerator_chunks.check_on_device(ARITH, dtypes, half, half, device)
-    assert differs is not None and "exp_avg_sq, 1 of" in differs and "the first at 5" in differs
+    assert differs is not None
+    assert (differs["array"], differs["count"], differs["first"]) == ("exp_avg_sq", 1, 5)
+    said = troubleshooting.ACCELERATOR_KERNEL_DIFFERS.message(**differs)
+    assert "exp_avg_sq, 1 of 2085 elements, the first at 5" in said

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
 from mlp_offload.adapter.monitors import MonitorWriter, UpdateTimers
 from mlp_offload.adapter.param_swapper import StoreParamSwapper, require_ours
@@ -66,8 +67,9 @@ def _chunks_checked(settings: Settings, view: DeepSpeedView) -> Settings:
     )
     if differs is None:
         return settings
-    log.warning("mlp_offload: %s; every chunk is the host's", differs)
-    return dataclasses.replace(settings, accelerator_chunks=Choice(False, f"off: {differs}"))
+    said = troubleshooting.ACCELERATOR_KERNEL_DIFFERS.message(**differs)
+    log.warning("%s", said)
+    return dataclasses.replace(settings, accelerator_chunks=Choice(False, f"off: {said}"))
 
 
 @dataclass

@@ -280,10 +280,7 @@ def _backward_or_chunks_there(config: MLPOffloadConfig, backward: Choice) -> Cho
     if not asked or not backward.on:
         return backward
     if config.overlap_backward is True:
-        raise ValueError(
-            f"overlap_backward: true, and {asked[0]} asks for chunks on the accelerator: the update "
-            "during backward stages its chunks in host memory; set one of them to what it would be off"
-        )
+        raise ValueError(troubleshooting.ACCELERATOR_CHUNKS_BACKWARD.message(key=asked[0]))
     return Choice(False, f"off: chunks stream to the accelerator beside the host's pass ({asked[0]})")
 
 
@@ -333,7 +330,7 @@ def _accelerator_chunks(
         return Choice(True, f"on: chunks stream {where} beside the host's pass, {chose}, bit-equal")
     if memory_setting != "auto" or chunks_setting != "auto":
         key = "accelerator_update_memory" if memory_setting != "auto" else "accelerator_update_chunks"
-        raise ValueError(f"{key}: chunks cannot stream to the accelerator here: {why_not}")
+        raise ValueError(troubleshooting.ACCELERATOR_CHUNKS.message(key=key, why=why_not))
     return Choice(False, f"off: {why_not}")
 
 

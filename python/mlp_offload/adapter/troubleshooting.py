@@ -234,6 +234,42 @@ RATIO = Trouble(
     "`offload_optimizer.ratio` at 1.0: every subgroup through the store, bit-equal to `device: cpu`",
     "`offload_optimizer.ratio` below 1 without Triton or the fused pass",
 )
+ACCELERATOR_CHUNKS = Trouble(
+    "accelerator-chunks",
+    "accelerator_update_memory or accelerator_update_chunks set where chunks cannot stream there",
+    "mlp_offload.{key}: chunks cannot stream to the accelerator here: {why}",
+    REFUSAL,
+    "chunks stream to the accelerator beside the host's pass on a GPU (or through Triton's interpreter "
+    "on DeepSpeed's CPU accelerator), with Triton, the fused pass, the master weights apart from the "
+    "parameters, no update during backward and no parameters on NVMe",
+    'leave both keys at "auto" (on where it can be, the start-up record saying why not elsewhere), or '
+    "set one to 0",
+    "`accelerator_update_memory` or `accelerator_update_chunks` set where chunks cannot stream there",
+)
+ACCELERATOR_CHUNKS_BACKWARD = Trouble(
+    "accelerator-chunks-backward",
+    "overlap_backward: true with chunks asked for on the accelerator",
+    "mlp_offload.overlap_backward: true, and {key} asks for chunks on the accelerator: the update during "
+    "backward stages its chunks in host memory; set one of them to what it would be off",
+    REFUSAL,
+    "the update during backward keeps a chunk's state before in host memory to undo it, which a chunk "
+    "on the accelerator is not",
+    'set `overlap_backward` to "auto" (it gives way to the chunks there) or false, or the key to 0',
+    "`overlap_backward: true` beside `accelerator_update_memory` or `accelerator_update_chunks`",
+)
+ACCELERATOR_KERNEL_DIFFERS = Trouble(
+    "accelerator-kernel-differs",
+    "The accelerator's kernel gives other bits than the host pass",
+    "mlp_offload: the accelerator's kernel gave other bits than the host pass at start-up: {array}, "
+    "{count} of {elements} elements, the first at {first} ({host!r} on the host, {there!r} there); every "
+    "chunk is the host's",
+    WARNING,
+    "before streaming chunks to the accelerator, the session runs the kernel there on a chunk of random "
+    "and special values and compares it with the host pass: a GPU or Triton build that divides, takes "
+    "square roots, fuses or converts otherwise than the kernel asks",
+    "report it with the GPU and the versions of torch and Triton; training goes on bit-exact, every "
+    "chunk on the host",
+)
 MASTER_IN_PARAMS = Trouble(
     "master-in-params",
     "master_in_params: true where the parameters do not hold the master weights",
@@ -303,6 +339,9 @@ FORMATTED_HERE = (
     UNIVERSAL_EXPERT,
     HOST_MEMORY,
     RATIO,
+    ACCELERATOR_CHUNKS,
+    ACCELERATOR_CHUNKS_BACKWARD,
+    ACCELERATOR_KERNEL_DIFFERS,
     MASTER_IN_PARAMS,
     UPDATE_KERNEL,
     UPDATE_KERNEL_HALF,

@@ -77,7 +77,7 @@ class MLPOffloadConfig(BaseModel):
     cache_chunks: int | Literal["auto"] = "auto"
     """Chunks kept in host memory across steps (each skips a read and a write a step).
 
-    Chunks kept in host memory across steps (they skip a read and a write each step). `"auto"`:
+    `"auto"`:
     every buffer `host_memory` holds, the stream's included (a step then reads and writes only what
     does not fit); a number: that many, the other buffers written back at the end of every step."""
 

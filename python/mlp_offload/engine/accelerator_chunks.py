@@ -9,8 +9,9 @@ queues them (`dispatch`), and the pipeline places each chunk once its copy back 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,65 +213,57 @@ class AcceleratorChunks:
             else room[at_params : at_params + n * params.element_size()].view(params.dtype)
         )
         master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
-        args = kernel_args
+        marks = _Marks(self.streams[slot] if self.streams else None, self.device)
+        with marks.queued():
+            device_state.copy_(state[:nbytes], non_blocking=True)
+            device_grad.copy_(grad, non_blocking=True)
+            marks.mark()
+            update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **kernel_args)
+            marks.mark()
+            state[:nbytes].copy_(device_state, non_blocking=True)
+            if not on_device:
+                params.copy_(device_params, non_blocking=True)
         out_bytes = nbytes + n * grad.element_size()
         back_bytes = nbytes + (0 if on_device else n * params.element_size())
-        if not self.streams:
-            t = [time.perf_counter()]
-            device_state.copy_(state[:nbytes])
-            device_grad.copy_(grad)
-            t.append(time.perf_counter())
-            update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **args)
-            t.append(time.perf_counter())
-            state[:nbytes].copy_(device_state)
-            if not on_device:
-                params.copy_(device_params)
-            t.append(time.perf_counter())
-            seconds = [t[k + 1] - t[k] for k in range(3)]
-            dispatched = Dispatched(n, out_bytes, back_bytes, None, seconds)
-        else:
-            dispatched = self._queue(
-                slot,
-                state[:nbytes],
-                device_state,
-                grad,
-                device_grad,
-                params,
-                device_params,
-                lambda: update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **args),
-            )
-            dispatched.elements, dispatched.out_bytes, dispatched.back_bytes = n, out_bytes, back_bytes
+        dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages)
         self.dispatched.append(dispatched)
         return dispatched
 
-    def _queue(
-        self,
-        slot: int,
-        state: torch.Tensor,
-        device_state: torch.Tensor,
-        grad: torch.Tensor,
-        device_grad: torch.Tensor,
-        params: torch.Tensor,
-        device_params: torch.Tensor,
-        kernel: Callable[[], None],
-    ) -> Dispatched:
-        """The copies and the kernel of one chunk, queued on its slot's stream: after whatever the
-        caller's stream queued before (the update's own copies), and after the slot's last chunk."""
-        stream = self.streams[slot]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        with torch.cuda.stream(stream):
-            events[0].record(stream)
-            device_state.copy_(state, non_blocking=True)
-            device_grad.copy_(grad, non_blocking=True)
-            events[1].record(stream)
-            kernel()
-            events[2].record(stream)
-            state.copy_(device_state, non_blocking=True)
-            if device_params is not params:
-                params.copy_(device_params, non_blocking=True)
-            events[3].record(stream)
-        return Dispatched(0, 0, 0, events[3], events)
+
+class _Marks:
+    """The marks between one chunk's stages (copy out, kernel, copy back): events on its slot's stream,
+    queued after whatever the caller's stream queued before (the update's own copies) and after the
+    slot's last chunk; or, where the work runs as it is called (no stream), the times."""
+
+    def __init__(self, stream: Any, device: torch.device) -> None:
+        self.stream = stream
+        self.device = device
+        self.stages: list[Any] = []
+        self.end: Any = None
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """The chunk's work, marked at its start and end (and where `mark` is called in it)."""
+        if self.stream is None:
+            self.mark()
+            yield
+            self.mark()
+            self.stages = [b - a for a, b in zip(self.stages, self.stages[1:], strict=False)]
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.mark()
+            yield
+            self.mark()
+        self.end = self.stages[-1]
+
+    def mark(self) -> None:
+        if self.stream is None:
+            self.stages.append(time.perf_counter())
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        self.stages.append(event)
 
 
 # The start-up check's chunk: two of a GPU's blocks and a tail of every vector width.
@@ -303,10 +296,11 @@ def check_on_device(
     grad_dtype: torch.dtype,
     params_dtype: torch.dtype,
     device: torch.device,
-) -> str | None:
+) -> dict[str, Any] | None:
     """Whether the accelerator's kernel on `device` gives the host pass's bits (the same, or both NaN)
     for a chunk of this build's arithmetic (`arith`) and these dtypes, over two steps; None where it
-    does, else what differs. Kernels of their own: the session's bias state is not touched."""
+    does, else what differs: the array, how many elements of how many, the first and its two values.
+    Kernels of their own: the session's bias state is not touched."""
     from mlp_offload.engine.fused_update import FusedAdam, adam_group
 
     n = CHECK_ELEMENTS
@@ -342,9 +336,12 @@ def check_on_device(
         same = (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
         if not bool(same.all()):
             first = int((~same).nonzero()[0])
-            return (
-                f"the accelerator's kernel gave other bits than the host pass at start-up: {name}, "
-                f"{int((~same).sum())} of {n} elements, the first at {first} ({float(a[first])!r} on the "
-                f"host, {float(b[first])!r} there)"
-            )
+            return {
+                "array": name,
+                "count": int((~same).sum()),
+                "elements": n,
+                "first": first,
+                "host": float(a[first]),
+                "there": float(b[first]),
+            }
     return None
