@@ -189,9 +189,9 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     moments = torch.float32 if facts.fp32_moments else facts.master
     dtypes = StateDtypes(facts.master, moments, in_params.on)
     host_memory, source = _host_memory(config, facts, dtypes.bytes_per_element, spare)
-    update_chunk = None if config.update_chunk == "auto" else int(config.update_chunk)
+    update_chunk = _auto_as_none(config.update_chunk)
     layout = memory.chunk_layout(facts.numels, host_memory, update_chunk, dtypes.bytes_per_element)
-    cache_chunks = None if config.cache_chunks == "auto" else config.cache_chunks
+    cache_chunks = _auto_as_none(config.cache_chunks)
     try:
         layout.require_a_buffer(host_memory)
         buffers, cache_slots = memory.stream_buffers(layout.buffers, len(layout.chunks), cache_chunks)
@@ -205,7 +205,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
                 buffer_bytes=layout.buffer_bytes,
             )
         ) from None
-    threads = None if config.update_threads == "auto" else config.update_threads
+    threads = _auto_as_none(config.update_threads)
     kernel = check_kernel(config.update_kernel, dtypes, dtypes, threads)
     fused = kernel.fused is not None
     if on_accelerator and not fused:
@@ -234,7 +234,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     buffers, cache_slots = memory.stream_buffers(
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
-    chunks_there = _accelerator_chunks(config, facts, kernel if not fused else None, in_params, backward)
+    chunks_there = _accelerator_chunks(config, facts, kernel, in_params, backward)
     in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
     chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
     return Settings(
@@ -262,8 +262,8 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         accelerator_update=accelerator_update,
         accelerator_subgroups=on_accelerator,
         accelerator_chunks=chunks_there,
-        accelerator_update_memory=_size_or_auto(config.accelerator_update_memory),
-        accelerator_update_chunks=_size_or_auto(config.accelerator_update_chunks),
+        accelerator_update_memory=_auto_as_none(config.accelerator_update_memory),
+        accelerator_update_chunks=_auto_as_none(config.accelerator_update_chunks),
     )
 
 
@@ -272,11 +272,7 @@ def _backward_or_chunks_there(config: MLPOffloadConfig, backward: Choice) -> Cho
     accelerator are not: where those are asked for by a key, `overlap_backward: "auto"` gives way (both
     asked for is an error naming the keys); with both "auto", the update during backward stays where it
     is on."""
-    asked = [
-        key
-        for key in ("accelerator_update_memory", "accelerator_update_chunks")
-        if getattr(config, key) not in ("auto", 0)
-    ]
+    asked = _chunks_asked(config)
     if not asked or not backward.on:
         return backward
     if config.overlap_backward is True:
@@ -284,14 +280,24 @@ def _backward_or_chunks_there(config: MLPOffloadConfig, backward: Choice) -> Cho
     return Choice(False, f"off: chunks stream to the accelerator beside the host's pass ({asked[0]})")
 
 
-def _size_or_auto(value: int | str) -> int | None:
+def _chunks_asked(config: MLPOffloadConfig) -> list[str]:
+    """The keys that ask for chunks on the accelerator: set, and not to 0."""
+    return [
+        key
+        for key in ("accelerator_update_memory", "accelerator_update_chunks")
+        if getattr(config, key) not in ("auto", 0)
+    ]
+
+
+def _auto_as_none(value: int | str) -> int | None:
+    """A number-or-"auto" key's value: None for "auto"."""
     return None if value == "auto" else int(value)
 
 
 def _accelerator_chunks(
     config: MLPOffloadConfig,
     facts: StartFacts,
-    no_fused: KernelChoice | None,
+    kernel: KernelChoice,
     in_params: Choice,
     backward: Choice,
 ) -> Choice:
@@ -312,8 +318,8 @@ def _accelerator_chunks(
         why_not = f"the accelerator's kernel runs on CUDA (or Triton's interpreter), not on {accelerator}"
     elif importlib.util.find_spec("triton") is None:
         why_not = "Triton, which runs the accelerator's kernel, is not installed"
-    elif no_fused is not None:
-        why_not = f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({no_fused.why})"
+    elif kernel.fused is None:
+        why_not = f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({kernel.why})"
     elif in_params.on:
         why_not = "the master weights are in the parameters (master_in_params), which chunks there keep apart"
     elif backward.on:
@@ -328,9 +334,8 @@ def _accelerator_chunks(
         )
         chose = "the model's choice each step" if chunks_setting == "auto" else f"{chunks_setting} every step"
         return Choice(True, f"on: chunks stream {where} beside the host's pass, {chose}, bit-equal")
-    if memory_setting != "auto" or chunks_setting != "auto":
-        key = "accelerator_update_memory" if memory_setting != "auto" else "accelerator_update_chunks"
-        raise ValueError(troubleshooting.ACCELERATOR_CHUNKS.message(key=key, why=why_not))
+    if asked := _chunks_asked(config):
+        raise ValueError(troubleshooting.ACCELERATOR_CHUNKS.message(key=asked[0], why=why_not))
     return Choice(False, f"off: {why_not}")
 
 

@@ -21,7 +21,7 @@ from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
 from mlp_offload.engine.accelerator_chunks import StepSplit, slot_bytes
-from mlp_offload.engine.fused_update import crc32c_of
+from mlp_offload.engine.fused_update import stripe_sums
 from mlp_offload.engine.pipeline import DeferredUpdate, StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
 from mlp_offload.engine.telemetry import AcceleratorStep, ChunksStep, OverlapStep
@@ -223,7 +223,7 @@ class StepUpdate:
         grad_size = self.chunk_update.gradient(session.state.chunks[candidates[-1]][0]).element_size()
         params_size = self.view.partition_dtype.itemsize
         host_bpe = 2 * dtypes.bytes_per_element + grad_size + params_size
-        room = slot_bytes(max(elements), dtypes.nbytes(1), grad_size, params_size)
+        room = slot_bytes(max(elements), dtypes.bytes_per_element, grad_size, params_size)
         self.split = there.choose(elements, dtypes.bytes_per_element, grad_size, host_bpe, room)
         chosen = [candidates[k] for k in self.split.chunks]
         self.chunks_there = frozenset(chosen)
@@ -232,13 +232,6 @@ class StepUpdate:
             return None
         self.update_pass = AcceleratorAdam(session.fused.kernel, dtypes=dtypes)
         return chosen + [c for c in order if c not in self.chunks_there] if ascending else None
-
-    def _stripe_sums(self, state_bytes: torch.Tensor, cuts: list[int] | None) -> list[int] | None:
-        """The CRC32C of each stripe of a chunk's bytes, cut at `cuts`, as the fused pass sums them."""
-        if cuts is None:
-            return None
-        ends = [*cuts[1:], state_bytes.numel()]
-        return [crc32c_of(state_bytes[a:b]) for a, b in zip(cuts, ends, strict=True)]
 
     def chunk_there(
         self,
@@ -255,7 +248,7 @@ class StepUpdate:
         assert there is not None and update_pass is not None
         i, first, count = session.state.chunks[chunk]
         step = self.snapshot.steps[i] + 1
-        read_sums = self._stripe_sums(state_bytes, read_cuts)
+        read_sums = stripe_sums(state_bytes, read_cuts)
         # A gradient of its own: a reused buffer could change before its copy there ran.
         grad = self.chunk_update.pass_gradient(i, first, count, self.stale_ranges, own=True)
         args = {"group": self.adam_groups[view.group_of(i)], "step": step, "grad_scale": self.grad_scale}
@@ -267,7 +260,7 @@ class StepUpdate:
             queued.wait()
             view.after_fused_pass(i, step)
             self._chunk_done(i, subgroup_done)
-            return read_sums, self._stripe_sums(state_bytes, write_cuts)
+            return read_sums, stripe_sums(state_bytes, write_cuts)
 
         return DeferredUpdate(queued.done, finish, queued.wait)
 

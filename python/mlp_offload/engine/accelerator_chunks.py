@@ -91,8 +91,8 @@ class Dispatched:
 class AcceleratorChunks:
     """The chunks a step streams to `device` (see the module docs). `memory`: the accelerator memory the
     update may use (None: what is free at each step); `pinned`: chunks every step (None: the model's
-    choice); `interpreted`: the kernel runs through Triton's interpreter on the host (DeepSpeed's CPU
-    accelerator), where no device memory is free or taken."""
+    choice). On a device other than CUDA the kernel runs through Triton's interpreter on the host, where
+    no device memory is free or taken."""
 
     def __init__(self, device: torch.device, *, memory: int | None, pinned: int | None) -> None:
         self.device = device
@@ -142,7 +142,9 @@ class AcceleratorChunks:
                 "device_elements_per_s": self.rates.device_elements_per_s,
                 "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
                 "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
-                "device_memory": memory,
+                # The memory of the slots counted here (with the parameters' scratch and alignment),
+                # in the model's own measure of a slot, so that it sees as many.
+                "device_memory": slots * max(elements) * (state_bpe + grad_bpe),
                 "host_memory_bytes_per_s": 0.0,
                 "host_bytes_per_element": host_bpe,
                 "io_secs": 0.0,
@@ -154,7 +156,7 @@ class AcceleratorChunks:
             if chunks
             else f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
         )
-        return StepSplit(chunks, predicted["device_slots"] or slots, why, predicted)
+        return StepSplit(chunks, slots, why, predicted)
 
     def begin(self, split: StepSplit, slot_bytes: int) -> None:
         """A step's chunks on the accelerator begin: its slots' memory, `slot_bytes` each (none where
@@ -307,17 +309,15 @@ def check_on_device(
     state, grad = _check_inputs(dtypes, grad_dtype, n)
     host_params = torch.zeros(n, dtype=params_dtype)
     group = adam_group({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}, True)
-    room = torch.empty(slot_bytes(n, dtypes.bytes_per_element, grad.element_size(), 4), dtype=torch.uint8)
-    on_device = room.to(device)
-    device_state = on_device[: dtypes.nbytes(n)]
-    device_state.copy_(state)
+    # A copy also where the device is the host's (through the interpreter): each pass its own state.
+    device_state = state.to(device, copy=True)
     device_grad = grad.to(device)
     device_params = torch.zeros(n, dtype=params_dtype, device=device)
     host = FusedAdam(_core.AdamKernel(0.9, 0.999, **arith), adamw=True, threads=1, dtypes=dtypes)
     accelerator = AcceleratorAdam(_core.AdamKernel(0.9, 0.999, **arith), dtypes=dtypes)
+    master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
     for step in (1, 2):
         host.update(state, grad, host_params, group=group, step=step, grad_scale=1 / 1024)
-        master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
         accelerator.update(
             master,
             exp_avg,

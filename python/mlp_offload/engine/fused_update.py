@@ -159,6 +159,15 @@ def crc32c_of(t: torch.Tensor) -> int:
     return _core.crc32c(t.view(torch.uint8).numpy())
 
 
+def stripe_sums(t: torch.Tensor, cuts: list[int] | None) -> list[int] | None:
+    """The CRC32C of each stripe of a chunk's bytes `t`, cut at `cuts` (the stripes' starts), as the
+    fused pass sums them; None where no cuts were asked for."""
+    if cuts is None:
+        return None
+    ends = [*cuts[1:], t.numel()]
+    return [crc32c_of(t[a:b]) for a, b in zip(cuts, ends, strict=True)]
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same dtype and the same bits in every element (-0.0 is not 0.0; a NaN is its own payload)."""
     as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
