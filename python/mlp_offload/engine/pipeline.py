@@ -615,7 +615,7 @@ class _StepLoop:
         i, buffer, call = self.deferred.popleft()
         call.result.wait()
         call.result = call.result.finish()
-        self._place(i, buffer, None, self._sums(i, call))
+        self._place(i, buffer, None, self._sums(call))
         return True
 
     def abandon_deferred(self) -> None:
@@ -714,12 +714,12 @@ class _StepLoop:
                     p._kept_free.append(kept)
             raise
         if isinstance(call.result, DeferredUpdate):
-            if kept is not None or self.staged:
+            if self.staged:
                 call.result.wait()
                 raise ValueError(f"chunk {i}: a staged part's update does not go on past its call")
             self.deferred.append((i, buffer, call))
             return
-        self._place(i, buffer, kept, self._sums(i, call))
+        self._place(i, buffer, kept, self._sums(call))
 
     def _place(
         self,
@@ -758,7 +758,7 @@ class _StepLoop:
         result = self.update(i, view, read_cuts, write_cuts, **extra)
         return _Call(result, check, read_cuts, write_cuts, copy is not None)
 
-    def _sums(self, i: int, call: _Call) -> tuple[list[int], list[int]] | None:
+    def _sums(self, call: _Call) -> tuple[list[int], list[int]] | None:
         """With the checksums in the update, verifies the read's and returns the write's (its cuts and
         sums), else None."""
         if not self.checksums_in_update or call.kept or not self.sums_here:
