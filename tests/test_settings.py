@@ -185,14 +185,21 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool
         },
     ),
     (
-        "the README's section with subgroups' parameters on NVMe: both overlaps off, saying why",
+        "the README's section with subgroups' parameters on NVMe: the update behind step(), not in backward",
         {},
         {"subgroups_on_nvme": 2},
         True,
         {
-            "overlap": (False, "2 subgroups' parameters are on NVMe (past offload_param.max_in_cpu)"),
+            "overlap": (True, "every chunk stays in host memory"),
             "overlap_backward": (False, "in host memory"),
         },
+    ),
+    (
+        "a streamed state with subgroups' parameters on NVMe, overlap true: the update behind step()",
+        {**STREAMS, "overlap": True},
+        {"subgroups_on_nvme": 3, "params_on_host": False},
+        True,
+        {"overlap": (True, "on (the config)")},
     ),
     (
         "a streamed state with subgroups' parameters on NVMe: no update during backward",
@@ -329,14 +336,9 @@ def test_host_memory_and_where_it_came_from(
             r"master_in_params: true, but overlap_backward is true",
         ),
         (
-            {"overlap": True},
-            {"subgroups_on_nvme": 3},
-            r"mlp_offload\.overlap: true cannot be with parameters on NVMe past .*max_in_cpu \(3",
-        ),
-        (
             {**STREAMS, "overlap_backward": True},
-            {"subgroups_on_nvme": 1},
-            r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe",
+            {"subgroups_on_nvme": 3},
+            r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe past .*max_in_cpu \(3",
         ),
     ],
     ids=[
@@ -345,7 +347,6 @@ def test_host_memory_and_where_it_came_from(
         "a cache of every buffer",
         "in params, fp32",
         "in params, backward true",
-        "overlap true, parameters on NVMe",
         "overlap_backward true, parameters on NVMe",
     ],
 )

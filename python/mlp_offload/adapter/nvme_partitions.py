@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,18 @@ def most_gathered_elements(opt: Any) -> int:
     offload = opt.parameter_offload
     reused = offload._max_reuse_distance_in_numel
     return int(offload._max_available_parameters_in_numel + reused + opt.prefetch_elements)
+
+
+@dataclass(frozen=True)
+class Fetches:
+    """DeepSpeed's fetches of the partitions on NVMe between two steps (`NvmePartitions.take_fetches`):
+    the bytes read, the seconds waited for them, the bytes of them read ahead, and the seconds the
+    busiest path read and wrote, with the bytes through the page cache (None: not our swapper)."""
+
+    bytes: int = 0
+    wait_secs: float = 0.0
+    ahead_bytes: int = 0
+    busy: tuple[float | None, float | None, int | None] = (None, None, None)
 
 
 class NvmePartitions:
@@ -54,34 +67,40 @@ class NvmePartitions:
         # The memory of the flat copy `get` gives (module docs), made at the first.
         self._memory: torch.Tensor | None = None
 
-    def step_record(self) -> ParamsOnNvmeStep | None:
-        """The update's reads and writes since the last record, and the fetches' (None where no subgroup
-        is on NVMe); the swapper's step ends."""
+    def take_fetches(self) -> Fetches:
+        """What DeepSpeed's fetches (the forward's and backward's) read since this was last called, and
+        how long the parameters' paths were busy; the swapper's step ends, its reads ahead following
+        this step's order from now on. Taken in `step()` before the update begins: behind `step()`,
+        the update still runs while the next forward fetches."""
+        # The parameters' swapper (ours: `UpdateSession.open` refuses another) holds what the fetches read,
+        # its store how long its paths were busy.
+        if (swapper := self.swapper()) is None:
+            return Fetches()
+        fetched, waited, ahead = swapper.take_fetched()
+        busy = swapper.take_busy()
+        swapper.end_step()
+        return Fetches(fetched, waited, ahead, busy)
+
+    def step_record(self, fetches: Fetches) -> ParamsOnNvmeStep | None:
+        """The update's reads and writes since the last record, and the `fetches` before it (None where
+        no subgroup is on NVMe)."""
         on_nvme = [i for i in range(len(self._opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
         if not on_nvme:
             return None
-        # The parameters' swapper (ours: `UpdateSession.open` refuses another) holds what the fetches read,
-        # its store how long its paths were busy; its step ends here, its reads ahead following this
-        # step's order from now on.
-        fetched, waited, ahead, buffers = 0, 0.0, 0, 0
-        busy: tuple[float | None, float | None, int | None] = (None, None, None)
-        if (swapper := self.swapper()) is not None:
-            fetched, waited, ahead = swapper.take_fetched()
-            busy, buffers = swapper.take_busy(), swapper.buffer_bytes()
-            swapper.end_step()
+        swapper = self.swapper()
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
-            "fetched_bytes": fetched,
-            "fetch_wait_secs": waited,
-            "read_ahead_bytes": ahead,
-            "read_busy_secs": busy[0],
-            "write_busy_secs": busy[1],
-            "buffered_bytes": busy[2],
+            "fetched_bytes": fetches.bytes,
+            "fetch_wait_secs": fetches.wait_secs,
+            "read_ahead_bytes": fetches.ahead_bytes,
+            "read_busy_secs": fetches.busy[0],
+            "write_busy_secs": fetches.busy[1],
+            "buffered_bytes": fetches.busy[2],
             # The planner's (`UpdatePlanner.after_step`).
             "predicted_read_secs": None,
-            "buffer_bytes": buffers,
+            "buffer_bytes": 0 if swapper is None else swapper.buffer_bytes(),
         }
         self.read_bytes = self.written_bytes = 0
         return record

@@ -16,7 +16,7 @@ What this changes of `MLPOffloadStage3`, all of it, at the points it calls:
 - `touched` (every all-gather of the module's parameters) and `abandon` (`_mlp_settle`);
 - `take`, `boundary_ended`, `settle`, `skipped_step` (`step()`);
 - the half-precision partitions and the Adam steps it writes before `step()`, which `undo` gives back;
-  and the persistent parameters' own copies (`MLPOffloadStage3._mlp_own_copies`), so that its new values
+  and the persistent parameters' own copies (`own_copies`), so that its new values
   show to no reader before `step()`.
 """
 
@@ -557,3 +557,27 @@ class OverlapBackward:
             "chunk_order": pipeline.ascending,
             "chunk_order_why": self.session.planner.order_why,
         }
+
+
+def own_copies(params: Iterable[Any]) -> None:
+    """Gives each persistent parameter among `params` whose data is its partition (DeepSpeed's
+    "gather" where one rank holds the whole parameter, `NoGatherHandle`) a copy of its own. The
+    update during backward writes the partitions before `step()`; a persistent parameter stays
+    whole between uses, and its new values would show to whatever reads it between backward and
+    `step()` (an eval pass, a hook), where stock's show after `step()`. DeepSpeed gathers these
+    again at each step's end (the next forward does, behind an update still running), and each
+    gather here copies again. Persistent parameters are small by DeepSpeed's threshold
+    (`stage3_param_persistence_threshold`)."""
+    for p in params:
+        if getattr(p, "ds_persist", False) and _is_its_partition(p):
+            p.data = p.data.clone()
+
+
+def _is_its_partition(param: Any) -> bool:
+    """Whether the parameter's data is its partition's memory (where one rank holds it whole)."""
+    partition = getattr(param, "ds_tensor", None)
+    return (
+        partition is not None
+        and param.data.numel() > 0
+        and param.data.untyped_storage().data_ptr() == partition.untyped_storage().data_ptr()
+    )

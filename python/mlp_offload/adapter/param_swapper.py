@@ -22,6 +22,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,17 @@ class FetchOrder:
             for place, ds_id in enumerate(self._last):
                 self._places.setdefault(ds_id, []).append(place)
         self._this, self._position = [], 0
+
+
+@dataclass(frozen=True)
+class UpdateBehind:
+    """The update running behind `step()` (`overlap`), as the parameters' reads see it: it writes the
+    partitions of each subgroup on NVMe when the subgroup is done, while the next forward already fetches.
+    `final(param)`: whether the partition's object holds this step's values (no update running, or its
+    subgroup done); `wait(params)`: blocks until each is final, raising what the update raised."""
+
+    final: Callable[[Any], bool]
+    wait: Callable[[list[Any]], None]
 
 
 class StoreParamSwapper:
@@ -135,9 +147,14 @@ class StoreParamSwapper:
         self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
         self._busy_ns = self._busy_counters()
+        # DeepSpeed's reads not yet synchronized: each partition's read (None: left until the update
+        # behind `step()` has written it).
         self.inflight: list[tuple[Any, Any]] = []
         self.numel: dict[int, int] = {}
         self.invalid_buffer = torch.tensor(1).half()
+        # The update behind `step()`, where the engine runs one (`zero3`): a partition its subgroup's
+        # update has yet to write is neither read ahead nor read before it is written (`swap_in`).
+        self.behind: UpdateBehind | None = None
         if ds_config.zero_config.offload_param.nvme_path:
             log.info(
                 "offload_param.nvme_path: the parameters' partitions on NVMe go to mlp_offload.paths "
@@ -177,7 +194,9 @@ class StoreParamSwapper:
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
         """Issues a read of each partition into a buffer of its own; `synchronize_reads` makes them
         available. A partition listed twice is read once: DeepSpeed's prefetch lists each parameter as
-        often as the step's trace uses it (the forward's and the backward's uses alike)."""
+        often as the step's trace uses it (the forward's and the backward's uses alike). A partition the
+        update behind `step()` has yet to write (DeepSpeed's prefetch runs ahead of the subgroups the
+        forward waits for) is read once it is written, in `synchronize_reads`."""
         assert swap_in_buffers is None, "DeepSpeed passes no buffers of its own to this swapper"
         params = list({param.ds_id: param for param in params}.values())
         for param in params:
@@ -194,7 +213,7 @@ class StoreParamSwapper:
                 self.read_ahead_bytes += nbytes
             else:
                 buffer = self._take(self.numel[param.ds_id])
-                read = self.store.read(key_of(param), buffer)
+                read = self.store.read(key_of(param), buffer) if self._final(param) else None
             self.buffers[param.ds_id] = buffer
             self.inflight.append((param, read))
             param.ds_tensor.status = self.status.INFLIGHT
@@ -211,7 +230,7 @@ class StoreParamSwapper:
                 return
             param = self.params[ds_id]
             held = ds_id in self.ahead or ds_id in self.buffers
-            if held or param.ds_tensor.status != self.status.NOT_AVAILABLE:
+            if held or param.ds_tensor.status != self.status.NOT_AVAILABLE or not self._final(param):
                 continue
             buffer = self._take(self.numel[ds_id])
             self.ahead[ds_id] = (buffer, self.store.read(key_of(param), buffer))
@@ -237,14 +256,26 @@ class StoreParamSwapper:
         self.order.end_step()
 
     def synchronize_reads(self) -> None:
-        """Waits for the reads in flight; each partition then lies in its buffer, available."""
+        """Waits for the reads in flight, and for the update behind `step()` to write the partitions
+        `swap_in` left to it, then reads those; each partition then lies in its buffer, available."""
         inflight, self.inflight = self.inflight, []
         started = time.perf_counter()
-        for param, handle in inflight:
+        left = [param for param, handle in inflight if handle is None]
+        if left and self.behind is not None:
+            self.behind.wait(left)
+        reads = [
+            self.store.read(key_of(param), self.buffers[param.ds_id]) if handle is None else handle
+            for param, handle in inflight
+        ]
+        for (param, _), handle in zip(inflight, reads, strict=True):
             handle.wait()
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
         self.fetch_wait_secs += time.perf_counter() - started
+
+    def _final(self, param: Any) -> bool:
+        """Whether `param`'s object holds this step's partition (`UpdateBehind`)."""
+        return self.behind is None or self.behind.final(param)
 
     def take_fetched(self) -> tuple[int, float, int]:
         """The bytes DeepSpeed's fetches read, the seconds they waited for them, and the bytes of them

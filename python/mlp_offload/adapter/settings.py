@@ -216,14 +216,11 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
             )
         )
     every_cached = cache_slots == len(layout.chunks)
-    overlap = _off_with_params_on_nvme(
-        "overlap", config.overlap, facts, _overlap(config.overlap, fused, every_cached)
-    )
+    overlap = _overlap(config.overlap, fused, every_cached)
     kept_copies = 0
     if every_cached and config.overlap_backward is not False and fused and not facts.subgroups_on_nvme:
         kept_copies = _kept_copies_room(config, host_memory, layout, spare)
     backward = _off_with_params_on_nvme(
-        "overlap_backward",
         config.overlap_backward,
         facts,
         _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on),
@@ -513,19 +510,21 @@ def _overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> Choi
     return Choice(False, "off: the state streams (overlap: true runs it behind step() all the same)")
 
 
-def _off_with_params_on_nvme(key: str, setting: bool | str, facts: StartFacts, choice: Choice) -> Choice:
-    """An overlap (`key`, configured as `setting`) where subgroups' parameters are on NVMe: off, as the
-    forward and backward fetch them from their objects, which the update writes only when their subgroup
-    is done; `true` refused where it would be on."""
+def _off_with_params_on_nvme(setting: bool | str, facts: StartFacts, choice: Choice) -> Choice:
+    """The update during backward (`overlap_backward`, configured as `setting`) where subgroups'
+    parameters are on NVMe: off, as the backward fetches them from their objects, which a chunk's update
+    there would write before `step()` decides to keep it; `true` refused where it would be on. (The update
+    behind `step()` runs with them: the next forward's reads of a subgroup's partitions wait until its
+    update has written them, `param_swapper.UpdateBehind`.)"""
     if not choice.on or not facts.subgroups_on_nvme:
         return choice
     subgroups = facts.subgroups_on_nvme
     if setting is True:
-        raise ValueError(troubleshooting.OVERLAP_PARAMS_ON_NVME.message(key=key, subgroups=subgroups))
+        raise ValueError(troubleshooting.BACKWARD_UPDATE_PARAMS_ON_NVME.message(subgroups=subgroups))
     return Choice(
         False,
         f"off: {subgroups} subgroups' parameters are on NVMe (past offload_param.max_in_cpu), read by "
-        "the forward and backward, and written by the update as each subgroup is done",
+        "the backward, and written by the update as each subgroup is done",
     )
 
 

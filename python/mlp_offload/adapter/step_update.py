@@ -17,6 +17,7 @@ from mlp_offload import _core
 from mlp_offload.adapter import stale_gradients
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
+from mlp_offload.adapter.nvme_partitions import Fetches
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
@@ -53,6 +54,9 @@ class StepUpdate:
     remaining: list[int] = field(init=False)
     # The param groups as the fused pass takes them, made once for the step.
     adam_groups: list[_core.AdamGroup] = field(init=False)
+    # DeepSpeed's fetches of the partitions on NVMe since the last step (taken before the update, which
+    # the next forward's fetches may run beside).
+    fetches: Fetches = field(init=False)
     compute_secs: float = 0.0
     # The chunks this step streams to the accelerator (`AcceleratorChunks`), and the host pass's time
     # and elements over the others.
@@ -73,6 +77,7 @@ class StepUpdate:
         for c in self.settled.committed:
             self.remaining[state.chunks[c][0]] -= 1
         self.adam_groups = [] if fused is None else fused.groups(self.snapshot.groups)
+        self.fetches = self.view.on_nvme.take_fetches()
         self.end = self.start
 
     def run(self, subgroup_done: Callable[[int], None]) -> StepStats:
@@ -337,7 +342,7 @@ class StepUpdate:
             dataclasses.replace(
                 self.parts,
                 overlap=overlap,
-                params_on_nvme=self.view.on_nvme.step_record(),
+                params_on_nvme=self.view.on_nvme.step_record(self.fetches),
                 accelerator_update=self.accelerator_record,
             ),
         )

@@ -123,19 +123,20 @@ OFFLOAD_DEVICE = Trouble(
     'set `offload_optimizer.device` to "cpu" or "nvme" and start through `mlp_offload.initialize` '
     "or after `mlp_offload.install()`",
 )
-OVERLAP_PARAMS_ON_NVME = Trouble(
-    "overlap-params-on-nvme",
-    "An overlap set to true with parameters on NVMe past max_in_cpu",
-    "mlp_offload.{key}: true cannot be with parameters on NVMe past offload_param.max_in_cpu ({subgroups} "
-    "subgroups there): the forward and backward read them from NVMe while the update would still be "
-    'writing them; leave {key} at "auto" (off here) or raise offload_param.max_in_cpu',
+BACKWARD_UPDATE_PARAMS_ON_NVME = Trouble(
+    "backward-update-params-on-nvme",
+    "The update during backward set to true with parameters on NVMe past max_in_cpu",
+    "mlp_offload.overlap_backward: true cannot be with parameters on NVMe past offload_param.max_in_cpu "
+    "({subgroups} subgroups there): the backward reads them from NVMe while the update during it would "
+    'be writing them before step() decides to keep it; leave overlap_backward at "auto" (off here) or '
+    "raise offload_param.max_in_cpu",
     REFUSAL,
-    "past `max_in_cpu` DeepSpeed keeps subgroups' parameters on NVMe alone; the update writes each "
-    "subgroup's parameters there when it is done, so it cannot run beside the forward or backward that "
-    "fetches them",
-    'leave `overlap` and `overlap_backward` at "auto" (they resolve off there), or raise '
-    "`offload_param.max_in_cpu` past this rank's partitions",
-    "`overlap` or `overlap_backward` set to true with parameters on NVMe past `offload_param.max_in_cpu`",
+    "past `max_in_cpu` DeepSpeed keeps subgroups' parameters on NVMe alone; an update during backward "
+    "writes a chunk's parameters before `step()` decides to keep it, while the backward fetches them (the "
+    "update behind `step()`, `overlap`, runs with them: the next forward waits for each subgroup's writes)",
+    'leave `overlap_backward` at "auto" (it resolves off there), or raise `offload_param.max_in_cpu` past '
+    "this rank's partitions",
+    "`overlap_backward` set to true with parameters on NVMe past `offload_param.max_in_cpu`",
 )
 STOCK_PARAM_SWAPPER = Trouble(
     "stock-param-swapper",
@@ -329,7 +330,7 @@ FORMATTED_HERE = (
     ANOTHER_ZERO_OPTIMIZER,
     NO_SECTION,
     OFFLOAD_DEVICE,
-    OVERLAP_PARAMS_ON_NVME,
+    BACKWARD_UPDATE_PARAMS_ON_NVME,
     STOCK_PARAM_SWAPPER,
     ANOTHER_DEGREE,
     UNLISTED_OPTION,

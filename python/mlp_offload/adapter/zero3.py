@@ -62,7 +62,8 @@ from mlp_offload.adapter import checkpoint, kernel_check, troubleshooting
 from mlp_offload.adapter.checkpoint import DeepSpeedZeroOptimizer_Stage3, StateSwapper
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView
-from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward
+from mlp_offload.adapter.overlap_backward import BackwardUpdate, OverlapBackward, own_copies
+from mlp_offload.adapter.param_swapper import UpdateBehind
 from mlp_offload.adapter.session import ParamRanges, UpdateSession
 from mlp_offload.adapter.settings import KernelChoice, StartFacts, refuse_unsupported, resolve
 from mlp_offload.adapter.step_update import StepUpdate
@@ -81,16 +82,6 @@ _NORM_BUFFER_SIZE = int(
     .parameters["buffer_size"]
     .default
 )
-
-
-def _is_its_partition(param: Any) -> bool:
-    """Whether the parameter's data is its partition's memory (where one rank holds it whole)."""
-    partition = getattr(param, "ds_tensor", None)
-    return (
-        partition is not None
-        and param.data.numel() > 0
-        and param.data.untyped_storage().data_ptr() == partition.untyped_storage().data_ptr()
-    )
 
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "MLPOffloadStage3"]
@@ -305,21 +296,28 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         def subgroups(params: Iterable[Any]) -> list[int]:
             return sorted({subgroup_of[id(p)] for p in params if id(p) in subgroup_of})
 
+        def wait_for(params: list[Any]) -> None:
+            if (inflight := self._mlp_inflight) is not None:
+                try:
+                    inflight.wait_for(subgroups(params))
+                except BaseException:
+                    # Raised once, as a failed step() raises it: what the update left stays.
+                    self._mlp_inflight = None
+                    raise
+
+        def final(param: Any) -> bool:
+            inflight, i = self._mlp_inflight, subgroup_of.get(id(param))
+            return inflight is None or i is None or inflight.is_done(i)
+
         def after_update(gather: Callable[..., Any], owner: Any) -> Callable[..., Any]:
             @functools.wraps(gather)
             def gather_after_update(param_list: Any = None, *args: Any, **kwargs: Any) -> Any:
                 params = [owner] if param_list is None else param_list
                 self._mlp_overlap_backward.touched(params)
-                if (inflight := self._mlp_inflight) is not None:
-                    try:
-                        inflight.wait_for(subgroups(params))
-                    except BaseException:
-                        # Raised once, as a failed step() raises it: what the update left stays.
-                        self._mlp_inflight = None
-                        raise
+                wait_for(params)
                 handle = gather(param_list, *args, **kwargs)
                 if self._mlp_overlap_backward.on:
-                    self._mlp_own_copies(params)
+                    own_copies(params)
                 return handle
 
             return gather_after_update
@@ -331,20 +329,10 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
                 p.all_gather_coalesced = after_update(p.all_gather_coalesced, p)
         if self._mlp_overlap_backward.on:
             # DeepSpeed gathered the persistent parameters before these wrappers were in place.
-            self._mlp_own_copies(self.module.parameters())
-
-    def _mlp_own_copies(self, params: Iterable[Any]) -> None:
-        """Gives each persistent parameter among `params` whose data is its partition (DeepSpeed's
-        "gather" where one rank holds the whole parameter, `NoGatherHandle`) a copy of its own. The
-        update during backward writes the partitions before `step()`; a persistent parameter stays
-        whole between uses, and its new values would show to whatever reads it between backward and
-        `step()` (an eval pass, a hook), where stock's show after `step()`. DeepSpeed gathers these
-        again at each step's end (the next forward does, behind an update still running), and each
-        gather here copies again. Persistent parameters are small by DeepSpeed's threshold
-        (`stage3_param_persistence_threshold`)."""
-        for p in params:
-            if getattr(p, "ds_persist", False) and _is_its_partition(p):
-                p.data = p.data.clone()
+            own_copies(self.module.parameters())
+        # DeepSpeed's prefetch of the partitions on NVMe reads them outside the gathers.
+        if (swapper := self._mlp_view.on_nvme.swapper()) is not None:
+            swapper.behind = UpdateBehind(final, wait_for)
 
     def _mlp_settle(self) -> None:
         """Waits for the update running behind `step()`, if one is, and records it; raises what it

@@ -76,6 +76,11 @@ class UpdateInFlight(Generic[Result]):
         self._error.add_note(f"mlp_offload: raised by the update of step {self.step}, before {what}")
         return self._error
 
+    def is_done(self, subgroup: int) -> bool:
+        """Whether `subgroup`'s parameters are final, without waiting (False where the update failed
+        before it: `wait_for` raises that)."""
+        return self._updated[subgroup]
+
     def wait_for(self, subgroups: Iterable[int]) -> None:
         start = time.perf_counter()
         try:

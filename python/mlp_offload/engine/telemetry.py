@@ -254,7 +254,9 @@ class ParamsOnNvmeStep(TypedDict):
     written_bytes: Annotated[int, "Bytes of their partitions the update wrote back (those it changed)."]
     fetched_bytes: Annotated[
         int,
-        "Bytes of their partitions DeepSpeed's fetches (forward and backward) read since the last step.",
+        "Bytes of their partitions DeepSpeed's fetches (forward and backward) read between the last "
+        "step's `step()` and this one's (behind `step()`, the next forward's fetches run beside the "
+        "update).",
     ]
     fetch_wait_secs: Annotated[float, "Seconds those fetches waited for their reads."]
     read_ahead_bytes: Annotated[
@@ -264,8 +266,8 @@ class ParamsOnNvmeStep(TypedDict):
     ]
     read_busy_secs: Annotated[
         float | None,
-        "Seconds the parameters' busiest path had reads in flight since the last step (the fetches' and "
-        "the update's; null: not our swapper).",
+        "Seconds the parameters' busiest path had reads in flight over the same span (the fetches' and "
+        "the last update's; null: not our swapper).",
     ]
     write_busy_secs: Annotated[float | None, "The same for writes."]
     buffered_bytes: Annotated[
