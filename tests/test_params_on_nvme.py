@@ -38,6 +38,7 @@ from mlp_offload.adapter.param_swapper import (
     FetchOrder,
     StoreParamSwapper,
     UpdateBehind,
+    Writes,
     require_ours,
     swapper_class,
 )
@@ -207,9 +208,10 @@ def test_a_partition_the_update_behind_step_has_yet_to_write_is_read_once_writte
     new, done, waited = torch.ones(600_000, dtype=torch.bfloat16), {0}, []
 
     def wait(left: list[Any]) -> None:
-        # The update reaches the subgroup of 1: it writes the partition, then marks the subgroup done.
+        # The update reaches the subgroup of 1: it issues the partition's write, marks the subgroup done
+        # and goes on while the write does (`NvmePartitions.let_go`).
         waited.append([p.ds_id for p in left])
-        swapper.write_partitions([(params[1], new)])
+        swapper.write_partitions([(params[1], new)], wait=False)
         done.add(1)
 
     swapper.behind = UpdateBehind(final=lambda p: p.ds_id in done, wait=wait)
@@ -218,12 +220,50 @@ def test_a_partition_the_update_behind_step_has_yet_to_write_is_read_once_writte
     assert [p.ds_tensor.status for p in params[:2]] == [Status.INFLIGHT] * 2 and not waited
     swapper.synchronize_reads()
     assert waited == [[1]]
+    # The read waited for the write.
     assert torch.equal(params[0].ds_tensor, values[0]) and torch.equal(params[1].ds_tensor, new)
+    assert not swapper.writing
     swapper.remove_partition_and_release_buffers(params[:2])
     # Once its subgroup is done, it is read ahead again.
     done.add(2)
     swapper.swap_in(params[:1], async_op=False)
     assert sorted(swapper.ahead) == [1, 2]
+
+
+class Handle:
+    """A store's request handle whose wait raises `error` (None: completes)."""
+
+    def __init__(self, error: OSError | None, waited: list[int]) -> None:
+        self.error, self.waited = error, waited
+
+    def wait(self) -> None:
+        self.waited.append(1)
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize(
+    ("errors", "raised"),
+    [
+        ([None, None], None),
+        ([OSError(5, "Input/output error", "path0/params/rank0/x"), None], "Input/output error"),
+        ([None, OSError(28, "No space left on device")], "No space left"),
+    ],
+    ids=["complete", "the first failed", "the last failed"],
+)
+def test_writes_in_flight_are_all_waited_for_and_fail_for_every_waiter(
+    errors: list[OSError | None], raised: str | None
+) -> None:
+    waited: list[int] = []
+    writes = Writes([Handle(e, waited) for e in errors])
+    for _ in range(2):
+        if raised is None:
+            writes.wait()
+        else:
+            with pytest.raises(OSError, match=raised):
+                writes.wait()
+    # Each handle once, every one though one failed (their memory is reused after).
+    assert len(waited) == len(errors)
 
 
 def test_nothing_is_read_ahead_with_deepspeeds_prefetch_off(work_dirs: list[Path]) -> None:

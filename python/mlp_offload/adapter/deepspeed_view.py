@@ -95,9 +95,10 @@ class DeepSpeedView:
         return dtype
 
     def settle_partitions(self) -> None:
-        """The flat copy of a subgroup on NVMe, if one is held, written back where it changed and freed:
-        the parameters' objects are current for the next fetch."""
+        """The flat copy of a subgroup on NVMe, if one is held, written back where it changed and freed,
+        and every write of one complete: the parameters' objects are current for the next fetch."""
         self.on_nvme.let_go()
+        self.on_nvme.flush()
 
     def offload_ratio(self) -> tuple[float, str]:
         """DeepSpeed's `offload_optimizer.ratio` (its `partial_offload`) and the name its placement of

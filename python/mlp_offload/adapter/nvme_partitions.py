@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mlp_offload.adapter.param_swapper import Writes
 from mlp_offload.engine.buffers import page_aligned
 from mlp_offload.engine.state import crc32c_of
 from mlp_offload.engine.telemetry import ParamsOnNvmeStep
@@ -64,8 +65,12 @@ class NvmePartitions:
         # Bytes read and written since the last step record (`step_record`).
         self.read_bytes = 0
         self.written_bytes = 0
-        # The memory of the flat copy `get` gives (module docs), made at the first.
-        self._memory: torch.Tensor | None = None
+        # The memory of the flat copies `get` gives (module docs), made at the first: two where partitions
+        # are objects, so that one subgroup's writes go on while the next one's update fills the other;
+        # the writes from each still in flight, and which was written from last.
+        self._memories: list[torch.Tensor] = []
+        self._writes: list[Writes | None] = [None, None]
+        self._in_use = self._written_last = 0
 
     def take_fetches(self) -> Fetches:
         """What DeepSpeed's fetches (the forward's and backward's) read since this was last called, and
@@ -126,7 +131,13 @@ class NvmePartitions:
         if not on_nvme:
             return 0
         element = self._opt.dtype.itemsize
-        return min(on_nvme, most_gathered_elements(self._opt) * element) + self._largest() * element
+        copies = self._copies() * self._largest() * element
+        return min(on_nvme, most_gathered_elements(self._opt) * element) + copies
+
+    def _copies(self) -> int:
+        """How many flat copies the update takes at once (`_memories`): two where a subgroup here has
+        partitions as objects (the writes of one go on while the next is updated), else one."""
+        return 2 if self.partition_bytes() else 1
 
     def _largest(self) -> int:
         """The elements of the largest subgroup here on NVMe."""
@@ -151,9 +162,29 @@ class NvmePartitions:
         if self.held is not None and self.held[0] == i:
             return self.held[1]
         self.let_go()
-        if self._memory is None:
-            self._memory = page_aligned(self._largest(), self._opt.dtype)
-        return self._hold(i, self._memory[: int(self._opt.fp16_partitioned_groups_flat_numel[i])])
+        if not self._memories:
+            self._memories = [page_aligned(self._largest(), self._opt.dtype) for _ in range(self._copies())]
+        # The memory not written from last: its writes have had the last subgroup's update to end in.
+        self._in_use = (self._written_last + 1) % len(self._memories)
+        if (writes := self._writes[self._in_use]) is not None:
+            self._settle(self._in_use, writes)
+        memory = self._memories[self._in_use]
+        return self._hold(i, memory[: int(self._opt.fp16_partitioned_groups_flat_numel[i])])
+
+    def flush(self) -> None:
+        """Waits for the writes of the flat copies let go (`let_go`), raising what one met: at the end of
+        an update, so that its step fails where a write did, and before anything else writes them."""
+        for k, writes in enumerate(self._writes):
+            if writes is not None:
+                self._settle(k, writes)
+
+    def _settle(self, k: int, writes: Writes) -> None:
+        self._writes[k] = None
+        try:
+            writes.wait()
+        finally:
+            if (swapper := self.swapper()) is not None:
+                swapper.writes_done(writes)
 
     def _hold(self, i: int, flat: torch.Tensor) -> torch.Tensor:
         """Subgroup `i`'s partition in `flat`, read unless its update writes it whole, held."""
@@ -173,7 +204,8 @@ class NvmePartitions:
         return flat
 
     def let_go(self) -> None:
-        """Writes the held copy back where it changed, and frees it."""
+        """Writes the held copy back where it changed, and frees it. The writes of partitions that are
+        objects go on after it returns (`flush`); a read of one waits for its write."""
         if self.held is None:
             return
         i, flat, crc = self.held
@@ -191,7 +223,11 @@ class NvmePartitions:
                 writes.append((param, src))
                 self.written_bytes += src.numel() * src.element_size()
         if writes:
-            writes[0][0].nvme_swapper.write_partitions(writes)
+            pending = writes[0][0].nvme_swapper.write_partitions(writes, wait=False)
+            if any(flat.data_ptr() == m.data_ptr() for m in self._memories):
+                self._writes[self._in_use], self._written_last = pending, self._in_use
+            else:
+                pending.wait()
 
     @contextmanager
     def as_flat_buffers(self) -> Iterator[None]:
@@ -201,6 +237,7 @@ class NvmePartitions:
         the partitions in host memory get their own storage again, those on NVMe are released."""
         opt = self._opt
         self.let_go()
+        self.flush()
         on_nvme = [i for i in range(len(opt.fp16_partitioned_groups_flat)) if self.on_nvme(i)]
         own = {}
         for i in on_nvme:

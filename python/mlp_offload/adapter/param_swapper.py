@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -88,6 +89,29 @@ class UpdateBehind:
     wait: Callable[[list[Any]], None]
 
 
+class Writes:
+    """Writes of partitions in flight (`StoreParamSwapper.write_partitions(wait=False)`): `wait()` returns
+    once all are complete, or raises what one met, for every thread that waits (the update's thread
+    before it reuses their memory, a fetch before it reads one of them)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, []
+            # Every one waited for, whatever one met: their memory is reused once this returns.
+            for handle in handles:
+                try:
+                    handle.wait()
+                except BaseException as error:
+                    self._error = self._error or error
+            if self._error is not None:
+                raise self._error
+
+
 class StoreParamSwapper:
     """DeepSpeed's `AsyncPartitionedParameterSwapper` over our store (module docs). Reads are issued at
     once and waited for in `synchronize_reads`, as stock's; writes complete before the call returns."""
@@ -147,6 +171,9 @@ class StoreParamSwapper:
         self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
         self._busy_ns = self._busy_counters()
+        # Writes still in flight, by partition (`write_partitions(wait=False)`): a read of one waits for
+        # its write first.
+        self.writing: dict[int, Writes] = {}
         # DeepSpeed's reads not yet synchronized: each partition's read (None: left until the update
         # behind `step()` has written it).
         self.inflight: list[tuple[Any, Any]] = []
@@ -213,7 +240,7 @@ class StoreParamSwapper:
                 self.read_ahead_bytes += nbytes
             else:
                 buffer = self._take(self.numel[param.ds_id])
-                read = self.store.read(key_of(param), buffer) if self._final(param) else None
+                read = self._read(param, buffer) if self._final(param) else None
             self.buffers[param.ds_id] = buffer
             self.inflight.append((param, read))
             param.ds_tensor.status = self.status.INFLIGHT
@@ -232,8 +259,11 @@ class StoreParamSwapper:
             held = ds_id in self.ahead or ds_id in self.buffers
             if held or param.ds_tensor.status != self.status.NOT_AVAILABLE or not self._final(param):
                 continue
+            if ds_id in self.writing:
+                # Its write still goes on (a read would wait here for it): its fetch reads it.
+                continue
             buffer = self._take(self.numel[ds_id])
-            self.ahead[ds_id] = (buffer, self.store.read(key_of(param), buffer))
+            self.ahead[ds_id] = (buffer, self._read(param, buffer))
             self.ahead_bytes += buffer.numel() * self.element_size
 
     def _drop_ahead(self, ds_id: int) -> None:
@@ -264,7 +294,7 @@ class StoreParamSwapper:
         if left and self.behind is not None:
             self.behind.wait(left)
         reads = [
-            self.store.read(key_of(param), self.buffers[param.ds_id]) if handle is None else handle
+            self._read(param, self.buffers[param.ds_id]) if handle is None else handle
             for param, handle in inflight
         ]
         for (param, _), handle in zip(inflight, reads, strict=True):
@@ -272,6 +302,20 @@ class StoreParamSwapper:
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
         self.fetch_wait_secs += time.perf_counter() - started
+
+    def writes_done(self, writes: Writes) -> None:
+        """`writes` (from `write_partitions(wait=False)`) are complete: their partitions are read as any."""
+        for ds_id, pending in list(self.writing.items()):
+            if pending is writes:
+                self.writing.pop(ds_id, None)
+
+    def _read(self, param: Any, dest: torch.Tensor) -> Any:
+        """Issues the read of `param`'s object into `dest`, once a write of it still in flight is done."""
+        if (writes := self.writing.get(param.ds_id)) is not None:
+            writes.wait()
+            if self.writing.get(param.ds_id) is writes:
+                del self.writing[param.ds_id]
+        return self.store.read(key_of(param), dest)
 
     def _final(self, param: Any) -> bool:
         """Whether `param`'s object holds this step's partition (`UpdateBehind`)."""
@@ -338,17 +382,26 @@ class StoreParamSwapper:
 
     def read_partitions(self, reads: list[tuple[Any, torch.Tensor]]) -> None:
         """Reads each partition's object into its tensor, all in flight at once."""
-        for handle in [self.store.read(key_of(param), dest) for param, dest in reads]:
+        for handle in [self._read(param, dest) for param, dest in reads]:
             handle.wait()
 
-    def write_partitions(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
-        """Writes each tensor as its partition's object, all in flight at once (complete when it returns);
-        a read ahead of one of them, which would hold the old values, is dropped first."""
+    def write_partitions(self, writes: list[tuple[Any, torch.Tensor]], wait: bool = True) -> Writes:
+        """Writes each tensor as its partition's object, all in flight at once: complete when it returns,
+        or with `wait=False` when the `Writes` it returns is waited for (the tensors untouched until
+        then; a read of one of them waits for it). A read ahead of one of them, which would hold the old
+        values, is dropped first."""
         for param, _ in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
-        for handle in [self.store.write(key_of(param), src) for param, src in writes]:
-            handle.wait()
+            if (earlier := self.writing.get(param.ds_id)) is not None:
+                earlier.wait()
+        pending = Writes([self.store.write(key_of(param), src) for param, src in writes])
+        if wait:
+            pending.wait()
+        else:
+            for param, _ in writes:
+                self.writing[param.ds_id] = pending
+        return pending
 
     def reserve_available_buffers(self) -> list[torch.Tensor]:
         """Reached only by DeepSpeed's NVMe optimizer offload (`fast_init`), which ours replaces."""

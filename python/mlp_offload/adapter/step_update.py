@@ -95,6 +95,8 @@ class StepUpdate:
         try:
             self._update_on_accelerator(subgroup_done)
             stats = self._chunk_loop(subgroup_done)
+            # The last subgroups' parameters on NVMe still being written: the step ends with them.
+            self.view.on_nvme.flush()
         finally:
             self.view.on_nvme.written_whole = set()
         self.end = time.perf_counter()
