@@ -380,3 +380,37 @@ def test_a_second_store_on_the_same_directory_is_refused_naming_the_holder(work_
             ObjectStore(paths)
         first.write("k", torch.ones(10, dtype=torch.uint8)).wait()
     ObjectStore(paths).close()
+
+
+# A store whose paths are gone when its process exits, with reads still in flight: its closing sync fails
+# after the interpreter may have shut down, on one of the store's own threads.
+EXIT_SCRIPT = """
+import shutil, sys, torch
+from mlp_offload import ObjectStore
+store = ObjectStore([sys.argv[1]], engine=sys.argv[2])
+buffers = [torch.zeros(8 << 20, dtype=torch.uint8) for _ in range(8)]
+for i, b in enumerate(buffers):
+    store.write(f"x{i}", b).wait()
+shutil.rmtree(sys.argv[1])
+pending = [store.read(f"x{i}", b) for i, b in enumerate(buffers)]
+raise SystemExit(3)
+"""
+
+
+def test_a_store_failing_to_close_at_exit_says_so_without_a_panic(engine: str, work_dirs: list[Path]) -> None:
+    """Its error, naming the file and the errno, reaches standard error (Python's logging while the
+    interpreter runs, else directly), and the process exits as its program said; a record logged on the
+    store's thread after the interpreter shut down panicked before."""
+    # Which thread drops the store last varies: twice.
+    for _ in range(2):
+        path = work_dirs[0] / "gone"
+        path.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT, str(path), engine],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 3, done.stderr[-2000:]
+        assert "panicked" not in done.stderr, done.stderr[-2000:]
+        assert "closing the object store" in done.stderr and "os error 2" in done.stderr, done.stderr[-2000:]

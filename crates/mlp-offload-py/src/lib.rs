@@ -1389,10 +1389,33 @@ fn io_uring_unavailable_reason() -> Option<String> {
     mlp_offload_core::engine::uring_unavailable_reason()
 }
 
+/// Rust `log` records to Python's `logging` (`pyo3_log`, its default filter: debug) while the
+/// interpreter runs, and to standard error once it is shutting down: a store closed there by one of its
+/// own threads (its last request done) may still log, and `pyo3_log` would panic attaching to it.
+struct RecordsToPython(pyo3_log::Logger);
+
+impl log::Log for RecordsToPython {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        self.0.enabled(metadata)
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if Python::try_attach(|_| self.0.log(record)).is_none() {
+            eprintln!("{} {}: {}", record.level(), record.target(), record.args());
+        }
+    }
+
+    fn flush(&self) {
+        self.0.flush();
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Rust `log` records go to Python's `logging` (logger names start with `mlp_offload_core`).
-    let _ = pyo3_log::try_init();
+    if log::set_boxed_logger(Box::new(RecordsToPython(pyo3_log::Logger::default()))).is_ok() {
+        log::set_max_level(log::LevelFilter::Debug);
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "CorruptObjectError",
