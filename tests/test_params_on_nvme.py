@@ -255,7 +255,7 @@ def test_writes_in_flight_are_all_waited_for_and_fail_for_every_waiter(
     errors: list[OSError | None], raised: str | None
 ) -> None:
     waited: list[int] = []
-    writes = Writes([Handle(e, waited) for e in errors])
+    writes = Writes([Handle(e, waited) for e in errors], list(range(len(errors))))
     for _ in range(2):
         if raised is None:
             writes.wait()

@@ -90,11 +90,12 @@ class UpdateBehind:
 
 
 class Writes:
-    """Writes of partitions in flight (`StoreParamSwapper.write_partitions(wait=False)`): `wait()` returns
-    once all are complete, or raises what one met, for every thread that waits (the update's thread
-    before it reuses their memory, a fetch before it reads one of them)."""
+    """Writes of the partitions `ds_ids` in flight (`StoreParamSwapper.write_partitions(wait=False)`):
+    `wait()` returns once all are complete, or raises what one met, for every thread that waits (the
+    update's thread before it reuses their memory, a fetch before it reads one of them)."""
 
-    def __init__(self, handles: list[Any]) -> None:
+    def __init__(self, handles: list[Any], ds_ids: list[int]) -> None:
+        self.ds_ids = ds_ids
         self._handles = handles
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -304,17 +305,21 @@ class StoreParamSwapper:
         self.fetch_wait_secs += time.perf_counter() - started
 
     def writes_done(self, writes: Writes) -> None:
-        """`writes` (from `write_partitions(wait=False)`) are complete: their partitions are read as any."""
-        for ds_id, pending in list(self.writing.items()):
-            if pending is writes:
+        """`writes` (from `write_partitions(wait=False)`) were waited for: their partitions are read as
+        any (those written again since keep their newer writes)."""
+        for ds_id in writes.ds_ids:
+            if self.writing.get(ds_id) is writes:
                 self.writing.pop(ds_id, None)
+
+    def _wait_for_write(self, ds_id: int) -> None:
+        """Waits for partition `ds_id`'s write still in flight, if one is."""
+        if (writes := self.writing.get(ds_id)) is not None:
+            writes.wait()
+            self.writes_done(writes)
 
     def _read(self, param: Any, dest: torch.Tensor) -> Any:
         """Issues the read of `param`'s object into `dest`, once a write of it still in flight is done."""
-        if (writes := self.writing.get(param.ds_id)) is not None:
-            writes.wait()
-            if self.writing.get(param.ds_id) is writes:
-                del self.writing[param.ds_id]
+        self._wait_for_write(param.ds_id)
         return self.store.read(key_of(param), dest)
 
     def _final(self, param: Any) -> bool:
@@ -393,9 +398,9 @@ class StoreParamSwapper:
         for param, _ in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
-            if (earlier := self.writing.get(param.ds_id)) is not None:
-                earlier.wait()
-        pending = Writes([self.store.write(key_of(param), src) for param, src in writes])
+            self._wait_for_write(param.ds_id)
+        handles = [self.store.write(key_of(param), src) for param, src in writes]
+        pending = Writes(handles, [param.ds_id for param, _ in writes])
         if wait:
             pending.wait()
         else:
