@@ -36,6 +36,11 @@ the paths' measured mixed read/write bandwidth) and the update time over it, and
 It writes JSON and a PNG chart. On a machine with a GPU it runs unchanged (the model on the GPU).
 `--watch-threads` adds, per phase, where the training thread's and our update thread's time went (on a
 CPU, waiting for one, blocked) and the Python stacks they were found in (`benches/threadwatch.py`).
+`--torch-huge-pages` starts every contender (stock's too) with `THP_MEM_ALLOC_ENABLE=1`: torch's host
+tensors of 2 MiB and more then ask for transparent huge pages. On the CPU the backward's compute
+allocates its gradients and DeepSpeed's reduce-scatter buffers anew each step, and the first touch of
+that memory in 4 KiB pages costs more than the copies that fill it (docs/results.md); on a GPU they are
+the device's, from its caching allocator. The report records which.
 """
 
 from __future__ import annotations
@@ -481,6 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "waiting for one, and neither (blocked), and the Python stacks they were found in",
     )
     parser.add_argument(
+        "--torch-huge-pages",
+        action="store_true",
+        help="every contender with THP_MEM_ALLOC_ENABLE=1: torch's host tensors in transparent huge pages",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="JSON results' summary; the chart goes beside it"
     )
     parser.add_argument(
@@ -620,6 +630,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
             spec_file = root / f"{contender}.spec.json"
             spec_file.write_text(json.dumps(spec))
             env = {**os.environ}
+            if args.torch_huge_pages:
+                env["THP_MEM_ALLOC_ENABLE"] = "1"
             if not _has_cuda():
                 env["DS_ACCELERATOR"] = "cpu"
             env.setdefault("TORCH_EXTENSIONS_DIR", str(Path("target/torch_extensions").resolve()))
@@ -653,6 +665,8 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "cpus": os.cpu_count(),
                 "kernel": platform.release(),
                 "device": runs[contenders[0]][0]["device"],
+                "torch_huge_pages": args.torch_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+                "transparent_hugepage": transparent_hugepage(),
             },
             "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "args": {k: str(v) for k, v in vars(args).items() if k != "worker"},
@@ -660,6 +674,15 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
         }
     )
     return report
+
+
+def transparent_hugepage() -> str:
+    """The kernel's transparent huge page mode (`always`, `madvise` or `never`), or why it is unknown."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    try:
+        return mode.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError) as e:
+        return f"unknown ({e})"
 
 
 def launch(
