@@ -29,6 +29,7 @@ from deepspeed_runs import (
     run_case,
     save_and_convert,
     section,
+    stock_param_nvme_fails,
     stock_universal_resume,
     universal,
 )
@@ -64,14 +65,14 @@ def ds_config(
     )
 
 
-def partition(ds_id: int, numel: int) -> Any:
-    """A parameter as the swapper sees one: its id and its partition, not yet on NVMe."""
+def partition(ds_id: int, numel: int, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A parameter as the swapper sees one: its id, its dtype and its partition, not yet on NVMe."""
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 
     tensor = torch.empty(0)
     tensor.ds_numel = numel  # type: ignore[attr-defined]
     tensor.status = PartitionedParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
-    return SimpleNamespace(ds_id=ds_id, ds_tensor=tensor)
+    return SimpleNamespace(ds_id=ds_id, ds_tensor=tensor, dtype=dtype)
 
 
 def written(swapper: StoreParamSwapper, param: Any, values: torch.Tensor) -> None:
@@ -124,6 +125,22 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
     flat = torch.zeros(values[0].numel() + 8, dtype=torch.bfloat16)
     swapper.swap_into_buffer(params[0], flat.narrow(0, 8, values[0].numel()))
     assert torch.equal(flat[8:], values[0]) and params[0].ds_tensor.status == Status.AVAILABLE
+
+
+def test_the_partitions_keep_the_parameters_dtype_whatever_deepspeed_gives_the_swapper(
+    swapper: StoreParamSwapper,
+) -> None:
+    """DeepSpeed's `zero.Init` gives its swapper bfloat16 where the accelerator lacks fp16, whatever the
+    model's dtype (`Init._set_dtype`; the fixture's swapper is built so): an fp32 model's partitions stay
+    fp32, bit for bit; a partition of another dtype after the first is an error naming it."""
+    values = torch.randn(600_000)
+    param = partition(0, values.numel(), torch.float32)
+    written(swapper, param, values)
+    swapper.swap_in([param], async_op=False)
+    assert param.ds_tensor.dtype == torch.float32 and torch.equal(param.ds_tensor, values)
+    assert swapper.take_fetched()[0] == 4 * values.numel()
+    with pytest.raises(RuntimeError, match=r"parameter 1: a partition of torch\.bfloat16 where the others"):
+        swapper.get_buffer(partition(1, 600_000), 600_000)
 
 
 @pytest.mark.parametrize(
@@ -228,6 +245,60 @@ def test_a_partition_the_update_behind_step_has_yet_to_write_is_read_once_writte
     done.add(2)
     swapper.swap_in(params[:1], async_op=False)
     assert sorted(swapper.ahead) == [1, 2]
+
+
+# name, the cache's bytes (in partitions of 600,000 elements), which partitions a fetch then takes from it.
+CACHES: list[tuple[str, int, list[int]]] = [
+    ("off", 0, []),
+    ("room for one", 1, [0]),
+    ("room for every one", 3, [0, 1]),
+]
+
+
+@pytest.mark.parametrize(("room", "taken"), [pytest.param(*c[1:], id=c[0]) for c in CACHES])
+def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_room(
+    swapper: StoreParamSwapper, room: int, taken: list[int]
+) -> None:
+    """The parameters' cache: the update's writes (`keep=True`) keep a copy of each partition while the
+    cache has room, and a fetch takes it rather than reading, also where its read waited for the update
+    behind `step()`; any other write of a partition forgets its copy first."""
+    numel, element = 600_000, 2
+    swapper.cache_limit = room * numel * element
+    values = [torch.randn(numel).to(torch.bfloat16) for _ in range(3)]
+    params = [partition(i, numel) for i in range(3)]
+    for param, v in zip(params, values, strict=True):
+        written(swapper, param, v)
+    assert not swapper.cached, "zero.Init's writes are not the update's: nothing kept"
+    new = [torch.full((numel,), float(i), dtype=torch.bfloat16) for i in range(3)]
+    swapper.write_partitions([(params[0], new[0]), (params[1], new[1])], wait=False, keep=True)
+    assert sorted(swapper.cached) == taken
+    swapper.take_fetched()
+    swapper.swap_in(params[:2], async_op=False)
+    assert all(torch.equal(p.ds_tensor, v) for p, v in zip(params[:2], new, strict=False))
+    read, _, _, cached = swapper.take_fetched()
+    assert (read, cached) == ((2 - len(taken)) * numel * element, len(taken) * numel * element)
+    assert not swapper.cached and swapper.cache_bytes == 0
+    swapper.remove_partition_and_release_buffers(params[:2])
+    assert swapper.held_bytes == 0
+    # Behind `step()`: the fetch of 2 waits for the update to write it, and takes what it kept.
+    done: set[int] = set()
+
+    def wait(left: list[Any]) -> None:
+        swapper.write_partitions([(params[2], new[2])], wait=False, keep=True)
+        done.add(2)
+
+    swapper.behind = UpdateBehind(final=lambda p: p.ds_id in done, wait=wait)
+    swapper.swap_in(params[2:], async_op=False)
+    assert torch.equal(params[2].ds_tensor, new[2])
+    assert swapper.take_fetched()[3] == (numel * element if room else 0)
+    swapper.remove_partition_and_release_buffers(params[2:])
+    # Kept, then written by another than the update: the copy is forgotten, the fetch reads the object.
+    swapper.write_partitions([(params[2], new[2])], wait=False, keep=True)
+    assert (2 in swapper.cached) == (room > 0)
+    swapper.write_partitions([(params[2], values[2])])
+    assert not swapper.cached and swapper.cache_bytes == 0
+    swapper.swap_in(params[2:], async_op=False)
+    assert torch.equal(params[2].ds_tensor, values[2]) and swapper.take_fetched()[3] == 0
 
 
 class Handle:
@@ -395,13 +466,14 @@ def test_a_model_with_partitions_on_nvme_trains_bit_equal_to_stock(
     nvme_path, stocks = tmp_path / "nvme", tmp_path / "stock-nvme"
     nvme_path.mkdir()
     stocks.mkdir()
-    stock_case = {**case, "param_nvme_path": str(stocks)} if AIO_BUILT else {**case, "offload_param": "cpu"}
+    stock_nvme = stock_param_nvme_fails(case) is None
+    stock_case = {**case, "param_nvme_path": str(stocks)} if stock_nvme else {**case, "offload_param": "cpu"}
     stock = run_case(stock_case, tmp_path, "stock")
     ours_case = {**case, "param_nvme_path": str(nvme_path), "mlp_offload": section(work_dirs[:2])}
     ours = run_case(ours_case, tmp_path, "ours")
     assert_bit_equal(ours, stock)
     assert ours["param_swappers"] == ["StoreParamSwapper"] and not ours["async_io_loaded"]
-    assert not any(nvme_path.rglob("*.swp")) and (not AIO_BUILT or any(stocks.rglob("*.swp")))
+    assert not any(nvme_path.rglob("*.swp")) and (not stock_nvme or any(stocks.rglob("*.swp")))
     folders = [p / PARAMS_FOLDER / "rank0" for p in work_dirs[:2]]
     assert [f for folder in folders for f in folder.iterdir() if f.name.startswith("param")]
 
@@ -615,9 +687,9 @@ def test_stocks_own_zero_infinity_gives_the_same_bits(work_dirs: list[Path], tmp
     """The rows' reference: stock's own NVMe offload of the parameters, where it runs (DeepSpeed's async
     I/O op built, 50 buffers, no prefetch: its prefetch double-books a buffer on this model), agrees with
     ours bit for bit."""
-    if not AIO_BUILT:
-        pytest.skip("stock's NVMe offload needs DeepSpeed's async I/O op: `make deepspeed-aio` builds it")
     case = {**TWENTY_M, **FP32, "steps": 3, "offload_param": "nvme"}
+    if why := stock_param_nvme_fails(case):
+        pytest.skip(why)
     stock_options = {
         "zero_optimization.offload_param.buffer_count": 50,
         "zero_optimization.offload_param.buffer_size": 4_000_000,
@@ -638,7 +710,8 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
     """The README's section (the paths alone) with a ZeRO-Infinity config past `max_in_cpu`: it starts,
     the update during backward resolves off, the update behind step() on (every chunk cached), and it
     trains bit-equal to stock; the plan counts the partitions on NVMe, and each step's record has their
-    reads' prediction and measured busy time."""
+    reads' prediction and measured busy time; the parameters' cache holds them all, and the forward takes
+    what the update wrote from it."""
     case = {**TWENTY_M, "steps": 3, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
     stock = run_case({**case, "offload_param": "cpu"}, tmp_path, "stock")
     paths = [str(p) for p in probed_paths(1)]
@@ -659,14 +732,20 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
     assert params > 0 and plan["param_pass_secs"] == pytest.approx(params / read), start
     assert plan["param_write_secs"] == pytest.approx(params / write), start
     assert plan["predicted_update_secs"] >= plan["param_write_secs"], start
+    # The parameters' cache holds every partition (the machine spares far more than this model takes): from
+    # the second step, the forward takes what the last update wrote from it, none of it read back.
+    assert start["params_cache_bytes"] == params, start
     # Each step's prediction of the forward's and backward's reads: the bytes the step before read (the
     # first: two passes) at the plan's read figure.
-    fetched = 2 * params
+    fetched, written = 2 * params, 0
     for step in (r for r in ours["telemetry"] if r["event"] == "step"):
         on_nvme = step["params_on_nvme"]
         predicted = plan["param_pass_secs"] * fetched / params
         assert on_nvme["predicted_read_secs"] == pytest.approx(predicted), step
-        assert on_nvme["read_busy_secs"] > 0 and on_nvme["write_busy_secs"] > 0, step
+        # Busy reading where anything was read: from the second step the forward takes the partitions from
+        # the cache, and where DeepSpeed keeps them gathered for the backward nothing is read.
+        reads = on_nvme["fetched_bytes"] + on_nvme["read_bytes"]
+        assert (on_nvme["read_busy_secs"] > 0) == (reads > 0) and on_nvme["write_busy_secs"] > 0, step
         # The fetches read into page-aligned buffers, with O_DIRECT (the work disk takes it), and so does
         # the update into its flat copy: only a partition at an offset there that O_DIRECT cannot take (a
         # smaller one before it of an odd 256 bytes) goes through the page cache.
@@ -677,7 +756,8 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         # update behind step() has written (here the forward follows it closely: maybe none).
         assert 0 <= on_nvme["read_ahead_bytes"] <= on_nvme["fetched_bytes"], step
         assert step["step"] > 0 or on_nvme["read_ahead_bytes"] == 0, step
-        fetched = on_nvme["fetched_bytes"]
+        assert on_nvme["cached_bytes"] == written and (written > 0) == (step["step"] > 0), step
+        fetched, written = on_nvme["fetched_bytes"], on_nvme["written_bytes"]
 
 
 def test_the_update_during_backward_set_to_true_is_refused_by_its_key(

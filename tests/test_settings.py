@@ -315,6 +315,43 @@ def test_host_memory_and_where_it_came_from(
     assert resolved.host_memory == bytes_ and source in resolved.host_memory_source
 
 
+MIB = 1 << 20
+WHOLE = memory.whole_state_bytes(NUMELS)
+ON_NVME = {"params_on_nvme_bytes": 40 * MIB, "params_on_nvme_held": 10 * MIB}
+
+
+@pytest.mark.parametrize(
+    ("section", "given", "cache"),
+    [
+        ({}, ON_NVME, 40 * MIB),
+        ({}, {**ON_NVME, "spare": lambda: memory.SpareMemory(WHOLE + 13 * MIB, 0, 0, 1)}, 3 * MIB),
+        ({}, {**ON_NVME, "backward_bytes": 8 * GIB}, 0),
+        ({"host_memory": "100M"}, ON_NVME, 40 * MIB),
+        ({"host_memory": "50M"}, ON_NVME, 50 * MIB - 10 * MIB - WHOLE),
+        ({"host_memory": "deepspeed"}, ON_NVME, 0),
+        (STREAMS, {**ON_NVME, "params_on_nvme_held": MIB}, 0),
+        ({}, {}, 0),
+    ],
+    ids=[
+        "auto, room for every partition",
+        "auto, room for some",
+        "auto, the spare memory all the backward's",
+        "a size with room for every partition",
+        "a size with room for some",
+        "deepspeed",
+        "the state streams",
+        "no partition on NVMe",
+    ],
+)
+def test_the_parameters_cache_gets_what_host_memory_leaves_the_state(
+    section: dict[str, Any], given: dict[str, Any], cache: int
+) -> None:
+    """The parameters' cache keeps the partitions the update wrote for the next forward's fetches: the
+    host memory left once every chunk is cached, at most the partitions' bytes."""
+    resolved = settle(section, facts(**given))
+    assert resolved.params_cache == cache
+
+
 @pytest.mark.parametrize(
     ("section", "given", "error"),
     [

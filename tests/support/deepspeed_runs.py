@@ -258,6 +258,26 @@ STOCK_RUNS = Path(__file__).resolve().parents[2] / "target" / "stock-runs"
 AIO_BUILT = (
     Path(__file__).resolve().parents[2] / "target" / "torch_extensions" / "async_io" / "async_io.so"
 ).exists()
+
+
+def stock_param_nvme_fails(case: dict[str, Any]) -> str | None:
+    """Why stock's NVMe offload of the parameters cannot run `case` here (None: it can). It runs on
+    DeepSpeed's async I/O op; and on an accelerator without fp16 (DeepSpeed's CPU accelerator on some
+    CPUs) its `zero.Init` gives the parameters' swapper bfloat16 whatever the model's dtype
+    (`Init._set_dtype`'s precedence), so an fp32 model fails in its first forward ("expected m1 and m2
+    to have the same dtype"). Ours follows the parameters' dtype (`param_swapper`)."""
+    if not AIO_BUILT:
+        return "stock's NVMe offload needs DeepSpeed's async I/O op: `make deepspeed-aio` builds it"
+    from deepspeed.accelerator import get_accelerator
+
+    if case.get("fp32") and not get_accelerator().is_fp16_supported():
+        return (
+            "stock's NVMe offload of an fp32 model's parameters fails on an accelerator without fp16 "
+            "(DeepSpeed's zero.Init gives its swapper bfloat16 there)"
+        )
+    return None
+
+
 # Case keys whose runs leave what a test looks at besides the result (checkpoint files, a fault, a file
 # system filled up, a killed process, resource samples), or name a path: such runs are never reused.
 UNCACHED_KEYS = {

@@ -42,12 +42,14 @@ def most_gathered_elements(opt: Any) -> int:
 @dataclass(frozen=True)
 class Fetches:
     """DeepSpeed's fetches of the partitions on NVMe between two steps (`NvmePartitions.take_fetches`):
-    the bytes read, the seconds waited for them, the bytes of them read ahead, and the seconds the
-    busiest path read and wrote, with the bytes through the page cache (None: not our swapper)."""
+    the bytes read, the seconds waited for them, the bytes of them read ahead, the bytes taken from the
+    parameters' cache instead, and the seconds the busiest path read and wrote, with the bytes through
+    the page cache (None: not our swapper)."""
 
     bytes: int = 0
     wait_secs: float = 0.0
     ahead_bytes: int = 0
+    cached_bytes: int = 0
     busy: tuple[float | None, float | None, int | None] = (None, None, None)
 
 
@@ -81,10 +83,10 @@ class NvmePartitions:
         # its store how long its paths were busy.
         if (swapper := self.swapper()) is None:
             return Fetches()
-        fetched, waited, ahead = swapper.take_fetched()
+        fetched, waited, ahead, cached = swapper.take_fetched()
         busy = swapper.take_busy()
         swapper.end_step()
-        return Fetches(fetched, waited, ahead, busy)
+        return Fetches(fetched, waited, ahead, cached, busy)
 
     def step_record(self, fetches: Fetches) -> ParamsOnNvmeStep | None:
         """The update's reads and writes since the last record, and the `fetches` before it (None where
@@ -100,6 +102,7 @@ class NvmePartitions:
             "fetched_bytes": fetches.bytes,
             "fetch_wait_secs": fetches.wait_secs,
             "read_ahead_bytes": fetches.ahead_bytes,
+            "cached_bytes": fetches.cached_bytes,
             "read_busy_secs": fetches.busy[0],
             "write_busy_secs": fetches.busy[1],
             "buffered_bytes": fetches.busy[2],
@@ -224,7 +227,8 @@ class NvmePartitions:
                 self.written_bytes += src.numel() * src.element_size()
         if writes:
             # The held copy is always in `_memories` (`as_flat_buffers` holds none).
-            pending = writes[0][0].nvme_swapper.write_partitions(writes, wait=False)
+            # The next forward takes them from the parameters' cache, as far as it has room.
+            pending = writes[0][0].nvme_swapper.write_partitions(writes, wait=False, keep=True)
             self._writes[self._in_use], self._written_last = pending, self._in_use
 
     @contextmanager

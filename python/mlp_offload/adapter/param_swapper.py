@@ -8,6 +8,10 @@ buffers), with the partitions as objects `param<ds_id>` of an `ObjectStore` on o
 `params/rank<N>`, beside the state's `rank<N>`), checksummed, in page-aligned buffers sized to each
 partition.
 
+The parameters' cache (`Settings.params_cache`): where host memory is left once the state is cached
+whole, the update's writes of the partitions keep a copy of each (`write_partitions(keep=True)`) until a
+fetch takes it in place of a read; the next forward then reads none of what the update has just written.
+
 What changes for the user: DeepSpeed's async I/O op is not needed, `offload_param.nvme_path` is not
 written, and no fetch waits for a buffer: each partition in host memory has a buffer of its own
 (`buffer_count` and `buffer_size`, stock's fixed slots, bound nothing; stock fails when a fetch needs
@@ -89,6 +93,17 @@ class UpdateBehind:
     wait: Callable[[list[Any]], None]
 
 
+class _NoRead:
+    """A partition a fetch found in the parameters' cache: nothing to wait for."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+NO_READ = _NoRead()
+
+
 class Writes:
     """Writes of the partitions `ds_ids` in flight (`StoreParamSwapper.write_partitions(wait=False)`):
     `wait()` returns once all are complete, or raises what one met, for every thread that waits (the
@@ -155,7 +170,8 @@ class StoreParamSwapper:
         self.held_bytes = self.free_bytes = self.peak_bytes = 0
         zero = ds_config.zero_config
         gathered = zero.max_live_parameters + zero.max_reuse_distance + zero.prefetch_bucket_size
-        self.keep_limit = int(gathered) * self.element_size
+        self._gathered_elements = int(gathered)
+        self.keep_limit = self._gathered_elements * self.element_size
         # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
@@ -167,7 +183,8 @@ class StoreParamSwapper:
         self.order = FetchOrder()
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}
         self.ahead_bytes = 0
-        self.ahead_limit = int(ds_config.zero_config.prefetch_bucket_size) * self.element_size
+        self._prefetch_elements = int(ds_config.zero_config.prefetch_bucket_size)
+        self.ahead_limit = self._prefetch_elements * self.element_size
         self.read_ahead_bytes = 0
         self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
@@ -183,6 +200,13 @@ class StoreParamSwapper:
         # The update behind `step()`, where the engine runs one (`zero3`): a partition its subgroup's
         # update has yet to write is neither read ahead nor read before it is written (`swap_in`).
         self.behind: UpdateBehind | None = None
+        # The parameters' cache (module docs): each partition's copy as the update last wrote it, within
+        # `cache_limit` bytes (the settings', set by the engine), and the bytes of the fetches it served
+        # since they were last taken. Its buffers count as held (`_take`). The update's thread fills it
+        # while the next forward's fetches take from it: the cache and the buffers' pool go under a lock.
+        self.cached: dict[int, torch.Tensor] = {}
+        self.cache_limit = self.cache_bytes = self.cache_hit_bytes = 0
+        self._lock = threading.RLock()
         if ds_config.zero_config.offload_param.nvme_path:
             log.info(
                 "offload_param.nvme_path: the parameters' partitions on NVMe go to mlp_offload.paths "
@@ -208,6 +232,7 @@ class StoreParamSwapper:
 
     def get_buffer(self, param: Any, numel: int) -> torch.Tensor:
         """A buffer of `numel` elements for a partition about to be written (`swap_out_and_release`)."""
+        self._follow_dtype(param)
         self.numel[param.ds_id] = numel
         return self._buffer(param.ds_id, numel)
 
@@ -235,17 +260,21 @@ class StoreParamSwapper:
             self.params[param.ds_id] = param
             self.order.asked(param.ds_id)
             nbytes = self.numel[param.ds_id] * self.element_size
-            if (taken := self.ahead.pop(param.ds_id, None)) is not None:
+            final = self._final(param)
+            if final and (buffer := self._from_cache(param.ds_id)) is not None:
+                read: Any = NO_READ
+            elif (taken := self.ahead.pop(param.ds_id, None)) is not None:
                 buffer, read = taken
                 self.ahead_bytes -= nbytes
                 self.read_ahead_bytes += nbytes
+                self.fetched_bytes += nbytes
             else:
                 buffer = self._take(self.numel[param.ds_id])
-                read = self._read(param, buffer) if self._final(param) else None
+                read = self._read(param, buffer) if final else None
+                self.fetched_bytes += nbytes if final else 0
             self.buffers[param.ds_id] = buffer
             self.inflight.append((param, read))
             param.ds_tensor.status = self.status.INFLIGHT
-            self.fetched_bytes += nbytes
         self._read_ahead()
         if not async_op:
             self.synchronize_reads()
@@ -257,7 +286,7 @@ class StoreParamSwapper:
             if self.ahead_bytes >= self.ahead_limit:
                 return
             param = self.params[ds_id]
-            held = ds_id in self.ahead or ds_id in self.buffers
+            held = ds_id in self.ahead or ds_id in self.buffers or ds_id in self.cached
             if held or param.ds_tensor.status != self.status.NOT_AVAILABLE or not self._final(param):
                 continue
             if ds_id in self.writing:
@@ -294,15 +323,55 @@ class StoreParamSwapper:
         left = [param for param, handle in inflight if handle is None]
         if left and self.behind is not None:
             self.behind.wait(left)
-        reads = [
-            self._read(param, self.buffers[param.ds_id]) if handle is None else handle
-            for param, handle in inflight
-        ]
+        reads = [self._deferred(param) if handle is None else handle for param, handle in inflight]
         for (param, _), handle in zip(inflight, reads, strict=True):
             handle.wait()
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
         self.fetch_wait_secs += time.perf_counter() - started
+
+    def _deferred(self, param: Any) -> Any:
+        """The read `swap_in` left until the update wrote the partition: from the cache where the update
+        kept it (the buffer taken for the read given back), else issued now."""
+        nbytes = self.numel[param.ds_id] * self.element_size
+        if (cached := self._from_cache(param.ds_id)) is not None:
+            self._give_back(self.buffers[param.ds_id])
+            self.buffers[param.ds_id] = cached
+            return NO_READ
+        self.fetched_bytes += nbytes
+        return self._read(param, self.buffers[param.ds_id])
+
+    def _from_cache(self, ds_id: int) -> torch.Tensor | None:
+        """Partition `ds_id`'s copy in the cache, taken out of it (held from now on as its buffer), or
+        None."""
+        with self._lock:
+            buffer = self.cached.pop(ds_id, None)
+            if buffer is not None:
+                nbytes = buffer.numel() * self.element_size
+                self.cache_bytes -= nbytes
+                self.cache_hit_bytes += nbytes
+            return buffer
+
+    def _keep(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
+        """A copy of each written partition in the cache, while it has room (the first ones written)."""
+        for param, src in writes:
+            nbytes = src.numel() * self.element_size
+            with self._lock:
+                if self.cache_bytes + nbytes > self.cache_limit:
+                    return
+                buffer = self._take(src.numel())
+                self.cache_bytes += nbytes
+            buffer.copy_(src)
+            with self._lock:
+                self.cached[param.ds_id] = buffer
+
+    def _forget(self, ds_id: int) -> None:
+        """Partition `ds_id`'s copy in the cache, if any, let go: its object is about to change."""
+        with self._lock:
+            buffer = self.cached.pop(ds_id, None)
+            if buffer is not None:
+                self.cache_bytes -= buffer.numel() * self.element_size
+                self._give_back(buffer)
 
     def writes_done(self, writes: Writes) -> None:
         """`writes` (from `write_partitions(wait=False)`) were waited for: their partitions are read as
@@ -326,10 +395,12 @@ class StoreParamSwapper:
         """Whether `param`'s object holds this step's partition (`UpdateBehind`)."""
         return self.behind is None or self.behind.final(param)
 
-    def take_fetched(self) -> tuple[int, float, int]:
-        """The bytes DeepSpeed's fetches read, the seconds they waited for them, and the bytes of them
-        found read ahead, since the last call."""
-        taken = (self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes)
+    def take_fetched(self) -> tuple[int, float, int, int]:
+        """The bytes DeepSpeed's fetches read, the seconds they waited for them, the bytes of them found
+        read ahead, and the bytes they took from the cache instead of reading, since the last call."""
+        with self._lock:
+            hits, self.cache_hit_bytes = self.cache_hit_bytes, 0
+        taken = (self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes, hits)
         self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes = 0, 0.0, 0
         return taken
 
@@ -390,16 +461,22 @@ class StoreParamSwapper:
         for handle in [self._read(param, dest) for param, dest in reads]:
             handle.wait()
 
-    def write_partitions(self, writes: list[tuple[Any, torch.Tensor]], wait: bool = True) -> Writes:
+    def write_partitions(
+        self, writes: list[tuple[Any, torch.Tensor]], wait: bool = True, keep: bool = False
+    ) -> Writes:
         """Writes each tensor as its partition's object, all in flight at once: complete when it returns,
         or with `wait=False` when the `Writes` it returns is waited for (the tensors untouched until
-        then; a read of one of them waits for it). A read ahead of one of them, which would hold the old
-        values, is dropped first."""
+        then; a read of one of them waits for it). A read ahead of one of them, or its copy in the
+        cache, which would hold the old values, is dropped first; `keep`: the new values go into the
+        cache, as far as it has room (the update's writes)."""
         for param, _ in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
+            self._forget(param.ds_id)
             self._wait_for_write(param.ds_id)
         handles = [self.store.write(key_of(param), src) for param, src in writes]
+        if keep and self.cache_limit:
+            self._keep(writes)
         pending = Writes(handles, [param.ds_id for param, _ in writes])
         if wait:
             pending.wait()
@@ -426,6 +503,30 @@ class StoreParamSwapper:
             "replaces it"
         )
 
+    def _follow_dtype(self, param: Any) -> None:
+        """The partitions' dtype is the parameters' own. DeepSpeed builds its swapper with `zero.Init`'s
+        dtype, which on an accelerator without fp16 (DeepSpeed's CPU accelerator on some CPUs) is
+        bfloat16 whatever dtype `Init` was given (`Init._set_dtype`: `dtype or torch.float16 if fp16 is
+        supported else torch.bfloat16 ...`): fp32 partitions would be rounded into bf16 buffers of half
+        their size, as stock's swapper does there. Ours takes the first partition's dtype, saying so."""
+        if param.dtype == self.dtype:
+            return
+        if self.numel:
+            raise RuntimeError(
+                f"parameter {param.ds_id}: a partition of {param.dtype} where the others are {self.dtype}"
+            )
+        log.warning(
+            "offload_param: DeepSpeed gave the parameters' swapper %s, the parameters are %s (its zero.Init "
+            "gives bfloat16 where the accelerator lacks fp16); their partitions stay %s",
+            self.dtype,
+            param.dtype,
+            param.dtype,
+        )
+        self.dtype = param.dtype
+        self.element_size = torch.tensor([], dtype=param.dtype).element_size()
+        self.keep_limit = self._gathered_elements * self.element_size
+        self.ahead_limit = self._prefetch_elements * self.element_size
+
     def _busy_counters(self) -> list[tuple[int, int, int]]:
         return [
             (r["stats"]["read_busy_ns"], r["stats"]["write_busy_ns"], r["stats"]["bytes_buffered"])
@@ -439,11 +540,18 @@ class StoreParamSwapper:
 
     def _take(self, numel: int) -> torch.Tensor:
         """A buffer of `numel` elements, held until it is given back (`_give_back`)."""
+        with self._lock:
+            return self._take_locked(numel)
+
+    def _take_locked(self, numel: int) -> torch.Tensor:
         nbytes = numel * self.element_size
         kept = self.free.get(numel)
         if kept:
             buffer = kept.pop()
             self.free_bytes -= nbytes
+            if not kept:
+                # No size without buffers stays: the loop below takes the first size's.
+                del self.free[numel]
         else:
             # Kept buffers of other sizes go first, as far as the most held at once is exceeded otherwise.
             while self.free_bytes and self.held_bytes + self.free_bytes + nbytes > self.peak_bytes:
@@ -466,10 +574,11 @@ class StoreParamSwapper:
     def _give_back(self, buffer: torch.Tensor) -> None:
         """A buffer no longer held: kept for another read (`free`) or freed."""
         nbytes = buffer.numel() * self.element_size
-        self.held_bytes -= nbytes
-        if self.held_bytes + self.free_bytes + nbytes <= min(self.peak_bytes, self.keep_limit):
-            self.free.setdefault(buffer.numel(), []).append(buffer)
-            self.free_bytes += nbytes
+        with self._lock:
+            self.held_bytes -= nbytes
+            if self.held_bytes + self.free_bytes + nbytes <= min(self.peak_bytes, self.keep_limit):
+                self.free.setdefault(buffer.numel(), []).append(buffer)
+                self.free_bytes += nbytes
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""

@@ -269,6 +269,7 @@ class UpdateSession:
             # Subgroups whose parameters are on NVMe, read and written by the update as it goes.
             "subgroups_on_nvme": settings.subgroups_on_nvme,
             "params_on_nvme_bytes": settings.params_on_nvme_bytes,
+            "params_cache_bytes": settings.params_cache,
             # Whether each step's figures go to DeepSpeed's monitors, and why.
             "monitors": {"on": settings.monitors.on, "why": settings.monitors.why},
             # Whether chunks are updated during backward, and why.

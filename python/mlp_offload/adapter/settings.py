@@ -156,6 +156,9 @@ class Settings:
     """Subgroups whose parameters DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`)."""
     params_on_nvme_bytes: int
     """The bytes of their partitions there (the plan counts their reads and writes)."""
+    params_cache: int
+    """The parameters' cache: host memory that keeps the partitions the update wrote until a fetch takes
+    them (`_params_cache_room`)."""
     accelerator_update: Choice
     """Subgroups updated on the accelerator (DeepSpeed's `offload_optimizer.ratio`)."""
     accelerator_subgroups: int
@@ -232,6 +235,10 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
     chunks_there = _accelerator_chunks(config, facts, kernel, in_params, backward)
+    # Where every chunk is cached, the state takes what caching it whole takes, its gradient's included.
+    whole = memory.whole_state_bytes(facts.numels, update_chunk, dtypes.bytes_per_element)
+    state_held = whole if every_cached else None
+    params_cache = _params_cache_room(config, facts, host_memory, state_held, spare)
     in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
     chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
     return Settings(
@@ -256,6 +263,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         params_on_host=facts.params_on_host,
         subgroups_on_nvme=facts.subgroups_on_nvme,
         params_on_nvme_bytes=facts.params_on_nvme_bytes,
+        params_cache=params_cache,
         accelerator_update=accelerator_update,
         accelerator_subgroups=on_accelerator,
         accelerator_chunks=chunks_there,
@@ -477,6 +485,29 @@ def _host_memory(
     backward = f", less {later / 2**30:.2f} GiB the forward's and backward's buffers take" if later else ""
     whole = f"the whole state needs {need / 2**30:.2f} GiB"
     return budget, f"auto: {spare().describe()}{params}{backward}; {whole}"
+
+
+def _params_cache_room(
+    config: MLPOffloadConfig,
+    facts: StartFacts,
+    host_memory: int,
+    state_held: int | None,
+    spare: Callable[[], memory.SpareMemory],
+) -> int:
+    """The parameters' cache (`Settings.params_cache`): the next forward's fetches take the partitions
+    the update wrote from host memory rather than read them back. It gets what is left once every chunk
+    is cached (`state_held`: what the state takes; None where chunks stream), at most the partitions'
+    bytes: with `host_memory: "auto"`, what this rank can spare beyond the state, the parameters' own
+    buffers and the backward's; with a size, what it leaves beyond those; none with "deepspeed"
+    (DeepSpeed's pinned budget for the state, whose NVMe offload reads every partition back)."""
+    if not facts.params_on_nvme_bytes or state_held is None or config.host_memory == "deepspeed":
+        return 0
+    if config.host_memory == "auto":
+        room = spare().bytes - facts.params_on_nvme_held - facts.backward_bytes - state_held
+    else:
+        # The configured size, less the parameters' buffers (`_host_memory`).
+        room = host_memory - state_held
+    return max(0, min(facts.params_on_nvme_bytes, room))
 
 
 def _kept_copies_room(

@@ -232,6 +232,8 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
             facts.spare,
         )
         self._mlp_view, self._mlp_session = view, session
+        if (swapper := view.on_nvme.swapper()) is not None:
+            swapper.cache_limit = settings.params_cache
         self._mlp_chunk_update = ChunkUpdater(session, view)
         self._mlp_overlap_backward = OverlapBackward(session, view, self._mlp_chunk_update)
         self.optimizer_swapper = StateSwapper(session, view, self._mlp_chunk_update, self._mlp_settle)

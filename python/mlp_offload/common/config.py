@@ -50,7 +50,9 @@ class MLPOffloadConfig(BaseModel):
     DeepSpeed's reduce buckets), never
     less than `"deepspeed"` and never more than the whole state needs. `"deepspeed"`: what stock
     DeepSpeed pins for its NVMe offload, for comparisons at equal memory. With parameters on NVMe (past
-    `offload_param.max_in_cpu`), a size and `"auto"` hold their buffers too, the state getting the rest."""
+    `offload_param.max_in_cpu`), a size and `"auto"` hold their buffers too, the state getting the rest;
+    what is left once every chunk is cached keeps the partitions the update wrote for the next forward
+    (the parameters' cache)."""
 
     weights: list[float] | Literal["auto", "equal"] = "auto"
     """How each subgroup's state is split across `paths`.

@@ -121,6 +121,12 @@ class StartRecord(TypedDict):
         "The bytes of their partitions on NVMe, which the plan counts: read by the forward and the backward "
         "(`plan.param_pass_secs` each), written by the update (`plan.param_write_secs`).",
     ]
+    params_cache_bytes: Annotated[
+        int,
+        "The parameters' cache: host memory that keeps the partitions on NVMe the update wrote until the "
+        "next forward's fetch takes them, rather than reading them back (what `host_memory` leaves once "
+        "every chunk is cached, at most the partitions' bytes; 0: off).",
+    ]
     monitors: Annotated[
         OnAndWhy, "Whether each step's figures go to DeepSpeed's monitors (`monitors`), and why."
     ]
@@ -263,6 +269,11 @@ class ParamsOnNvmeStep(TypedDict):
         int,
         "Of the fetched bytes, those read ahead of their fetch, in the order the step before fetched "
         "(DeepSpeed's trace), within its prefetch bucket.",
+    ]
+    cached_bytes: Annotated[
+        int,
+        "Bytes of their partitions the fetches took from the parameters' cache instead of reading them "
+        "(the update's last writes, kept in host memory: `params_cache_bytes`; not in `fetched_bytes`).",
     ]
     read_busy_secs: Annotated[
         float | None,
