@@ -331,6 +331,9 @@ ON_NVME = {"params_on_nvme_bytes": 40 * MIB, "params_on_nvme_held": 10 * MIB}
         ({"host_memory": "deepspeed"}, ON_NVME, 0),
         (STREAMS, {**ON_NVME, "params_on_nvme_held": MIB}, 0),
         ({}, {}, 0),
+        ({"params_cache": "5M"}, ON_NVME, 5 * MIB),
+        ({"params_cache": 0}, ON_NVME, 0),
+        ({"host_memory": "50M", "params_cache": "1G"}, ON_NVME, 50 * MIB - 10 * MIB - WHOLE),
     ],
     ids=[
         "auto, room for every partition",
@@ -341,6 +344,9 @@ ON_NVME = {"params_on_nvme_bytes": 40 * MIB, "params_on_nvme_held": 10 * MIB}
         "deepspeed",
         "the state streams",
         "no partition on NVMe",
+        "a size",
+        "off",
+        "a size past the room",
     ],
 )
 def test_the_parameters_cache_gets_what_host_memory_leaves_the_state(

@@ -499,7 +499,8 @@ def _params_cache_room(
     is cached (`state_held`: what the state takes; None where chunks stream), at most the partitions'
     bytes: with `host_memory: "auto"`, what this rank can spare beyond the state, the parameters' own
     buffers and the backward's; with a size, what it leaves beyond those; none with "deepspeed"
-    (DeepSpeed's pinned budget for the state, whose NVMe offload reads every partition back)."""
+    (DeepSpeed's pinned budget for the state, whose NVMe offload reads every partition back). At most
+    `params_cache` where that is a size (0: off)."""
     if not facts.params_on_nvme_bytes or state_held is None or config.host_memory == "deepspeed":
         return 0
     if config.host_memory == "auto":
@@ -507,7 +508,8 @@ def _params_cache_room(
     else:
         # The configured size, less the parameters' buffers (`_host_memory`).
         room = host_memory - state_held
-    return max(0, min(facts.params_on_nvme_bytes, room))
+    limit = facts.params_on_nvme_bytes if config.params_cache == "auto" else int(config.params_cache)
+    return max(0, min(limit, facts.params_on_nvme_bytes, room))
 
 
 def _kept_copies_room(

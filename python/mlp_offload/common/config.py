@@ -169,6 +169,18 @@ class MLPOffloadConfig(BaseModel):
     whatever the model would choose (as many as the step has at most; none where the memory holds no
     chunk); `0`: off."""
 
+    params_cache: Size | Literal["auto"] = "auto"
+    """Host memory that keeps the parameters the update wrote for the next forward (parameters on NVMe).
+
+    With `offload_param` on NVMe past `max_in_cpu`, the update writes each subgroup's new parameters to
+    the store; the parameters' cache keeps a copy of each partition in host memory until the next
+    forward's fetch takes it, in place of reading back what was just written. `"auto"`: what
+    `host_memory` leaves once every chunk is cached (with `host_memory: "auto"`, what this rank can spare
+    beyond the state, the parameters' buffers and the backward's; none with `"deepspeed"` or where
+    chunks stream), at most the partitions' bytes; a size: at most that, within the same room; `0`: off.
+    The start-up record says how much (`params_cache_bytes`), each step's record what the fetches took
+    from it (`params_on_nvme.cached_bytes`)."""
+
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""
 

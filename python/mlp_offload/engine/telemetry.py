@@ -125,7 +125,7 @@ class StartRecord(TypedDict):
         int,
         "The parameters' cache: host memory that keeps the partitions on NVMe the update wrote until the "
         "next forward's fetch takes them, rather than reading them back (what `host_memory` leaves once "
-        "every chunk is cached, at most the partitions' bytes; 0: off).",
+        "every chunk is cached, at most the partitions' bytes and `params_cache`; 0: off).",
     ]
     monitors: Annotated[
         OnAndWhy, "Whether each step's figures go to DeepSpeed's monitors (`monitors`), and why."
