@@ -128,7 +128,7 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
 
 
 def test_the_partitions_keep_the_parameters_dtype_whatever_deepspeed_gives_the_swapper(
-    swapper: StoreParamSwapper,
+    swapper: StoreParamSwapper, caplog: pytest.LogCaptureFixture
 ) -> None:
     """DeepSpeed's `zero.Init` gives its swapper bfloat16 where the accelerator lacks fp16, whatever the
     model's dtype (`Init._set_dtype`; the fixture's swapper is built so): an fp32 model's partitions stay
@@ -136,6 +136,7 @@ def test_the_partitions_keep_the_parameters_dtype_whatever_deepspeed_gives_the_s
     values = torch.randn(600_000)
     param = partition(0, values.numel(), torch.float32)
     written(swapper, param, values)
+    assert met("swapper-dtype", caplog.text), caplog.text
     swapper.swap_in([param], async_op=False)
     assert param.ds_tensor.dtype == torch.float32 and torch.equal(param.ds_tensor, values)
     assert swapper.take_fetched()[0] == 4 * values.numel()

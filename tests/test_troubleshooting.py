@@ -30,6 +30,7 @@ NOT_FROM_THE_REGISTRY = {
     ("options.py", "check"): "each part is troubleshooting.OPTION's message",
     ("troubleshooting.py", "readme"): "the docs' generator",
     ("param_swapper.py", "swap_in"): "a guard of DeepSpeed's status protocol, as its own assertion",
+    ("param_swapper.py", "_follow_dtype"): "a guard: DeepSpeed's zero.Init builds a swapper per dtype",
     ("param_swapper.py", "swap_into_buffer"): "a guard of DeepSpeed's status protocol, as its own assertion",
     (
         "param_swapper.py",

@@ -515,13 +515,7 @@ class StoreParamSwapper:
             raise RuntimeError(
                 f"parameter {param.ds_id}: a partition of {param.dtype} where the others are {self.dtype}"
             )
-        log.warning(
-            "offload_param: DeepSpeed gave the parameters' swapper %s, the parameters are %s (its zero.Init "
-            "gives bfloat16 where the accelerator lacks fp16); their partitions stay %s",
-            self.dtype,
-            param.dtype,
-            param.dtype,
-        )
+        log.warning("%s", troubleshooting.SWAPPER_DTYPE.message(given=self.dtype, dtype=param.dtype))
         self.dtype = param.dtype
         self.element_size = torch.tensor([], dtype=param.dtype).element_size()
         self.keep_limit = self._gathered_elements * self.element_size

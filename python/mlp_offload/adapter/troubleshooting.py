@@ -209,6 +209,18 @@ UNLISTED_OPTION = Trouble(
     "the config sets an option of the table's sections that the table does not list",
     "check the option's steps against stock DeepSpeed, or leave it at its default",
 )
+SWAPPER_DTYPE = Trouble(
+    "swapper-dtype",
+    "The parameters' swapper given another dtype than the parameters'",
+    "offload_param: DeepSpeed gave the parameters' swapper {given}, the parameters are {dtype} (its "
+    "zero.Init gives bfloat16 where the accelerator lacks fp16); their partitions stay {dtype}",
+    WARNING,
+    "on an accelerator without fp16 (DeepSpeed's CPU accelerator on some CPUs) DeepSpeed's `zero.Init` "
+    "hands its parameter swapper bfloat16 whatever the model's dtype (the precedence in "
+    "`Init._set_dtype`); stock's swapper then keeps an fp32 model's partitions in bf16 buffers, and its "
+    "first forward fails",
+    "nothing: mlp-offload keeps the partitions in the parameters' own dtype, bit for bit",
+)
 HOST_MEMORY = Trouble(
     "host-memory",
     "host_memory too small",
@@ -332,6 +344,7 @@ FORMATTED_HERE = (
     OFFLOAD_DEVICE,
     BACKWARD_UPDATE_PARAMS_ON_NVME,
     STOCK_PARAM_SWAPPER,
+    SWAPPER_DTYPE,
     ANOTHER_DEGREE,
     UNLISTED_OPTION,
     CHECKPOINT_LAYOUT,
