@@ -171,7 +171,6 @@ class StoreParamSwapper:
         zero = ds_config.zero_config
         gathered = zero.max_live_parameters + zero.max_reuse_distance + zero.prefetch_bucket_size
         self._gathered_elements = int(gathered)
-        self.keep_limit = self._gathered_elements * self.element_size
         # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
         # last taken (`take_fetched`).
         self.fetched_bytes = 0
@@ -184,7 +183,6 @@ class StoreParamSwapper:
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}
         self.ahead_bytes = 0
         self._prefetch_elements = int(ds_config.zero_config.prefetch_bucket_size)
-        self.ahead_limit = self._prefetch_elements * self.element_size
         self.read_ahead_bytes = 0
         self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
@@ -345,12 +343,17 @@ class StoreParamSwapper:
         """Partition `ds_id`'s copy in the cache, taken out of it (held from now on as its buffer), or
         None."""
         with self._lock:
-            buffer = self.cached.pop(ds_id, None)
+            buffer = self._uncache(ds_id)
             if buffer is not None:
-                nbytes = buffer.numel() * self.element_size
-                self.cache_bytes -= nbytes
-                self.cache_hit_bytes += nbytes
+                self.cache_hit_bytes += buffer.numel() * self.element_size
             return buffer
+
+    def _uncache(self, ds_id: int) -> torch.Tensor | None:
+        """Partition `ds_id`'s copy, out of the cache (under the lock), or None."""
+        buffer = self.cached.pop(ds_id, None)
+        if buffer is not None:
+            self.cache_bytes -= buffer.numel() * self.element_size
+        return buffer
 
     def _keep(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
         """A copy of each written partition in the cache, while it has room (the first ones written)."""
@@ -368,9 +371,7 @@ class StoreParamSwapper:
     def _forget(self, ds_id: int) -> None:
         """Partition `ds_id`'s copy in the cache, if any, let go: its object is about to change."""
         with self._lock:
-            buffer = self.cached.pop(ds_id, None)
-            if buffer is not None:
-                self.cache_bytes -= buffer.numel() * self.element_size
+            if (buffer := self._uncache(ds_id)) is not None:
                 self._give_back(buffer)
 
     def writes_done(self, writes: Writes) -> None:
@@ -518,8 +519,16 @@ class StoreParamSwapper:
         log.warning("%s", troubleshooting.SWAPPER_DTYPE.message(given=self.dtype, dtype=param.dtype))
         self.dtype = param.dtype
         self.element_size = torch.tensor([], dtype=param.dtype).element_size()
-        self.keep_limit = self._gathered_elements * self.element_size
-        self.ahead_limit = self._prefetch_elements * self.element_size
+
+    @property
+    def keep_limit(self) -> int:
+        """The most bytes the partitions' buffers, held and kept, take: what DeepSpeed keeps gathered."""
+        return self._gathered_elements * self.element_size
+
+    @property
+    def ahead_limit(self) -> int:
+        """The most bytes read ahead of DeepSpeed's fetches: its prefetch bucket."""
+        return self._prefetch_elements * self.element_size
 
     def _busy_counters(self) -> list[tuple[int, int, int]]:
         return [
