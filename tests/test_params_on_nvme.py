@@ -50,7 +50,11 @@ pytestmark = pytest.mark.deepspeed
 
 
 def ds_config(
-    paths: list[Path], nvme_path: Path | None = None, zero: dict[str, Any] | None = None, **aio: int
+    paths: list[Path],
+    nvme_path: Path | None = None,
+    zero: dict[str, Any] | None = None,
+    ours: dict[str, Any] | None = None,
+    **aio: int,
 ) -> Any:
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -60,7 +64,7 @@ def ds_config(
             "train_micro_batch_size_per_gpu": 1,
             "zero_optimization": {"stage": 3, "offload_param": offload, **(zero or {})},
             "aio": aio,
-            "mlp_offload": section(paths),
+            "mlp_offload": section(paths, **(ours or {})),
         }
     )
 
@@ -437,6 +441,25 @@ def test_which_partitions_go_to_nvme_is_deepspeeds_rule(
 ) -> None:
     swapper = StoreParamSwapper(ds_config(work_dirs[:1], block_size=block_size), dtype, rank=0)
     assert swapper.swappable_tensor(numel=swapped) and not swapper.swappable_tensor(numel=kept)
+
+
+@pytest.mark.parametrize(
+    "limits, max_inflight, device_inflight",
+    [
+        ({"max_inflight": 3, "device_inflight": 5}, 3, 5),
+        ({"max_inflight": 12, "device_inflight": "off"}, 12, None),
+    ],
+)
+def test_the_partitions_store_takes_the_paths_limits_as_the_states_does(
+    limits: dict[str, Any], max_inflight: int, device_inflight: int | None, work_dirs: list[Path]
+) -> None:
+    """The parameters' reads and writes share each path's requests in flight and its node-wide admission
+    with the optimizer state's (`planning.open_store`), from the config or the profile alike."""
+    swapper = StoreParamSwapper(ds_config(work_dirs[:2], ours=limits), torch.bfloat16, rank=0)
+    reports = swapper.store.path_reports()
+    assert [r["max_inflight"] for r in reports] == [max_inflight] * 2, reports
+    assert [r["device_inflight"] for r in reports] == [device_inflight] * 2, reports
+    swapper.store.close()
 
 
 def test_ours_is_built_for_our_section_alone(work_dirs: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,8 @@ every parameter as `param.nvme_swapper`. For a config with our section, `install
 `StoreParamSwapper`: the same protocol (the methods DeepSpeed calls, the partitions' status and their
 buffers), with the partitions as objects `param<ds_id>` of an `ObjectStore` on our `paths` (each path's
 `params/rank<N>`, beside the state's `rank<N>`), checksummed, in page-aligned buffers sized to each
-partition.
+partition, with the paths' requests in flight and node-wide admission of the state's store
+(`planning.open_store`).
 
 The parameters' cache (`Settings.params_cache`): where host memory is left once the state is cached
 whole, the update's writes of the partitions keep a copy of each (`write_partitions(keep=True)`) until a
@@ -37,7 +38,7 @@ from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.options import PARAMS_FOLDER
 from mlp_offload.common.config import from_ds_config
 from mlp_offload.engine.buffers import page_aligned
-from mlp_offload.engine.store import ObjectStore
+from mlp_offload.engine.planning import load_profile, open_store
 
 log = logging.getLogger("mlp_offload")
 
@@ -150,15 +151,9 @@ class StoreParamSwapper:
         for root in roots:
             shutil.rmtree(root / f"rank{rank}", ignore_errors=True)
             root.mkdir(parents=True, exist_ok=True)
-        self.store = ObjectStore(
-            roots,
-            rank=rank,
-            engine=config.engine,
-            chunk_size=config.chunk_size,
-            weights=config.weights if isinstance(config.weights, list) else None,
-            checksum=config.checksum,
-            shadow_slots=False,
-        )
+        # The paths' limits and node-wide admission, as the optimizer state's store will have them: the
+        # profile is loaded (probed, the first time) here, before the engine's start.
+        self.store = open_store(config, load_profile(config)[0], roots, rank=rank, shadow_slots=False)
         # The partitions in host memory, by id: each one's own buffer, and the reads still in flight.
         self.buffers: dict[int, torch.Tensor] = {}
         # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's

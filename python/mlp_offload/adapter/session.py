@@ -32,7 +32,7 @@ from mlp_offload.engine.accelerator_state import AcceleratorState
 from mlp_offload.engine.fused_update import FusedAdam, kernel_record
 from mlp_offload.engine.overlap import GradsFinal, update_thread
 from mlp_offload.engine.pipeline import ChunkPipeline
-from mlp_offload.engine.planning import UpdatePlanner, start_line
+from mlp_offload.engine.planning import UpdatePlanner, open_store, start_line
 from mlp_offload.engine.state import ChunkedState
 from mlp_offload.engine.state_dtypes import StateDtypes
 from mlp_offload.engine.store import ObjectStore
@@ -125,18 +125,7 @@ class UpdateSession:
         planner = UpdatePlanner(config, rank)
         # Before the store opens: its node-wide admission takes the device limits the profile gives.
         planner.load_profile()
-        store = ObjectStore(
-            config.paths,
-            rank=rank,
-            engine=config.engine,
-            chunk_size=config.chunk_size,
-            max_inflight=planner.max_inflight()[0],
-            weights=config.weights if isinstance(config.weights, list) else None,
-            checksum=config.checksum,
-            shadow_slots=config.shadow_slots,
-            device_inflight=planner.device_inflight(),
-            device_sharing=planner.device_sharing(),
-        )
+        store = open_store(config, planner.profile, config.paths, rank=rank, shadow_slots=config.shadow_slots)
         try:
             accelerator = _accelerator_state(settings, view)
             state = ChunkedState(

@@ -191,7 +191,8 @@ class MLPOffloadConfig(BaseModel):
     """Requests in flight per path, for this rank.
 
     Requests in flight per path, for this rank. By default the count at which the probe moved the most
-    with the store's requests (reads and writes together; the largest over the paths), else 8."""
+    with the store's requests (reads and writes together; the largest over the paths), else 8. The
+    parameters' partitions on NVMe (`offload_param`) are read and written under the same limit."""
 
     device_inflight: int | Literal["auto", "off"] = "auto"
     """Requests in flight on each path's device for the whole node, all its ranks together.
@@ -199,7 +200,8 @@ class MLPOffloadConfig(BaseModel):
     A number: on, at that count, each rank taking one of them for every request it submits and giving it
     back when the request completes. `"auto"`: on when the node runs more than one rank and the probe
     found a node-wide limit faster, at what one rank would put in flight alone (`max_inflight`) or more.
-    `"off"`: each rank at its own `max_inflight`."""
+    `"off"`: each rank at its own `max_inflight`. The parameters' partitions on NVMe take their requests
+    from the same limit."""
 
     device_sharing: Literal["auto", "shared", "turns"] = "auto"
     """How the node's ranks share a device under `device_inflight`: interleaved, or by turns.

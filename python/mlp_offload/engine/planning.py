@@ -94,6 +94,116 @@ def job_nodes() -> int:
     return max(1, torch_dist.get_world_size() // memory.local_ranks())
 
 
+def load_profile(config: MLPOffloadConfig) -> tuple[profiles.Profile | None, int]:
+    """The paths' profile, and the job's nodes: with `weights: "auto"` the saved one or a new probe (one
+    per node: the node's other ranks wait for it and reuse it), and in a job of several nodes, their
+    shares of the shared paths (`profiles.measure_across_nodes`, collective); with fixed weights only a
+    saved one. Every store of the job's paths takes its limits from it (`open_store`)."""
+    # With several ranks on the node, the probe also measures how they best share each device.
+    options = profiles.ProbeOptions(ranks=memory.local_ranks())
+    max_age_s = config.probe_max_age_hours * 3600
+    if config.weights != "auto":
+        # Fixed weights: plan with the profile only when one is saved, never probe for it.
+        return profiles.saved_profile(config.paths, options, max_age_s)[0], job_nodes()
+    started = time.monotonic()
+    profile, source = profiles.load_or_probe(
+        config.paths, options, max_age_s=max_age_s, progress=_ProbeNotice()
+    )
+    if profile.source == "probed":
+        log.warning("mlp-offload: probed in %.1f s: %s", time.monotonic() - started, source)
+    else:
+        log.info("mlp-offload: %s", source)
+    # A job of several nodes measures its shared paths from all of them at once (a collective).
+    nodes = profiles.measure_across_nodes(
+        profile,
+        options,
+        localities(config, profile),
+        progress=lambda line: log.info("mlp-offload: %s", line),
+    )
+    return profile, nodes
+
+
+def localities(config: MLPOffloadConfig, profile: profiles.Profile | None) -> list[str] | None:
+    """Per path, `"node-local"` or `"shared"`: as configured (`path_locality`), else as probed; None with
+    neither."""
+    configured: list[str] | None = None if config.path_locality == "auto" else [*config.path_locality]
+    return configured if profile is None else profile.localities(configured)
+
+
+def max_inflight(config: MLPOffloadConfig, profile: profiles.Profile | None) -> tuple[int, str]:
+    """This rank's requests in flight per path, and why (see `MLPOffloadConfig.max_inflight`): the
+    configured count; else the count at which the probe moved the most with the store's requests, reads
+    and writes together (`profiles.Profile.store_inflight`); else `DEFAULT_MAX_INFLIGHT`."""
+    if config.max_inflight is not None:
+        return config.max_inflight, "configured"
+    request = config.chunk_size or DEFAULT_CHUNK_SIZE
+    found = profile.store_inflight(request) if profile is not None else None
+    if found is None:
+        return DEFAULT_MAX_INFLIGHT, f"default (no probe of {request:,}-byte requests)"
+    return found, f"auto, as the probe measured fastest with {request:,}-byte requests"
+
+
+def device_inflight(config: MLPOffloadConfig, profile: profiles.Profile | None) -> list[int | None]:
+    """Per path, the node-wide limit of requests in flight on its device, or None (see
+    `MLPOffloadConfig.device_inflight`). With `"auto"`: none where the probe measured the node's ranks
+    moving as much at their own limits as under any node-wide one (`profiles.admission_helps`); elsewhere
+    what one rank would put in flight alone (`max_inflight`), or more where the probe found the device
+    fastest with more bytes in flight (its best in-flight count times its best request size, in this
+    store's requests), which the node's ranks then share instead of each using it."""
+    n = len(config.paths)
+    limit = config.device_inflight
+    if limit == "off" or (limit == "auto" and memory.local_ranks() == 1):
+        return [None] * n
+    if isinstance(limit, int):
+        return [limit] * n
+    own = max_inflight(config, profile)[0]
+    if profile is None:
+        return [own] * n
+    request = config.chunk_size or DEFAULT_CHUNK_SIZE
+    return [
+        max(own, -(-p["best_read"]["max_inflight"] * p["best_read"]["chunk_size"] // request))
+        if profiles.admission_helps(p.get("sharing"))
+        else None
+        for p in profile.probes
+    ]
+
+
+def device_sharing(config: MLPOffloadConfig, profile: profiles.Profile | None) -> list[str]:
+    """Per path, how the node's ranks share its device (see `MLPOffloadConfig.device_sharing`): with
+    `"auto"`, the way the probe measured faster for as many ranks at once."""
+    if config.device_sharing != "auto":
+        return [config.device_sharing] * len(config.paths)
+    if profile is None:
+        return ["shared"] * len(config.paths)
+    return [profiles.sharing_choice(p.get("sharing")) for p in profile.probes]
+
+
+def open_store(
+    config: MLPOffloadConfig,
+    profile: profiles.Profile | None,
+    roots: Sequence[str | os.PathLike[str]],
+    *,
+    rank: int,
+    shadow_slots: bool,
+) -> ObjectStore:
+    """A store over `roots` (the configured paths, or folders in each of them, in order) with the
+    config's engine, request size, split and checksums, and the limits `profile` gives: the optimizer
+    state's store and the parameters' share every path's requests in flight and its node-wide admission
+    alike."""
+    return ObjectStore(
+        roots,
+        rank=rank,
+        engine=config.engine,
+        chunk_size=config.chunk_size,
+        max_inflight=max_inflight(config, profile)[0],
+        weights=config.weights if isinstance(config.weights, list) else None,
+        checksum=config.checksum,
+        shadow_slots=shadow_slots,
+        device_inflight=device_inflight(config, profile),
+        device_sharing=device_sharing(config, profile),
+    )
+
+
 class _ProbeNotice:
     """The probe's progress: its first line, how long the probe takes at the first path's first rate,
     is said where a user sees it (a warning), with that the job is probing its paths before the first
@@ -337,39 +447,13 @@ class UpdatePlanner:
             self.listener(dict(record))
 
     def load_profile(self) -> None:
-        """The paths' profile: with `weights: "auto"` the saved one or a new probe (one per node: the
-        node's other ranks wait for it and reuse it), and in a job of several nodes, their shares of the
-        shared paths (`profiles.measure_across_nodes`, collective); with fixed weights only a saved
-        one."""
-        config = self.config
-        # With several ranks on the node, the probe also measures how they best share each device.
-        options = profiles.ProbeOptions(ranks=memory.local_ranks())
-        if config.weights != "auto":
-            # Fixed weights: plan with the profile only when one is saved, never probe for it.
-            self.profile, _ = profiles.saved_profile(config.paths, options, config.probe_max_age_hours * 3600)
-            self.nodes = job_nodes()
-        else:
-            started = time.monotonic()
-            self.profile, source = profiles.load_or_probe(
-                config.paths, options, max_age_s=config.probe_max_age_hours * 3600, progress=_ProbeNotice()
-            )
-            if self.profile.source == "probed":
-                log.warning("mlp-offload: probed in %.1f s: %s", time.monotonic() - started, source)
-            else:
-                log.info("mlp-offload: %s", source)
-            # A job of several nodes measures its shared paths from all of them at once (a collective).
-            self.nodes = profiles.measure_across_nodes(
-                self.profile, options, self.locality, progress=lambda line: log.info("mlp-offload: %s", line)
-            )
+        """The paths' profile and the job's nodes (`load_profile`, the module's)."""
+        self.profile, self.nodes = load_profile(self.config)
 
     @property
     def locality(self) -> list[str] | None:
-        """Per path, `"node-local"` or `"shared"`: as configured (`path_locality`), else as probed; None
-        with neither."""
-        configured: list[str] | None = (
-            None if self.config.path_locality == "auto" else [*self.config.path_locality]
-        )
-        return configured if self.profile is None else self.profile.localities(configured)
+        """Per path, `"node-local"` or `"shared"` (`localities`)."""
+        return localities(self.config, self.profile)
 
     def host_pages(self) -> tuple[str, str]:
         """The host buffers' pages (`"huge"` or `"small"`) and why (see `MLPOffloadConfig.host_pages`):
@@ -389,52 +473,16 @@ class UpdatePlanner:
         return self._share
 
     def max_inflight(self) -> tuple[int, str]:
-        """This rank's requests in flight per path, and why (see `MLPOffloadConfig.max_inflight`): the
-        configured count; else the count at which the probe moved the most with the store's requests,
-        reads and writes together (`profiles.Profile.store_inflight`); else `DEFAULT_MAX_INFLIGHT`."""
-        config = self.config
-        if config.max_inflight is not None:
-            return config.max_inflight, "configured"
-        request = config.chunk_size or DEFAULT_CHUNK_SIZE
-        found = self.profile.store_inflight(request) if self.profile is not None else None
-        if found is None:
-            return DEFAULT_MAX_INFLIGHT, f"default (no probe of {request:,}-byte requests)"
-        return found, f"auto, as the probe measured fastest with {request:,}-byte requests"
+        """This rank's requests in flight per path, and why (`max_inflight`, the module's)."""
+        return max_inflight(self.config, self.profile)
 
     def device_inflight(self) -> list[int | None]:
-        """Per path, the node-wide limit of requests in flight on its device, or None (see
-        `MLPOffloadConfig.device_inflight`). With `"auto"`: none where the probe measured the node's
-        ranks moving as much at their own limits as under any node-wide one (`profiles.admission_helps`);
-        elsewhere what one rank would put in flight alone (`max_inflight`), or more where the probe found
-        the device fastest with more bytes in flight (its best in-flight count times its best request
-        size, in this store's requests), which the node's ranks then share instead of each using it."""
-        config = self.config
-        n = len(config.paths)
-        limit = config.device_inflight
-        if limit == "off" or (limit == "auto" and memory.local_ranks() == 1):
-            return [None] * n
-        if isinstance(limit, int):
-            return [limit] * n
-        own = self.max_inflight()[0]
-        if self.profile is None:
-            return [own] * n
-        request = config.chunk_size or DEFAULT_CHUNK_SIZE
-        return [
-            max(own, -(-p["best_read"]["max_inflight"] * p["best_read"]["chunk_size"] // request))
-            if profiles.admission_helps(p.get("sharing"))
-            else None
-            for p in self.profile.probes
-        ]
+        """Per path, the node-wide limit of requests in flight on its device (`device_inflight`)."""
+        return device_inflight(self.config, self.profile)
 
     def device_sharing(self) -> list[str]:
-        """Per path, how the node's ranks share its device (see `MLPOffloadConfig.device_sharing`): with
-        `"auto"`, the way the probe measured faster for as many ranks at once."""
-        config = self.config
-        if config.device_sharing != "auto":
-            return [config.device_sharing] * len(config.paths)
-        if self.profile is None:
-            return ["shared"] * len(config.paths)
-        return [profiles.sharing_choice(p.get("sharing")) for p in self.profile.probes]
+        """Per path, how the node's ranks share its device (`device_sharing`)."""
+        return device_sharing(self.config, self.profile)
 
     def plan(self, pipeline: ChunkPipeline, store: ObjectStore) -> dict[str, Any] | None:
         """The performance model's plan from the profile `load_profile` found; with `weights: "auto"` the
