@@ -401,6 +401,9 @@ class UpdatePlanner:
         self.params_on_nvme_bytes = 0
         self.param_pass_secs: float | None = None
         self._fetched_bytes: int | None = None
+        # The rate the busiest path read the parameters in the recent steps that read any, bytes per
+        # busy second: on one disk beside the update's writes and the compute, less than the probe's.
+        self._param_read_rates: deque[float] = deque(maxlen=PREDICTION_STEPS)
         # What a streamed chunk's update took during the recent boundaries' backwards, measured
         # (`secs_per_chunk_in_backward`).
         self._backward_chunks: deque[float] = deque(maxlen=PREDICTION_STEPS)
@@ -549,8 +552,12 @@ class UpdatePlanner:
                 store.weights = moved
         predicted, predicted_after_backward = self.prediction, self.prediction_after_backward
         if parts.params_on_nvme is not None:
-            parts.params_on_nvme["predicted_read_secs"] = self._predicted_fetch_secs()
-            self._fetched_bytes = parts.params_on_nvme["fetched_bytes"]
+            on_nvme = parts.params_on_nvme
+            on_nvme["predicted_read_secs"] = self._predicted_fetch_secs()
+            self._fetched_bytes = on_nvme["fetched_bytes"]
+            read = on_nvme["fetched_bytes"] + on_nvme["read_bytes"]
+            if read > 0 and on_nvme["read_busy_secs"] > 0:
+                self._param_read_rates.append(read / on_nvme["read_busy_secs"])
         self._predict(stats, times, parts)
         fwd_bwd = times.fwd_bwd_secs
         record: StepRecord = {
@@ -592,10 +599,13 @@ class UpdatePlanner:
 
     def _predicted_fetch_secs(self) -> float | None:
         """The forward's and backward's reads of the parameters on NVMe, predicted before the step: the
-        bytes the step before read (two passes before the first step) at the plan's read figure."""
+        bytes the step before read (two passes before the first step) at the median rate of the recent
+        steps' reads, or the plan's read figure before any step read."""
         if self.param_pass_secs is None or not self.params_on_nvme_bytes:
             return None
         fetched = 2 * self.params_on_nvme_bytes if self._fetched_bytes is None else self._fetched_bytes
+        if self._param_read_rates:
+            return fetched / statistics.median(self._param_read_rates)
         return self.param_pass_secs * fetched / self.params_on_nvme_bytes
 
     def _host_bytes(self, parts: StepParts) -> int:

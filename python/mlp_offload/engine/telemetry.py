@@ -289,8 +289,9 @@ class ParamsOnNvmeStep(TypedDict):
     predicted_read_secs: Annotated[
         float | None,
         "The plan's time for the forward's and the backward's reads of the partitions, made before this "
-        "step: the bytes the step before read (two passes before the first step) at the plan's read "
-        "figure (null: no plan).",
+        "step: the bytes the step before read (two passes before the first step) at the median rate the "
+        "busiest path read them in the last 3 steps that read any (the plan's read figure before one "
+        "did; null: no plan).",
     ]
     buffer_bytes: Annotated[
         int, "Host memory the partitions' buffers hold after the step, those kept for the next read included."
