@@ -158,6 +158,36 @@ def test_requests_in_flight_follow_the_config_or_the_probe(
     assert planner.max_inflight() == expected
 
 
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("steps", "predicted"),
+    [
+        # Before any step: two passes over the partitions (2 GiB at 1 GiB/s, the plan's figure).
+        ([], 2.0),
+        # The first step of the process is left out: its bytes, the plan's rate.
+        ([(1 * GiB, 1 * GiB, 4.0, True)], 1.0),
+        # After it, the rate the steps measured (fetched and the update's reads over the busy time).
+        ([(1 * GiB, 1 * GiB, 4.0, True), (GiB // 2, GiB, 2.0, False)], 1.0),
+        # The median of the last three (0.25, 0.5 and 0.125 GiB/s).
+        ([(GiB, GiB, secs, False) for secs in (1.0, 4.0, 2.0, 8.0)], 4.0),
+        ([(GiB, GiB, secs, False) for secs in (1.0, 4.0, 2.0)], 2.0),
+        # Not measured (no swapper's busy time): the plan's rate.
+        ([(GiB, GiB, None, False)], 1.0),
+    ],
+)
+def test_the_parameters_reads_are_predicted_at_the_rate_the_steps_before_read(
+    steps: list[tuple[int, int, float | None, bool]], predicted: float
+) -> None:
+    from mlp_offload.engine.planning import ParamReads
+
+    reads = ParamReads()
+    for fetched, read, busy, first in steps:
+        reads.observe(fetched, read, busy, first=first)
+    assert reads.predict(plan_bytes_per_s=GiB, params_bytes=GiB) == pytest.approx(predicted)
+
+
 @pytest.mark.parametrize(
     ("report", "words"),
     [

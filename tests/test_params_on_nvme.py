@@ -761,8 +761,10 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
     # the second step, the forward takes what the last update wrote from it, none of it read back.
     assert start["params_cache_bytes"] == params, start
     # Each step's prediction of the forward's and backward's reads: the bytes the step before read (the
-    # first: two passes) at the median rate of the last steps' reads (the plan's read figure before any).
-    fetched, written, rates = 2 * params, 0, []
+    # first: two passes) at the median rate of the last steps' reads after the first (the plan's read
+    # figure before any: `ParamReads`).
+    fetched, written = 2 * params, 0
+    rates: list[float] = []
     for step in (r for r in ours["telemetry"] if r["event"] == "step"):
         on_nvme = step["params_on_nvme"]
         predicted = fetched / (statistics.median(rates[-3:]) if rates else params / plan["param_pass_secs"])
@@ -782,7 +784,7 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         assert 0 <= on_nvme["read_ahead_bytes"] <= on_nvme["fetched_bytes"], step
         assert step["step"] > 0 or on_nvme["read_ahead_bytes"] == 0, step
         assert on_nvme["cached_bytes"] == written and (written > 0) == (step["step"] > 0), step
-        rates += [reads / on_nvme["read_busy_secs"]] if reads > 0 else []
+        rates += [reads / on_nvme["read_busy_secs"]] if reads > 0 and step["step"] > 0 else []
         fetched, written = on_nvme["fetched_bytes"], on_nvme["written_bytes"]
 
 

@@ -11,7 +11,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 import torch
@@ -378,6 +378,30 @@ def start_line(record: StartRecord) -> str:
     )
 
 
+@dataclass
+class ParamReads:
+    """The forward's and backward's reads of the parameters on NVMe, predicted before each step: the bytes
+    the step before fetched (two passes of them before any step) at the median rate the busiest path read
+    them in the last `PREDICTION_STEPS` steps that read any, leaving out the process's first (the plan's
+    read figure before one did). The rate measured, not the probe's: the reads share the disk with the
+    update's writes and the CPU with the compute, and come one fetch at a time."""
+
+    fetched: int | None = None
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=PREDICTION_STEPS))
+
+    def predict(self, plan_bytes_per_s: float, params_bytes: int) -> float:
+        """Seconds of reading the next step, given the plan's read figure and the partitions' bytes."""
+        fetched = 2 * params_bytes if self.fetched is None else self.fetched
+        return fetched / (statistics.median(self.rates) if self.rates else plan_bytes_per_s)
+
+    def observe(self, fetched: int, read: int, busy_secs: float | None, *, first: bool) -> None:
+        """A step's fetched bytes, all bytes read, and the busiest path's seconds of reading them (None:
+        not measured)."""
+        self.fetched = fetched
+        if not first and read > 0 and busy_secs:
+            self.rates.append(read / busy_secs)
+
+
 class UpdatePlanner:
     """The plan at start-up, the tuner after each step, the next step's prediction, and the telemetry
     records of both (kept in `records`, and written as JSON lines to `config.telemetry_file`)."""
@@ -400,10 +424,7 @@ class UpdatePlanner:
         # forward and backward read of them (DeepSpeed keeps some between the two: fewer than two passes).
         self.params_on_nvme_bytes = 0
         self.param_pass_secs: float | None = None
-        self._fetched_bytes: int | None = None
-        # The rate the busiest path read the parameters in the recent steps that read any, bytes per
-        # busy second: on one disk beside the update's writes and the compute, less than the probe's.
-        self._param_read_rates: deque[float] = deque(maxlen=PREDICTION_STEPS)
+        self._param_reads = ParamReads()
         # What a streamed chunk's update took during the recent boundaries' backwards, measured
         # (`secs_per_chunk_in_backward`).
         self._backward_chunks: deque[float] = deque(maxlen=PREDICTION_STEPS)
@@ -554,10 +575,13 @@ class UpdatePlanner:
         if parts.params_on_nvme is not None:
             on_nvme = parts.params_on_nvme
             on_nvme["predicted_read_secs"] = self._predicted_fetch_secs()
-            self._fetched_bytes = on_nvme["fetched_bytes"]
-            read = on_nvme["fetched_bytes"] + on_nvme["read_bytes"]
-            if read > 0 and on_nvme["read_busy_secs"] > 0:
-                self._param_read_rates.append(read / on_nvme["read_busy_secs"])
+            # The process's first step is left out (its forward is the first to touch the buffers).
+            self._param_reads.observe(
+                on_nvme["fetched_bytes"],
+                on_nvme["fetched_bytes"] + on_nvme["read_bytes"],
+                on_nvme["read_busy_secs"],
+                first=times.fwd_bwd_secs is None,
+            )
         self._predict(stats, times, parts)
         fwd_bwd = times.fwd_bwd_secs
         record: StepRecord = {
@@ -598,15 +622,12 @@ class UpdatePlanner:
         self.emit(record)
 
     def _predicted_fetch_secs(self) -> float | None:
-        """The forward's and backward's reads of the parameters on NVMe, predicted before the step: the
-        bytes the step before read (two passes before the first step) at the median rate of the recent
-        steps' reads, or the plan's read figure before any step read."""
+        """The forward's and backward's reads of the parameters on NVMe, predicted before the step
+        (`ParamReads`); None without a plan or partitions on NVMe."""
         if self.param_pass_secs is None or not self.params_on_nvme_bytes:
             return None
-        fetched = 2 * self.params_on_nvme_bytes if self._fetched_bytes is None else self._fetched_bytes
-        if self._param_read_rates:
-            return fetched / statistics.median(self._param_read_rates)
-        return self.param_pass_secs * fetched / self.params_on_nvme_bytes
+        nbytes = self.params_on_nvme_bytes
+        return self._param_reads.predict(nbytes / self.param_pass_secs, nbytes)
 
     def _host_bytes(self, parts: StepParts) -> int:
         """Host memory the engine holds after a step: the pipeline's buffers and kept copies, the stale

@@ -290,8 +290,8 @@ class ParamsOnNvmeStep(TypedDict):
         float | None,
         "The plan's time for the forward's and the backward's reads of the partitions, made before this "
         "step: the bytes the step before read (two passes before the first step) at the median rate the "
-        "busiest path read them in the last 3 steps that read any (the plan's read figure before one "
-        "did; null: no plan).",
+        "busiest path read them in the last 3 steps that read any, the process's first left out (the "
+        "plan's read figure before one did; null: no plan).",
     ]
     buffer_bytes: Annotated[
         int, "Host memory the partitions' buffers hold after the step, those kept for the next read included."
