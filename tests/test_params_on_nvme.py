@@ -788,6 +788,27 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         fetched, written = on_nvme["fetched_bytes"], on_nvme["written_bytes"]
 
 
+@ONE_NODE
+def test_the_readmes_section_on_two_ranks_trains_with_the_swappers_probed_at_zero_init(
+    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+) -> None:
+    """Two ranks of the README's section with partitions on NVMe: each rank's swapper, built by `zero.Init`
+    before the engine, loads the paths' profile (the node's first job probes there, the other rank waiting
+    for it) and opens its store under the state store's limits and node-wide admission; both train
+    bit-equal to stock, and the engine plans from the same profile."""
+    case = {**TWENTY_M, "steps": 2, "offload_param": "nvme", "param_nvme_path": str(tmp_path / "nvme")}
+    stock = run_case({**case, "offload_param": "cpu"}, tmp_path, "stock", ranks=2)
+    paths = [str(p) for p in probed_paths(2)]
+    ours = run_case({**case, "mlp_offload": {"paths": paths}}, tmp_path, "ours", ranks=2)
+    for a, b in zip(ours["ranks"], stock["ranks"], strict=True):
+        assert_bit_equal(a, b)
+        assert a["param_swappers"] == ["StoreParamSwapper"], a["param_swappers"]
+        start = next(r for r in a["telemetry"] if r["event"] == "start")
+        assert start["plan"] is not None and start["subgroups_on_nvme"] > 0, start
+        steps = [r["params_on_nvme"] for r in a["telemetry"] if r["event"] == "step"]
+        assert all(s["fetched_bytes"] + s["cached_bytes"] > 0 for s in steps), steps
+
+
 def test_the_update_during_backward_set_to_true_is_refused_by_its_key(
     work_dirs: list[Path], tmp_path: Path
 ) -> None:
