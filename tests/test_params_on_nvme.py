@@ -455,7 +455,7 @@ def test_the_partitions_store_takes_the_paths_limits_as_the_states_does(
     limits: dict[str, Any], max_inflight: int, device_inflight: int | None, work_dirs: list[Path]
 ) -> None:
     """The parameters' reads and writes share each path's requests in flight and its node-wide admission
-    with the optimizer state's (`planning.open_store`), from the config or the profile alike."""
+    with the optimizer state's (`planning.open_store`): here, the configured ones."""
     swapper = StoreParamSwapper(ds_config(work_dirs[:2], ours=limits), torch.bfloat16, rank=0)
     reports = swapper.store.path_reports()
     assert [r["max_inflight"] for r in reports] == [max_inflight] * 2, reports

@@ -420,8 +420,8 @@ class UpdatePlanner:
         self.overlap_backward = False
         self.prediction_after_backward: float | None = None
         # The bytes of the parameters on NVMe (set by the engine), which the plan counts, its prediction
-        # of one pass's reads of them (the forward's, or the backward's), and what the last step's
-        # forward and backward read of them (DeepSpeed keeps some between the two: fewer than two passes).
+        # of one pass's reads of them (the forward's, or the backward's), and each step's prediction of
+        # its forward's and backward's reads from the steps before (`ParamReads`).
         self.params_on_nvme_bytes = 0
         self.param_pass_secs: float | None = None
         self._param_reads = ParamReads()
