@@ -463,6 +463,44 @@ def test_the_partitions_store_takes_the_paths_limits_as_the_states_does(
     swapper.store.close()
 
 
+def huge_bytes_at(address: int) -> int:
+    """The bytes in huge pages, transparent (`AnonHugePages`) or reserved (`Private_Hugetlb`), of the
+    mapping of this process that holds `address` (`/proc/self/smaps`)."""
+    found: int | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(x, 16) for x in first.split("-"))
+            if found is not None:
+                break
+            found = 0 if start <= address < end else None
+        elif found is not None and first in ("AnonHugePages:", "Private_Hugetlb:"):
+            found += int(line.split()[1]) * 1024
+    assert found is not None, f"no mapping holds {address:#x}"
+    return found
+
+
+@pytest.mark.parametrize("host_pages", ["huge", "small"])
+def test_the_partitions_buffers_are_of_the_states_pages(host_pages: str, work_dirs: list[Path]) -> None:
+    """The partitions' buffers take `host_pages`, as the state's do: in 4 KiB pages a partition's reads
+    reach the device in requests of a fraction of the store's (the probe's `small_read_bytes_per_s`)."""
+    swapper = StoreParamSwapper(
+        ds_config(work_dirs[:1], ours={"host_pages": host_pages}), torch.float32, rank=0
+    )
+    values = torch.randn(2 << 20)
+    param = partition(0, values.numel(), torch.float32)
+    written(swapper, param, values)
+    swapper.swap_in([param], async_op=False)
+    buffer = swapper.buffers[param.ds_id]
+    assert swapper.pages == host_pages and torch.equal(buffer, values)
+    huge = huge_bytes_at(buffer.data_ptr())
+    if host_pages == "small":
+        assert huge == 0
+    elif "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert huge > 0
+    swapper.store.close()
+
+
 def test_ours_is_built_for_our_section_alone(work_dirs: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     from deepspeed import comm
 

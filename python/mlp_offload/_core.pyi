@@ -44,9 +44,14 @@ class IoHandle:
 
 @final
 class HostBuffer:
-    """Page-aligned host memory owned by the runtime; supports the buffer protocol (writable)."""
+    """Page-aligned host memory owned by the runtime, of small (4 KiB) or huge (2 MiB) `pages`; supports
+    the buffer protocol (writable)."""
 
-    def __new__(cls, nbytes: int, lock: bool = False) -> Self: ...
+    def __new__(cls, nbytes: int, lock: bool = False, pages: str = "small") -> Self: ...
+    @property
+    def page_report(self) -> dict[str, int]:
+        """How the buffer's bytes are backed: `bytes`, `reserved_huge_bytes` (`MAP_HUGETLB`),
+        `transparent_huge_bytes` (as `/proc/self/smaps` reports them)."""
     @property
     def address(self) -> int: ...
     @property

@@ -19,8 +19,8 @@ use mlp_offload_core::model::{
 use mlp_offload_core::probe::{probe_across_nodes, probe_paths, ProbeOptions};
 use mlp_offload_core::store::{ReadCheck, StripeSums};
 use mlp_offload_core::{
-    AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore, Pages,
-    PathLimits, PooledBuf, StoreConfig,
+    page_report, AlignedBuf, BufferPool, Completion, EngineChoice, Error, HostPtr, ObjectStore,
+    Pages, PathLimits, PooledBuf, StoreConfig,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
@@ -134,12 +134,21 @@ struct HostBuffer {
 #[pymethods]
 impl HostBuffer {
     #[new]
-    #[pyo3(signature = (nbytes, lock=false))]
-    fn new(py: Python<'_>, nbytes: usize, lock: bool) -> PyResult<Self> {
-        let buf = py.detach(|| AlignedBuf::new(nbytes, lock)).map_err(to_py)?;
+    #[pyo3(signature = (nbytes, lock=false, pages="small"))]
+    fn new(py: Python<'_>, nbytes: usize, lock: bool, pages: &str) -> PyResult<Self> {
+        let pages = Pages::parse("pages", pages).map_err(to_py)?;
+        let buf = py
+            .detach(|| AlignedBuf::with_pages(nbytes, lock, pages))
+            .map_err(to_py)?;
         Ok(HostBuffer {
             memory: HostMemory::Owned(buf),
         })
+    }
+
+    /// How the buffer's bytes are backed: `bytes`, `reserved_huge_bytes`, `transparent_huge_bytes`.
+    #[getter]
+    fn page_report(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py_json(py, &page_report([self.memory.buf()]))
     }
 
     #[getter]

@@ -12,7 +12,7 @@ checkpoint's load. The host memory it takes is the largest subgroup's partition,
 buffer for writing them (`reserve_partitioned_swap_space`): one page-aligned copy, made once and reused,
 so that the partitions' reads and writes go to the disk with O_DIRECT (in memory of torch's allocator,
 aligned to 64 bytes, the store wrote them through the page cache, which at 3.5B with the host's memory
-nearly all taken wrote at a tenth of the disk's rate).
+nearly all taken wrote at a tenth of the disk's rate), of the swapper's pages (`StoreParamSwapper.pages`).
 """
 
 from __future__ import annotations
@@ -166,13 +166,19 @@ class NvmePartitions:
             return self.held[1]
         self.let_go()
         if not self._memories:
-            self._memories = [page_aligned(self._largest(), self._opt.dtype) for _ in range(self._copies())]
+            self._memories = [self._page_aligned(self._largest()) for _ in range(self._copies())]
         # The memory not written from last: its writes have had the last subgroup's update to end in.
         self._in_use = (self._written_last + 1) % len(self._memories)
         if (writes := self._writes[self._in_use]) is not None:
             self._settle(self._in_use, writes)
         memory = self._memories[self._in_use]
         return self._hold(i, memory[: int(self._opt.fp16_partitioned_groups_flat_numel[i])])
+
+    def _page_aligned(self, numel: int) -> torch.Tensor:
+        """Memory for a flat copy of `numel` elements, of the parameters' buffers' pages."""
+        swapper = self.swapper()
+        assert swapper is not None, "a subgroup on NVMe has its partitions' swapper"
+        return page_aligned(numel, self._opt.dtype, pages=swapper.pages)
 
     def flush(self) -> None:
         """Waits for the writes of the flat copies let go (`let_go`), raising what one met: at the end of
@@ -245,7 +251,7 @@ class NvmePartitions:
         for i in on_nvme:
             own[i] = [part.data if self._available(part) else None for _, part in self._params(i)]
             numel = int(opt.fp16_partitioned_groups_flat_numel[i])
-            opt.fp16_partitioned_groups_flat[i] = self._hold(i, page_aligned(numel, opt.dtype))
+            opt.fp16_partitioned_groups_flat[i] = self._hold(i, self._page_aligned(numel))
             self.held = None
         try:
             yield

@@ -6,8 +6,8 @@ every parameter as `param.nvme_swapper`. For a config with our section, `install
 `StoreParamSwapper`: the same protocol (the methods DeepSpeed calls, the partitions' status and their
 buffers), with the partitions as objects `param<ds_id>` of an `ObjectStore` on our `paths` (each path's
 `params/rank<N>`, beside the state's `rank<N>`), checksummed, in page-aligned buffers sized to each
-partition, with the paths' requests in flight and node-wide admission of the state's store
-(`planning.open_store`).
+partition, of the state's buffers' pages (`planning.host_pages`), with the paths' requests in flight and
+node-wide admission of the state's store (`planning.open_store`).
 
 The parameters' cache (`Settings.params_cache`): where host memory is left once the state is cached
 whole, the update's writes of the partitions keep a copy of each (`write_partitions(keep=True)`) until a
@@ -38,7 +38,7 @@ from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.options import PARAMS_FOLDER
 from mlp_offload.common.config import from_ds_config
 from mlp_offload.engine.buffers import page_aligned
-from mlp_offload.engine.planning import load_profile, open_store
+from mlp_offload.engine.planning import host_pages, load_profile, open_store
 
 log = logging.getLogger("mlp_offload")
 
@@ -153,7 +153,11 @@ class StoreParamSwapper:
             root.mkdir(parents=True, exist_ok=True)
         # The paths' limits and node-wide admission, as the optimizer state's store will have them: the
         # profile is loaded (probed, the first time) here, before the engine's start.
-        self.store = open_store(config, load_profile(config)[0], roots, rank=rank, shadow_slots=False)
+        profile = load_profile(config)[0]
+        self.store = open_store(config, profile, roots, rank=rank, shadow_slots=False)
+        # The pages of the partitions' buffers, the state's buffers' (`host_pages`): in 4 KiB pages a
+        # partition's reads reach the device in requests of a fraction of the store's.
+        self.pages = host_pages(config, profile)[0]
         # The partitions in host memory, by id: each one's own buffer, and the reads still in flight.
         self.buffers: dict[int, torch.Tensor] = {}
         # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's
@@ -580,7 +584,7 @@ class StoreParamSwapper:
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""
-        return page_aligned(numel, self.dtype)
+        return page_aligned(numel, self.dtype, pages=self.pages)
 
 
 def require_ours(swapper: Any) -> None:

@@ -24,13 +24,14 @@ def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> tor
     return torch.frombuffer(buffer, dtype=dtype)
 
 
-def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """`numel` elements of `dtype` in page-aligned host memory of their own: the store reads and writes it
-    with O_DIRECT (memory it cannot hand to O_DIRECT, as torch's allocator's 64-byte aligned memory, goes
-    through the page cache)."""
+def page_aligned(numel: int, dtype: torch.dtype, *, pages: str) -> torch.Tensor:
+    """`numel` elements of `dtype` in page-aligned host memory of their own, of `pages` (`"small"` or
+    `"huge"`, as `HostBufferPool`'s): the store reads and writes it with O_DIRECT (memory it cannot hand
+    to O_DIRECT, as torch's allocator's 64-byte aligned memory, goes through the page cache), in requests
+    as large as its pages are contiguous."""
     nbytes = numel * dtype.itemsize
     rounded = max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
-    return as_tensor(_core.HostBuffer(rounded), dtype)[:numel]
+    return as_tensor(_core.HostBuffer(rounded, pages=pages), dtype)[:numel]
 
 
 def register_with_cuda(address: int, nbytes: int) -> bool:

@@ -178,6 +178,17 @@ def device_sharing(config: MLPOffloadConfig, profile: profiles.Profile | None) -
     return [profiles.sharing_choice(p.get("sharing")) for p in profile.probes]
 
 
+def host_pages(config: MLPOffloadConfig, profile: profiles.Profile | None) -> tuple[str, str]:
+    """The host buffers' pages (`"huge"` or `"small"`), the state's and the parameters' alike, and why
+    (see `MLPOffloadConfig.host_pages`): with `"auto"`, what the profile's figures call for
+    (`_core.pages_choice`)."""
+    if config.host_pages != "auto":
+        return config.host_pages, "configured"
+    if profile is None:
+        return "huge", "auto, no probe profile"
+    return _core.pages_choice([p["pages"] for p in profile.probes]), "auto, as the probe measured"
+
+
 def open_store(
     config: MLPOffloadConfig,
     profile: profiles.Profile | None,
@@ -480,14 +491,8 @@ class UpdatePlanner:
         return localities(self.config, self.profile)
 
     def host_pages(self) -> tuple[str, str]:
-        """The host buffers' pages (`"huge"` or `"small"`) and why (see `MLPOffloadConfig.host_pages`):
-        with `"auto"`, what the profile's figures call for (`_core.pages_choice`)."""
-        if self.config.host_pages != "auto":
-            return self.config.host_pages, "configured"
-        if self.profile is None:
-            return "huge", "auto, no probe profile"
-        pages = _core.pages_choice([p["pages"] for p in self.profile.probes])
-        return pages, "auto, as the probe measured"
+        """The host buffers' pages and why (`host_pages`, the module's)."""
+        return host_pages(self.config, self.profile)
 
     @property
     def rank_share(self) -> list[float] | None:
