@@ -830,15 +830,23 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def params_on_nvme(start: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, float] | None:
     """Medians of the forward's and backward's reads of the parameters on NVMe (ours' telemetry): bytes,
-    the seconds the busiest path read and the compute waited, the plan's prediction, and the rate read
-    against the plan's (the probe's read figure at the plan's split)."""
+    the seconds the busiest path read and the compute waited (the bytes and the wait also the
+    backward's alone), the plan's prediction, and the rate read against the plan's (the probe's read
+    figure at the plan's split)."""
     steps = [t["params_on_nvme"] for t in records if (t.get("params_on_nvme") or {}).get("read_busy_secs")]
     plan = start.get("plan") or {}
     if not steps or not plan.get("param_pass_secs"):
         return None
     row = {
         k: statistics.median(s[k] for s in steps)
-        for k in ("fetched_bytes", "read_busy_secs", "fetch_wait_secs", "predicted_read_secs")
+        for k in (
+            "fetched_bytes",
+            "backward_fetched_bytes",
+            "read_busy_secs",
+            "fetch_wait_secs",
+            "backward_fetch_wait_secs",
+            "predicted_read_secs",
+        )
     }
     row["bytes_per_busy_s"] = statistics.median(
         (s["fetched_bytes"] + s["read_bytes"]) / s["read_busy_secs"] for s in steps
@@ -982,11 +990,13 @@ def print_report(report: dict[str, Any]) -> None:
             )
         if n := m.get("params_on_nvme"):
             print(
-                f"  parameters on NVMe: the forward and backward read {n['fetched_bytes'] / gib:.2f} GiB, "
+                f"  parameters on NVMe: the forward and backward read {n['fetched_bytes'] / gib:.2f} GiB "
+                f"(the backward {n['backward_fetched_bytes'] / gib:.2f}), "
                 f"the busiest path reading {n['read_busy_secs']:.2f} s "
                 f"(predicted {n['predicted_read_secs']:.2f} s) at {n['bytes_per_busy_s'] / 2**20:.0f} MiB/s, "
                 f"{n['bytes_per_busy_s'] / n['plan_bytes_per_s']:.2f}x the plan's "
-                f"{n['plan_bytes_per_s'] / 2**20:.0f}; the compute waited {n['fetch_wait_secs']:.2f} s"
+                f"{n['plan_bytes_per_s'] / 2**20:.0f}; the compute waited {n['fetch_wait_secs']:.2f} s "
+                f"(the backward {n['backward_fetch_wait_secs']:.2f} s)"
             )
         if m.get("predicted_after_backward_secs") is not None:
             print(

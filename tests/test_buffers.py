@@ -153,6 +153,23 @@ def test_pool_pages_are_reported_as_the_kernel_backed_them(pages: str, size: int
     pool.close()
 
 
+@pytest.mark.parametrize(("pages", "size", "may_be_huge"), PAGES)
+def test_a_buffers_pages_are_reported_as_the_kernel_backed_them(
+    pages: str, size: int, may_be_huge: bool
+) -> None:
+    """A buffer of its own (the parameters' partitions on NVMe take these) gets the pages asked for, as
+    a pool's buffers do."""
+    report = mlp_offload.HostBuffer(size, pages=pages).page_report
+    huge = report["reserved_huge_bytes"] + report["transparent_huge_bytes"]
+    assert report["bytes"] == size and huge <= size
+    if not may_be_huge:
+        assert huge == 0, report
+    elif "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert huge > 0, report
+
+
 def test_unknown_pages_are_named() -> None:
     with pytest.raises(ValueError, match=r"pages.*'large'|pages.*\"large\""):
         mlp_offload.PinnedBufferPool(1, 1 << 20, pages="large")
+    with pytest.raises(ValueError, match=r"pages.*'large'|pages.*\"large\""):
+        mlp_offload.HostBuffer(1 << 20, pages="large")

@@ -37,6 +37,7 @@ from deepspeed_runs import (
 from mlp_offload import _core
 from mlp_offload.adapter.param_swapper import (
     PARAMS_FOLDER,
+    FetchCounts,
     FetchOrder,
     StoreParamSwapper,
     UpdateBehind,
@@ -117,7 +118,7 @@ def test_a_partition_goes_to_the_store_and_back_with_deepspeeds_statuses(swapper
     # once, though DeepSpeed's prefetch lists a parameter as often as its trace uses it.
     swapper.take_fetched()
     swapper.swap_in([*params, params[0]], async_op=False)
-    assert swapper.take_fetched()[0] == 2 * sum(v.numel() for v in values)
+    assert swapper.take_fetched()["forward"].bytes == 2 * sum(v.numel() for v in values)
     assert {p.ds_tensor.data_ptr() for p in params} == addresses
     assert all(torch.equal(p.ds_tensor, v) for p, v in zip(params, values, strict=True))
     swapper.remove_partition_and_release_buffers(params)
@@ -144,7 +145,7 @@ def test_the_partitions_keep_the_parameters_dtype_whatever_deepspeed_gives_the_s
     assert met("swapper-dtype", caplog.text), caplog.text
     swapper.swap_in([param], async_op=False)
     assert param.ds_tensor.dtype == torch.float32 and torch.equal(param.ds_tensor, values)
-    assert swapper.take_fetched()[0] == 4 * values.numel()
+    assert swapper.take_fetched()["forward"].bytes == 4 * values.numel()
     with pytest.raises(RuntimeError, match=r"parameter 1: a partition of torch\.bfloat16 where the others"):
         swapper.get_buffer(partition(1, 600_000), 600_000)
 
@@ -194,7 +195,7 @@ def test_partitions_are_read_ahead_in_the_order_the_step_before_fetched(swapper:
 
     for param in params[:3]:
         fetched(param)
-    assert swapper.take_fetched()[2] == 0 and not swapper.ahead
+    assert swapper.take_fetched()["forward"].ahead_bytes == 0 and not swapper.ahead
     swapper.end_step()
     assert torch.equal(fetched(params[0]), values[0])
     assert sorted(swapper.ahead) == [1, 2] and params[1].ds_tensor.status == Status.NOT_AVAILABLE
@@ -203,7 +204,7 @@ def test_partitions_are_read_ahead_in_the_order_the_step_before_fetched(swapper:
     assert sorted(swapper.ahead) == [1]
     assert torch.equal(fetched(params[1]), values[1]) and torch.equal(fetched(params[2]), new)
     # Both found read ahead: the fetch of 1 read 2 ahead again, after its write.
-    assert swapper.take_fetched()[2] == 2 * values[1].numel() * 2
+    assert swapper.take_fetched()["forward"].ahead_bytes == 2 * values[1].numel() * 2
     swapper.take_fetched()
     swapper.end_step()
     fetched(params[0])
@@ -281,8 +282,11 @@ def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_
     swapper.take_fetched()
     swapper.swap_in(params[:2], async_op=False)
     assert all(torch.equal(p.ds_tensor, v) for p, v in zip(params[:2], new, strict=False))
-    read, _, _, cached = swapper.take_fetched()
-    assert (read, cached) == ((2 - len(taken)) * numel * element, len(taken) * numel * element)
+    forward = swapper.take_fetched()["forward"]
+    assert (forward.bytes, forward.cached_bytes) == (
+        (2 - len(taken)) * numel * element,
+        len(taken) * numel * element,
+    )
     assert not swapper.cached and swapper.cache_bytes == 0
     swapper.remove_partition_and_release_buffers(params[:2])
     assert swapper.held_bytes == 0
@@ -294,9 +298,14 @@ def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_
         done.add(2)
 
     swapper.behind = UpdateBehind(final=lambda p: p.ds_id in done, wait=wait)
+    # Counted in the phase the fetch ran in (the engine sets it at the backward's start and end).
+    swapper.phase = "backward"
     swapper.swap_in(params[2:], async_op=False)
     assert torch.equal(params[2].ds_tensor, new[2])
-    assert swapper.take_fetched()[3] == (numel * element if room else 0)
+    phases = swapper.take_fetched()
+    assert phases["backward"].cached_bytes == (numel * element if room else 0), phases
+    assert phases["backward"].bytes == (0 if room else numel * element), phases
+    assert phases["forward"] == FetchCounts(), phases
     swapper.remove_partition_and_release_buffers(params[2:])
     # Kept, then written by another than the update: the copy is forgotten, the fetch reads the object.
     swapper.write_partitions([(params[2], new[2])], wait=False, keep=True)
@@ -304,7 +313,9 @@ def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_
     swapper.write_partitions([(params[2], values[2])])
     assert not swapper.cached and swapper.cache_bytes == 0
     swapper.swap_in(params[2:], async_op=False)
-    assert torch.equal(params[2].ds_tensor, values[2]) and swapper.take_fetched()[3] == 0
+    assert (
+        torch.equal(params[2].ds_tensor, values[2]) and swapper.take_fetched()["backward"].cached_bytes == 0
+    )
 
 
 class Handle:
@@ -637,6 +648,7 @@ def test_subgroups_past_max_in_cpu_train_bit_equal_to_stock(
             assert all(s["written_bytes"] > 0 for s in steps), steps
             # The forward and backward read the partitions on NVMe through our swapper, every step.
             assert all(s["fetched_bytes"] > 0 and s["fetch_wait_secs"] >= 0 for s in steps), steps
+            assert all(0 <= s["backward_fetched_bytes"] <= s["fetched_bytes"] for s in steps), steps
             in_params = start["master_in_params"]["on"]
             assert all((s["read_bytes"] > 0) == in_params for s in steps[1:]), steps
     if case.get("model") == "gpt-20M":
@@ -822,6 +834,13 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         assert 0 <= on_nvme["read_ahead_bytes"] <= on_nvme["fetched_bytes"], step
         assert step["step"] > 0 or on_nvme["read_ahead_bytes"] == 0, step
         assert on_nvme["cached_bytes"] == written and (written > 0) == (step["step"] > 0), step
+        # Counted apart, the backward's fetches: in the first step (DeepSpeed has no trace yet) it fetches
+        # again what the forward let go; later it keeps them gathered, and the forward takes its
+        # partitions from the cache.
+        assert on_nvme["backward_fetch_wait_secs"] <= on_nvme["fetch_wait_secs"], step
+        assert on_nvme["backward_cached_bytes"] <= on_nvme["cached_bytes"], step
+        backward = on_nvme["backward_fetched_bytes"]
+        assert 0 < backward < on_nvme["fetched_bytes"] if step["step"] == 0 else backward == 0, step
         rates += [reads / on_nvme["read_busy_secs"]] if reads > 0 and step["step"] > 0 else []
         fetched, written = on_nvme["fetched_bytes"], on_nvme["written_bytes"]
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mlp_offload.adapter.param_swapper import Writes
+from mlp_offload.adapter.param_swapper import PHASES, FetchCounts, Writes
 from mlp_offload.engine.buffers import page_aligned
 from mlp_offload.engine.state import crc32c_of
 from mlp_offload.engine.telemetry import ParamsOnNvmeStep
@@ -42,15 +42,21 @@ def most_gathered_elements(opt: Any) -> int:
 @dataclass(frozen=True)
 class Fetches:
     """DeepSpeed's fetches of the partitions on NVMe between two steps (`NvmePartitions.take_fetches`):
-    the bytes read, the seconds waited for them, the bytes of them read ahead, the bytes taken from the
-    parameters' cache instead, and the seconds the busiest path read and wrote, with the bytes through
-    the page cache (None: not our swapper)."""
+    what they did in each phase (`param_swapper.PHASES`), and the seconds the busiest path read and
+    wrote, with the bytes through the page cache (None: not our swapper)."""
 
-    bytes: int = 0
-    wait_secs: float = 0.0
-    ahead_bytes: int = 0
-    cached_bytes: int = 0
+    phases: dict[str, FetchCounts] = field(default_factory=lambda: {phase: FetchCounts() for phase in PHASES})
     busy: tuple[float | None, float | None, int | None] = (None, None, None)
+
+    def total(self) -> FetchCounts:
+        """The phases' counts summed."""
+        counts = self.phases.values()
+        return FetchCounts(
+            sum(c.bytes for c in counts),
+            sum(c.wait_secs for c in counts),
+            sum(c.ahead_bytes for c in counts),
+            sum(c.cached_bytes for c in counts),
+        )
 
 
 class NvmePartitions:
@@ -83,10 +89,15 @@ class NvmePartitions:
         # its store how long its paths were busy.
         if (swapper := self.swapper()) is None:
             return Fetches()
-        fetched, waited, ahead, cached = swapper.take_fetched()
+        phases = swapper.take_fetched()
         busy = swapper.take_busy()
         swapper.end_step()
-        return Fetches(fetched, waited, ahead, cached, busy)
+        return Fetches(phases, busy)
+
+    def enter(self, phase: str) -> None:
+        """The step's fetches from now on are `phase`'s (`param_swapper.PHASES`), where any is on NVMe."""
+        if (swapper := self.swapper()) is not None:
+            swapper.phase = phase
 
     def step_record(self, fetches: Fetches) -> ParamsOnNvmeStep | None:
         """The update's reads and writes since the last record, and the `fetches` before it (None where
@@ -95,14 +106,18 @@ class NvmePartitions:
         if not on_nvme:
             return None
         swapper = self.swapper()
+        total, backward = fetches.total(), fetches.phases["backward"]
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
             "written_bytes": self.written_bytes,
-            "fetched_bytes": fetches.bytes,
-            "fetch_wait_secs": fetches.wait_secs,
-            "read_ahead_bytes": fetches.ahead_bytes,
-            "cached_bytes": fetches.cached_bytes,
+            "fetched_bytes": total.bytes,
+            "fetch_wait_secs": total.wait_secs,
+            "backward_fetched_bytes": backward.bytes,
+            "backward_fetch_wait_secs": backward.wait_secs,
+            "read_ahead_bytes": total.ahead_bytes,
+            "cached_bytes": total.cached_bytes,
+            "backward_cached_bytes": backward.cached_bytes,
             "read_busy_secs": fetches.busy[0],
             "write_busy_secs": fetches.busy[1],
             "buffered_bytes": fetches.busy[2],

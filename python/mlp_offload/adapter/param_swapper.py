@@ -83,6 +83,23 @@ class FetchOrder:
         self._this, self._position = [], 0
 
 
+@dataclass
+class FetchCounts:
+    """What DeepSpeed's fetches in one phase of the step (`StoreParamSwapper.phase`) did: the bytes they
+    read, the seconds they waited for them, the bytes of them found read ahead, and the bytes they took
+    from the parameters' cache instead of reading."""
+
+    bytes: int = 0
+    wait_secs: float = 0.0
+    ahead_bytes: int = 0
+    cached_bytes: int = 0
+
+
+# The phases of a step whose fetches are counted apart: the backward's (between DeepSpeed's
+# `backward_prologue` and `backward_epilogue`), and the forward's (any other fetch: an evaluation's too).
+PHASES = ("forward", "backward")
+
+
 @dataclass(frozen=True)
 class UpdateBehind:
     """The update running behind `step()` (`overlap`), as the parameters' reads see it: it writes the
@@ -170,10 +187,10 @@ class StoreParamSwapper:
         zero = ds_config.zero_config
         gathered = zero.max_live_parameters + zero.max_reuse_distance + zero.prefetch_bucket_size
         self._gathered_elements = int(gathered)
-        # What DeepSpeed's fetches (the forward's and backward's) read, and waited for, since it was
-        # last taken (`take_fetched`).
-        self.fetched_bytes = 0
-        self.fetch_wait_secs = 0.0
+        # What DeepSpeed's fetches read, waited for and took from the cache since it was last taken
+        # (`take_fetched`), in each phase; the engine says which phase runs.
+        self.fetches = {phase: FetchCounts() for phase in PHASES}
+        self.phase = "forward"
         # Reads ahead of DeepSpeed's fetches, in the order the last step fetched (`FetchOrder`): each
         # partition's buffer and read, outside DeepSpeed's statuses until a fetch takes it; at most
         # DeepSpeed's prefetch bucket of them (the last one may pass it). Of the fetched bytes, those a
@@ -182,7 +199,6 @@ class StoreParamSwapper:
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}
         self.ahead_bytes = 0
         self._prefetch_elements = int(ds_config.zero_config.prefetch_bucket_size)
-        self.read_ahead_bytes = 0
         self.params: dict[int, Any] = {}
         # Each path's counters when the busy times were last taken (`take_busy`).
         self._busy_ns = self._busy_counters()
@@ -198,11 +214,11 @@ class StoreParamSwapper:
         # update has yet to write is neither read ahead nor read before it is written (`swap_in`).
         self.behind: UpdateBehind | None = None
         # The parameters' cache (module docs): each partition's copy as the update last wrote it, within
-        # `cache_limit` bytes (the settings', set by the engine), and the bytes of the fetches it served
-        # since they were last taken. Its buffers count as held (`_take`). The update's thread fills it
-        # while the next forward's fetches take from it: the cache and the buffers' pool go under a lock.
+        # `cache_limit` bytes (the settings', set by the engine). Its buffers count as held (`_take`).
+        # The update's thread fills it while the next forward's fetches take from it: the cache, the
+        # buffers' pool go under a lock.
         self.cached: dict[int, torch.Tensor] = {}
-        self.cache_limit = self.cache_bytes = self.cache_hit_bytes = 0
+        self.cache_limit = self.cache_bytes = 0
         self._lock = threading.RLock()
         if ds_config.zero_config.offload_param.nvme_path:
             log.info(
@@ -263,12 +279,12 @@ class StoreParamSwapper:
             elif (taken := self.ahead.pop(param.ds_id, None)) is not None:
                 buffer, read = taken
                 self.ahead_bytes -= nbytes
-                self.read_ahead_bytes += nbytes
-                self.fetched_bytes += nbytes
+                self.fetches[self.phase].ahead_bytes += nbytes
+                self.fetches[self.phase].bytes += nbytes
             else:
                 buffer = self._take(self.numel[param.ds_id])
                 read = self._read(param, buffer) if final else None
-                self.fetched_bytes += nbytes if final else 0
+                self.fetches[self.phase].bytes += nbytes if final else 0
             self.buffers[param.ds_id] = buffer
             self.inflight.append((param, read))
             param.ds_tensor.status = self.status.INFLIGHT
@@ -325,7 +341,7 @@ class StoreParamSwapper:
             handle.wait()
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
-        self.fetch_wait_secs += time.perf_counter() - started
+        self.fetches[self.phase].wait_secs += time.perf_counter() - started
 
     def _deferred(self, param: Any) -> Any:
         """The read `swap_in` left until the update wrote the partition: from the cache where the update
@@ -335,7 +351,7 @@ class StoreParamSwapper:
             self._give_back(self.buffers[param.ds_id])
             self.buffers[param.ds_id] = cached
             return NO_READ
-        self.fetched_bytes += nbytes
+        self.fetches[self.phase].bytes += nbytes
         return self._read(param, self.buffers[param.ds_id])
 
     def _from_cache(self, ds_id: int) -> torch.Tensor | None:
@@ -344,7 +360,7 @@ class StoreParamSwapper:
         with self._lock:
             buffer = self._uncache(ds_id)
             if buffer is not None:
-                self.cache_hit_bytes += buffer.numel() * self.element_size
+                self.fetches[self.phase].cached_bytes += buffer.numel() * self.element_size
             return buffer
 
     def _uncache(self, ds_id: int) -> torch.Tensor | None:
@@ -395,13 +411,10 @@ class StoreParamSwapper:
         """Whether `param`'s object holds this step's partition (`UpdateBehind`)."""
         return self.behind is None or self.behind.final(param)
 
-    def take_fetched(self) -> tuple[int, float, int, int]:
-        """The bytes DeepSpeed's fetches read, the seconds they waited for them, the bytes of them found
-        read ahead, and the bytes they took from the cache instead of reading, since the last call."""
+    def take_fetched(self) -> dict[str, FetchCounts]:
+        """What DeepSpeed's fetches did in each phase (`PHASES`) since the last call."""
         with self._lock:
-            hits, self.cache_hit_bytes = self.cache_hit_bytes, 0
-        taken = (self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes, hits)
-        self.fetched_bytes, self.fetch_wait_secs, self.read_ahead_bytes = 0, 0.0, 0
+            taken, self.fetches = self.fetches, {phase: FetchCounts() for phase in PHASES}
         return taken
 
     def take_busy(self) -> tuple[float, float, int]:

@@ -398,10 +398,12 @@ class MLPOffloadStage3(DeepSpeedZeroOptimizer_Stage3):
         self._mlp_settle()
         self._mlp_backward_start = time.perf_counter()
         self._mlp_overlap_backward.backward_started()
+        self._mlp_view.on_nvme.enter("backward")
         super().backward_prologue()
 
     def backward_epilogue(self) -> None:
         super().backward_epilogue()
+        self._mlp_view.on_nvme.enter("forward")
         self._mlp_backward_end = time.perf_counter()
         self._mlp_backward_secs += self._mlp_backward_end - self._mlp_backward_start
         self._mlp_overlap_backward.backward_ended(self._mlp_backward_end)

@@ -265,6 +265,12 @@ class ParamsOnNvmeStep(TypedDict):
         "update).",
     ]
     fetch_wait_secs: Annotated[float, "Seconds those fetches waited for their reads."]
+    backward_fetched_bytes: Annotated[
+        int,
+        "Of `fetched_bytes`, those the backward's fetches read (between DeepSpeed's `backward_prologue` "
+        "and `backward_epilogue`); the rest, the forward's and any other fetch's (an evaluation's).",
+    ]
+    backward_fetch_wait_secs: Annotated[float, "Of `fetch_wait_secs`, the backward's fetches'."]
     read_ahead_bytes: Annotated[
         int,
         "Of the fetched bytes, those read ahead of their fetch, in the order the step before fetched "
@@ -275,6 +281,7 @@ class ParamsOnNvmeStep(TypedDict):
         "Bytes of their partitions the fetches took from the parameters' cache instead of reading them "
         "(the update's last writes, kept in host memory: `params_cache_bytes`; not in `fetched_bytes`).",
     ]
+    backward_cached_bytes: Annotated[int, "Of `cached_bytes`, those the backward's fetches took."]
     read_busy_secs: Annotated[
         float | None,
         "Seconds the parameters' busiest path had reads in flight over the same span (the fetches' and "
@@ -506,6 +513,16 @@ MONITOR_FIGURES = (
         "params_on_nvme/fetch_wait_secs",
         "Seconds the forward and backward waited for them.",
         "params_on_nvme/fetch_wait_secs",
+    ),
+    MonitorFigure(
+        "params_on_nvme/backward_fetched_bytes",
+        "Of the bytes read, the backward's.",
+        "params_on_nvme/backward_fetched_bytes",
+    ),
+    MonitorFigure(
+        "params_on_nvme/backward_fetch_wait_secs",
+        "Of the seconds waited, the backward's.",
+        "params_on_nvme/backward_fetch_wait_secs",
     ),
     MonitorFigure(
         "params_on_nvme/read_busy_secs",
