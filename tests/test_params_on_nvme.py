@@ -47,6 +47,7 @@ from mlp_offload.adapter.param_swapper import (
 )
 from mlp_offload.adapter.troubleshooting import met
 from mlp_offload.engine import profiles
+from mlp_offload.engine.buffers import MadeBuffers
 
 pytestmark = pytest.mark.deepspeed
 
@@ -505,10 +506,13 @@ def test_the_partitions_buffers_are_of_the_states_pages(host_pages: str, work_di
     buffer = swapper.buffers[param.ds_id]
     assert swapper.pages == host_pages and torch.equal(buffer, values)
     huge = huge_bytes_at(buffer.data_ptr())
+    # The swapper's count of the buffers it made, as the kernel backed them (the step record's).
+    made = swapper.take_made()
+    assert made.bytes >= values.numel() * 4 and swapper.take_made() == MadeBuffers()
     if host_pages == "small":
-        assert huge == 0
+        assert huge == 0 and made.huge_bytes == 0
     elif "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
-        assert huge > 0
+        assert huge > 0 and made.huge_bytes > 0
     swapper.store.close()
 
 
@@ -829,6 +833,9 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         assert 0 <= on_nvme["buffered_bytes"] < on_nvme["read_bytes"] + on_nvme["written_bytes"], step
         assert all(p["buffered_bytes"] == 0 for p in step["paths"]), step
         assert step["host_bytes"] > on_nvme["buffer_bytes"] > 0, step
+        # The first step makes the buffers (the flat copies among them), later steps mostly reuse them.
+        assert 0 <= on_nvme["buffers_made_huge_bytes"] <= on_nvme["buffers_made_bytes"], step
+        assert step["step"] > 0 or on_nvme["buffers_made_bytes"] > 0, step
         # From the second step the swapper reads ahead in the order the step before fetched, what the
         # update behind step() has written (here the forward follows it closely: maybe none).
         assert 0 <= on_nvme["read_ahead_bytes"] <= on_nvme["fetched_bytes"], step

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from mlp_offload.adapter.param_swapper import PHASES, FetchCounts, Writes
-from mlp_offload.engine.buffers import page_aligned
+from mlp_offload.engine.buffers import MadeBuffers, page_aligned
 from mlp_offload.engine.state import crc32c_of
 from mlp_offload.engine.telemetry import ParamsOnNvmeStep
 
@@ -107,6 +107,7 @@ class NvmePartitions:
             return None
         swapper = self.swapper()
         total, backward = fetches.total(), fetches.phases["backward"]
+        made = MadeBuffers() if swapper is None else swapper.take_made()
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
@@ -124,6 +125,8 @@ class NvmePartitions:
             # The planner's (`UpdatePlanner.after_step`).
             "predicted_read_secs": None,
             "buffer_bytes": 0 if swapper is None else swapper.buffer_bytes(),
+            "buffers_made_bytes": made.bytes,
+            "buffers_made_huge_bytes": made.huge_bytes,
         }
         self.read_bytes = self.written_bytes = 0
         return record
@@ -193,7 +196,7 @@ class NvmePartitions:
         """Memory for a flat copy of `numel` elements, of the parameters' buffers' pages."""
         swapper = self.swapper()
         assert swapper is not None, "a subgroup on NVMe has its partitions' swapper"
-        return page_aligned(numel, self._opt.dtype, pages=swapper.pages)
+        return page_aligned(numel, self._opt.dtype, pages=swapper.pages, made=swapper.made)
 
     def flush(self) -> None:
         """Waits for the writes of the flat copies let go (`let_go`), raising what one met: at the end of

@@ -37,7 +37,7 @@ import torch
 from mlp_offload.adapter import troubleshooting
 from mlp_offload.adapter.options import PARAMS_FOLDER
 from mlp_offload.common.config import from_ds_config
-from mlp_offload.engine.buffers import page_aligned
+from mlp_offload.engine.buffers import MadeBuffers, page_aligned
 from mlp_offload.engine.planning import host_pages, load_profile, open_store
 
 log = logging.getLogger("mlp_offload")
@@ -175,6 +175,9 @@ class StoreParamSwapper:
         # The pages of the partitions' buffers, the state's buffers' (`host_pages`): in 4 KiB pages a
         # partition's reads reach the device in requests of a fraction of the store's.
         self.pages = host_pages(config, profile)[0]
+        # The buffers made since they were last taken (`take_made`), the flat copies of `nvme_partitions`
+        # included: the kernel may leave memory too fragmented for the huge pages asked for.
+        self.made = MadeBuffers()
         # The partitions in host memory, by id: each one's own buffer, and the reads still in flight.
         self.buffers: dict[int, torch.Tensor] = {}
         # Buffers let go, by elements, kept for the next read of a partition of that size (the forward's
@@ -597,7 +600,13 @@ class StoreParamSwapper:
 
     def _new_buffer(self, numel: int) -> torch.Tensor:
         """Page-aligned memory of `numel` elements (O_DIRECT reads and writes straight into it)."""
-        return page_aligned(numel, self.dtype, pages=self.pages)
+        return page_aligned(numel, self.dtype, pages=self.pages, made=self.made)
+
+    def take_made(self) -> MadeBuffers:
+        """The buffers made since the last call (`made`)."""
+        with self._lock:
+            made, self.made = self.made, MadeBuffers()
+        return made
 
 
 def require_ours(swapper: Any) -> None:

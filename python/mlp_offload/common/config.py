@@ -96,9 +96,9 @@ class MLPOffloadConfig(BaseModel):
 
     The state's buffers, and those of the parameters on NVMe. `"huge"`: 2 MiB pages, which reach a
     device in whole requests: reserved ones (`MAP_HUGETLB`) where enough are free, else transparent ones;
-    the start-up line reports any part of the state's left in 4 KiB pages. `"small"`: 4 KiB pages.
-    `"auto"`: huge, unless the probe measured them moving 5% less than 4 KiB pages on some path (huge
-    without a probe profile)."""
+    the start-up line reports any part of the state's left in 4 KiB pages, the step records the
+    parameters'. `"small"`: 4 KiB pages. `"auto"`: huge, unless the probe measured them moving 5% less
+    than 4 KiB pages on some path (huge without a probe profile)."""
 
     update_kernel: Literal["auto", "fused", "deepspeed"] = "auto"
     """How each chunk is updated: one fused pass in the Rust core, or DeepSpeed's own passes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,14 +25,30 @@ def as_tensor(buffer: _core.HostBuffer, dtype: torch.dtype = torch.uint8) -> tor
     return torch.frombuffer(buffer, dtype=dtype)
 
 
-def page_aligned(numel: int, dtype: torch.dtype, *, pages: str) -> torch.Tensor:
+@dataclass
+class MadeBuffers:
+    """The bytes of the buffers `page_aligned` made, and of them those the kernel backed with huge pages
+    (reserved or transparent) as it made them."""
+
+    bytes: int = 0
+    huge_bytes: int = 0
+
+
+def page_aligned(
+    numel: int, dtype: torch.dtype, *, pages: str, made: MadeBuffers | None = None
+) -> torch.Tensor:
     """`numel` elements of `dtype` in page-aligned host memory of their own, of `pages` (`"small"` or
     `"huge"`, as `HostBufferPool`'s): the store reads and writes it with O_DIRECT (memory it cannot hand
     to O_DIRECT, as torch's allocator's 64-byte aligned memory, goes through the page cache), in requests
-    as large as its pages are contiguous."""
+    as large as its pages are contiguous. Counted in `made`, where given."""
     nbytes = numel * dtype.itemsize
     rounded = max(PAGE_BYTES, -(-nbytes // PAGE_BYTES) * PAGE_BYTES)
-    return as_tensor(_core.HostBuffer(rounded, pages=pages), dtype)[:numel]
+    buffer = _core.HostBuffer(rounded, pages=pages)
+    if made is not None:
+        report = buffer.page_report
+        made.bytes += report["bytes"]
+        made.huge_bytes += report["reserved_huge_bytes"] + report["transparent_huge_bytes"]
+    return as_tensor(buffer, dtype)[:numel]
 
 
 def register_with_cuda(address: int, nbytes: int) -> bool:

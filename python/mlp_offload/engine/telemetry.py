@@ -303,6 +303,17 @@ class ParamsOnNvmeStep(TypedDict):
     buffer_bytes: Annotated[
         int, "Host memory the partitions' buffers hold after the step, those kept for the next read included."
     ]
+    buffers_made_bytes: Annotated[
+        int,
+        "Bytes of the partitions' buffers made since the last record (the update's flat copies included; "
+        "after the first steps, reads reuse them).",
+    ]
+    buffers_made_huge_bytes: Annotated[
+        int,
+        "Of them, those the kernel backed with huge pages as it made them. Below `buffers_made_bytes` with "
+        "`host_pages` huge: buffers under 2 MiB, or memory too fragmented (reads and writes of that memory "
+        "reach the disk in smaller requests).",
+    ]
 
 
 class StepRecord(TypedDict):
