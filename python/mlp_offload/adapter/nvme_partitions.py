@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mlp_offload.adapter.param_swapper import PHASES, FetchCounts, Writes
+from mlp_offload.adapter.param_swapper import FetchCounts, Writes, no_fetches
 from mlp_offload.engine.buffers import MadeBuffers, page_aligned
 from mlp_offload.engine.state import crc32c_of
 from mlp_offload.engine.telemetry import ParamsOnNvmeStep
@@ -45,7 +45,7 @@ class Fetches:
     what they did in each phase (`param_swapper.PHASES`), and the seconds the busiest path read and
     wrote, with the bytes through the page cache (None: not our swapper)."""
 
-    phases: dict[str, FetchCounts] = field(default_factory=lambda: {phase: FetchCounts() for phase in PHASES})
+    phases: dict[str, FetchCounts] = field(default_factory=no_fetches)
     busy: tuple[float | None, float | None, int | None] = (None, None, None)
 
     def total(self) -> FetchCounts:

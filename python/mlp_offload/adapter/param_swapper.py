@@ -100,6 +100,11 @@ class FetchCounts:
 PHASES = ("forward", "backward")
 
 
+def no_fetches() -> dict[str, FetchCounts]:
+    """Each phase's counts, none yet."""
+    return {phase: FetchCounts() for phase in PHASES}
+
+
 @dataclass(frozen=True)
 class UpdateBehind:
     """The update running behind `step()` (`overlap`), as the parameters' reads see it: it writes the
@@ -192,12 +197,11 @@ class StoreParamSwapper:
         self._gathered_elements = int(gathered)
         # What DeepSpeed's fetches read, waited for and took from the cache since it was last taken
         # (`take_fetched`), in each phase; the engine says which phase runs.
-        self.fetches = {phase: FetchCounts() for phase in PHASES}
+        self.fetches = no_fetches()
         self.phase = "forward"
         # Reads ahead of DeepSpeed's fetches, in the order the last step fetched (`FetchOrder`): each
         # partition's buffer and read, outside DeepSpeed's statuses until a fetch takes it; at most
-        # DeepSpeed's prefetch bucket of them (the last one may pass it). Of the fetched bytes, those a
-        # fetch found read ahead.
+        # DeepSpeed's prefetch bucket of them (the last one may pass it).
         self.order = FetchOrder()
         self.ahead: dict[int, tuple[torch.Tensor, Any]] = {}
         self.ahead_bytes = 0
@@ -218,7 +222,7 @@ class StoreParamSwapper:
         self.behind: UpdateBehind | None = None
         # The parameters' cache (module docs): each partition's copy as the update last wrote it, within
         # `cache_limit` bytes (the settings', set by the engine). Its buffers count as held (`_take`).
-        # The update's thread fills it while the next forward's fetches take from it: the cache, the
+        # The update's thread fills it while the next forward's fetches take from it: the cache and the
         # buffers' pool go under a lock.
         self.cached: dict[int, torch.Tensor] = {}
         self.cache_limit = self.cache_bytes = 0
@@ -417,7 +421,7 @@ class StoreParamSwapper:
     def take_fetched(self) -> dict[str, FetchCounts]:
         """What DeepSpeed's fetches did in each phase (`PHASES`) since the last call."""
         with self._lock:
-            taken, self.fetches = self.fetches, {phase: FetchCounts() for phase in PHASES}
+            taken, self.fetches = self.fetches, no_fetches()
         return taken
 
     def take_busy(self) -> tuple[float, float, int]:
