@@ -47,7 +47,7 @@ from mlp_offload.adapter.param_swapper import (
 )
 from mlp_offload.adapter.troubleshooting import met
 from mlp_offload.engine import profiles
-from mlp_offload.engine.buffers import MadeBuffers
+from mlp_offload.engine.buffers import MadeBuffers, page_aligned
 
 pytestmark = pytest.mark.deepspeed
 
@@ -278,7 +278,7 @@ def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_
         written(swapper, param, v)
     assert not swapper.cached, "zero.Init's writes are not the update's: nothing kept"
     new = [torch.full((numel,), float(i), dtype=torch.bfloat16) for i in range(3)]
-    swapper.write_partitions([(params[0], new[0]), (params[1], new[1])], wait=False, keep=True)
+    writes = swapper.write_partitions([(params[0], new[0]), (params[1], new[1])], wait=False, keep=True)
     assert sorted(swapper.cached) == taken
     swapper.take_fetched()
     swapper.swap_in(params[:2], async_op=False)
@@ -290,6 +290,9 @@ def test_the_updates_writes_are_kept_for_the_next_fetch_as_far_as_the_cache_has_
     )
     assert not swapper.cached and swapper.cache_bytes == 0
     swapper.remove_partition_and_release_buffers(params[:2])
+    # Settled as the update settles its writes (the buffers they went from, given back).
+    writes.wait()
+    swapper.writes_done(writes)
     assert swapper.held_bytes == 0
     # Behind `step()`: the fetch of 2 waits for the update to write it, and takes what it kept.
     done: set[int] = set()
@@ -344,7 +347,7 @@ def test_writes_in_flight_are_all_waited_for_and_fail_for_every_waiter(
     errors: list[OSError | None], raised: str | None
 ) -> None:
     waited: list[int] = []
-    writes = Writes([Handle(e, waited) for e in errors], list(range(len(errors))))
+    writes = Writes([Handle(e, waited) for e in errors], list(range(len(errors))), [])
     for _ in range(2):
         if raised is None:
             writes.wait()
@@ -389,6 +392,45 @@ def test_buffers_kept_for_the_next_reads_stay_within_what_deepspeed_keeps_gather
     assert swapper.peak_bytes == 3 * 1_200_000
     swapper.remove_partition_and_release_buffers(params)
     assert swapper.held_bytes == 0 and swapper.buffer_bytes() == 1_200_000
+
+
+@pytest.mark.parametrize(
+    ("offset", "bounced"),
+    [
+        # The flat copy's own page: the store moves the partition with O_DIRECT from it.
+        (0, False),
+        # After a layer norm of 384 bf16 elements (768 bytes): through a buffer of the swapper's.
+        (384, True),
+        # After 2048 elements, the next page: from it again.
+        (2048, False),
+    ],
+    ids=["on the page", "after 768 bytes", "on the next page"],
+)
+def test_a_partition_at_any_offset_goes_to_the_disk_with_o_direct(
+    swapper: StoreParamSwapper, offset: int, bounced: bool
+) -> None:
+    """The update's flat copy of a subgroup has partitions at any offset the ones before leave: each is
+    written and read with O_DIRECT (through a buffer of the swapper's where its memory does not start on
+    the store's alignment), none of it through the page cache, and the buffers are given back."""
+    numel = 600_000
+    values = torch.randn(numel).to(torch.bfloat16)
+    param = partition(5, numel)
+    written(swapper, param, torch.zeros(numel, dtype=torch.bfloat16))
+    flat = page_aligned(offset + numel, torch.bfloat16, pages="small")
+    copy = flat.narrow(0, offset, numel)
+    copy.copy_(values)
+    assert swapper.direct(copy) != bounced and swapper.held_bytes == 0
+    buffered = sum(r["stats"]["bytes_buffered"] for r in swapper.store.path_reports())
+    writes = swapper.write_partitions([(param, copy)], wait=False)
+    # The copy is the write's until it is done; a bounce buffer, held until then, then given back.
+    assert swapper.held_bytes == (2 * numel if bounced else 0)
+    writes.wait()
+    swapper.writes_done(writes)
+    assert swapper.held_bytes == 0
+    copy.zero_()
+    swapper.read_partitions([(param, copy)])
+    assert torch.equal(copy, values) and swapper.held_bytes == 0
+    assert sum(r["stats"]["bytes_buffered"] for r in swapper.store.path_reports()) == buffered
 
 
 def test_a_subgroups_update_is_written_rounded_as_torch_rounds(swapper: StoreParamSwapper) -> None:
@@ -828,9 +870,9 @@ def test_the_readmes_section_trains_with_subgroups_on_nvme(
         reads = on_nvme["fetched_bytes"] + on_nvme["read_bytes"]
         assert (on_nvme["read_busy_secs"] > 0) == (reads > 0) and on_nvme["write_busy_secs"] > 0, step
         # The fetches read into page-aligned buffers, with O_DIRECT (the work disk takes it), and so does
-        # the update into its flat copy: only a partition at an offset there that O_DIRECT cannot take (a
-        # smaller one before it of an odd 256 bytes) goes through the page cache.
-        assert 0 <= on_nvme["buffered_bytes"] < on_nvme["read_bytes"] + on_nvme["written_bytes"], step
+        # the update into its flat copy: a partition at an offset there that O_DIRECT cannot take (after
+        # a layer norm of 384 elements) through a buffer of the swapper's, none through the page cache.
+        assert on_nvme["buffered_bytes"] == 0, step
         assert all(p["buffered_bytes"] == 0 for p in step["paths"]), step
         assert step["host_bytes"] > on_nvme["buffer_bytes"] > 0, step
         # The first step makes the buffers (the flat copies among them), later steps mostly reuse them.

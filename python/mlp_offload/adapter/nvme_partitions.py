@@ -17,6 +17,7 @@ nearly all taken wrote at a tenth of the disk's rate), of the swapper's pages (`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -152,13 +153,34 @@ class NvmePartitions:
         if not on_nvme:
             return 0
         element = self._opt.dtype.itemsize
-        copies = self._copies() * self._largest() * element
+        copies = self._copies() * (self._largest() * element + self._most_bounced())
         return min(on_nvme, most_gathered_elements(self._opt) * element) + copies
 
     def _copies(self) -> int:
         """How many flat copies the update takes at once (`_memories`): two where a subgroup here has
         partitions as objects (the writes of one go on while the next is updated), else one."""
         return 2 if self.partition_bytes() else 1
+
+    def _most_bounced(self) -> int:
+        """The most bytes of one subgroup here that go to the disk and back through the swapper's
+        buffers (`StoreParamSwapper.direct`): its partitions on NVMe at an offset of its flat copy (whose
+        memory starts on a page) that the store cannot move with O_DIRECT."""
+        swapper = self.swapper()
+        if swapper is None:
+            return 0
+        element = self._opt.dtype.itemsize
+        bounced = [0]
+        for i in range(len(self._opt.fp16_partitioned_groups_flat)):
+            if self.on_nvme(i):
+                offsets = itertools.accumulate((part.ds_numel for _, part in self._params(i)), initial=0)
+                bounced.append(
+                    sum(
+                        part.ds_numel * element
+                        for (_, part), offset in zip(self._params(i), offsets, strict=False)
+                        if part.final_location == "nvme" and offset * element % swapper.direct_align
+                    )
+                )
+        return max(bounced)
 
     def _largest(self) -> int:
         """The elements of the largest subgroup here on NVMe."""

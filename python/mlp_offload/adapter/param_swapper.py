@@ -127,26 +127,47 @@ class _NoRead:
 NO_READ = _NoRead()
 
 
+def wait_all(handles: list[Any]) -> None:
+    """Waits for every one of the store's `handles`, then raises the first error one met."""
+    error: BaseException | None = None
+    for handle in handles:
+        try:
+            handle.wait()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
 class Writes:
     """Writes of the partitions `ds_ids` in flight (`StoreParamSwapper.write_partitions(wait=False)`):
     `wait()` returns once all are complete, or raises what one met, for every thread that waits (the
     update's thread before it reuses their memory, a fetch before it reads one of them)."""
 
-    def __init__(self, handles: list[Any], ds_ids: list[int]) -> None:
+    def __init__(self, handles: list[Any], ds_ids: list[int], bounces: list[torch.Tensor]) -> None:
         self.ds_ids = ds_ids
         self._handles = handles
+        # The swapper's buffers the writes go from in place of memory O_DIRECT cannot take
+        # (`StoreParamSwapper.direct`), given back once (`take_bounces`) after the wait.
+        self._bounces = bounces
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+
+    def take_bounces(self) -> list[torch.Tensor]:
+        """The bounce buffers, to give back: the first call after `wait()` has them, later ones none."""
+        with self._lock:
+            assert not self._handles, "bounce buffers given back only once their writes are done"
+            bounces, self._bounces = self._bounces, []
+        return bounces
 
     def wait(self) -> None:
         with self._lock:
             handles, self._handles = self._handles, []
             # Every one waited for, whatever one met: their memory is reused once this returns.
-            for handle in handles:
-                try:
-                    handle.wait()
-                except BaseException as error:
-                    self._error = self._error or error
+            try:
+                wait_all(handles)
+            except BaseException as error:
+                self._error = self._error or error
             if self._error is not None:
                 raise self._error
 
@@ -177,6 +198,9 @@ class StoreParamSwapper:
         # profile is loaded (probed, the first time) here, before the engine's start.
         profile = load_profile(config)[0]
         self.store = open_store(config, profile, roots, rank=rank, shadow_slots=False)
+        # The alignment of memory the store reads and writes with O_DIRECT on every path (its own rule);
+        # other memory it would move through the page cache (`direct`).
+        self.direct_align = max(max(512, r["tier"]["dio_mem_align"]) for r in self.store.path_reports())
         # The pages of the partitions' buffers, the state's buffers' (`host_pages`): in 4 KiB pages a
         # partition's reads reach the device in requests of a fraction of the store's.
         self.pages = host_pages(config, profile)[0]
@@ -398,16 +422,28 @@ class StoreParamSwapper:
 
     def writes_done(self, writes: Writes) -> None:
         """`writes` (from `write_partitions(wait=False)`) were waited for: their partitions are read as
-        any (those written again since keep their newer writes)."""
+        any (those written again since keep their newer writes), their bounce buffers given back."""
         for ds_id in writes.ds_ids:
             if self.writing.get(ds_id) is writes:
                 self.writing.pop(ds_id, None)
+        for buffer in writes.take_bounces():
+            self._give_back(buffer)
 
     def _wait_for_write(self, ds_id: int) -> None:
         """Waits for partition `ds_id`'s write still in flight, if one is."""
         if (writes := self.writing.get(ds_id)) is not None:
-            writes.wait()
-            self.writes_done(writes)
+            try:
+                writes.wait()
+            finally:
+                self.writes_done(writes)
+
+    def direct(self, tensor: torch.Tensor) -> bool:
+        """Whether the store moves `tensor`'s memory with O_DIRECT: where it starts on `direct_align`.
+        The engine's flat copy of a subgroup (`nvme_partitions`) has a partition at any offset that
+        the partitions before it leave (an odd 384 elements of a layer norm, a partition of an odd
+        number of elements on several ranks): through the page cache its writes stall once the host's
+        memory is nearly all taken, so each is read and written through a buffer of the swapper's."""
+        return tensor.data_ptr() % self.direct_align == 0
 
     def _read(self, param: Any, dest: torch.Tensor) -> Any:
         """Issues the read of `param`'s object into `dest`, once a write of it still in flight is done."""
@@ -477,9 +513,23 @@ class StoreParamSwapper:
     # DeepSpeed's status of the partition.
 
     def read_partitions(self, reads: list[tuple[Any, torch.Tensor]]) -> None:
-        """Reads each partition's object into its tensor, all in flight at once."""
-        for handle in [self._read(param, dest) for param, dest in reads]:
-            handle.wait()
+        """Reads each partition's object into its tensor, all in flight at once; a tensor the store
+        cannot read into with O_DIRECT (`direct`) through a buffer of its own."""
+        bounces = [None if self.direct(dest) else self._take(dest.numel()) for _, dest in reads]
+        handles = [
+            self._read(param, dest if bounce is None else bounce)
+            for (param, dest), bounce in zip(reads, bounces, strict=True)
+        ]
+        try:
+            # Every one waited for, whatever one met: the bounce buffers are reused once this returns.
+            wait_all(handles)
+            for (_, dest), bounce in zip(reads, bounces, strict=True):
+                if bounce is not None:
+                    dest.copy_(bounce)
+        finally:
+            for bounce in bounces:
+                if bounce is not None:
+                    self._give_back(bounce)
 
     def write_partitions(
         self, writes: list[tuple[Any, torch.Tensor]], wait: bool = True, keep: bool = False
@@ -488,18 +538,30 @@ class StoreParamSwapper:
         or with `wait=False` when the `Writes` it returns is waited for (the tensors untouched until
         then; a read of one of them waits for it). A read ahead of one of them, or its copy in the
         cache, which would hold the old values, is dropped first; `keep`: the new values go into the
-        cache, as far as it has room (the update's writes)."""
+        cache, as far as it has room (the update's writes). A tensor the store cannot write from with
+        O_DIRECT (`direct`) is copied into a buffer of its own first, given back once its write is done
+        (`writes_done`)."""
         for param, _ in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
             self._forget(param.ds_id)
             self._wait_for_write(param.ds_id)
-        handles = [self.store.write(key_of(param), src) for param, src in writes]
+        bounces, sources = [], []
+        for param, src in writes:
+            if not self.direct(src):
+                bounce = self._take(src.numel())
+                bounces.append(bounce.copy_(src))
+                src = bounce
+            sources.append((param, src))
+        handles = [self.store.write(key_of(param), src) for param, src in sources]
         if keep and self.cache_limit:
             self._keep(writes)
-        pending = Writes(handles, [param.ds_id for param, _ in writes])
+        pending = Writes(handles, [param.ds_id for param, _ in writes], bounces)
         if wait:
-            pending.wait()
+            try:
+                pending.wait()
+            finally:
+                self.writes_done(pending)
         else:
             for param, _ in writes:
                 self.writing[param.ds_id] = pending
