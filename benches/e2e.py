@@ -828,17 +828,22 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"params": params, "baseline": baseline, "median": rows, "speedup_over_baseline": ratios}
 
 
-def params_on_nvme(start: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, float] | None:
+def params_on_nvme(start: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Medians of the forward's and backward's reads of the parameters on NVMe (ours' telemetry): bytes,
     the seconds the busiest path read and the compute waited (the bytes and the wait also the
-    backward's alone), the plan's prediction, and the rate read against the plan's (the probe's read
-    figure at the plan's split)."""
-    steps = [t["params_on_nvme"] for t in records if (t.get("params_on_nvme") or {}).get("read_busy_secs")]
+    backward's alone), the plan's prediction, what the fetches and the update took from the parameters'
+    cache, and the rate read against the plan's (the probe's read figure at the plan's split; None
+    where nothing was read)."""
+    steps = [
+        t["params_on_nvme"]
+        for t in records
+        if (t.get("params_on_nvme") or {}).get("read_busy_secs") is not None
+    ]
     plan = start.get("plan") or {}
     if not steps or not plan.get("param_pass_secs"):
         return None
-    row = {
-        k: statistics.median(s[k] for s in steps)
+    row: dict[str, Any] = {
+        k: statistics.median(s.get(k) or 0 for s in steps)
         for k in (
             "fetched_bytes",
             "backward_fetched_bytes",
@@ -846,16 +851,22 @@ def params_on_nvme(start: dict[str, Any], records: list[dict[str, Any]]) -> dict
             "fetch_wait_secs",
             "backward_fetch_wait_secs",
             "predicted_read_secs",
+            "cached_bytes",
+            "read_cached_bytes",
         )
     }
-    row["bytes_per_busy_s"] = statistics.median(
-        (s["fetched_bytes"] + s["read_bytes"]) / s["read_busy_secs"] for s in steps
-    )
     # The update's reads of the partitions (the master weights, where they are in the parameters) share
     # the busy time: the fetches' part of it is what their prediction is for.
     row["update_read_bytes"] = statistics.median(s["read_bytes"] for s in steps)
+    busy = [s for s in steps if s["read_busy_secs"] > 0]
     row["fetch_busy_secs"] = statistics.median(
-        s["read_busy_secs"] * s["fetched_bytes"] / (s["fetched_bytes"] + s["read_bytes"]) for s in steps
+        [s["read_busy_secs"] * s["fetched_bytes"] / (s["fetched_bytes"] + s["read_bytes"]) for s in busy]
+        or [0.0]
+    )
+    row["bytes_per_busy_s"] = (
+        statistics.median((s["fetched_bytes"] + s["read_bytes"]) / s["read_busy_secs"] for s in busy)
+        if busy
+        else None
     )
     row["plan_bytes_per_s"] = start["params_on_nvme_bytes"] / plan["param_pass_secs"]
     return row
@@ -995,15 +1006,22 @@ def print_report(report: dict[str, Any]) -> None:
                 "(estimate: each chunk as soon as its gradient is final, one at a time)"
             )
         if n := m.get("params_on_nvme"):
+            rate = n["bytes_per_busy_s"]
             print(
                 f"  parameters on NVMe: the forward and backward read {n['fetched_bytes'] / gib:.2f} GiB "
-                f"(the backward {n['backward_fetched_bytes'] / gib:.2f}), "
+                f"(the backward {n['backward_fetched_bytes'] / gib:.2f}; "
+                f"{n['cached_bytes'] / gib:.2f} GiB more taken from the cache, the update "
+                f"{n['read_cached_bytes'] / gib:.2f} GiB), "
                 f"the busiest path reading {n['fetch_busy_secs']:.2f} s for them "
                 f"(predicted {n['predicted_read_secs']:.2f} s; {n['read_busy_secs']:.2f} s with the "
                 f"update's {n['update_read_bytes'] / gib:.2f} GiB) "
-                f"at {n['bytes_per_busy_s'] / 2**20:.0f} MiB/s, "
-                f"{n['bytes_per_busy_s'] / n['plan_bytes_per_s']:.2f}x the plan's "
-                f"{n['plan_bytes_per_s'] / 2**20:.0f}; the compute waited {n['fetch_wait_secs']:.2f} s "
+                + (
+                    f"at {rate / 2**20:.0f} MiB/s, {rate / n['plan_bytes_per_s']:.2f}x the plan's "
+                    f"{n['plan_bytes_per_s'] / 2**20:.0f}"
+                    if rate
+                    else "(nothing read)"
+                )
+                + f"; the compute waited {n['fetch_wait_secs']:.2f} s "
                 f"(the backward {n['backward_fetch_wait_secs']:.2f} s)"
             )
         if m.get("predicted_after_backward_secs") is not None:

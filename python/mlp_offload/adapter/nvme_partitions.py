@@ -71,8 +71,9 @@ class NvmePartitions:
         # Subgroups the running step's update writes whole before anything reads them (`StepUpdate`
         # says which): their copies are not read first, and are written back whole.
         self.written_whole: set[int] = set()
-        # Bytes read and written since the last step record (`step_record`).
-        self.read_bytes = 0
+        # Bytes read, taken from the parameters' cache instead, and written since the last step record
+        # (`step_record`).
+        self.read_bytes = self.read_cached_bytes = 0
         self.written_bytes = 0
         # The memory of the flat copies `get` gives (module docs), made at the first: two where partitions
         # are objects, so that one subgroup's writes go on while the next one's update fills the other;
@@ -112,6 +113,7 @@ class NvmePartitions:
         record: ParamsOnNvmeStep = {
             "subgroups": len(on_nvme),
             "read_bytes": self.read_bytes,
+            "read_cached_bytes": self.read_cached_bytes,
             "written_bytes": self.written_bytes,
             "fetched_bytes": total.bytes,
             "fetch_wait_secs": total.wait_secs,
@@ -129,7 +131,7 @@ class NvmePartitions:
             "buffers_made_bytes": made.bytes,
             "buffers_made_huge_bytes": made.huge_bytes,
         }
-        self.read_bytes = self.written_bytes = 0
+        self.read_bytes = self.read_cached_bytes = self.written_bytes = 0
         return record
 
     def on_nvme(self, i: int) -> bool:
@@ -244,6 +246,8 @@ class NvmePartitions:
         for (param, part), dest in self._slices(i, flat):
             if self._available(part):
                 dest.copy_(part.data)
+            elif param.nvme_swapper.copy_cached(param.ds_id, dest):
+                self.read_cached_bytes += dest.numel() * dest.element_size()
             else:
                 reads.append((param, dest))
                 self.read_bytes += dest.numel() * dest.element_size()
@@ -304,17 +308,21 @@ class NvmePartitions:
     def _write_back(self, i: int, flat: torch.Tensor, own: list[torch.Tensor | None]) -> None:
         """`as_flat_buffers`' end for subgroup `i`: each partition's values from `flat` into its own
         storage (`own`) or its object."""
-        writes = []
+        writes, released = [], []
         for ((param, part), src), storage in zip(self._slices(i, flat), own, strict=True):
             if storage is not None:
                 storage.copy_(src)
                 part.data = storage
-            else:
+            # A partition on NVMe a fetch holds now is written too: its object must not stay behind
+            # its buffer's values (the parameters' cache may keep that buffer once it is let go).
+            if storage is None or part.final_location == "nvme":
                 writes.append((param, src))
+            if storage is None:
+                released.append(param)
         if writes:
             swapper = writes[0][0].nvme_swapper
             swapper.write_partitions(writes)
-            swapper.remove_partition_and_release_buffers([param for param, _ in writes])
+            swapper.remove_partition_and_release_buffers(released)
 
     def _slices(self, i: int, flat: torch.Tensor) -> list[tuple[tuple[Any, Any], torch.Tensor]]:
         """Each (parameter, partition) of subgroup `i` with its slice of the subgroup's `flat` copy."""

@@ -12,6 +12,9 @@ node-wide admission of the state's store (`planning.open_store`).
 The parameters' cache (`Settings.params_cache`): where host memory is left once the state is cached
 whole, the update's writes of the partitions keep a copy of each (`write_partitions(keep=True)`) until a
 fetch takes it in place of a read; the next forward then reads none of what the update has just written.
+A fetch's buffer, let go, stays there too while it holds its object's values (`clean`): the backward's
+fetch and the update's read of that partition (`copy_cached`) then read nothing. Those give way to the
+update's writes, oldest first.
 
 What changes for the user: DeepSpeed's async I/O op is not needed, `offload_param.nvme_path` is not
 written, and no fetch waits for a buffer: each partition in host memory has a buffer of its own
@@ -250,6 +253,11 @@ class StoreParamSwapper:
         # buffers' pool go under a lock.
         self.cached: dict[int, torch.Tensor] = {}
         self.cache_limit = self.cache_bytes = 0
+        # Of those, the ones kept as a fetch let them go (`_let_go`), oldest first: the update's writes
+        # take their room (`_keep`). The partitions whose buffer holds their object's values: read, or
+        # written from it.
+        self.kept_on_release: dict[int, None] = {}
+        self.clean: set[int] = set()
         self._lock = threading.RLock()
         if ds_config.zero_config.offload_param.nvme_path:
             log.info(
@@ -286,6 +294,8 @@ class StoreParamSwapper:
         for param in params:
             self.numel[param.ds_id] = param.ds_tensor.ds_numel
         self.write_partitions([(param, self.buffers[param.ds_id]) for param in params])
+        # Written from their buffers: those hold their objects' values.
+        self.clean.update(param.ds_id for param in params)
         self.remove_partition_and_release_buffers(params)
 
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
@@ -372,6 +382,7 @@ class StoreParamSwapper:
             handle.wait()
             param.ds_tensor.data = self.buffers[param.ds_id].data
             param.ds_tensor.status = self.status.AVAILABLE
+            self.clean.add(param.ds_id)
         self.fetches[self.phase].wait_secs += time.perf_counter() - started
 
     def _deferred(self, param: Any) -> Any:
@@ -397,15 +408,30 @@ class StoreParamSwapper:
     def _uncache(self, ds_id: int) -> torch.Tensor | None:
         """Partition `ds_id`'s copy, out of the cache (under the lock), or None."""
         buffer = self.cached.pop(ds_id, None)
+        self.kept_on_release.pop(ds_id, None)
         if buffer is not None:
             self.cache_bytes -= buffer.numel() * self.element_size
         return buffer
 
+    def copy_cached(self, ds_id: int, dest: torch.Tensor) -> bool:
+        """Copies partition `ds_id`'s values from the cache into `dest`, if it has them (the update's
+        read of a subgroup's partitions: the copy stays for the next fetch)."""
+        with self._lock:
+            if (buffer := self.cached.get(ds_id)) is None:
+                return False
+            dest.copy_(buffer)
+            return True
+
     def _keep(self, writes: list[tuple[Any, torch.Tensor]]) -> None:
-        """A copy of each written partition in the cache, while it has room (the first ones written)."""
+        """A copy of each written partition in the cache, while it has room (the first ones written),
+        the copies kept as fetches let them go making room, oldest first."""
         for param, src in writes:
             nbytes = src.numel() * self.element_size
             with self._lock:
+                while self.cache_bytes + nbytes > self.cache_limit and self.kept_on_release:
+                    evicted = self._uncache(next(iter(self.kept_on_release)))
+                    assert evicted is not None, "a copy kept on release is in the cache"
+                    self._give_back(evicted)
                 if self.cache_bytes + nbytes > self.cache_limit:
                     return
                 buffer = self._take(src.numel())
@@ -413,6 +439,19 @@ class StoreParamSwapper:
             buffer.copy_(src)
             with self._lock:
                 self.cached[param.ds_id] = buffer
+
+    def _cache_on_release(self, ds_id: int, buffer: torch.Tensor) -> bool:
+        """Keeps a partition's buffer a fetch lets go in the cache, if it has room (the caller knows the
+        buffer holds the object's values, `clean`, or those its write in flight writes): the backward's
+        fetch of it, or the update's read, then reads nothing."""
+        nbytes = buffer.numel() * self.element_size
+        with self._lock:
+            if ds_id in self.cached or self.cache_bytes + nbytes > self.cache_limit:
+                return False
+            self.cached[ds_id] = buffer
+            self.kept_on_release[ds_id] = None
+            self.cache_bytes += nbytes
+            return True
 
     def _forget(self, ds_id: int) -> None:
         """Partition `ds_id`'s copy in the cache, if any, let go: its object is about to change."""
@@ -541,11 +580,15 @@ class StoreParamSwapper:
         cache, as far as it has room (the update's writes). A tensor the store cannot write from with
         O_DIRECT (`direct`) is copied into a buffer of its own first, given back once its write is done
         (`writes_done`)."""
-        for param, _ in writes:
+        for param, src in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
             self._forget(param.ds_id)
             self._wait_for_write(param.ds_id)
+            held = self.buffers.get(param.ds_id)
+            if held is None or held.data_ptr() != src.data_ptr():
+                # A fetch's buffer of it no longer vouches for the object's values: not cached when let go.
+                self.clean.discard(param.ds_id)
         bounces, sources = [], []
         for param, src in writes:
             if not self.direct(src):
@@ -619,6 +662,7 @@ class StoreParamSwapper:
 
     def _buffer(self, ds_id: int, numel: int) -> torch.Tensor:
         """Partition `ds_id`'s buffer of `numel` elements, held until it is let go (`_let_go`)."""
+        self.clean.discard(ds_id)
         self.buffers[ds_id] = buffer = self._take(numel)
         return buffer
 
@@ -650,9 +694,12 @@ class StoreParamSwapper:
         return buffer
 
     def _let_go(self, ds_id: int) -> None:
-        """Partition `ds_id`'s buffer, if it holds one, kept for another read (`free`) or freed."""
+        """Partition `ds_id`'s buffer, if it holds one: kept in the cache with its values where it has
+        room, else for another read (`free`), or freed."""
         buffer = self.buffers.pop(ds_id, None)
-        if buffer is not None:
+        clean = ds_id in self.clean
+        self.clean.discard(ds_id)
+        if buffer is not None and not (clean and self._cache_on_release(ds_id, buffer)):
             self._give_back(buffer)
 
     def _give_back(self, buffer: torch.Tensor) -> None:

@@ -171,16 +171,18 @@ class MLPOffloadConfig(BaseModel):
     chunk); `0`: off."""
 
     params_cache: Size | Literal["auto"] = "auto"
-    """Host memory that keeps the parameters the update wrote for the next forward (parameters on NVMe).
+    """Host memory that keeps the parameters on NVMe that the next fetch or update would read back.
 
     With `offload_param` on NVMe past `max_in_cpu`, the update writes each subgroup's new parameters to
     the store; the parameters' cache keeps a copy of each partition in host memory until the next
-    forward's fetch takes it, in place of reading back what was just written. `"auto"`: what
+    forward's fetch takes it, in place of reading back what was just written, and the partitions a fetch
+    lets go, for the backward's fetch of them and the update's read (those give way to the update's
+    writes, oldest first). `"auto"`: what
     `host_memory` leaves once every chunk is cached (with `host_memory: "auto"`, what this rank can spare
     beyond the state, the parameters' buffers and the backward's; none with `"deepspeed"` or where
     chunks stream), at most the partitions' bytes; a size: at most that, within the same room; `0`: off.
-    The start-up record says how much (`params_cache_bytes`), each step's record what the fetches took
-    from it (`params_on_nvme.cached_bytes`)."""
+    The start-up record says how much (`params_cache_bytes`), each step's record what the fetches and
+    the update took from it (`params_on_nvme.cached_bytes`, `params_on_nvme.read_cached_bytes`)."""
 
     engine: Literal["auto", "io_uring", "threads"] = "auto"
     """The I/O engine: io_uring where the kernel allows it, else a pread/pwrite thread pool."""

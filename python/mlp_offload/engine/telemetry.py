@@ -257,6 +257,11 @@ class ParamsOnNvmeStep(TypedDict):
 
     subgroups: Annotated[int, "Subgroups whose parameters are on NVMe."]
     read_bytes: Annotated[int, "Bytes of their partitions the update read from the store."]
+    read_cached_bytes: Annotated[
+        int,
+        "Bytes of their partitions the update took from the parameters' cache instead of reading them "
+        "(the master weights, where they are in the parameters; not in `read_bytes`).",
+    ]
     written_bytes: Annotated[int, "Bytes of their partitions the update wrote back (those it changed)."]
     fetched_bytes: Annotated[
         int,
@@ -279,7 +284,8 @@ class ParamsOnNvmeStep(TypedDict):
     cached_bytes: Annotated[
         int,
         "Bytes of their partitions the fetches took from the parameters' cache instead of reading them "
-        "(the update's last writes, kept in host memory: `params_cache_bytes`; not in `fetched_bytes`).",
+        "(the update's last writes, and the partitions earlier fetches let go, kept in host memory: "
+        "`params_cache_bytes`; not in `fetched_bytes`).",
     ]
     backward_cached_bytes: Annotated[int, "Of `cached_bytes`, those the backward's fetches took."]
     read_busy_secs: Annotated[
