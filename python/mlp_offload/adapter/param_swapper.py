@@ -294,8 +294,6 @@ class StoreParamSwapper:
         for param in params:
             self.numel[param.ds_id] = param.ds_tensor.ds_numel
         self.write_partitions([(param, self.buffers[param.ds_id]) for param in params])
-        # Written from their buffers: those hold their objects' values.
-        self.clean.update(param.ds_id for param in params)
         self.remove_partition_and_release_buffers(params)
 
     def swap_in(self, params: list[Any], async_op: bool = True, swap_in_buffers: Any = None) -> None:
@@ -585,9 +583,13 @@ class StoreParamSwapper:
                 self._drop_ahead(param.ds_id)
             self._forget(param.ds_id)
             self._wait_for_write(param.ds_id)
+            # The partition's buffer holds the object's values where it is what is written (zero.Init's
+            # writes, DeepSpeed's of a partition it changed); else it no longer vouches for them, and is
+            # not cached when let go.
             held = self.buffers.get(param.ds_id)
-            if held is None or held.data_ptr() != src.data_ptr():
-                # A fetch's buffer of it no longer vouches for the object's values: not cached when let go.
+            if held is not None and held.data_ptr() == src.data_ptr():
+                self.clean.add(param.ds_id)
+            else:
                 self.clean.discard(param.ds_id)
         bounces, sources = [], []
         for param, src in writes:
