@@ -29,6 +29,13 @@ EVERY_CHUNK_CACHED = {"host_memory": "8M", "shadow_slots": False}
 # The first step of the loss spike in the row whose steps leave chunk order.
 SPIKE = 3
 
+# ZeRO-Infinity: subgroups past `offload_param.max_in_cpu`, their partitions on NVMe. The 20M GPT's
+# partitions of 1 MiB and more are objects of the parameters' store (chunks of a few MiB, streamed), the
+# tiny GPT's are in host memory each on its own. Stock's side has them in host memory (the same bits).
+ON_NVME = {"offload_param": "nvme", "param_max_in_cpu": 1_000_000}
+ON_NVME_20M = {**ON_NVME, "model": "gpt-20M", "sub_group_size": 2_000_000, "steps": 5}
+ON_NVME_20M_KEYS = {"host_memory": "150M", "update_chunk": "auto"}
+
 
 # The streamed chunks updated during backward (`overlap_backward`): DeepSpeed reduces in small buckets,
 # so most gradients are final before backward ends; the budget streams; shadow slots keep the old
@@ -107,6 +114,37 @@ BACKWARD_CASES = [
         "skipped at 3",
         1,
     ),
+    # The parameters on NVMe: each subgroup's partitions are written as its chunks are updated (in
+    # place: undone, they are written again from the weights before), while the backward fetches others.
+    ("parameters on NVMe: kept every step", {**ON_NVME_20M, "fp32": True}, ON_NVME_20M_KEYS, "kept", 1),
+    (
+        "parameters on NVMe: clipping, stopped by the norms so far, undone",
+        {**ON_NVME_20M, "fp32": True, "clip": 0.05},
+        ON_NVME_20M_KEYS,
+        "clipping",
+        1,
+    ),
+    (
+        "parameters on NVMe: bf16, a gradient not finite",
+        {**ON_NVME_20M, "overflow_at_step": 3},
+        ON_NVME_20M_KEYS,
+        "skipped at 3",
+        1,
+    ),
+    (
+        "parameters on NVMe: DeepSpeed's helpers between backward and step",
+        {**ON_NVME_20M, "fp32": True, "helpers_at": 4},
+        ON_NVME_20M_KEYS,
+        "read at 4",
+        1,
+    ),
+    (
+        "parameters past max_in_cpu in host memory on their own, two ranks, accumulation 2",
+        {**ON_NVME, "param_max_in_cpu": 10_000, "grad_accum": 2},
+        {},
+        "kept",
+        2,
+    ),
     # Every chunk cached, and room for kept copies: the chunks are updated in their buffers, each one's
     # state before copied by the pass, and given back from that copy when undone.
     ("every chunk cached: kept copies, kept every step", {}, EVERY_CHUNK_CACHED, "kept", 1),
@@ -153,17 +191,35 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     rank."""
     # No clipping (DeepSpeed's default clips at 1.0, which these gradients pass) unless the row asks.
     case = {"reduce_bucket_size": 20_000, "steps": 6, "clip": 0.0, **ds_case}
-    stock = run_case(stock_side(case), tmp_path, "stock", ranks=ranks)
+    on_nvme = case.get("offload_param") == "nvme"
+    stock_case = {**stock_side(case), "offload_param": "cpu"} if on_nvme else stock_side(case)
+    stock = run_case(stock_case, tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
     mlp = section(dirs_with_room[:2], **{**keys, **extra})
+    if on_nvme:
+        case["param_nvme_path"] = str(tmp_path / "nvme")
     ours = run_case({**case, "mlp_offload": mlp}, tmp_path, "ours", ranks=ranks)
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
         check_backward_records(a, outcome, case["steps"])
+        if on_nvme:
+            check_partitions_on_nvme(a, objects=case.get("model") == "gpt-20M")
         if (at := case.get("set_params_apart_at")) is not None:
             # Chunks with parameters set apart were taken before the step undid them.
             records = [r for r in a["telemetry"] if r["event"] in ("step", "skipped")]
             assert records[at]["overlap_backward"]["chunks"] > 0, records[at]
+
+
+def check_partitions_on_nvme(ours: dict[str, Any], objects: bool) -> None:
+    """Subgroups were on NVMe every step, and (`objects`) their partitions written to the store's objects
+    as their chunks were updated, during backward where it was kept."""
+    start = next(r for r in ours["telemetry"] if r["event"] == "start")
+    assert start["subgroups_on_nvme"] > 0, start
+    steps = [r for r in ours["telemetry"] if r["event"] == "step"]
+    assert all(r["params_on_nvme"]["subgroups"] == start["subgroups_on_nvme"] for r in steps), steps
+    if objects:
+        assert start["params_on_nvme_bytes"] > 0, start
+        assert all(r["params_on_nvme"]["written_bytes"] > 0 for r in steps), steps
 
 
 def check_backward_records(ours: dict[str, Any], outcome: str, steps: int) -> None:
@@ -328,27 +384,38 @@ BEFORE_STEP = [
     # One rank: DeepSpeed's "gather" makes a parameter's data its partition, which the update during
     # backward writes before step(); a persistent parameter (all of this model's, by DeepSpeed's
     # default threshold) stays so between uses.
-    ("one rank, every parameter held whole", {}, 1),
-    ("one rank, each parameter gathered for its use", {"persistence_threshold": 0}, 1),
-    ("two ranks, every parameter held whole", {}, 2),
+    ("one rank, every parameter held whole", {}, {}, 1),
+    ("one rank, each parameter gathered for its use", {"persistence_threshold": 0}, {}, 1),
+    ("two ranks, every parameter held whole", {}, {}, 2),
+    # The gathers read the partitions' objects, which the update wrote: undone, they are written again
+    # before any is read.
+    (
+        "parameters on NVMe, each gathered for its use",
+        {**ON_NVME_20M, "fp32": True, "persistence_threshold": 0, "steps": 5},
+        ON_NVME_20M_KEYS,
+        1,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("ds_case", "ranks"),
-    [pytest.param(*c[1:], marks=[ONE_NODE] if c[2] > 1 else []) for c in BEFORE_STEP],
+    ("ds_case", "extra", "ranks"),
+    [pytest.param(*c[1:], marks=[ONE_NODE] if c[3] > 1 else []) for c in BEFORE_STEP],
     ids=[c[0] for c in BEFORE_STEP],
 )
 def test_what_is_read_between_backward_and_step_is_the_model_before_the_step(
-    ds_case: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
+    ds_case: dict[str, Any], extra: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
 ) -> None:
     """Between backward and step 3, with chunks already updated during backward: the parameters' data
     as they are, an eval pass, and every parameter gathered see the model before the step, as stock's
     do, bit for bit; training goes on bit-equal. (With one rank the parameters held whole showed the
     update's values before.)"""
-    case = {**ds_case, "reduce_bucket_size": 20_000, "clip": 0.0, "steps": 6, "read_before_step_at": 3}
-    stock = run_case(case, tmp_path, "stock", ranks=ranks)
-    keys = {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True}
+    case = {"reduce_bucket_size": 20_000, "clip": 0.0, "steps": 6, "read_before_step_at": 3, **ds_case}
+    on_nvme = case.get("offload_param") == "nvme"
+    stock = run_case({**case, "offload_param": "cpu"} if on_nvme else case, tmp_path, "stock", ranks=ranks)
+    keys = {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True, **extra}
+    if on_nvme:
+        case["param_nvme_path"] = str(tmp_path / "nvme")
     ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys)}, tmp_path, "ours", ranks=ranks)
     for rank, (a, b) in enumerate(zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True)):
         assert_bit_equal(a, b)

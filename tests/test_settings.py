@@ -202,11 +202,18 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], bool, dict[str, tuple[bool
         {"overlap": (True, "on (the config)")},
     ),
     (
-        "a streamed state with subgroups' parameters on NVMe: no update during backward",
+        "a streamed state with subgroups' parameters on NVMe: the update during backward as without them",
         STREAMS,
         {"subgroups_on_nvme": 1, "params_on_host": False},
         True,
-        {"overlap_backward": (False, "1 subgroups' parameters are on NVMe")},
+        {"overlap_backward": (True, "auto: the streamed chunks the plan expects to begin")},
+    ),
+    (
+        "a streamed state with subgroups' parameters on NVMe, overlap_backward true: on",
+        {**STREAMS, "overlap_backward": True},
+        {"subgroups_on_nvme": 3, "params_on_host": False},
+        True,
+        {"overlap_backward": (True, "on (the config): every streamed chunk")},
     ),
     (
         "the README's section: every subgroup the host's (ratio 1.0)",
@@ -378,11 +385,6 @@ def test_the_parameters_cache_gets_what_host_memory_leaves_the_state(
             {"master": BF16},
             r"master_in_params: true, but overlap_backward is true",
         ),
-        (
-            {**STREAMS, "overlap_backward": True},
-            {"subgroups_on_nvme": 3},
-            r"mlp_offload\.overlap_backward: true cannot be with parameters on NVMe past .*max_in_cpu \(3",
-        ),
     ],
     ids=[
         "a budget of no chunk",
@@ -390,7 +392,6 @@ def test_the_parameters_cache_gets_what_host_memory_leaves_the_state(
         "a cache of every buffer",
         "in params, fp32",
         "in params, backward true",
-        "overlap_backward true, parameters on NVMe",
     ],
 )
 def test_what_cannot_be_is_refused_by_its_key(

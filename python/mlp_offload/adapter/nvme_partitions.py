@@ -244,8 +244,10 @@ class NvmePartitions:
             return flat
         reads = []
         for (param, part), dest in self._slices(i, flat):
-            if self._available(part):
+            if self._own_storage(part):
                 dest.copy_(part.data)
+            elif param.nvme_swapper.copy_held(param, dest):
+                pass
             elif param.nvme_swapper.copy_cached(param.ds_id, dest):
                 self.read_cached_bytes += dest.numel() * dest.element_size()
             else:
@@ -269,9 +271,12 @@ class NvmePartitions:
             return
         writes = []
         for (param, part), src in self._slices(i, flat):
-            if self._available(part):
-                # In host memory on its own (under 1 MiB), or a partition on NVMe a fetch holds now.
+            if self._own_storage(part):
+                # In host memory on its own (under 1 MiB).
                 part.data.copy_(src)
+            elif part.final_location == "nvme":
+                # A partition on NVMe a fetch may hold now.
+                param.nvme_swapper.copy_held(param, src, into=True)
             if part.final_location == "nvme" or not self._available(part):
                 writes.append((param, src))
                 self.written_bytes += src.numel() * src.element_size()
@@ -335,6 +340,13 @@ class NvmePartitions:
     def _params(self, i: int) -> list[tuple[Any, Any]]:
         opt = self._opt
         return list(zip(opt.fp16_groups[i], opt.fp16_partitioned_groups[i], strict=True))
+
+    @classmethod
+    def _own_storage(cls, part: Any) -> bool:
+        """Whether the partition is in host memory on its own (not an object: under 1 MiB). One on NVMe
+        that a fetch holds goes through the swapper (`copy_held`), whose fetches on another thread may let
+        it go meanwhile (the update during backward)."""
+        return part.final_location != "nvme" and cls._available(part)
 
     @staticmethod
     def _available(part: Any) -> bool:

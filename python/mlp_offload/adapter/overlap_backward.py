@@ -248,7 +248,7 @@ class OverlapBackward:
 
         # The taken chunks' parameters are in the partitions before step() keeps or undoes them.
         with self.chunk_update.copying_to_device():
-            return pipeline.run_step(
+            stats = pipeline.run_step(
                 update,
                 only=taken,
                 staged=True,
@@ -257,6 +257,11 @@ class OverlapBackward:
                 ends_step=False,
                 checksums_in_update=True,
             )
+        # A subgroup on NVMe (past `offload_param.max_in_cpu`) is written where it changed, as each one
+        # before it was when the next was asked for: its partitions' objects are then the ones `step()`
+        # keeps or `undo` writes again (the writes go on; the next read of one waits for its write).
+        self.view.on_nvme.let_go()
+        return stats
 
     def _ready(self, run: BackwardUpdate, chunk: int, timeout: float) -> bool | None:
         """Whether the chunk may be taken: its gradient final (None: not yet, within `timeout`), none of
@@ -520,6 +525,10 @@ class OverlapBackward:
                 for start, values in run.kept_params.get(chunk, []):
                     half[start : start + values.numel()].copy_(values)
             self.view.set_step(i, run.snapshot.steps[i])
+        if params:
+            # Subgroups on NVMe: their objects given back before anything fetches them (a gather that
+            # undid the update reads them next).
+            self.view.settle_partitions()
 
     def record(self, run: BackwardUpdate | None, in_backward: int, kept: bool, why: str) -> BackwardStep:
         """The step record's account of the update during backward (`run`; None: not tried)."""

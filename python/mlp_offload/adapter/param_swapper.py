@@ -581,16 +581,19 @@ class StoreParamSwapper:
         for param, src in writes:
             if param.ds_id in self.ahead:
                 self._drop_ahead(param.ds_id)
-            self._forget(param.ds_id)
             self._wait_for_write(param.ds_id)
-            # The partition's buffer holds the object's values where it is what is written (zero.Init's
-            # writes, DeepSpeed's of a partition it changed); else it no longer vouches for them, and is
-            # not cached when let go.
-            held = self.buffers.get(param.ds_id)
-            if held is not None and held.data_ptr() == src.data_ptr():
-                self.clean.add(param.ds_id)
-            else:
-                self.clean.discard(param.ds_id)
+            # Under the lock, as a fetch's buffer let go on another thread (`_let_go`): the update during
+            # backward writes while the backward lets partitions go.
+            with self._lock:
+                self._forget(param.ds_id)
+                # The partition's buffer holds the object's values where it is what is written (zero.Init's
+                # writes, DeepSpeed's of a partition it changed); else it no longer vouches for them, and is
+                # not cached when let go.
+                held = self.buffers.get(param.ds_id)
+                if held is not None and held.data_ptr() == src.data_ptr():
+                    self.clean.add(param.ds_id)
+                else:
+                    self.clean.discard(param.ds_id)
         bounces, sources = [], []
         for param, src in writes:
             if not self.direct(src):
@@ -698,11 +701,27 @@ class StoreParamSwapper:
     def _let_go(self, ds_id: int) -> None:
         """Partition `ds_id`'s buffer, if it holds one: kept in the cache with its values where it has
         room, else for another read (`free`), or freed."""
-        buffer = self.buffers.pop(ds_id, None)
-        clean = ds_id in self.clean
-        self.clean.discard(ds_id)
-        if buffer is not None and not (clean and self._cache_on_release(ds_id, buffer)):
-            self._give_back(buffer)
+        with self._lock:
+            buffer = self.buffers.pop(ds_id, None)
+            clean = ds_id in self.clean
+            self.clean.discard(ds_id)
+            if buffer is not None and not (clean and self._cache_on_release(ds_id, buffer)):
+                self._give_back(buffer)
+
+    def copy_held(self, param: Any, dest: torch.Tensor, *, into: bool = False) -> bool:
+        """Copies `param`'s partition out of the buffer a fetch holds it in, available (`into`: `dest`
+        into that buffer), if one does; under the lock, as the fetches let buffers go on another thread
+        (the update during backward's reads and writes of a subgroup's partitions while the backward
+        fetches and lets go)."""
+        with self._lock:
+            buffer = self.buffers.get(param.ds_id)
+            if buffer is None or param.ds_tensor.status != self.status.AVAILABLE:
+                return False
+            if into:
+                buffer.copy_(dest)
+            else:
+                dest.copy_(buffer)
+            return True
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         """A buffer no longer held: kept for another read (`free`) or freed."""

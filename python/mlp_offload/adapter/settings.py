@@ -221,13 +221,9 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     every_cached = cache_slots == len(layout.chunks)
     overlap = _overlap(config.overlap, fused, every_cached)
     kept_copies = 0
-    if every_cached and config.overlap_backward is not False and fused and not facts.subgroups_on_nvme:
+    if every_cached and config.overlap_backward is not False and fused:
         kept_copies = _kept_copies_room(config, host_memory, layout, spare)
-    backward = _off_with_params_on_nvme(
-        config.overlap_backward,
-        facts,
-        _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on),
-    )
+    backward = _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on)
     backward = _backward_or_chunks_there(config, backward)
     if not backward.on:
         kept_copies = 0
@@ -235,9 +231,10 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
     chunks_there = _accelerator_chunks(config, facts, kernel, in_params, backward)
-    # Where every chunk is cached, the state takes what caching it whole takes, its gradient's included.
+    # Where every chunk is cached, the state takes what caching it whole takes, its gradient's included,
+    # and its kept copies (the update during backward's).
     whole = memory.whole_state_bytes(facts.numels, update_chunk, dtypes.bytes_per_element)
-    state_held = whole if every_cached else None
+    state_held = whole + kept_copies * layout.buffer_bytes if every_cached else None
     params_cache = _params_cache_room(config, facts, host_memory, state_held, spare)
     in_order = memory.cache_in_chunk_order(buffers, len(layout.chunks), cache_slots)
     chunk_order = _chunk_order(config, overlap.on, backward.on, in_order == cache_slots)
@@ -541,24 +538,6 @@ def _overlap(setting: bool | str, fused: bool, every_chunk_cached: bool) -> Choi
     # left in their buffers are read again: more bytes than the next forward's compute hides, unless the
     # forward is long (docs/results.md, "The update behind the next forward").
     return Choice(False, "off: the state streams (overlap: true runs it behind step() all the same)")
-
-
-def _off_with_params_on_nvme(setting: bool | str, facts: StartFacts, choice: Choice) -> Choice:
-    """The update during backward (`overlap_backward`, configured as `setting`) where subgroups'
-    parameters are on NVMe: off, as the backward fetches them from their objects, which a chunk's update
-    there would write before `step()` decides to keep it; `true` refused where it would be on. (The update
-    behind `step()` runs with them: the next forward's reads of a subgroup's partitions wait until its
-    update has written them, `param_swapper.UpdateBehind`.)"""
-    if not choice.on or not facts.subgroups_on_nvme:
-        return choice
-    subgroups = facts.subgroups_on_nvme
-    if setting is True:
-        raise ValueError(troubleshooting.BACKWARD_UPDATE_PARAMS_ON_NVME.message(subgroups=subgroups))
-    return Choice(
-        False,
-        f"off: {subgroups} subgroups' parameters are on NVMe (past offload_param.max_in_cpu), read by "
-        "the backward, and written by the update as each subgroup is done",
-    )
 
 
 # Why the update during backward is off where the master weights are in the parameters.

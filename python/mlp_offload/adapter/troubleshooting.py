@@ -123,21 +123,6 @@ OFFLOAD_DEVICE = Trouble(
     'set `offload_optimizer.device` to "cpu" or "nvme" and start through `mlp_offload.initialize` '
     "or after `mlp_offload.install()`",
 )
-BACKWARD_UPDATE_PARAMS_ON_NVME = Trouble(
-    "backward-update-params-on-nvme",
-    "The update during backward set to true with parameters on NVMe past max_in_cpu",
-    "mlp_offload.overlap_backward: true cannot be with parameters on NVMe past offload_param.max_in_cpu "
-    "({subgroups} subgroups there): the backward reads them from NVMe while the update during it would "
-    'be writing them before step() decides to keep it; leave overlap_backward at "auto" (off here) or '
-    "raise offload_param.max_in_cpu",
-    REFUSAL,
-    "past `max_in_cpu` DeepSpeed keeps subgroups' parameters on NVMe alone; an update during backward "
-    "writes a chunk's parameters before `step()` decides to keep it, while the backward fetches them (the "
-    "update behind `step()`, `overlap`, runs with them: the next forward waits for each subgroup's writes)",
-    'leave `overlap_backward` at "auto" (it resolves off there), or raise `offload_param.max_in_cpu` past '
-    "this rank's partitions",
-    "`overlap_backward` set to true with parameters on NVMe past `offload_param.max_in_cpu`",
-)
 STOCK_PARAM_SWAPPER = Trouble(
     "stock-param-swapper",
     "Parameters on NVMe written by DeepSpeed's own swapper",
@@ -342,7 +327,6 @@ FORMATTED_HERE = (
     ANOTHER_ZERO_OPTIMIZER,
     NO_SECTION,
     OFFLOAD_DEVICE,
-    BACKWARD_UPDATE_PARAMS_ON_NVME,
     STOCK_PARAM_SWAPPER,
     SWAPPER_DTYPE,
     ANOTHER_DEGREE,
