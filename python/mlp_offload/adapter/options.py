@@ -199,8 +199,8 @@ OPTIONS: tuple[Option, ...] = (
     equal(f"{OP}.buffer_size", f"bounds nothing: {OWN_BUFFER}"),
     equal(
         f"{OP}.max_in_cpu",
-        "past it, whole subgroups on NVMe: the update reads and writes them as it goes; no update during "
-        "backward",
+        "past it, whole subgroups on NVMe: the update reads and writes them as it goes (during backward "
+        "too, written again if undone)",
     ),
     equal(
         f"{OP}.pin_memory",

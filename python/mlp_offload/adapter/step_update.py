@@ -90,8 +90,10 @@ class StepUpdate:
             if self.remaining[i] == 0:
                 self.view.unflatten(i)
                 subgroup_done(i)
-        # Subgroups on NVMe that this update overwrites whole, one after another, are not read first.
-        self.view.on_nvme.written_whole = self._written_whole() if not committed else set()
+        # Subgroups on NVMe that this update overwrites whole, one after another, are not read first: not
+        # one with chunks the update during backward wrote (their values are in its partitions).
+        during = {state.chunks[c][0] for c in committed}
+        self.view.on_nvme.written_whole = self._written_whole() - during
         try:
             self._update_on_accelerator(subgroup_done)
             stats = self._chunk_loop(subgroup_done)
