@@ -125,20 +125,6 @@ BACKWARD_CASES = [
         1,
     ),
     (
-        "parameters on NVMe: bf16, a gradient not finite",
-        {**ON_NVME_20M, "overflow_at_step": 3},
-        ON_NVME_20M_KEYS,
-        "skipped at 3",
-        1,
-    ),
-    (
-        "parameters on NVMe: DeepSpeed's helpers between backward and step",
-        {**ON_NVME_20M, "fp32": True, "helpers_at": 4},
-        ON_NVME_20M_KEYS,
-        "read at 4",
-        1,
-    ),
-    (
         "parameters past max_in_cpu in host memory on their own, two ranks, accumulation 2",
         {**ON_NVME, "param_max_in_cpu": 10_000, "grad_accum": 2},
         {},
