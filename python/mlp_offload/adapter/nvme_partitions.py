@@ -1,18 +1,18 @@
 """The half-precision partitions of the subgroups DeepSpeed keeps on NVMe (past `offload_param.max_in_cpu`).
 
-DeepSpeed gives such a subgroup no flat buffer in host memory (`fp16_partitioned_groups_flat[i] is
-None`): its parameters' partitions of 1 MiB and more are objects of the parameters' store
-(`param_swapper`), the smaller ones stay in host memory, each on its own. The engine reads and writes a
-subgroup's partition as one flat tensor (the update writes the new parameters into it, the master
-weights are read from it). So `NvmePartitions` gives one subgroup at a time a flat copy in host memory,
-read whole when it is first asked for, and written back where it changed (by its checksum) when it is
-let go: at the subgroup's last chunk of a step (DeepSpeed's `_reassign_or_swap_out_partitioned_parameters`
-writes it there too), when another subgroup is asked for, and at the end of start-up and of a
-checkpoint's load. The host memory it takes is the largest subgroup's partition, as DeepSpeed's own
-buffer for writing them (`reserve_partitioned_swap_space`): one page-aligned copy, made once and reused,
-so that the partitions' reads and writes go to the disk with O_DIRECT (in memory of torch's allocator,
-aligned to 64 bytes, the store wrote them through the page cache, which at 3.5B with the host's memory
-nearly all taken wrote at a tenth of the disk's rate), of the swapper's pages (`StoreParamSwapper.pages`).
+DeepSpeed gives such a subgroup no flat buffer in host memory (`fp16_partitioned_groups_flat[i] is None`): its
+parameters' partitions of 1 MiB and more are objects of the parameters' store (`param_swapper`), the smaller
+ones stay in host memory, each on its own. The engine reads and writes a subgroup's partition as one flat
+tensor (the update writes the new parameters into it, the master weights are read from it). So
+`NvmePartitions` gives one subgroup at a time a flat copy in host memory, read whole when it is first asked
+for, and written back where it changed (by its checksum) when it is let go: at the subgroup's last chunk of a
+step (DeepSpeed's `_reassign_or_swap_out_partitioned_parameters` writes it there too), when another subgroup
+is asked for, at the end of an update during backward (whose undo writes it again), and at the end of start-up
+and of a checkpoint's load. The host memory it takes is the largest subgroup's partition, as DeepSpeed's own
+buffer for writing them (`reserve_partitioned_swap_space`): one page-aligned copy, made once and reused, so
+that the partitions' reads and writes go to the disk with O_DIRECT (in memory of torch's allocator, aligned to
+64 bytes, the store wrote them through the page cache, which at 3.5B with the host's memory nearly all taken
+wrote at a tenth of the disk's rate), of the swapper's pages (`StoreParamSwapper.pages`).
 """
 
 from __future__ import annotations
