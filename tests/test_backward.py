@@ -177,23 +177,28 @@ def test_the_update_during_backward_is_kept_or_undone_bit_for_bit(
     rank."""
     # No clipping (DeepSpeed's default clips at 1.0, which these gradients pass) unless the row asks.
     case = {"reduce_bucket_size": 20_000, "steps": 6, "clip": 0.0, **ds_case}
-    on_nvme = case.get("offload_param") == "nvme"
-    stock_case = {**stock_side(case), "offload_param": "cpu"} if on_nvme else stock_side(case)
-    stock = run_case(stock_case, tmp_path, "stock", ranks=ranks)
+    stock_case, case = on_each_side(case, tmp_path)
+    stock = run_case(stock_side(stock_case), tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "shadow_slots": True, "overlap_backward": True}
     mlp = section(dirs_with_room[:2], **{**keys, **extra})
-    if on_nvme:
-        case["param_nvme_path"] = str(tmp_path / "nvme")
     ours = run_case({**case, "mlp_offload": mlp}, tmp_path, "ours", ranks=ranks)
     for a, b in zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True):
         assert_bit_equal(a, b)
         check_backward_records(a, outcome, case["steps"])
-        if on_nvme:
+        if case.get("offload_param") == "nvme":
             check_partitions_on_nvme(a, objects=case.get("model") == "gpt-20M")
         if (at := case.get("set_params_apart_at")) is not None:
             # Chunks with parameters set apart were taken before the step undid them.
             records = [r for r in a["telemetry"] if r["event"] in ("step", "skipped")]
             assert records[at]["overlap_backward"]["chunks"] > 0, records[at]
+
+
+def on_each_side(case: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A row's case for stock's run and for ours: with the parameters on NVMe (`ON_NVME`), stock's are in
+    host memory (the same bits, and no async I/O op needed), ours under the test's folder."""
+    if case.get("offload_param") != "nvme":
+        return case, case
+    return {**case, "offload_param": "cpu"}, {**case, "param_nvme_path": str(tmp_path / "nvme")}
 
 
 def check_partitions_on_nvme(ours: dict[str, Any], objects: bool) -> None:
@@ -397,11 +402,9 @@ def test_what_is_read_between_backward_and_step_is_the_model_before_the_step(
     do, bit for bit; training goes on bit-equal. (With one rank the parameters held whole showed the
     update's values before.)"""
     case = {"reduce_bucket_size": 20_000, "clip": 0.0, "steps": 6, "read_before_step_at": 3, **ds_case}
-    on_nvme = case.get("offload_param") == "nvme"
-    stock = run_case({**case, "offload_param": "cpu"} if on_nvme else case, tmp_path, "stock", ranks=ranks)
+    stock_case, case = on_each_side(case, tmp_path)
+    stock = run_case(stock_case, tmp_path, "stock", ranks=ranks)
     keys = {"host_memory": "200K", "update_chunk": "24K", "overlap_backward": True, **extra}
-    if on_nvme:
-        case["param_nvme_path"] = str(tmp_path / "nvme")
     ours = run_case({**case, "mlp_offload": section(work_dirs[:2], **keys)}, tmp_path, "ours", ranks=ranks)
     for rank, (a, b) in enumerate(zip(ours.get("ranks", [ours]), stock.get("ranks", [stock]), strict=True)):
         assert_bit_equal(a, b)

@@ -365,6 +365,16 @@ def test_the_parameters_cache_gets_what_host_memory_leaves_the_state(
     assert resolved.params_cache == cache
 
 
+def test_the_update_during_backwards_kept_copies_come_out_of_the_parameters_cache() -> None:
+    """Every chunk cached and `overlap_backward: true`: the kept copies (a cached chunk's state before its
+    update during backward) take host memory the parameters' cache then does not have (with 100M and
+    none kept, it holds every partition: the table above)."""
+    resolved = settle({"host_memory": "100M", "overlap_backward": True}, facts(**ON_NVME))
+    kept = resolved.kept_copies * resolved.layout.buffer_bytes
+    assert resolved.overlap_backward.on and kept > 0
+    assert resolved.params_cache == 100 * MIB - 10 * MIB - WHOLE - kept
+
+
 @pytest.mark.parametrize(
     ("section", "given", "error"),
     [
