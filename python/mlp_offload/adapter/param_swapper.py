@@ -315,9 +315,8 @@ class StoreParamSwapper:
             final = self._final(param)
             if final and (buffer := self._from_cache(param.ds_id)) is not None:
                 read: Any = NO_READ
-            elif (taken := self.ahead.pop(param.ds_id, None)) is not None:
+            elif (taken := self._take_ahead(param.ds_id)) is not None:
                 buffer, read = taken
-                self.ahead_bytes -= nbytes
                 self.fetches[self.phase].ahead_bytes += nbytes
                 self.fetches[self.phase].bytes += nbytes
             else:
@@ -345,14 +344,26 @@ class StoreParamSwapper:
                 # Its write still goes on (a read would wait here for it): its fetch reads it.
                 continue
             buffer = self._take(self.numel[ds_id])
-            self.ahead[ds_id] = (buffer, self._read(param, buffer))
-            self.ahead_bytes += buffer.numel() * self.element_size
+            read = self._read(param, buffer)
+            with self._lock:
+                self.ahead[ds_id] = (buffer, read)
+                self.ahead_bytes += buffer.numel() * self.element_size
+
+    def _take_ahead(self, ds_id: int) -> tuple[torch.Tensor, Any] | None:
+        """Partition `ds_id`'s read ahead and its buffer, taken out of those read ahead, or None. Under
+        the lock: the update during backward drops reads ahead (`write_partitions`) on its own thread."""
+        with self._lock:
+            taken = self.ahead.pop(ds_id, None)
+            if taken is not None:
+                self.ahead_bytes -= taken[0].numel() * self.element_size
+            return taken
 
     def _drop_ahead(self, ds_id: int) -> None:
         """A read ahead no fetch will take (its partition about to be written, or the step ended):
         waited for and its buffer let go. An error it met is left to the next read of the object."""
-        buffer, read = self.ahead.pop(ds_id)
-        self.ahead_bytes -= buffer.numel() * self.element_size
+        if (taken := self._take_ahead(ds_id)) is None:
+            return
+        buffer, read = taken
         try:
             read.wait()
         except OSError as e:
@@ -579,8 +590,7 @@ class StoreParamSwapper:
         O_DIRECT (`direct`) is copied into a buffer of its own first, given back once its write is done
         (`writes_done`)."""
         for param, src in writes:
-            if param.ds_id in self.ahead:
-                self._drop_ahead(param.ds_id)
+            self._drop_ahead(param.ds_id)
             self._wait_for_write(param.ds_id)
             # Under the lock, as a fetch's buffer let go on another thread (`_let_go`): the update during
             # backward writes while the backward lets partitions go.
