@@ -23,7 +23,7 @@ from mlp_offload import _core
 from mlp_offload.adapter import troubleshooting
 from mlp_offload.engine import accelerator_chunks, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Rates, slot_bytes
+from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, Rates, StepSplit, slot_bytes
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 ON_CUDA = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR") == "cuda"
@@ -87,15 +87,23 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
     pinned = extra.get("accelerator_update_chunks")
     chunks = ours["telemetry"][0]["chunks"]
     if pinned is None:
-        # One chunk measures the rates; then the model's choice, with its prediction.
-        assert there[0]["chunks"] == 1 and "measures" in there[0]["why"]
-        assert all(r["predicted_secs"] is not None and "the model" in r["why"] for r in there[1:])
+        # One chunk measures the rates (the first step's run compiles the kernel: the second's
+        # measures); then the model's choice, with its prediction and the rates it weighed.
+        assert [r["chunks"] for r in there[:2]] == [1, 1] and all("measures" in r["why"] for r in there[:2])
+        assert there[1]["device_elements_per_s"] is None
+        assert all(r["predicted_secs"] is not None and "the model" in r["why"] for r in there[2:])
+        assert all(r["device_elements_per_s"] and r["h2d_bytes_per_s"] for r in there[2:])
     else:
         assert {r["chunks"] for r in there} == {min(pinned, chunks)}
         assert all(r["host_chunks"] == chunks - r["chunks"] for r in there)
     for r in there:
         assert (r["bytes_out"] > 0) is (r["chunks"] > 0)
         assert (r["kernel_secs"] > 0) is (r["chunks"] > 0)
+        # The wall time there: each stage's sum within it (one after another through the interpreter).
+        stages = r["copy_out_secs"] + r["kernel_secs"] + r["copy_back_secs"]
+        assert r["device_secs"] >= stages * 0.999 if r["chunks"] else r["device_secs"] == 0
+    # Every element each step, on one side or the other (none in a step skipped for an overflow).
+    assert len({r["host_elements"] + r["elements"] for r in there} - {0}) == 1
 
 
 def test_the_split_changes_between_steps_and_stays_bit_equal(work_dirs: list[Path], tmp_path: Path) -> None:
@@ -166,6 +174,53 @@ def test_the_choice_of_chunks(
         assert split.predicted is not None and split.predicted["predicted_secs"] > 0
     if count and split.predicted is not None:
         assert split.predicted["predicted_secs"] < split.predicted["host_only_secs"]
+
+
+def _step(chooser: AcceleratorChunks, kernel_secs: float) -> StepSplit:
+    """One step over 64 chunks of 16 Mi elements (fp32 state, bf16 gradients) as if its chunks there took
+    `kernel_secs` each, and their copies PCIe's time at 25 GB/s; the host's at 1.8e9 elements a second."""
+    split = chooser.choose([16 * M] * 64, 12, 2, 28, SLOT)
+    chooser.begin(split, 64)
+    copy = 16 * M * 14 / 25e9
+    chooser.dispatched = [
+        Dispatched(
+            16 * M, 16 * M * 14, 16 * M * 12, None, [copy, kernel_secs, copy], (k, k + 2 * copy + kernel_secs)
+        )
+        for k in range(len(split.chunks))
+    ]
+    host = (64 - len(split.chunks)) * 16 * M
+    chooser.end(host, host / 1.8e9)
+    return split
+
+
+def test_the_first_run_there_compiles_and_measures_no_rate() -> None:
+    """The first step's chunk there (Triton compiles the kernel in its run: seconds) sets no rate; the
+    second's measures, and the model chooses from it."""
+    chooser = _chooser(None)
+    first = _step(chooser, kernel_secs=5.0)
+    assert first.chunks == [63] and "compiles" in first.why
+    assert chooser.rates.device_elements_per_s is None
+    second = _step(chooser, kernel_secs=16 * M / 2e10)
+    assert second.chunks == [63] and "compiles" not in second.why
+    assert chooser.rates.device_elements_per_s == pytest.approx(2e10)
+    third = _step(chooser, kernel_secs=16 * M / 2e10)
+    assert len(third.chunks) == 31 and "the model" in third.why
+    assert third.rates.device_elements_per_s == pytest.approx(2e10)
+
+
+def test_a_model_that_chose_none_measures_again() -> None:
+    """Rates that make the host alone the fastest (a slow moment there) are measured again, one chunk,
+    after REMEASURE_STEPS steps of none; the rates then measured are the model's."""
+    chooser = _chooser(Rates(1.8e9, 1e7, 25e9, 25e9))
+    chooser.warmed = True
+    for _ in range(accelerator_chunks.REMEASURE_STEPS):
+        assert _step(chooser, kernel_secs=1.0).chunks == []
+    again = _step(chooser, kernel_secs=16 * M / 2e10)
+    assert (
+        again.chunks == [63] and "again" in again.why and str(accelerator_chunks.REMEASURE_STEPS) in again.why
+    )
+    assert chooser.steps_without == 0
+    assert len(_step(chooser, kernel_secs=16 * M / 2e10).chunks) == 31
 
 
 def test_the_split_binding_names_a_rate_that_is_not_one() -> None:

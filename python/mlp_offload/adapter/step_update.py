@@ -152,22 +152,32 @@ class StepUpdate:
         there, split = self.session.accelerator_chunks, self.split
         if there is None or split is None:
             return
-        out, kernel, back = there.end(self.host_elements, self.host_secs)
+        measured = there.end(self.host_elements, self.host_secs)
         predicted = split.predicted or {}
+        rates = split.rates
         record: ChunksStep = {
             "chunks": len(self.chunks_there),
             "host_chunks": len(self.session.state.chunks) - len(self.chunks_there),
             "elements": sum(d.elements for d in there.dispatched),
+            "host_elements": self.host_elements,
             "bytes_out": sum(d.out_bytes for d in there.dispatched),
             "bytes_back": sum(d.back_bytes for d in there.dispatched),
             "slots": split.slots if self.chunks_there else 0,
             "why": split.why,
             "predicted_secs": predicted.get("predicted_secs"),
             "predicted_host_only_secs": predicted.get("host_only_secs"),
+            "predicted_host_secs": predicted.get("host_secs"),
+            "predicted_device_secs": predicted.get("device_secs"),
+            "memory": split.memory,
+            "host_elements_per_s": rates.host_elements_per_s,
+            "device_elements_per_s": rates.device_elements_per_s,
+            "h2d_bytes_per_s": rates.h2d_bytes_per_s,
+            "d2h_bytes_per_s": rates.d2h_bytes_per_s,
             "host_secs": self.host_secs,
-            "copy_out_secs": out,
-            "kernel_secs": kernel,
-            "copy_back_secs": back,
+            "device_secs": measured.wall_secs,
+            "copy_out_secs": measured.copy_out_secs,
+            "kernel_secs": measured.kernel_secs,
+            "copy_back_secs": measured.copy_back_secs,
         }
         if self.accelerator_record is None:
             self.accelerator_record = {
@@ -222,7 +232,14 @@ class StepUpdate:
         if there is None or session.fused is None:
             return None
         if session.dtypes != session.state.stored:
-            # A checkpoint's load left the moments in another dtype than the chunks keep them in.
+            # The kernel there takes the moments in the chunks' own layout.
+            self.split = StepSplit(
+                [],
+                0,
+                f"a checkpoint's load left the moments in {session.dtypes.moments} where the chunks keep "
+                f"them in {session.state.stored.moments} (follow_loaded_moments): every chunk the host's",
+            )
+            there.begin(self.split, 0)
             return None
         order, ascending = session.pipeline.order, session.pipeline.ascending
         # `choose` takes the last chunks of the order it is given.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,10 @@ from mlp_offload.engine.state_dtypes import StateDtypes
 
 # Chunks in flight on the accelerator at once, at most: the model's two slots.
 SLOTS = 2
+# Steps the model may keep every chunk on the host before one chunk goes there again to measure: the
+# rates it chose none by may have been a moment's (a kernel compiled for a new shape of chunk, another
+# process on the accelerator), and none there measures nothing.
+REMEASURE_STEPS = 20
 # Offsets of the arrays in a slot (the gradient and the parameters after the state), as the kernel's
 # vector loads like them.
 SLOT_ALIGN = 256
@@ -60,6 +64,8 @@ class StepSplit:
     slots: int
     why: str
     predicted: dict[str, Any] | None = None
+    rates: Rates = field(default_factory=Rates)
+    memory: int = 0
 
 
 @dataclass
@@ -72,6 +78,8 @@ class Dispatched:
     back_bytes: int
     end: Any
     stages: list[Any]
+    # Where it ran at once: when it began and ended (`time.perf_counter`).
+    span: tuple[float, float] | None = None
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -80,12 +88,30 @@ class Dispatched:
         if self.end is not None:
             self.end.synchronize()
 
+    def since(self, first: Dispatched) -> float:
+        """Seconds from `first`'s start to this one's end (once done): the wall time of the chunks
+        between, whose stages overlap on a GPU's two streams."""
+        if self.span is not None and first.span is not None:
+            return self.span[1] - first.span[0]
+        return float(first.stages[0].elapsed_time(self.end)) / 1e3
+
     def seconds(self) -> tuple[float, float, float]:
         """The copy out, the kernel and the copy back, in seconds (once done)."""
         if self.end is None:
             return tuple(self.stages)  # type: ignore[return-value]
         e = self.stages
         return tuple(e[k].elapsed_time(e[k + 1]) / 1e3 for k in range(3))  # type: ignore[return-value]
+
+
+@dataclass
+class Measured:
+    """A step's chunks there as measured: each stage summed over the chunks, and the wall time from the
+    first one's start to the last one's end."""
+
+    copy_out_secs: float
+    kernel_secs: float
+    copy_back_secs: float
+    wall_secs: float
 
 
 class AcceleratorChunks:
@@ -99,6 +125,11 @@ class AcceleratorChunks:
         self.memory = memory
         self.pinned = pinned
         self.rates = Rates()
+        # Whether a step's chunks there ran yet: the first one's times are the kernel's first launch
+        # (Triton compiles it there), not its rate.
+        self.warmed = False
+        # Steps since the accelerator last updated a chunk.
+        self.steps_without = 0
         on_gpu = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) for _ in range(SLOTS)] if on_gpu else []
         self.slot_tensors: list[torch.Tensor] = []
@@ -124,15 +155,21 @@ class AcceleratorChunks:
         n = len(elements)
         memory = self.free_memory()
         slots = min(SLOTS, memory // slot) if slot else 0
+        rates = replace(self.rates)
+
+        def split(chunks: list[int], why: str, predicted: dict[str, Any] | None = None) -> StepSplit:
+            return StepSplit(chunks, slots, why, predicted, rates, memory)
+
         if slots == 0:
-            return StepSplit(
-                [], 0, f"{memory:,} bytes of accelerator memory free, less than a chunk's {slot:,}"
-            )
+            return split([], f"{memory:,} bytes of accelerator memory free, less than a chunk's {slot:,}")
         if self.pinned is not None:
             k = min(self.pinned, n)
-            return StepSplit(list(range(n - k, n)), slots, f"accelerator_update_chunks is {self.pinned}")
+            return split(list(range(n - k, n)), f"accelerator_update_chunks is {self.pinned}")
         if self.rates.host_elements_per_s is None or not self.rates.device_known():
-            return StepSplit([n - 1], slots, "one chunk there measures the accelerator's rates")
+            why = "one chunk there measures the accelerator's rates"
+            if not self.warmed:
+                why += " (its first run of the kernel, which compiles it, measures none)"
+            return split([n - 1], why)
         predicted = _core.accelerator_split(
             {
                 "chunk_elements": elements,
@@ -151,12 +188,17 @@ class AcceleratorChunks:
             }
         )
         chunks = list(predicted.pop("device_chunks"))
-        why = (
-            f"the model: {len(chunks)} of {n} chunks end both sides together"
-            if chunks
-            else f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
-        )
-        return StepSplit(chunks, slots, why, predicted)
+        if chunks:
+            why = f"the model: {len(chunks)} of {n} chunks end both sides together"
+        elif self.steps_without >= REMEASURE_STEPS:
+            return split(
+                [n - 1],
+                f"one chunk there measures the accelerator's rates again: the model chose none for "
+                f"{self.steps_without} steps",
+            )
+        else:
+            why = f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
+        return split(chunks, why, predicted)
 
     def begin(self, split: StepSplit, slot_bytes: int) -> None:
         """A step's chunks on the accelerator begin: its slots' memory, `slot_bytes` each (none where
@@ -168,22 +210,29 @@ class AcceleratorChunks:
         self.queued = 0
         self.dispatched = []
 
-    def end(self, host_elements: int, host_secs: float) -> tuple[float, float, float]:
-        """The step's chunks there ended (each waited for): the rates measured, and the slots' memory
-        given back. `host_elements`, `host_secs`: the host pass's over its chunks this step. Returns the
-        seconds of the copies out, the kernels and the copies back, each summed over the chunks."""
+    def end(self, host_elements: int, host_secs: float) -> Measured:
+        """The step's chunks there ended (each waited for): the rates measured (not the first step's
+        there: `warmed`), and the slots' memory given back. `host_elements`, `host_secs`: the host
+        pass's over its chunks this step."""
         if host_elements and host_secs > 0:
             self.rates.host_elements_per_s = host_elements / host_secs
         stages = [d.seconds() for d in self.dispatched]
-        out = sum(s[0] for s in stages)
-        kernel = sum(s[1] for s in stages)
-        back = sum(s[2] for s in stages)
+        measured = Measured(
+            copy_out_secs=sum(s[0] for s in stages),
+            kernel_secs=sum(s[1] for s in stages),
+            copy_back_secs=sum(s[2] for s in stages),
+            wall_secs=max((d.since(self.dispatched[0]) for d in self.dispatched), default=0.0),
+        )
+        out, kernel, back = measured.copy_out_secs, measured.kernel_secs, measured.copy_back_secs
         if self.dispatched and min(out, kernel, back) > 0:
-            self.rates.device_elements_per_s = sum(d.elements for d in self.dispatched) / kernel
-            self.rates.h2d_bytes_per_s = sum(d.out_bytes for d in self.dispatched) / out
-            self.rates.d2h_bytes_per_s = sum(d.back_bytes for d in self.dispatched) / back
+            if self.warmed:
+                self.rates.device_elements_per_s = sum(d.elements for d in self.dispatched) / kernel
+                self.rates.h2d_bytes_per_s = sum(d.out_bytes for d in self.dispatched) / out
+                self.rates.d2h_bytes_per_s = sum(d.back_bytes for d in self.dispatched) / back
+            self.warmed = True
+        self.steps_without = 0 if self.dispatched else self.steps_without + 1
         self.slot_tensors = []
-        return out, kernel, back
+        return measured
 
     def dispatch(
         self,
@@ -227,7 +276,7 @@ class AcceleratorChunks:
                 params.copy_(device_params, non_blocking=True)
         out_bytes = nbytes + n * grad.element_size()
         back_bytes = nbytes + (0 if on_device else n * params.element_size())
-        dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages)
+        dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages, marks.span)
         self.dispatched.append(dispatched)
         return dispatched
 
@@ -242,6 +291,7 @@ class _Marks:
         self.device = device
         self.stages: list[Any] = []
         self.end: Any = None
+        self.span: tuple[float, float] | None = None
 
     @contextlib.contextmanager
     def queued(self) -> Iterator[None]:
@@ -250,6 +300,7 @@ class _Marks:
             self.mark()
             yield
             self.mark()
+            self.span = (self.stages[0], self.stages[-1])
             self.stages = [b - a for a, b in zip(self.stages, self.stages[1:], strict=False)]
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -235,6 +235,7 @@ class ChunksStep(TypedDict):
     chunks: Annotated[int, "Chunks updated there."]
     host_chunks: Annotated[int, "Chunks the host's pass updated."]
     elements: Annotated[int, "The elements of the chunks there."]
+    host_elements: Annotated[int, "The elements of the host's chunks."]
     bytes_out: Annotated[int, "Bytes copied there: their state and gradients."]
     bytes_back: Annotated[
         int, "Bytes copied back: their state (and the parameters where those are on the host)."
@@ -245,7 +246,22 @@ class ChunksStep(TypedDict):
         float | None, "The model's update time for this split (null: no model chose it)."
     ]
     predicted_host_only_secs: Annotated[float | None, "The model's update time with every chunk the host's."]
+    predicted_host_secs: Annotated[float | None, "The model's time of the host's pass over its chunks."]
+    predicted_device_secs: Annotated[
+        float | None, "The model's time of the chunks there, from the first copy out to the last copy back."
+    ]
+    memory: Annotated[int, "The accelerator memory the update might take at this step, in bytes."]
+    host_elements_per_s: Annotated[
+        float | None,
+        "The host pass's rate the choice weighed, as the steps before measured it (null: not yet).",
+    ]
+    device_elements_per_s: Annotated[
+        float | None, "The kernel's rate there the choice weighed (null: not yet)."
+    ]
+    h2d_bytes_per_s: Annotated[float | None, "The copies' rate there the choice weighed (null: not yet)."]
+    d2h_bytes_per_s: Annotated[float | None, "The copies' rate back the choice weighed (null: not yet)."]
     host_secs: Annotated[float, "Seconds of the host's pass over its chunks."]
+    device_secs: Annotated[float, "Seconds from the first chunk's start there to the last one's end."]
     copy_out_secs: Annotated[float, "Seconds of the copies there, summed over the chunks."]
     kernel_secs: Annotated[float, "Seconds of the kernel there, summed over the chunks."]
     copy_back_secs: Annotated[float, "Seconds of the copies back, summed over the chunks."]
