@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mlp_offload import _core
+from mlp_offload.adapter import session as session_module
 from mlp_offload.adapter import settings as settings_module
 from mlp_offload.adapter.settings import KernelChoice, Settings, StartFacts, resolve
 from mlp_offload.common.config import MLPOffloadConfig
@@ -661,3 +662,64 @@ def test_chunks_asked_for_where_they_cannot_be_are_refused_by_the_key(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=error):
         settle(section, facts(**given))
+
+
+class _View:
+    """What the session's kernel check asks of DeepSpeed's partitions: a unit test's stand-in."""
+
+    partition_dtype = BF16
+
+    def __init__(self, ratio: tuple[float, str]) -> None:
+        self.ratio = ratio
+
+    def accelerator_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def offload_ratio(self) -> tuple[float, str]:
+        return self.ratio
+
+
+DIFFERS = {"array": "exp_avg_sq", "count": 3, "elements": 2085, "first": 7, "host": 1e-40, "there": 0.0}
+
+# name, the facts' ratio, the check's answer (None: the real kernel through the interpreter), what
+# follows: the chunks on after it, or the refusal's words
+KERNEL_CHECKS: list[tuple[str, tuple[float, str], dict[str, Any] | None, bool | str]] = [
+    ("chunks, the kernel agrees", (1.0, "cpu"), None, True),
+    ("chunks, its bits differ: off, saying why", (1.0, "cpu"), DIFFERS, False),
+    ("ratio's subgroups, the kernel agrees", (0.3, "cpu"), None, True),
+    (
+        "ratio's subgroups, its bits differ: refused by the key",
+        (0.3, "cpu"),
+        DIFFERS,
+        r"offload_optimizer.ratio: 0.3 keeps the first 1 of this rank's 2 subgroups on the cpu accelerator.*"
+        r"other bits than the host pass at start-up: exp_avg_sq, 3 of 2085 elements, the first at 7",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "differs", "follows"), [c[1:] for c in KERNEL_CHECKS], ids=[c[0] for c in KERNEL_CHECKS]
+)
+def test_the_kernel_there_is_checked_before_the_update_runs_there(
+    ratio: tuple[float, str],
+    differs: dict[str, Any] | None,
+    follows: bool | str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session's start-up check of the accelerator's kernel (`check_on_device`, itself checked in
+    test_accelerator_chunks) covers both of its users: chunks streamed there go off where its bits
+    differ, and the subgroups `offload_optimizer.ratio` keeps there, which have no other home, are
+    refused by the key."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    resolved = settle({}, facts(offload_ratio=ratio))
+    assert resolved.accelerator_chunks.on or resolved.accelerator_subgroups
+    if differs is not None:
+        monkeypatch.setattr(session_module, "check_on_device", lambda *_: differs)
+    if isinstance(follows, str):
+        with pytest.raises(ValueError, match=follows):
+            session_module._accelerator_kernel_checked(resolved, _View(ratio))  # type: ignore[arg-type]
+        return
+    checked = session_module._accelerator_kernel_checked(resolved, _View(ratio))  # type: ignore[arg-type]
+    assert checked.accelerator_chunks.on is (follows and resolved.accelerator_chunks.on)
+    if differs is not None:
+        assert "other bits than the host pass" in checked.accelerator_chunks.why

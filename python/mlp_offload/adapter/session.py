@@ -55,18 +55,33 @@ def _accelerator_state(settings: Settings, view: DeepSpeedView) -> AcceleratorSt
     return AcceleratorState(numels, view.accelerator_device(), settings.dtypes, settings.kernel.fused.kernel)
 
 
-def _chunks_checked(settings: Settings, view: DeepSpeedView) -> Settings:
-    """With chunks streamed to the accelerator, the kernel there checked once against the host pass
-    (`accelerator_chunks.check_on_device`): where its bits differ, off, saying why."""
-    if not settings.accelerator_chunks.on:
+def _accelerator_kernel_checked(settings: Settings, view: DeepSpeedView) -> Settings:
+    """Where the update runs on the accelerator, the kernel there checked once against the host pass
+    (`accelerator_chunks.check_on_device`). Where its bits differ, chunks streamed there are off, saying
+    why, and subgroups `offload_optimizer.ratio` keeps there are refused: their state has no other home."""
+    if not (settings.accelerator_chunks.on or settings.accelerator_subgroups):
         return settings
-    assert settings.kernel.fused is not None, "the settings stream no chunk there without it"
+    assert settings.kernel.fused is not None, "the settings update nothing there without it"
     half = view.partition_dtype
     differs = check_on_device(
         settings.kernel.fused.kernel.arith, settings.dtypes, half, half, view.accelerator_device()
     )
     if differs is None:
         return settings
+    if settings.accelerator_subgroups:
+        ratio, accelerator = view.offload_ratio()
+        raise ValueError(
+            troubleshooting.RATIO.message(
+                ratio=ratio,
+                count=settings.accelerator_subgroups,
+                subgroups=len(settings.numels),
+                accelerator=accelerator,
+                why=(
+                    "its kernel there gave other bits than the host pass at start-up: {array}, {count} of "
+                    "{elements} elements, the first at {first} ({host!r} on the host, {there!r} there)"
+                ).format(**differs),
+            )
+        )
     said = troubleshooting.ACCELERATOR_KERNEL_DIFFERS.message(**differs)
     log.warning("%s", said)
     return dataclasses.replace(settings, accelerator_chunks=Choice(False, f"off: {said}"))
@@ -121,7 +136,7 @@ class UpdateSession:
         with a partition here; `check_kernel`, `spare`: the settings' (for a checkpoint's moments, and
         the kept copies' memory while training)."""
         require_ours(view.on_nvme.swapper())
-        settings = _chunks_checked(settings, view)
+        settings = _accelerator_kernel_checked(settings, view)
         planner = UpdatePlanner(config, rank)
         # Before the store opens: its node-wide admission takes the device limits the profile gives.
         planner.load_profile()

@@ -227,10 +227,13 @@ RATIO = Trouble(
     REFUSAL,
     "stock's `ratio` keeps its first `int((1 - ratio) x subgroups)` subgroups' state on the accelerator; "
     "mlp-offload keeps the same ones there and updates them with its Triton kernel, bit-equal to CPU "
-    "Adam, which needs Triton (torch's CUDA wheels bring it) and the fused pass (`update_kernel`)",
-    'install Triton, or leave `update_kernel` at "auto" where the fused pass\'s check agrees; else leave '
+    "Adam, which needs Triton (torch's CUDA wheels bring it), the fused pass (`update_kernel`) and a "
+    "kernel there that gives the host pass's bits (checked at start-up)",
+    'install Triton, or leave `update_kernel` at "auto" where the fused pass\'s check agrees; where the '
+    "kernel's bits differ, report it with the GPU and the versions of torch and Triton; else leave "
     "`offload_optimizer.ratio` at 1.0: every subgroup through the store, bit-equal to `device: cpu`",
-    "`offload_optimizer.ratio` below 1 without Triton or the fused pass",
+    "`offload_optimizer.ratio` below 1 without Triton or the fused pass, or with a kernel there whose bits "
+    "differ",
 )
 ACCELERATOR_CHUNKS = Trouble(
     "accelerator-chunks",
