@@ -185,8 +185,10 @@ OPTIONS: tuple[Option, ...] = (
         f"{OO}.ratio",
         "stock keeps its first int((1 - ratio) x subgroups) subgroups' state on the accelerator, stepped by "
         "torch's AdamW (other bits than CPU Adam's; on DeepSpeed's CPU accelerator, none: its CPU Adam steps "
-        "every one); ours keeps the same ones there, updated by a Triton kernel with CPU Adam's own "
-        "arithmetic: bit-equal to device: cpu, whatever the ratio",
+        "every one), whose first parameter group keeps the constructor's learning rate whatever the "
+        "scheduler sets, and whose state no checkpoint holds; ours keeps the same ones there, updated by a "
+        "Triton kernel with CPU Adam's own arithmetic (checked there at start-up), at the scheduler's "
+        "learning rate, checkpointed with the rest: bit-equal to device: cpu, whatever the ratio",
     ),
     refused(f"{OO}.super_offload", "SuperOffload, another optimizer", "set it to false", _true),
     equal(f"{OO}.cpuadam_cores_perc", "read by SuperOffload only"),

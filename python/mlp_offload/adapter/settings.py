@@ -436,7 +436,9 @@ def _accelerator_update(facts: StartFacts) -> tuple[Choice, int]:
                 True,
                 f"on: offload_optimizer.ratio {ratio} keeps the first {on_accelerator} of {subgroups} "
                 f"subgroups in {where}, as stock does, updated there by CPU Adam's own arithmetic where "
-                "stock runs torch's AdamW: bit-equal to device: cpu",
+                "stock runs torch's AdamW (its first group at the constructor's learning rate, its state "
+                "in no checkpoint): bit-equal to device: cpu, at the scheduler's learning rate, "
+                "checkpointed",
             ),
             on_accelerator,
         )
