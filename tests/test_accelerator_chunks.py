@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ONE_NODE
-from deepspeed_runs import assert_bit_equal, run_case, section
+from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section
 from mlp_offload import _core
 from mlp_offload.adapter import troubleshooting
 from mlp_offload.engine import accelerator_chunks, planning
@@ -54,6 +54,19 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         1,
     ),
     ("two ranks: 1 chunk", {"fp32": True}, {"host_memory": "64M", "accelerator_update_chunks": 1}, 2),
+    (
+        # The slots' layout of a 6-byte state, its master weights apart from the parameters.
+        "bf16 weights and moments, streamed: 2 chunks",
+        STATE_MODES["bf16 weights and moments"][0],
+        {**STREAMS, "master_in_params": False, "accelerator_update_chunks": 2},
+        1,
+    ),
+    (
+        "fp16 weights, streamed: 2 chunks",
+        STATE_MODES["fp16 weights"][0],
+        {**STREAMS, "master_in_params": False, "accelerator_update_chunks": 2},
+        1,
+    ),
 ]
 
 
