@@ -171,21 +171,7 @@ class AcceleratorChunks:
                 why += " (its first run of the kernel, which compiles it, measures none)"
             return split([n - 1], why)
         predicted = _core.accelerator_split(
-            {
-                "chunk_elements": elements,
-                "state_bytes_per_element": state_bpe,
-                "grad_bytes_per_element": grad_bpe,
-                "host_elements_per_s": self.rates.host_elements_per_s,
-                "device_elements_per_s": self.rates.device_elements_per_s,
-                "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
-                "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
-                # The memory of the slots counted here (with the parameters' scratch and alignment),
-                # in the model's own measure of a slot, so that it sees as many.
-                "device_memory": slots * max(elements) * (state_bpe + grad_bpe),
-                "host_memory_bytes_per_s": 0.0,
-                "host_bytes_per_element": host_bpe,
-                "io_secs": 0.0,
-            }
+            self._model_inputs(elements, state_bpe, grad_bpe, host_bpe, slots)
         )
         chunks = list(predicted.pop("device_chunks"))
         if chunks:
@@ -199,6 +185,27 @@ class AcceleratorChunks:
         else:
             why = f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
         return split(chunks, why, predicted)
+
+    def _model_inputs(
+        self, elements: list[int], state_bpe: int, grad_bpe: int, host_bpe: int, slots: int
+    ) -> dict[str, Any]:
+        """What `_core.accelerator_split` weighs (docs/model.md): the rates measured, and neither host
+        memory's bandwidth nor storage's time (`I = 0`: the split balances the two sides' compute)."""
+        return {
+            "chunk_elements": elements,
+            "state_bytes_per_element": state_bpe,
+            "grad_bytes_per_element": grad_bpe,
+            "host_elements_per_s": self.rates.host_elements_per_s,
+            "device_elements_per_s": self.rates.device_elements_per_s,
+            "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
+            "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
+            # The memory of the slots counted here (with the parameters' scratch and alignment), in the
+            # model's own measure of a slot, so that it sees as many.
+            "device_memory": slots * max(elements) * (state_bpe + grad_bpe),
+            "host_memory_bytes_per_s": 0.0,
+            "host_bytes_per_element": host_bpe,
+            "io_secs": 0.0,
+        }
 
     def begin(self, split: StepSplit, slot_bytes: int) -> None:
         """A step's chunks on the accelerator begin: its slots' memory, `slot_bytes` each (none where
