@@ -29,6 +29,9 @@ from mlp_offload.engine.state_dtypes import StateDtypes
 ON_CUDA = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR") == "cuda"
 INTERPRETED = {} if ON_CUDA else {"TRITON_INTERPRET": "1"}
 STREAMS = {"host_memory": "200K", "update_chunk": "24K"}
+# DeepSpeed's side of the update during backward's rows (test_backward's): gradients final in small
+# buckets, most before backward ends; unclipped.
+BACKWARD = {"reduce_bucket_size": 20_000, "clip": 0.0}
 
 # name, the DeepSpeed case, the section's extra keys (the README's section otherwise: the model's
 # choice of chunks; `accelerator_update_chunks` pins it), ranks
@@ -54,6 +57,25 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         1,
     ),
     ("two ranks: 1 chunk", {"fp32": True}, {"host_memory": "64M", "accelerator_update_chunks": 1}, 2),
+    (
+        # The split takes its share of what the update during backward left to step().
+        "bf16 streamed, the update during backward kept every step: what it left there",
+        BACKWARD,
+        {**STREAMS, "shadow_slots": True, "overlap_backward": True, "accelerator_update_chunks": 2},
+        1,
+    ),
+    (
+        "every chunk cached, the update during backward from kept copies: every one, none left there",
+        BACKWARD,
+        {"host_memory": "8M", "overlap_backward": True, "accelerator_update_chunks": 2},
+        1,
+    ),
+    (
+        "bf16 streamed, the update during backward undone (clipped): 2 chunks of them all",
+        {**BACKWARD, "clip": 0.05},
+        {**STREAMS, "shadow_slots": True, "overlap_backward": True, "accelerator_update_chunks": 2},
+        1,
+    ),
     (
         # The slots' layout of a 6-byte state, its master weights apart from the parameters.
         "bf16 weights and moments, streamed: 2 chunks",
@@ -98,7 +120,9 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
     there = [r["accelerator_update"]["chunks"] for r in _steps(ours)]
     assert there and all(r is not None for r in there)
     pinned = extra.get("accelerator_update_chunks")
-    chunks = ours["telemetry"][0]["chunks"]
+    # Per step, the chunks the split chose from: those the update during backward left.
+    total = ours["telemetry"][0]["chunks"]
+    left = [total - _kept_in_backward(r) for r in _steps(ours)]
     if pinned is None:
         # One chunk measures the rates (the first step's run compiles the kernel: the second's
         # measures); then the model's choice, with its prediction and the rates it weighed.
@@ -107,8 +131,14 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
         assert all(r["predicted_secs"] is not None and "the model" in r["why"] for r in there[2:])
         assert all(r["device_elements_per_s"] and r["h2d_bytes_per_s"] for r in there[2:])
     else:
-        assert {r["chunks"] for r in there} == {min(pinned, chunks)}
-        assert all(r["host_chunks"] == chunks - r["chunks"] for r in there)
+        assert [r["chunks"] for r in there] == [min(pinned, n) for n in left]
+    assert [r["host_chunks"] + r["chunks"] for r in there] == left
+    if extra.get("overlap_backward") is True and not ds_case.get("clip"):
+        # Both in one step: chunks kept from backward, and what it left (if any) the split's.
+        assert all(n < total for n in left), left
+        assert all(
+            r["chunks"] if n else "updated every chunk" in r["why"] for r, n in zip(there, left, strict=True)
+        )
     for r in there:
         assert (r["bytes_out"] > 0) is (r["chunks"] > 0)
         assert (r["kernel_secs"] > 0) is (r["chunks"] > 0)
@@ -116,7 +146,14 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
         stages = r["copy_out_secs"] + r["kernel_secs"] + r["copy_back_secs"]
         assert r["device_secs"] >= stages * 0.999 if r["chunks"] else r["device_secs"] == 0
     # Every element each step, on one side or the other (none in a step skipped for an overflow).
-    assert len({r["host_elements"] + r["elements"] for r in there} - {0}) == 1
+    whole = {r["host_elements"] + r["elements"] for r, n in zip(there, left, strict=True) if n == total}
+    assert len(whole - {0}) <= 1
+
+
+def _kept_in_backward(step: dict[str, Any]) -> int:
+    """The chunks the update during backward updated and `step()` kept, in a step's record."""
+    backward = step.get("overlap_backward")
+    return backward["chunks"] if backward is not None and backward["kept"] else 0
 
 
 def test_the_split_changes_between_steps_and_stays_bit_equal(work_dirs: list[Path], tmp_path: Path) -> None:

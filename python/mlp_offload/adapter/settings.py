@@ -224,13 +224,12 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     if every_cached and config.overlap_backward is not False and fused:
         kept_copies = _kept_copies_room(config, host_memory, layout, spare)
     backward = _overlap_backward(config, fused, every_cached, facts.params_on_host, kept_copies, in_params.on)
-    backward = _backward_or_chunks_there(config, backward)
     if not backward.on:
         kept_copies = 0
     buffers, cache_slots = memory.stream_buffers(
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
-    chunks_there = _accelerator_chunks(config, facts, kernel, in_params, backward)
+    chunks_there = _accelerator_chunks(config, facts, kernel, in_params)
     # Where every chunk is cached, the state takes what caching it whole takes, its gradient's included,
     # and its kept copies (the update during backward's).
     whole = memory.whole_state_bytes(facts.numels, update_chunk, dtypes.bytes_per_element)
@@ -269,19 +268,6 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     )
 
 
-def _backward_or_chunks_there(config: MLPOffloadConfig, backward: Choice) -> Choice:
-    """The update during backward stages its chunks in host memory, which chunks streamed to the
-    accelerator are not: where those are asked for by a key, `overlap_backward: "auto"` gives way (both
-    asked for is an error naming the keys); with both "auto", the update during backward stays where it
-    is on."""
-    asked = _chunks_asked(config)
-    if not asked or not backward.on:
-        return backward
-    if config.overlap_backward is True:
-        raise ValueError(troubleshooting.ACCELERATOR_CHUNKS_BACKWARD.message(key=asked[0]))
-    return Choice(False, f"off: chunks stream to the accelerator beside the host's pass ({asked[0]})")
-
-
 def _chunks_asked(config: MLPOffloadConfig) -> list[str]:
     """The keys that ask for chunks on the accelerator: set, and not to 0."""
     return [
@@ -301,11 +287,11 @@ def _accelerator_chunks(
     facts: StartFacts,
     kernel: KernelChoice,
     in_params: Choice,
-    backward: Choice,
 ) -> Choice:
     """Whether each step streams chunks to the accelerator beside the host's pass
-    (`accelerator_update_memory`), and why. Where it cannot be, "auto" says why at start; a size or a
-    number of chunks asked for is an error naming the key."""
+    (`accelerator_update_memory`), and why: of the chunks the update during backward (`overlap_backward`)
+    left, where it ran. Where it cannot be, "auto" says why at start; a size or a number of chunks asked
+    for is an error naming the key."""
     memory_setting, chunks_setting = config.accelerator_update_memory, config.accelerator_update_chunks
     if memory_setting == 0:
         return Choice(False, "off: accelerator_update_memory is 0")
@@ -324,8 +310,6 @@ def _accelerator_chunks(
         why_not = f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({kernel.why})"
     elif in_params.on:
         why_not = "the master weights are in the parameters (master_in_params), which chunks there keep apart"
-    elif backward.on:
-        why_not = "chunks are updated during backward (overlap_backward), staged in host memory"
     elif facts.subgroups_on_nvme:
         why_not = f"{facts.subgroups_on_nvme} subgroups' parameters are on NVMe"
     if why_not is None:

@@ -65,6 +65,8 @@ class StepUpdate:
     update_pass: AcceleratorAdam | None = None
     host_secs: float = 0.0
     host_elements: int = 0
+    # The chunks the split chose from (those the update during backward left).
+    step_chunks: int = 0
     # The update of the subgroups kept on the accelerator, once it ran (None: none there).
     accelerator_record: AcceleratorStep | None = None
     end: float = 0.0
@@ -157,7 +159,7 @@ class StepUpdate:
         rates = split.rates
         record: ChunksStep = {
             "chunks": len(self.chunks_there),
-            "host_chunks": len(self.session.state.chunks) - len(self.chunks_there),
+            "host_chunks": self.step_chunks - len(self.chunks_there),
             "elements": sum(d.elements for d in there.dispatched),
             "host_elements": self.host_elements,
             "bytes_out": sum(d.out_bytes for d in there.dispatched),
@@ -205,12 +207,13 @@ class StepUpdate:
         session = self.session
         pipeline, committed = session.pipeline, self.settled.committed
         if session.fused is not None:
-            ran_in_backward = self.settled.stats is not None
             only: list[int] | None
-            if ran_in_backward:
-                only = [c for c in pipeline.order if c not in committed]
+            if self.settled.stats is not None:
+                # What the update during backward left: the split takes its share of those.
+                left = [c for c in pipeline.order if c not in committed]
+                only = self._split_chunks(left) or left
             else:
-                only = self._split_chunks()
+                only = self._split_chunks(pipeline.order)
             with self.chunk_update.copying_to_device():
                 stats = pipeline.run_step(
                     functools.partial(self.fused_chunk, subgroup_done=subgroup_done),
@@ -222,26 +225,22 @@ class StepUpdate:
             stats = pipeline.run_step(self.deepspeed_chunk, drain=False)
         return stats
 
-    def _split_chunks(self) -> list[int] | None:
-        """The chunks this step streams to the accelerator (`AcceleratorChunks.choose`), set aside in
-        `chunks_there`: those the step takes first, so their copies and kernels run beside the host's
-        pass over the rest. In chunk order (the forward needs the first chunks first) they are the last
-        ones, taken first: the step's order, returned (None: the pipeline's own)."""
+    def _split_chunks(self, order: list[int]) -> list[int] | None:
+        """The chunks of `order` (the pipeline's, or what the update during backward left of it) this
+        step streams to the accelerator (`AcceleratorChunks.choose`), set aside in `chunks_there`: those
+        the step takes first, so their copies and kernels run beside the host's pass over the rest. In
+        chunk order (the forward needs the first chunks first) they are the last ones, taken first: the
+        step's order, returned (None: `order` as it is)."""
         session = self.session
         there = session.accelerator_chunks
         if there is None or session.fused is None:
             return None
-        if session.dtypes != session.state.stored:
-            # The kernel there takes the moments in the chunks' own layout.
-            self.split = StepSplit(
-                [],
-                0,
-                f"a checkpoint's load left the moments in {session.dtypes.moments} where the chunks keep "
-                f"them in {session.state.stored.moments} (follow_loaded_moments): every chunk the host's",
-            )
+        self.step_chunks = len(order)
+        if (none_why := self._none_there(order)) is not None:
+            self.split = StepSplit([], 0, none_why)
             there.begin(self.split, 0)
             return None
-        order, ascending = session.pipeline.order, session.pipeline.ascending
+        ascending = session.pipeline.ascending
         # `choose` takes the last chunks of the order it is given.
         candidates = order if ascending else order[::-1]
         dtypes = session.dtypes
@@ -258,6 +257,19 @@ class StepUpdate:
             return None
         self.update_pass = AcceleratorAdam(session.fused.kernel, dtypes=dtypes)
         return chosen + [c for c in order if c not in self.chunks_there] if ascending else None
+
+    def _none_there(self, order: list[int]) -> str | None:
+        """Why no chunk of `order` can go to the accelerator this step, if none can."""
+        session = self.session
+        if not order:
+            return "the update during backward updated every chunk"
+        if session.dtypes != session.state.stored:
+            # The kernel there takes the moments in the chunks' own layout.
+            return (
+                f"a checkpoint's load left the moments in {session.dtypes.moments} where the chunks keep "
+                f"them in {session.state.stored.moments} (follow_loaded_moments): every chunk the host's"
+            )
+        return None
 
     def chunk_there(
         self,

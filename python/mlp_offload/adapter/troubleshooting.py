@@ -247,17 +247,6 @@ ACCELERATOR_CHUNKS = Trouble(
     "set one to 0",
     "`accelerator_update_memory` or `accelerator_update_chunks` set where chunks cannot stream there",
 )
-ACCELERATOR_CHUNKS_BACKWARD = Trouble(
-    "accelerator-chunks-backward",
-    "overlap_backward: true with chunks asked for on the accelerator",
-    "mlp_offload.overlap_backward: true, and {key} asks for chunks on the accelerator: the update during "
-    "backward stages its chunks in host memory; set one of them to what it would be off",
-    REFUSAL,
-    "the update during backward keeps a chunk's state before in host memory to undo it, which a chunk "
-    "on the accelerator is not",
-    'set `overlap_backward` to "auto" (it gives way to the chunks there) or false, or the key to 0',
-    "`overlap_backward: true` beside `accelerator_update_memory` or `accelerator_update_chunks`",
-)
 ACCELERATOR_KERNEL_DIFFERS = Trouble(
     "accelerator-kernel-differs",
     "The accelerator's kernel gives other bits than the host pass",
@@ -341,7 +330,6 @@ FORMATTED_HERE = (
     HOST_MEMORY,
     RATIO,
     ACCELERATOR_CHUNKS,
-    ACCELERATOR_CHUNKS_BACKWARD,
     ACCELERATOR_KERNEL_DIFFERS,
     MASTER_IN_PARAMS,
     UPDATE_KERNEL,

@@ -157,16 +157,17 @@ class MLPOffloadConfig(BaseModel):
     docs/model.md). It weighs the measured rates of both passes and of the copies each way. `"auto"`:
     the accelerator memory free at the step; a size: at most that; `0`: off, every chunk the host's. It
     needs the fused pass with the master weights apart from the parameters, and a GPU (or Triton's
-    interpreter on DeepSpeed's CPU accelerator, `TRITON_INTERPRET=1`). The update during backward
-    stages its chunks in host memory: where both keys here are `"auto"` and it is on, this is off; a
-    key set here turns its `"auto"` off. The start-up record says whether it is on, and why; each
-    step's record says what it chose, predicted and measured."""
+    interpreter on DeepSpeed's CPU accelerator, `TRITON_INTERPRET=1`). Beside the update during
+    backward (`overlap_backward`), the split takes its share of the chunks that one left to `step()`.
+    The start-up record says whether it is on, and why; each step's record says what it chose, the
+    rates it weighed, predicted and measured."""
 
     accelerator_update_chunks: Annotated[int, Field(ge=0, strict=True)] | Literal["auto"] = "auto"
     """Chunks the accelerator updates each step (`accelerator_update_memory`).
 
     `"auto"`: the performance model's choice each step, from the rates measured in the steps before
-    (the first step with it on sends one chunk there to measure them). A number: that many every step,
+    (the first two steps with it on send one chunk there each to measure them; the first run of the
+    kernel compiles it). A number: that many every step,
     whatever the model would choose (as many as the step has at most; none where the memory holds no
     chunk); `0`: off."""
 
