@@ -226,17 +226,21 @@ def test_the_choice_of_chunks(
         assert split.predicted["predicted_secs"] < split.predicted["host_only_secs"]
 
 
-def _step(chooser: AcceleratorChunks, kernel_secs: float) -> StepSplit:
+def _step(
+    chooser: AcceleratorChunks, kernel_secs: float, first_kernel_secs: float | None = None
+) -> StepSplit:
     """One step over 64 chunks of 16 Mi elements (fp32 state, bf16 gradients) as if its chunks there took
-    `kernel_secs` each, and their copies PCIe's time at 25 GB/s; the host's at 1.8e9 elements a second."""
+    `kernel_secs` each (the first `first_kernel_secs`, if given), and their copies PCIe's time at 25
+    GB/s; the host's at 1.8e9 elements a second."""
     split = chooser.choose([16 * M] * 64, 12, 2, 28, SLOT)
     chooser.begin(split, 64)
     copy = 16 * M * 14 / 25e9
+    kernels = [kernel_secs] * len(split.chunks)
+    if first_kernel_secs is not None and kernels:
+        kernels[0] = first_kernel_secs
     chooser.dispatched = [
-        Dispatched(
-            16 * M, 16 * M * 14, 16 * M * 12, None, [copy, kernel_secs, copy], (k, k + 2 * copy + kernel_secs)
-        )
-        for k in range(len(split.chunks))
+        Dispatched(16 * M, 16 * M * 14, 16 * M * 12, None, [copy, k, copy], (t, t + 2 * copy + k))
+        for t, k in enumerate(kernels)
     ]
     host = (64 - len(split.chunks)) * 16 * M
     chooser.end(host, host / 1.8e9)
@@ -271,6 +275,17 @@ def test_a_model_that_chose_none_measures_again() -> None:
     )
     assert chooser.steps_without == 0
     assert len(_step(chooser, kernel_secs=16 * M / 2e10).chunks) == 31
+
+
+def test_a_chunk_whose_kernel_compiled_in_its_run_moves_no_rate() -> None:
+    """Of a step's chunks there, one whose run compiled the kernel (a new shape of chunk) is not the
+    typical chunk, whose rates the model takes: the next step's choice stays."""
+    chooser = _chooser(MEASURED)
+    chooser.warmed = True
+    fast = 16 * M / 2e10
+    assert len(_step(chooser, kernel_secs=fast, first_kernel_secs=5.0).chunks) == 31
+    assert chooser.rates.device_elements_per_s == pytest.approx(2e10)
+    assert len(_step(chooser, kernel_secs=fast).chunks) == 31
 
 
 def test_the_split_binding_names_a_rate_that_is_not_one() -> None:

@@ -10,6 +10,7 @@ queues them (`dispatch`), and the pipeline places each chunk once its copy back 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -230,16 +231,22 @@ class AcceleratorChunks:
             copy_back_secs=sum(s[2] for s in stages),
             wall_secs=max((d.since(self.dispatched[0]) for d in self.dispatched), default=0.0),
         )
-        out, kernel, back = measured.copy_out_secs, measured.kernel_secs, measured.copy_back_secs
-        if self.dispatched and min(out, kernel, back) > 0:
+        timed = [(d, s) for d, s in zip(self.dispatched, stages, strict=True) if min(s) > 0]
+        if timed:
             if self.warmed:
-                self.rates.device_elements_per_s = sum(d.elements for d in self.dispatched) / kernel
-                self.rates.h2d_bytes_per_s = sum(d.out_bytes for d in self.dispatched) / out
-                self.rates.d2h_bytes_per_s = sum(d.back_bytes for d in self.dispatched) / back
+                self._take_rates(timed)
             self.warmed = True
         self.steps_without = 0 if self.dispatched else self.steps_without + 1
         self.slot_tensors = []
         return measured
+
+    def _take_rates(self, timed: list[tuple[Dispatched, tuple[float, float, float]]]) -> None:
+        """The accelerator's rates from a step's chunks there, each its typical chunk's (the upper
+        median): a chunk whose kernel Triton compiled in its run (a new shape or decay) takes seconds
+        where the others take milliseconds, and one such chunk of two or more moves no rate."""
+        self.rates.device_elements_per_s = statistics.median_high(d.elements / s[1] for d, s in timed)
+        self.rates.h2d_bytes_per_s = statistics.median_high(d.out_bytes / s[0] for d, s in timed)
+        self.rates.d2h_bytes_per_s = statistics.median_high(d.back_bytes / s[2] for d, s in timed)
 
     def dispatch(
         self,
