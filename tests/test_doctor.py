@@ -266,6 +266,9 @@ DECISIONS = [
     ("avx2", doctor.kernel_row, ("avx2", "x86_64"), "ok", None, "AVX2"),
     ("scalar x86-64", doctor.kernel_row, ("scalar", "x86_64"), "warn", "scalar-kernel", "no AVX2"),
     ("scalar aarch64", doctor.kernel_row, ("scalar", "aarch64"), "ok", None, "aarch64's pass"),
+    ("no GPU", doctor.accelerator_row, (0, "3.6.0"), "ok", None, "every chunk updated on the host"),
+    ("a GPU and Triton", doctor.accelerator_row, (8, "3.6.0"), "ok", None, "8 NVIDIA GPU(s), Triton 3.6.0"),
+    ("a GPU without Triton", doctor.accelerator_row, (1, None), "warn", "no-triton", "ratio below 1"),
     ("thread pool", doctor.io_engine_row, ("seccomp",), "warn", "io-uring-fallback", "(seccomp)"),
     (
         "reserved pages",
@@ -334,6 +337,13 @@ def test_the_versions_are_the_packages_own() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"torch{doctor.requirement("torch")}"' in pyproject
     assert f'requires-python = "{doctor.requirement("python")}"' in pyproject
+
+
+def test_the_gpus_are_the_drivers_folders(tmp_path: Path) -> None:
+    assert doctor.nvidia_gpus(str(tmp_path / "no driver")) == 0
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (tmp_path / bus).mkdir()
+    assert doctor.nvidia_gpus(str(tmp_path)) == 2
 
 
 def test_capabilities_are_read_from_the_status_file() -> None:

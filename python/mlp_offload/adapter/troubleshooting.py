@@ -483,7 +483,19 @@ SAME_DEVICE = Trouble(
     "one path per device (another disk, another NVMe namespace, a parallel file system)",
 )
 
-FOUND_BY_DOCTOR = (DEEPSPEED_MISSING, UNSUPPORTED_VERSION, SCALAR_KERNEL, SAME_DEVICE)
+NO_TRITON = Trouble(
+    "no-triton",
+    "A GPU without Triton",
+    "{gpus} NVIDIA GPU(s) and no Triton: every chunk's update stays on the host, and "
+    "offload_optimizer.ratio below 1 is refused",
+    FOUND,
+    "the update's pass on the accelerator (chunks streamed there beside the host's pass, "
+    "`accelerator_update_memory`; the subgroups `offload_optimizer.ratio` keeps there) is a Triton kernel; "
+    "torch's CUDA wheels bring Triton, a CPU-only torch does not",
+    "install torch's CUDA wheel, which brings the Triton it was built with",
+)
+
+FOUND_BY_DOCTOR = (DEEPSPEED_MISSING, UNSUPPORTED_VERSION, SCALAR_KERNEL, SAME_DEVICE, NO_TRITON)
 
 ENTRIES = (*FORMATTED_HERE, *MET_BY_TESTS, *FOUND_BY_DOCTOR)
 BY_NAME = {trouble.name: trouble for trouble in ENTRIES}

@@ -276,11 +276,41 @@ def host_memory_need(model_size: int | None, ranks: int) -> tuple[int, str]:
     return per_rank, 'host_memory "auto": what a rank can spare'
 
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def nvidia_gpus(root: str = NVIDIA_GPUS) -> int:
+    """The NVIDIA GPUs the driver lists (one folder each), without importing torch: 0 without the
+    driver."""
+    try:
+        return len(os.listdir(root))
+    except OSError:
+        return 0
+
+
+def accelerator_row(gpus: int, triton: str | None) -> Row:
+    """Whether the update can run on the GPU too (chunks beside the host's pass, `ratio`'s subgroups):
+    a GPU, and Triton, which runs its kernel."""
+    check = "update on the GPU"
+    if gpus == 0:
+        return Row(check, OK, f"no NVIDIA GPU ({NVIDIA_GPUS}): every chunk updated on the host")
+    if triton is None:
+        found = troubleshooting.NO_TRITON.message(gpus=gpus)
+        return trouble_row(check, WARN, found, troubleshooting.NO_TRITON)
+    return Row(
+        check,
+        OK,
+        f"{gpus} NVIDIA GPU(s), Triton {triton}: chunks stream there beside the host's pass "
+        "(accelerator_update_memory), its kernel checked against the host pass at each job's start",
+    )
+
+
 def machine_rows(model_size: int | None, ranks: int) -> list[Row]:
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need, need_is = host_memory_need(model_size, ranks)
     return [
         kernel_row(_core.AdamKernel(0.9, 0.999).simd, platform.machine()),
+        accelerator_row(nvidia_gpus(), installed("triton")),
         io_engine_row(_core.io_uring_unavailable_reason()),
         huge_pages_row(_read("/proc/meminfo") or "", _read("/sys/kernel/mm/transparent_hugepage/enabled")),
         memlock_row(soft, hard, has_cap_ipc_lock(_read("/proc/self/status") or ""), need, need_is),
