@@ -157,17 +157,20 @@ def _kept_in_backward(step: dict[str, Any]) -> int:
 
 
 def test_the_split_changes_between_steps_and_stays_bit_equal(work_dirs: list[Path], tmp_path: Path) -> None:
-    """The model's choice over a run: the first step one chunk, then as the measured rates say (through
-    the interpreter, the host's pass is the faster: none), bit for bit stock's whatever it chose."""
-    case = {"steps": 4}
+    """The model's choice over a run: the first two steps one chunk, then as the measured rates say
+    (through the interpreter, the host's pass is the faster: none), one again after REMEASURE_STEPS of
+    none, bit for bit stock's whatever it chose."""
+    case = {"steps": 3 + accelerator_chunks.REMEASURE_STEPS}
     stock = run_case(case, tmp_path, "stock")
     extra = {**STREAMS, "overlap_backward": False}
     ours = run_case(
         {**case, "mlp_offload": section(work_dirs[:1], **extra)}, tmp_path, "ours", env=INTERPRETED
     )
     assert_bit_equal(ours, stock)
-    counts = [r["accelerator_update"]["chunks"]["chunks"] for r in _steps(ours)]
-    assert len(set(counts)) > 1, counts
+    there = [r["accelerator_update"]["chunks"] for r in _steps(ours)]
+    counts = [r["chunks"] for r in there]
+    assert counts == [1, 1] + [0] * accelerator_chunks.REMEASURE_STEPS + [1], counts
+    assert "again" in there[-1]["why"]
 
 
 def _chooser(
