@@ -36,6 +36,8 @@ the paths' measured mixed read/write bandwidth) and the update time over it, and
 It writes JSON and a PNG chart. On a machine with a GPU it runs unchanged (the model on the GPU).
 `--watch-threads` adds, per phase, where the training thread's and our update thread's time went (on a
 CPU, waiting for one, blocked) and the Python stacks they were found in (`benches/threadwatch.py`).
+`--pin-memory` gives every contender DeepSpeed's `offload_optimizer.pin_memory: true` (the README's
+section leaves DeepSpeed's default, false; on a GPU the chunks ours streams there need it).
 `--torch-huge-pages` starts every contender (stock's too) with `THP_MEM_ALLOC_ENABLE=1`: torch's host
 tensors of 2 MiB and more then ask for transparent huge pages. On the CPU the backward's compute
 allocates its gradients and DeepSpeed's reduce-scatter buffers anew each step, and the first touch of
@@ -119,6 +121,10 @@ def ds_config(spec: dict[str, Any], params: int) -> dict[str, Any]:
     }
     # DeepSpeed's state in half precision, for every contender (`--state`).
     config["bf16"].update(STATES[spec.get("state", "fp32")])
+    if spec.get("pin_memory"):
+        # Page-locked host buffers for every contender, stock's too (the contenders below that pin
+        # anyway keep it).
+        offload["pin_memory"] = True
     if spec.get("clip") is not None:
         config["gradient_clipping"] = spec["clip"]
     if spec.get("reduce_bucket_size"):
@@ -486,6 +492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "waiting for one, and neither (blocked), and the Python stacks they were found in",
     )
     parser.add_argument(
+        "--pin-memory",
+        action="store_true",
+        help="every contender with DeepSpeed's offload_optimizer.pin_memory: true (on a GPU, the chunks "
+        "ours streams there beside the host's pass need it)",
+    )
+    parser.add_argument(
         "--torch-huge-pages",
         action="store_true",
         help="every contender with THP_MEM_ALLOC_ENABLE=1: torch's host tensors in transparent huge pages",
@@ -618,6 +630,7 @@ def run(args: argparse.Namespace, contenders: list[str], testbed_up: bool) -> di
                 "sub_group_size": args.sub_group_size,
                 "reduce_bucket_size": args.reduce_bucket_size,
                 "clip": args.clip,
+                "pin_memory": args.pin_memory,
                 "state": args.state,
                 "params_on_nvme": args.params_on_nvme,
                 "paths": run_paths,

@@ -20,7 +20,7 @@ import torch
 from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section
 from mlp_offload import _core
-from mlp_offload.adapter import troubleshooting
+from mlp_offload.adapter import options, troubleshooting
 from mlp_offload.engine import accelerator_chunks, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
 from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, Rates, StepSplit, slot_bytes
@@ -92,6 +92,15 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
 ]
 
 
+def pinned_on_cuda(case: dict[str, Any]) -> dict[str, Any]:
+    """A case as a GPU runs it, both sides: with DeepSpeed's `pin_memory`, without which chunks stay on
+    the host there (copies from pageable memory would hold the host's pass); through the interpreter,
+    as it is."""
+    if not ON_CUDA:
+        return case
+    return {**case, "ds_options": {**case.get("ds_options", {}), f"{options.OO}.pin_memory": True}}
+
+
 def _steps(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in result["telemetry"] if r.get("event") == "step"]
 
@@ -103,7 +112,7 @@ def _steps(result: dict[str, Any]) -> list[dict[str, Any]]:
 def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
     ds_case: dict[str, Any], extra: dict[str, Any], ranks: int, work_dirs: list[Path], tmp_path: Path
 ) -> None:
-    case = {**ds_case, "steps": 4}
+    case = pinned_on_cuda({**ds_case, "steps": 4})
     stock = run_case(case, tmp_path, "stock", ranks=ranks)
     ours = run_case(
         {**case, "mlp_offload": section(work_dirs[:1], **extra)},
@@ -160,7 +169,7 @@ def test_the_split_changes_between_steps_and_stays_bit_equal(work_dirs: list[Pat
     """The model's choice over a run: the first two steps one chunk, then as the measured rates say
     (through the interpreter, the host's pass is the faster: none), one again after REMEASURE_STEPS of
     none, bit for bit stock's whatever it chose."""
-    case = {"steps": 3 + accelerator_chunks.REMEASURE_STEPS}
+    case = pinned_on_cuda({"steps": 3 + accelerator_chunks.REMEASURE_STEPS})
     stock = run_case(case, tmp_path, "stock")
     extra = {**STREAMS, "overlap_backward": False}
     ours = run_case(

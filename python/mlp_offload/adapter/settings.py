@@ -312,6 +312,13 @@ def _accelerator_chunks(
         why_not = "the master weights are in the parameters (master_in_params), which chunks there keep apart"
     elif facts.subgroups_on_nvme:
         why_not = f"{facts.subgroups_on_nvme} subgroups' parameters are on NVMe"
+    elif accelerator == "cuda" and not facts.pin_memory:
+        # CUDA copies from and to pageable memory are synchronous: each chunk there would hold the host
+        # thread that queues it until its copy back ended, the host's pass waiting beside it.
+        why_not = (
+            "DeepSpeed's offload_optimizer.pin_memory is false, and copies from pageable host memory would "
+            "hold the host's pass until each chunk there ends (pin_memory: true streams them beside it)"
+        )
     if why_not is None:
         where = (
             "through Triton's interpreter in host memory"
