@@ -76,10 +76,7 @@ def _accelerator_kernel_checked(settings: Settings, view: DeepSpeedView) -> Sett
                 count=settings.accelerator_subgroups,
                 subgroups=len(settings.numels),
                 accelerator=accelerator,
-                why=(
-                    "its kernel there gave other bits than the host pass at start-up: {array}, {count} of "
-                    "{elements} elements, the first at {first} ({host!r} on the host, {there!r} there)"
-                ).format(**differs),
+                why=troubleshooting.KERNEL_DIFFERS.format(**differs),
             )
         )
     said = troubleshooting.ACCELERATOR_KERNEL_DIFFERS.message(**differs)

@@ -247,12 +247,16 @@ ACCELERATOR_CHUNKS = Trouble(
     "set one to 0",
     "`accelerator_update_memory` or `accelerator_update_chunks` set where chunks cannot stream there",
 )
+# What the start-up check of the accelerator's kernel found (`accelerator_chunks.check_on_device`'s
+# fields): said where chunks there go off for it, and where `ratio`'s subgroups are refused for it.
+KERNEL_DIFFERS = (
+    "the accelerator's kernel gave other bits than the host pass at start-up: {array}, {count} of {elements} "
+    "elements, the first at {first} ({host!r} on the host, {there!r} there)"
+)
 ACCELERATOR_KERNEL_DIFFERS = Trouble(
     "accelerator-kernel-differs",
     "The accelerator's kernel gives other bits than the host pass",
-    "mlp_offload: the accelerator's kernel gave other bits than the host pass at start-up: {array}, "
-    "{count} of {elements} elements, the first at {first} ({host!r} on the host, {there!r} there); every "
-    "chunk is the host's",
+    f"mlp_offload: {KERNEL_DIFFERS}; every chunk is the host's",
     WARNING,
     "before streaming chunks to the accelerator, the session runs the kernel there on a chunk of random "
     "and special values and compares it with the host pass: a GPU or Triton build that divides, takes "
