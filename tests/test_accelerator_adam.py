@@ -7,13 +7,19 @@ with repeats and a jump, and NaN, infinities, subnormals and fp16's overflow in 
 Without a GPU the kernel runs through Triton's interpreter, which computes `tl.fma` exactly and every
 product, sum, quotient and square root of fp32 correctly rounded: the order of operations and where
 they fuse are checked here. Whether the kernel asks a GPU for the same (no contraction, correctly rounded
-division and square root) is checked by reading it (`test_the_kernel_asks_for_exact_arithmetic`), and
-the table runs on CUDA in the GPU report (`make gpu-report PARTS=accelerator-kernel`)."""
+division and square root) is checked by reading it (`test_the_kernel_asks_for_exact_arithmetic`) and in
+the PTX that Triton compiles for an H100 here, without one (the compile rows at the end), and the
+table runs on CUDA in the GPU report (`make gpu-report PARTS=accelerator-kernel`)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -361,3 +367,145 @@ def test_the_kernel_asks_for_exact_arithmetic() -> None:
         if k.arg == "enable_fp_fusion" and isinstance(k.value, ast.Constant)
     ]
     assert fusion == [False], "the launch must pass enable_fp_fusion=False"
+
+
+# The kernel's variants compiled for a GPU here, each of its branches in one at least: name, its
+# constants, and (where the tail fuses nothing) the `fma`s it asks for per element, all the vector
+# path's (three for the moments and the denominator, one for the step, one for a decay).
+VARIANTS: list[tuple[str, dict[str, Any], int | None]] = [
+    (
+        "fp32 state, bf16 parameters, AdamW, a tail that fuses nothing",
+        {"MASTER": 0, "MOMENTS": 0, "GRAD": 1, "PARAMS": 1, "WRITES_PARAMS": True, "DECAY": 2},
+        5,
+    ),
+    (
+        "fp32 state, fp16 parameters, L2 decay, a tail that fuses nothing",
+        {"MASTER": 0, "MOMENTS": 0, "GRAD": 2, "PARAMS": 2, "WRITES_PARAMS": True, "DECAY": 1},
+        5,
+    ),
+    (
+        "bf16 master in the parameters with bf16 moments, no decay",
+        {"MASTER": 1, "MOMENTS": 1, "GRAD": 1, "PARAMS": 1, "WRITES_PARAMS": False, "DECAY": 0},
+        None,
+    ),
+    (
+        "fp16 weights, fp32 moments",
+        {"MASTER": 2, "MOMENTS": 0, "GRAD": 2, "PARAMS": 2, "WRITES_PARAMS": True, "DECAY": 2},
+        None,
+    ),
+]
+# The tail's arithmetic by variant: none fused where the row counts the `fma`s, else fused.
+UNFUSED_TAIL = {"MOMENTUM": 2, "VARIANCE": 2, "OTHERS": False}
+FUSED_TAIL = {"MOMENTUM": 1, "VARIANCE": 0, "OTHERS": True}
+KINDS = {0: "fp32", 1: "i16", 2: "i16"}
+# A GPU target Triton compiles for without one: an H100's.
+SM90 = ("cuda", 90, 32)
+
+
+def _ptx(fn: Any, pointers: dict[str, str], constants: dict[str, Any], fusion: bool) -> str:
+    """`fn` compiled by Triton for an sm_90 GPU (no GPU needed: its compiler and ptxas), as PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointers, **{name: "constexpr" for name in constants}}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget(*SM90), options={"enable_fp_fusion": fusion})
+    return str(compiled.asm["ptx"])
+
+
+def _adam_constants(name: str) -> dict[str, Any]:
+    constants, fmas = next(v[1:] for v in VARIANTS if v[0] == name)
+    tail = UNFUSED_TAIL if fmas is not None else FUSED_TAIL
+    return {**constants, **tail, "HALF_STATE": constants["MASTER"] != 0, "BLOCK": accelerator_adam.BLOCK}
+
+
+def _adam_ptx(module: Any, constants: dict[str, Any], fusion: bool) -> str:
+    out = constants["PARAMS"] if constants["WRITES_PARAMS"] else constants["GRAD"]
+    pointers = {
+        "p_ptr": f"*{KINDS[constants['MASTER']]}",
+        "m_ptr": f"*{KINDS[constants['MOMENTS']]}",
+        "v_ptr": f"*{KINDS[constants['MOMENTS']]}",
+        "g_ptr": f"*{KINDS[constants['GRAD']]}",
+        "o_ptr": f"*{KINDS[out]}",
+        "k_ptr": "*fp32",
+        "n": "i32",
+        "vector_end": "i32",
+    }
+    return _ptx(module.adam_kernel, pointers, constants, fusion)
+
+
+def _instructions(ptx: str) -> dict[str, int]:
+    """The PTX's floating-point and atomic instructions, counted, and whether it approximates or flushes
+    subnormals anywhere."""
+    found: dict[str, int] = {}
+    for name in re.findall(r"\b((?:add|sub|mul|fma|div|sqrt|rcp|ex2|lg2|atom|red)\.[\w.]+)", ptx):
+        found[name] = found.get(name, 0) + 1
+    found["approximate or flushing"] = ptx.count(".approx") + ptx.count(".ftz")
+    return found
+
+
+def compile_for_a_gpu() -> dict[str, dict[str, int]]:
+    """Each variant's instructions as Triton builds it for an H100 (with the contraction off, as the
+    launch asks, and on, where the row counts `fma`s). Run in a process
+    without Triton's interpreter, which patches Triton's language where it ran."""
+    spec = importlib.util.spec_from_file_location("_kernel_for_a_gpu", PACKAGE / "_accelerator_kernel.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = {}
+    for name, _, fmas in VARIANTS:
+        found[name] = _instructions(_adam_ptx(module, _adam_constants(name), fusion=False))
+        if fmas is not None:
+            found[f"{name}, contracted"] = _instructions(
+                _adam_ptx(module, _adam_constants(name), fusion=True)
+            )
+    return found
+
+
+@pytest.fixture(scope="module")
+def for_a_gpu() -> dict[str, dict[str, int]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = "import json, test_accelerator_adam as t; print(json.dumps(t.compile_for_a_gpu()))"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found: dict[str, dict[str, int]] = json.loads(done.stdout.splitlines()[-1])
+    return found
+
+
+EXACT_FLOATS = {"add.rn.f32", "sub.rn.f32", "mul.rn.f32", "fma.rn.f32", "div.rn.f32", "sqrt.rn.f32"}
+
+
+def _inexact(found: dict[str, int]) -> list[str]:
+    """What in a kernel's instructions may round otherwise than the host: an fp32 operation the
+    assembler may contract (no `.rn`) or an approximation, a flush of subnormals."""
+    floats = sorted(name for name in found if name.endswith(".f32") and name not in EXACT_FLOATS)
+    return floats + (["approximate or flushing"] if found["approximate or flushing"] else [])
+
+
+@pytest.mark.parametrize("name", [v[0] for v in VARIANTS])
+def test_the_kernel_compiles_for_a_gpu_with_exact_arithmetic(
+    name: str, for_a_gpu: dict[str, dict[str, int]]
+) -> None:
+    """What the interpreter cannot show, in the PTX Triton builds for an H100 here: the kernel compiles
+    (Triton's compiler goes on past a `return` inside an `if`, where the interpreter runs Python), every
+    fp32 product and sum is rounded on its own (`.rn`: the assembler contracts none), division and square
+    root are the correctly rounded ones and nothing approximates or flushes subnormals; and where the
+    tail fuses nothing, the `fma`s are the vector path's alone. The same kernel compiled with the
+    contraction on fails the check (so it tells)."""
+    found = for_a_gpu[name]
+    assert _inexact(found) == [], found
+    assert found.get("div.rn.f32") and found.get("sqrt.rn.f32"), found
+    fmas = next(v[2] for v in VARIANTS if v[0] == name)
+    if fmas is not None:
+        # Two square roots an element: the vector path's and the tail's.
+        assert found["fma.rn.f32"] == fmas * (found["sqrt.rn.f32"] // 2), found
+        contracted = for_a_gpu[f"{name}, contracted"]
+        assert _inexact(contracted) or contracted["fma.rn.f32"] > found["fma.rn.f32"], contracted

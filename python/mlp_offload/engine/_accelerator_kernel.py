@@ -10,10 +10,17 @@ import triton.language as tl
 def widen(x, KIND: tl.constexpr):
     """fp32 from a loaded element (bf16 and fp16 as their int16 bits), exactly (`Elem::widen`)."""
     if KIND == 0:
-        return x
-    h = x.to(tl.uint16, bitcast=True).to(tl.uint32)
-    if KIND == 1:
-        return (h << 16).to(tl.float32, bitcast=True)
+        out = x
+    elif KIND == 1:
+        out = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = _widen_half(x.to(tl.uint16, bitcast=True).to(tl.uint32))
+    return out
+
+
+@triton.jit
+def _widen_half(h):
+    """fp32 from fp16's bits `h` (as uint32), exactly."""
     sign = (h & 0x8000) << 16
     exp = (h >> 10) & 0x1F
     man = h & 0x3FF
@@ -29,14 +36,23 @@ def widen(x, KIND: tl.constexpr):
 @triton.jit
 def narrow(x, KIND: tl.constexpr, BF16_NAN: tl.constexpr):
     """`x` rounded to nearest even into KIND, as bits (int16) where it is half precision
-    (`Elem::narrow`; a bf16 NaN becomes BF16_NAN: torch's 0xffff, CPU Adam's 0x7fc0)."""
+    (`Elem::narrow`; a bf16 NaN becomes BF16_NAN: torch's 0xffff, CPU Adam's 0x7fc0). One return at
+    the end: Triton's compiler goes on past a `return` inside an `if`."""
     if KIND == 0:
-        return x
-    bits = x.to(tl.uint32, bitcast=True)
-    if KIND == 1:
+        out = x
+    elif KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        out = tl.where(x != x, BF16_NAN, rounded)
-        return out.to(tl.uint16).to(tl.int16, bitcast=True)
+        out = tl.where(x != x, BF16_NAN, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
+    else:
+        out = _narrow_half(x)
+    return out
+
+
+@triton.jit
+def _narrow_half(x):
+    """`x` rounded to nearest even into fp16, as its bits (int16)."""
+    bits = x.to(tl.uint32, bitcast=True)
     sign = (bits >> 16) & 0x8000
     exp = ((bits >> 23) & 0xFF).to(tl.int32)
     man = bits & 0x7FFFFF
@@ -61,17 +77,21 @@ def narrow(x, KIND: tl.constexpr, BF16_NAN: tl.constexpr):
 @triton.jit
 def product_sum(a, b, c, FUSED: tl.constexpr):
     if FUSED:
-        return tl.fma(a, b, c)
-    return a * b + c
+        out = tl.fma(a, b, c)
+    else:
+        out = a * b + c
+    return out
 
 
 @triton.jit
 def moment(old, beta, grad, one_minus, HOW: tl.constexpr):
     if HOW == 0:
-        return tl.fma(grad, one_minus, old * beta)
-    if HOW == 1:
-        return tl.fma(old, beta, grad * one_minus)
-    return grad * one_minus + old * beta
+        out = tl.fma(grad, one_minus, old * beta)
+    elif HOW == 1:
+        out = tl.fma(old, beta, grad * one_minus)
+    else:
+        out = grad * one_minus + old * beta
+    return out
 
 
 @triton.jit
