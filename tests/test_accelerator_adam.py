@@ -30,7 +30,7 @@ import torch
 from mlp_offload import _core
 from mlp_offload.engine import accelerator_adam
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.fused_update import FusedAdam, adam_group
+from mlp_offload.engine.fused_update import FusedAdam, adam_group, crc32c_of
 from mlp_offload.engine.state_dtypes import DTYPES, StateDtypes
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -309,6 +309,26 @@ def test_a_bad_argument_is_named() -> None:
         update.update(ok[0].bfloat16(), ok[1], ok[2], ok[3], None, group=group, step=1, grad_scale=1.0)
 
 
+# Lengths of parameters summed there: one element, a few, about a block, blocks and a tail.
+CRC_BLOCK = accelerator_adam.block_for(DEVICE)
+CRC_LENGTHS = [1, 2, 37, CRC_BLOCK - 1, CRC_BLOCK, CRC_BLOCK + 1, 2 * CRC_BLOCK + 37]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_the_parameters_crc32c_there_is_the_hosts(dtype: torch.dtype) -> None:
+    """What the accelerator's side sums of the parameters (`crc32c_into`, where they are the master
+    weights) is the host pass's and the store's CRC32C of their bytes, whatever their length; a wrong
+    argument is named."""
+    generator = torch.Generator().manual_seed(5)
+    for n in CRC_LENGTHS:
+        half = with_specials(torch.randn(n, generator=generator), generator, 7).to(dtype)
+        out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        accelerator_adam.crc32c_into(half.to(DEVICE), out)
+        assert int(out) & 0xFFFFFFFF == crc32c_of(half), n
+    with pytest.raises(ValueError, match=r"16-bit elements into an int32, not torch\.float32 into"):
+        accelerator_adam.crc32c_into(torch.zeros(4, device=DEVICE), out)
+
+
 # What the kernel may call of Triton's: no `/`, `tl.sqrt`, `tl.fdiv` or `tl.math`'s approximations.
 EXACT_CALLS = {
     "load",
@@ -322,6 +342,10 @@ EXACT_CALLS = {
     "full",
     "minimum",
     "jit",
+    "static_range",
+    "split",
+    "reshape",
+    "atomic_xor",
 }
 
 
@@ -447,7 +471,7 @@ def _instructions(ptx: str) -> dict[str, int]:
 
 def compile_for_a_gpu() -> dict[str, dict[str, int]]:
     """Each variant's instructions as Triton builds it for an H100 (with the contraction off, as the
-    launch asks, and on, where the row counts `fma`s). Run in a process
+    launch asks, and on, where the row counts `fma`s), and the CRC32C kernel's. Run in a process
     without Triton's interpreter, which patches Triton's language where it ran."""
     spec = importlib.util.spec_from_file_location("_kernel_for_a_gpu", PACKAGE / "_accelerator_kernel.py")
     assert spec is not None and spec.loader is not None
@@ -460,6 +484,16 @@ def compile_for_a_gpu() -> dict[str, dict[str, int]]:
             found[f"{name}, contracted"] = _instructions(
                 _adam_ptx(module, _adam_constants(name), fusion=True)
             )
+    block = accelerator_adam.BLOCK
+    pointers = {
+        "x_ptr": "*i16",
+        "out_ptr": "*i32",
+        "shifts_ptr": "*i32",
+        "block_shifts_ptr": "*i32",
+        "n": "i32",
+    }
+    crc = {"BLOCK": block, "HALVINGS": block.bit_length() - 1}
+    found["crc32c"] = _instructions(_ptx(module.crc32c_kernel, pointers, crc, False))
     return found
 
 
@@ -509,3 +543,9 @@ def test_the_kernel_compiles_for_a_gpu_with_exact_arithmetic(
         assert found["fma.rn.f32"] == fmas * (found["sqrt.rn.f32"] // 2), found
         contracted = for_a_gpu[f"{name}, contracted"]
         assert _inexact(contracted) or contracted["fma.rn.f32"] > found["fma.rn.f32"], contracted
+
+
+def test_the_parameters_crc32c_compiles_for_a_gpu(for_a_gpu: dict[str, dict[str, int]]) -> None:
+    """The CRC32C kernel (`crc32c_into`) compiles for an H100 here, its sum one XOR into memory."""
+    atomics = [name for name in for_a_gpu["crc32c"] if name.startswith(("atom", "red"))]
+    assert atomics and all(".xor." in name for name in atomics), for_a_gpu["crc32c"]

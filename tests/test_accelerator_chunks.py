@@ -4,9 +4,9 @@ kernel through Triton's interpreter on DeepSpeed's CPU accelerator (`TRITON_INTE
 copy there and back, so that each path and each split is checked here: the model's choice (one chunk
 the first step, to measure, then its own), some chunks and every chunk, cached and streamed, in chunk
 order behind the next forward and in the cache's order inside `step()`, with checksums, stale
-gradients, an fp16 overflow and two ranks. The model's split is table-tested with hand-worked figures
-in `crates/mlp-offload-core/src/accelerator_update.rs`; the engine's choice around it, and the start-up
-check of the kernel there, below."""
+gradients, an fp16 overflow, two ranks and the master weights in the parameters. The model's split
+is table-tested with hand-worked figures in `crates/mlp-offload-core/src/accelerator_update.rs`; the
+engine's choice around it, and the start-up check of the kernel there, below."""
 
 from __future__ import annotations
 
@@ -84,9 +84,17 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         1,
     ),
     (
-        "fp16 weights, streamed: 2 chunks",
+        # The README's section: the master weights in the parameters, updated there in the partition,
+        # the parameters' sums checked there; DeepSpeed's setters set them apart before step 3.
+        "bf16 weights and moments in the parameters, streamed, DeepSpeed's helpers before step(): 2 chunks",
+        {**STATE_MODES["bf16 weights and moments"][0], "helpers_at": 3},
+        {**STREAMS, "accelerator_update_chunks": 2},
+        1,
+    ),
+    (
+        "fp16 weights in the parameters, streamed: 2 chunks",
         STATE_MODES["fp16 weights"][0],
-        {**STREAMS, "master_in_params": False, "accelerator_update_chunks": 2},
+        {**STREAMS, "accelerator_update_chunks": 2},
         1,
     ),
 ]
@@ -157,6 +165,21 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
     # Every element each step, on one side or the other (none in a step skipped for an overflow).
     whole = {r["host_elements"] + r["elements"] for r, n in zip(there, left, strict=True) if n == total}
     assert len(whole - {0}) <= 1
+
+
+def test_parameters_changed_outside_the_optimizer_stop_the_step_there(
+    work_dirs: list[Path], tmp_path: Path
+) -> None:
+    """With the master weights in the parameters (the default in this mode), `GatheredParameters(
+    modifier_rank=0)` changes the last parameters before step 3, whose chunks the accelerator updates:
+    their sums there stop that step, naming the parameters' subgroup, as the host pass's do
+    (test_state_dtypes)."""
+    mode = STATE_MODES["bf16 weights and moments"][0]
+    case = pinned_on_cuda({**mode, "steps": 4, "set_params_apart_at": 3})
+    keys = {**STREAMS, "accelerator_update_chunks": 1000}
+    with pytest.raises(AssertionError) as stopped:
+        run_case({**case, "mlp_offload": section(work_dirs[:1], **keys)}, tmp_path, "ours", env=INTERPRETED)
+    assert troubleshooting.met("params-changed", str(stopped.value)), str(stopped.value)[-3000:]
 
 
 def _kept_in_backward(step: dict[str, Any]) -> int:
@@ -329,6 +352,12 @@ CHECKED = [
     ("fp32 state, bf16 parameters", StateDtypes(), torch.bfloat16),
     ("bf16 weights and moments", StateDtypes(torch.bfloat16, torch.bfloat16), torch.bfloat16),
     ("fp16 weights", StateDtypes(torch.float16, torch.float32), torch.float16),
+    (
+        "bf16 weights and moments in the parameters",
+        StateDtypes(torch.bfloat16, torch.bfloat16, True),
+        torch.bfloat16,
+    ),
+    ("fp16 weights in the parameters", StateDtypes(torch.float16, torch.float32, True), torch.float16),
 ]
 ARITH = {
     "vector_width": 16,
@@ -365,3 +394,28 @@ def test_the_start_up_check_passes_the_kernel_and_names_what_differs(
     assert (differs["array"], differs["count"], differs["first"]) == ("exp_avg_sq", 1, 5)
     said = troubleshooting.ACCELERATOR_KERNEL_DIFFERS.message(**differs)
     assert "exp_avg_sq, 1 of 2085 elements, the first at 5" in said
+
+
+def test_the_start_up_check_names_parameters_summed_otherwise_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the master weights in the parameters, the check also compares the parameters' CRC32C there
+    with the host pass's: a sum off by a bit is named."""
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if ON_CUDA else "cpu")
+    real = accelerator_chunks.crc32c_into
+
+    def off_by_a_bit(half: torch.Tensor, out: torch.Tensor) -> None:
+        real(half, out)
+        out ^= 1
+
+    monkeypatch.setattr(accelerator_chunks, "crc32c_into", off_by_a_bit)
+    dtypes = StateDtypes(torch.bfloat16, torch.bfloat16, True)
+    differs = accelerator_chunks.check_on_device(ARITH, dtypes, torch.bfloat16, torch.bfloat16, device)
+    assert differs is not None
+    assert (differs["array"], differs["count"], differs["elements"], differs["first"]) == (
+        "the parameters' CRC32C (before and after each step)",
+        4,
+        4,
+        0,
+    )
+    assert differs["there"] == differs["host"] ^ 1

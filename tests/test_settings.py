@@ -593,13 +593,14 @@ CHUNK_CHOICES: list[tuple[str, dict[str, Any], dict[str, Any], bool, bool, bool,
         "fused pass",
     ),
     (
+        # The kernel updates them in the partition, and their sums are checked there.
         "the master weights in the parameters",
         {},
         {"offload_ratio": (1.0, "cuda"), "master": BF16, "fp32_moments": False, "pin_memory": True},
         False,
         True,
-        False,
-        "master_in_params",
+        True,
+        "the model's choice each step",
     ),
     (
         # The split takes its share of what the update during backward leaves.
@@ -666,6 +667,9 @@ def test_whether_chunks_stream_to_the_accelerator_and_why(
     if given.get("params_on_host") is False or section.get("overlap_backward") is True:
         # Both on: neither gives way to the other.
         assert resolved.overlap_backward.on
+    if given.get("master") == BF16:
+        # Both on too: the master weights stay in the parameters.
+        assert resolved.master_in_params.on and resolved.dtypes.master_in_params
 
 
 @pytest.mark.parametrize(

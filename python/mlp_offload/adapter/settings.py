@@ -229,7 +229,7 @@ def resolve(config: MLPOffloadConfig, facts: StartFacts, check_kernel: KernelChe
     buffers, cache_slots = memory.stream_buffers(
         layout.stream_buffers(kept_copies), len(layout.chunks), cache_chunks
     )
-    chunks_there = _accelerator_chunks(config, facts, kernel, in_params)
+    chunks_there = _accelerator_chunks(config, facts, kernel)
     # Where every chunk is cached, the state takes what caching it whole takes, its gradient's included,
     # and its kept copies (the update during backward's).
     whole = memory.whole_state_bytes(facts.numels, update_chunk, dtypes.bytes_per_element)
@@ -282,12 +282,7 @@ def _auto_as_none(value: int | str) -> int | None:
     return None if value == "auto" else int(value)
 
 
-def _accelerator_chunks(
-    config: MLPOffloadConfig,
-    facts: StartFacts,
-    kernel: KernelChoice,
-    in_params: Choice,
-) -> Choice:
+def _accelerator_chunks(config: MLPOffloadConfig, facts: StartFacts, kernel: KernelChoice) -> Choice:
     """Whether each step streams chunks to the accelerator beside the host's pass
     (`accelerator_update_memory`), and why: of the chunks the update during backward (`overlap_backward`)
     left, where it ran. Where it cannot be, "auto" says why at start; a size or a number of chunks asked
@@ -308,8 +303,6 @@ def _accelerator_chunks(
         why_not = "Triton, which runs the accelerator's kernel, is not installed"
     elif kernel.fused is None:
         why_not = f"the fused pass, whose arithmetic the accelerator's kernel has, is off ({kernel.why})"
-    elif in_params.on:
-        why_not = "the master weights are in the parameters (master_in_params), which chunks there keep apart"
     elif facts.subgroups_on_nvme:
         why_not = f"{facts.subgroups_on_nvme} subgroups' parameters are on NVMe"
     elif accelerator == "cuda" and not facts.pin_memory:

@@ -14,7 +14,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from mlp_offload import _core
-from mlp_offload.adapter import stale_gradients
+from mlp_offload.adapter import master_in_params, stale_gradients
 from mlp_offload.adapter.chunk_update import ChunkUpdater
 from mlp_offload.adapter.deepspeed_view import DeepSpeedView, StepSnapshot
 from mlp_offload.adapter.nvme_partitions import Fetches
@@ -280,12 +280,16 @@ class StepUpdate:
         subgroup_done: Callable[[int], None],
     ) -> DeferredUpdate:
         """The update of one chunk on the accelerator, queued: its checksums as read now, as written once
-        its copy back ended, when the pipeline finishes it (and the subgroup's last chunk is done)."""
+        its copy back ended, when the pipeline finishes it (and the subgroup's last chunk is done). With
+        the master weights in the parameters, it starts from those set apart, if any, and the
+        parameters' sums there are checked as the host pass's are (`master_in_params`)."""
         session, view = self.session, self.view
         there, update_pass = session.accelerator_chunks, self.update_pass
         assert there is not None and update_pass is not None
         i, first, count = session.state.chunks[chunk]
         step = self.snapshot.steps[i] + 1
+        in_params = session.state.stored.master_in_params
+        set_apart = in_params and session.state.take_master_set_apart(chunk)
         read_sums = stripe_sums(state_bytes, read_cuts)
         # A gradient of its own: a reused buffer could change before its copy there ran.
         grad = self.chunk_update.pass_gradient(i, first, count, self.stale_ranges, own=True)
@@ -296,6 +300,11 @@ class StepUpdate:
 
         def finish() -> tuple[list[int] | None, list[int] | None]:
             queued.wait()
+            if in_params:
+                as_read, as_written = queued.params_crcs()
+                master_in_params.check_params(
+                    session.state, chunk, None if set_apart else as_read, as_written
+                )
             view.after_fused_pass(i, step)
             self._chunk_done(i, subgroup_done)
             return read_sums, stripe_sums(state_bytes, write_cuts)

@@ -240,9 +240,9 @@ ACCELERATOR_CHUNKS = Trouble(
     "accelerator_update_memory or accelerator_update_chunks set where chunks cannot stream there",
     "mlp_offload.{key}: chunks cannot stream to the accelerator here: {why}",
     REFUSAL,
-    "chunks stream to the accelerator beside the host's pass on a GPU (or through Triton's interpreter "
-    "on DeepSpeed's CPU accelerator), with Triton, the fused pass, the master weights apart from the "
-    "parameters, no update during backward and no parameters on NVMe",
+    "chunks stream to the accelerator beside the host's pass on a GPU with DeepSpeed's "
+    "`offload_optimizer.pin_memory: true` (or through Triton's interpreter on DeepSpeed's CPU "
+    "accelerator), with Triton, the fused pass and no parameters on NVMe",
     'leave both keys at "auto" (on where it can be, the start-up record saying why not elsewhere), or '
     "set one to 0",
     "`accelerator_update_memory` or `accelerator_update_chunks` set where chunks cannot stream there",

@@ -156,9 +156,10 @@ class MLPOffloadConfig(BaseModel):
     host's pass updates the others, so that both sides end together (Deep Optimizer States;
     docs/model.md). It weighs the measured rates of both passes and of the copies each way. `"auto"`:
     the accelerator memory free at the step; a size: at most that; `0`: off, every chunk the host's. It
-    needs the fused pass with the master weights apart from the parameters, and a GPU with DeepSpeed's
-    `offload_optimizer.pin_memory: true` (copies from pageable memory would hold the host's pass), or
-    Triton's interpreter on DeepSpeed's CPU accelerator (`TRITON_INTERPRET=1`). Beside the update during
+    needs the fused pass, and a GPU with DeepSpeed's `offload_optimizer.pin_memory: true` (copies from
+    pageable memory would hold the host's pass), or Triton's interpreter on DeepSpeed's CPU accelerator
+    (`TRITON_INTERPRET=1`). With the master weights in the parameters (`master_in_params`), the kernel
+    updates them in the partition and sums them there as the host pass does. Beside the update during
     backward (`overlap_backward`), the split takes its share of the chunks that one left to `step()`.
     The start-up record says whether it is on, and why; each step's record says what it chose, the
     rates it weighed, predicted and measured."""

@@ -1,6 +1,7 @@
 """The Triton kernel of the accelerator's pass (`accelerator_adam`, which says how it holds to the host's
 bits), imported at its first call. Each function mirrors its namesake in the core crate's
-`kernel/adam.rs`, `kernel/elem.rs` and `kernel/part.rs`."""
+`kernel/adam.rs`, `kernel/elem.rs`, `kernel/part.rs` and `checksum.rs`; `crc32c_kernel` sums the
+parameters as the host pass does where they are the master weights (`master_in_params`)."""
 
 import triton
 import triton.language as tl
@@ -179,3 +180,57 @@ def adam_kernel(
         tl.store(v_ptr + at, v, mask=inside)
         if WRITES_PARAMS:
             tl.store(o_ptr + at, narrow(p, PARAMS, 0xFFFF), mask=inside)
+
+
+@triton.jit
+def mul_mod_p(a, b):
+    """a(x) b(x) mod P(x), CRC32C's polynomial, both reflected, element by element (`checksum.rs`'s
+    `mul_mod_p`: bit 31 is x^0)."""
+    product = b * 0
+    for bit in tl.static_range(32):
+        product = tl.where(((a >> (31 - bit)) & 1) != 0, product ^ b, product)
+        b = tl.where((b & 1) != 0, (b >> 1) ^ 0x82F63B78, b >> 1)
+    return product
+
+
+@triton.jit
+def crc32c_of_halves(h):
+    """The CRC32C of each 16-bit element's two bytes on their own (little-endian, as in memory)."""
+    c = h ^ 0xFFFFFFFF
+    for _ in tl.static_range(16):
+        c = tl.where((c & 1) != 0, (c >> 1) ^ 0x82F63B78, c >> 1)
+    return c ^ 0xFFFFFFFF
+
+
+@triton.jit
+def xor_all(x, HALVINGS: tl.constexpr):
+    """The XOR of a block's elements (2^HALVINGS of them), as a block of one: its halves' XOR in turn.
+    Not Triton's `xor_sum` (nor `sum`): its interpreter reduces with a combining function one element
+    at a time, and those functions, made when Triton was imported, do not run interpreted where a
+    process imported Triton before it set `TRITON_INTERPRET`."""
+    for _ in tl.static_range(HALVINGS):
+        a, b = tl.split(tl.reshape(x, [x.shape[0] // 2, 2]))
+        x = a ^ b
+    return x
+
+
+@triton.jit
+def crc32c_kernel(
+    x_ptr, out_ptr, shifts_ptr, block_shifts_ptr, n, BLOCK: tl.constexpr, HALVINGS: tl.constexpr
+):
+    """The CRC32C of `n` 16-bit elements' bytes, XOR-ed into `out_ptr` (`accelerator_adam.crc32c_into`).
+    A sequence's CRC32C is each part's carried over the bytes after it (times x^(8 bytes) mod P) and
+    XOR-ed, as `crc32c_combine` takes two: program `b` sums the `b`-th BLOCK (2^HALVINGS) elements from
+    the end, each element's carried over those after it in the block (`shifts_ptr[d]`: x^(16 d)), and
+    carries its sum over the blocks after it (`block_shifts_ptr[b]`: x^(16 BLOCK b))."""
+    b = tl.program_id(0)
+    back = tl.arange(0, BLOCK)
+    at = n - 1 - (b * BLOCK + back)
+    inside = at >= 0
+    h = tl.load(x_ptr + at, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+    shift = tl.load(shifts_ptr + back).to(tl.uint32, bitcast=True)
+    carried = mul_mod_p(shift, crc32c_of_halves(h)) * inside.to(tl.uint32)
+    one = tl.arange(0, 1)
+    block_shift = tl.load(block_shifts_ptr + b + one).to(tl.uint32, bitcast=True)
+    total = mul_mod_p(block_shift, xor_all(carried, HALVINGS))
+    tl.atomic_xor(out_ptr + one, total.to(tl.int32, bitcast=True))

@@ -160,6 +160,74 @@ class AcceleratorAdam:
             raise ValueError(f"master, exp_avg, exp_avg_sq: {got} where the state is {self.dtypes}")
 
 
+def crc32c_into(half: torch.Tensor, out: torch.Tensor) -> None:
+    """The CRC32C of `half`'s bytes (contiguous 16-bit elements on the accelerator), as the host pass sums
+    the parameters it reads and writes (`fused_update.crc32c_of`), XOR-ed into `out` (one int32 on the
+    same device, zero before), queued on the current stream."""
+    if half.element_size() != 2 or not half.is_contiguous() or out.dtype != torch.int32:
+        raise ValueError(
+            f"the accelerator's CRC32C sums contiguous 16-bit elements into an int32, not "
+            f"{half.dtype}{'' if half.is_contiguous() else ' (strided)'} into {out.dtype}"
+        )
+    n = half.numel()
+    block = block_for(half.device)
+    if half.device.type == "cpu":
+        # Through the interpreter a block costs its size whatever `n` is: a small chunk takes a small one
+        # (on a GPU each size would be a kernel compiled).
+        block = min(block, 1 << max(1, (n - 1).bit_length()))
+    programs = max(1, -(-n // block))
+    shifts, block_shifts = _crc_tables(half.device, block, 1 << (programs - 1).bit_length())
+    with _quiet_interpreter(half.device):
+        _crc_kernel()[(programs,)](
+            half.view(torch.int16), out, shifts, block_shifts, n, BLOCK=block, HALVINGS=block.bit_length() - 1
+        )
+
+
+# CRC32C's polynomial, reflected (`checksum.rs`'s POLY).
+CRC_POLY = 0x82F63B78
+# x^0 and x^16 mod P, reflected (bit 31 is x^0).
+_X0, _X16 = 1 << 31, 1 << 15
+
+
+def _mul_mod_p(a: int, b: int) -> int:
+    """a(x) b(x) mod P(x), both reflected: `checksum.rs`'s `mul_mod_p`, for the kernel's tables."""
+    product = 0
+    for bit in range(32):
+        if a & (1 << (31 - bit)):
+            product ^= b
+        b = (b >> 1) ^ CRC_POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers(step: int, count: int) -> list[int]:
+    """x^(k step) mod P for k in 0..count, where `step` is x^step's residue."""
+    powers = [_X0]
+    while len(powers) < count:
+        powers.append(_mul_mod_p(step, powers[-1]))
+    return powers
+
+
+@functools.lru_cache(maxsize=16)
+def _crc_tables(device: torch.device, block: int, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's carries on `device` (as int32 bits): x^(16 d) for d in a block, x^(16 block b) for
+    each of `programs` blocks (a power of two, so that few sizes are cached)."""
+    shifts = _powers(_X16, block + 1)
+    per_block = shifts.pop()
+
+    def on_device(residues: list[int]) -> torch.Tensor:
+        as_int32 = [r - (1 << 32) if r >> 31 else r for r in residues]
+        return torch.tensor(as_int32, dtype=torch.int32).to(device)
+
+    return on_device(shifts), on_device(_powers(per_block, programs))
+
+
+@functools.cache
+def _crc_kernel() -> Any:
+    from mlp_offload.engine import _accelerator_kernel
+
+    return _accelerator_kernel.crc32c_kernel
+
+
 def _quiet_interpreter(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Triton's interpreter (the kernel on a CPU device) computes with numpy, which warns where IEEE
     arithmetic overflows, divides by zero or meets a NaN, as the kernel means it to."""

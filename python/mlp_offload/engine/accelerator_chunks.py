@@ -5,7 +5,9 @@ the host pass's own arithmetic (`accelerator_adam.AcceleratorAdam`, bit for bit)
 host buffer, while the host's pass updates the others. The copies and kernels of two chunks at a time run
 on two streams of their own, so that one's copies run beside the other's kernel; the host thread only
 queues them (`dispatch`), and the pipeline places each chunk once its copy back ended
-(`pipeline.DeferredUpdate`)."""
+(`pipeline.DeferredUpdate`). With the master weights in the parameters (`master_in_params`) the kernel
+updates them in the partition, and their CRC32C before and after it is summed there, which the engine
+checks as it checks the host pass's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from mlp_offload import _core
-from mlp_offload.engine.accelerator_adam import AcceleratorAdam
+from mlp_offload.engine.accelerator_adam import AcceleratorAdam, crc32c_into
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 # Chunks in flight on the accelerator at once, at most: the model's two slots.
@@ -81,6 +83,8 @@ class Dispatched:
     stages: list[Any]
     # Where it ran at once: when it began and ended (`time.perf_counter`).
     span: tuple[float, float] | None = None
+    # With the master weights in the parameters: their CRC32C before and after the kernel, there.
+    params_sums: torch.Tensor | None = None
 
     def done(self) -> bool:
         return self.end is None or bool(self.end.query())
@@ -95,6 +99,12 @@ class Dispatched:
         if self.span is not None and first.span is not None:
             return self.span[1] - first.span[0]
         return float(first.stages[0].elapsed_time(self.end)) / 1e3
+
+    def params_crcs(self) -> tuple[int, int]:
+        """The parameters' CRC32C as the kernel read and wrote them (once done; `params_sums`)."""
+        assert self.params_sums is not None, "summed only with the master weights in the parameters"
+        before, after = (v & 0xFFFFFFFF for v in self.params_sums.tolist())
+        return before, after
 
     def seconds(self) -> tuple[float, float, float]:
         """The copy out, the kernel and the copy back, in seconds (once done)."""
@@ -261,7 +271,10 @@ class AcceleratorChunks:
         gradient go over, the kernel runs with `kernel_args` (`AcceleratorAdam.update`'s keywords; it
         is queued now, in the host thread's order of calls: one bias state), the new parameters go into
         `params` (on the accelerator, or copied back where they are on the host) and the state back into
-        `state`. The host memory of `state` and `grad` must stay until the chunk ends."""
+        `state`. With the master weights in the parameters (`dtypes.master_in_params`) the kernel reads
+        them from `params` (copied over where they are on the host) and writes them back there, and the
+        parameters' CRC32C before and after it are summed there (`Dispatched.params_sums`), as the host
+        pass sums them. The host memory of `state` and `grad` must stay until the chunk ends."""
         n = grad.numel()
         slot = self.queued % len(self.slot_tensors)
         self.queued += 1
@@ -277,20 +290,33 @@ class AcceleratorChunks:
             if on_device
             else room[at_params : at_params + n * params.element_size()].view(params.dtype)
         )
-        master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
+        in_params = dtypes.master_in_params
+        arrays = dtypes.arrays(device_state, n)
+        master, exp_avg, exp_avg_sq = (device_params, *arrays) if in_params else arrays
         marks = _Marks(self.streams[slot] if self.streams else None, self.device)
+        sums = None
         with marks.queued():
             device_state.copy_(state[:nbytes], non_blocking=True)
             device_grad.copy_(grad, non_blocking=True)
+            if in_params and not on_device:
+                device_params.copy_(params, non_blocking=True)
             marks.mark()
-            update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **kernel_args)
+            if in_params:
+                sums = torch.zeros(2, dtype=torch.int32, device=self.device)
+                crc32c_into(master, sums[:1])
+            update_pass.update(
+                master, exp_avg, exp_avg_sq, device_grad, None if in_params else device_params, **kernel_args
+            )
+            if sums is not None:
+                crc32c_into(master, sums[1:])
             marks.mark()
             state[:nbytes].copy_(device_state, non_blocking=True)
             if not on_device:
                 params.copy_(device_params, non_blocking=True)
-        out_bytes = nbytes + n * grad.element_size()
-        back_bytes = nbytes + (0 if on_device else n * params.element_size())
-        dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages, marks.span)
+        params_bytes = 0 if on_device else n * params.element_size()
+        out_bytes = nbytes + n * grad.element_size() + (params_bytes if in_params else 0)
+        back_bytes = nbytes + params_bytes
+        dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages, marks.span, sums)
         self.dispatched.append(dispatched)
         return dispatched
 
@@ -339,8 +365,11 @@ CHECK_ELEMENTS = 2 * 1024 + 37
 CHECK_SPECIALS = [float("nan"), float("inf"), float("-inf"), 1e-40, -2e-41, -0.0, 7e4, 1e38]
 
 
-def _check_inputs(dtypes: StateDtypes, grad_dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's state bytes and gradient for the check, random with specials, the last element one."""
+def _check_inputs(
+    dtypes: StateDtypes, grad_dtype: torch.dtype, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A chunk's state bytes and gradient for the check, random with specials, the last element one;
+    with the master weights in the parameters, those too (else None)."""
     generator = torch.Generator().manual_seed(20261206)
 
     def values(scale: float) -> torch.Tensor:
@@ -352,9 +381,11 @@ def _check_inputs(dtypes: StateDtypes, grad_dtype: torch.dtype, n: int) -> tuple
         return x
 
     state = torch.zeros(dtypes.nbytes(n), dtype=torch.uint8)
-    for array, scale in zip(dtypes.arrays(state, n), (0.05, 1e-3, 1e-6), strict=True):
+    scales = (0.05, 1e-3, 1e-6)[1 if dtypes.master_in_params else 0 :]
+    for array, scale in zip(dtypes.arrays(state, n), scales, strict=True):
         array.copy_(values(scale).abs() if scale == 1e-6 else values(scale))
-    return state, values(1e-2).to(grad_dtype)
+    grad = values(1e-2).to(grad_dtype)
+    return state, grad, values(0.05).to(dtypes.master) if dtypes.master_in_params else None
 
 
 def check_on_device(
@@ -365,37 +396,67 @@ def check_on_device(
     device: torch.device,
 ) -> dict[str, Any] | None:
     """Whether the accelerator's kernel on `device` gives the host pass's bits (the same, or both NaN)
-    for a chunk of this build's arithmetic (`arith`) and these dtypes, over two steps; None where it
+    for a chunk of this build's arithmetic (`arith`) and these dtypes, over two steps, and, with the
+    master weights in the parameters, the parameters' CRC32C that the host pass gives; None where it
     does, else what differs: the array, how many elements of how many, the first and its two values.
     Kernels of their own: the session's bias state is not touched."""
     from mlp_offload.engine.fused_update import FusedAdam, adam_group
 
     n = CHECK_ELEMENTS
-    state, grad = _check_inputs(dtypes, grad_dtype, n)
-    host_params = torch.zeros(n, dtype=params_dtype)
+    state, grad, master = _check_inputs(dtypes, grad_dtype, n)
+    in_params = master is not None
+    host_params = master if master is not None else torch.zeros(n, dtype=params_dtype)
     group = adam_group({"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}, True)
     # A copy also where the device is the host's (through the interpreter): each pass its own state.
     device_state = state.to(device, copy=True)
     device_grad = grad.to(device)
-    device_params = torch.zeros(n, dtype=params_dtype, device=device)
+    device_params = host_params.to(device, copy=True)
     host = FusedAdam(_core.AdamKernel(0.9, 0.999, **arith), adamw=True, threads=1, dtypes=dtypes)
     accelerator = AcceleratorAdam(_core.AdamKernel(0.9, 0.999, **arith), dtypes=dtypes)
-    master, exp_avg, exp_avg_sq = dtypes.arrays(device_state, n)
+    arrays = dtypes.arrays(device_state, n)
+    device_master, exp_avg, exp_avg_sq = (device_params, *arrays) if in_params else arrays
+    sums: list[tuple[int | None, int]] = []
     for step in (1, 2):
-        host.update(state, grad, host_params, group=group, step=step, grad_scale=1 / 1024)
+        cuts = [0] if in_params else None
+        host_sums = host.update(
+            state,
+            grad,
+            host_params,
+            group=group,
+            step=step,
+            grad_scale=1 / 1024,
+            read_cuts=cuts,
+            write_cuts=cuts,
+        )
+        there = torch.zeros(2, dtype=torch.int32, device=device)
+        if in_params:
+            crc32c_into(device_master, there[:1])
         accelerator.update(
-            master,
+            device_master,
             exp_avg,
             exp_avg_sq,
             device_grad,
-            device_params,
+            None if in_params else device_params,
             group=group,
             step=step,
             grad_scale=1 / 1024,
         )
-    names = ("master weights", "exp_avg", "exp_avg_sq")
+        if in_params:
+            crc32c_into(device_master, there[1:])
+            sums += zip(
+                (host_sums.params_read, host_sums.params_write),
+                [v & 0xFFFFFFFF for v in there.tolist()],
+                strict=True,
+            )
+    names = ("exp_avg", "exp_avg_sq") if in_params else ("master weights", "exp_avg", "exp_avg_sq")
     pairs = list(zip(names, dtypes.arrays(state, n), dtypes.arrays(device_state.cpu(), n), strict=True))
     pairs.append(("parameters", host_params, device_params.cpu()))
+    return _arrays_differ(pairs) or _sums_differ(sums)
+
+
+def _arrays_differ(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, Any] | None:
+    """Of each array's host and accelerator values, the first not the same bits (nor both NaN), as
+    `check_on_device` says it."""
     for name, a, b in pairs:
         bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
         same = (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
@@ -404,9 +465,26 @@ def check_on_device(
             return {
                 "array": name,
                 "count": int((~same).sum()),
-                "elements": n,
+                "elements": a.numel(),
                 "first": first,
                 "host": float(a[first]),
                 "there": float(b[first]),
             }
     return None
+
+
+def _sums_differ(sums: list[tuple[int | None, int]]) -> dict[str, Any] | None:
+    """Where the parameters' CRC32C there (before and after each step's kernel) is not the host pass's,
+    what `check_on_device` says of it."""
+    differing = [k for k, (host, there) in enumerate(sums) if host != there]
+    if not differing:
+        return None
+    first = differing[0]
+    return {
+        "array": "the parameters' CRC32C (before and after each step)",
+        "count": len(differing),
+        "elements": len(sums),
+        "first": first,
+        "host": sums[first][0],
+        "there": sums[first][1],
+    }
