@@ -12,8 +12,8 @@ Parts, in this order (all by default; name some to run only those, one call each
 - `ratio`: `offload_optimizer.ratio` with ours on CUDA (`tests/test_ratio.py`): its subgroups kept in the
   GPU's memory and updated there, bit-equal to stock's `device: cpu`;
 - `accelerator-chunks`: chunks streamed to the GPU beside the host's pass
-  (`tests/test_accelerator_chunks.py`), bit-equal to stock's `device: cpu`, and the start-up check of the
-  kernel there;
+  (`tests/test_accelerator_chunks.py`), bit-equal to stock's `device: cpu` (the master weights in the
+  parameters too, their CRC32C summed there), and the start-up check of the kernel there;
 - `e2e-1B-split`, `e2e-1B-split-nvme`: LLaMA 1B with those chunks, the state in DRAM against DeepSpeed's
   `device: cpu` and its `ratio` 0.3 and 0.5, and streamed from NVMe against its NVMe offload (issue 82);
 - `bitexact`: the bit-exact table on CUDA (`tests/test_bitexact.py`: bf16 and fp16, accumulation, clipping,
@@ -182,7 +182,8 @@ PARTS = {
     "accelerator-chunks": Part(
         "chunks streamed to the GPU beside the host's pass (accelerator_update_memory, Deep Optimizer "
         "States) on CUDA: the start-up check, the model's choice, some and every chunk, cached and streamed, "
-        "bit-equal to stock's device: cpu (issue 82's item 3)",
+        "the master weights in the parameters (their CRC32C summed on the GPU), bit-equal to stock's "
+        "device: cpu (issue 82's item 3)",
         pytest_part("tests/test_accelerator_chunks.py"),
         CUDA,
     ),
