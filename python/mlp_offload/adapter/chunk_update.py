@@ -188,15 +188,24 @@ class ChunkUpdater:
             # host (it is unused then); else a buffer of its own.
             room = self.grad.view(master) if self.params_on_host and not own else None
             # A subgroup on the accelerator is updated whole: more than a chunk's buffer holds.
-            buffer = room if room is not None and room.numel() >= count else torch.empty(count, dtype=master)
-            widened = buffer[:count]
+            if room is not None and room.numel() >= count:
+                widened = room[:count]
+            else:
+                widened = self._own_buffer(count, master, own)
             widened.copy_(grad)
             stale_gradients.apply(widened, first, ranges)
             grad = widened
         elif master != FP32 and grad.dtype != master:
             # A gradient setter's: DeepSpeed's buffer holds it in the master weights' dtype.
-            grad = grad.to(master)
+            grad = self._own_buffer(count, master, own).copy_(grad)
         return grad
+
+    def _own_buffer(self, count: int, dtype: torch.dtype, own: bool) -> torch.Tensor:
+        """A gradient's buffer of its own; one a copy to a GPU reads (`own`) pinned where DeepSpeed pins:
+        a copy from pageable memory would wait for everything queued on its stream, holding the host's
+        pass (torch keeps pinned memory until the copy has read it)."""
+        pinned = own and self.session.settings.pin and get_accelerator().device_name() == "cuda"
+        return torch.empty(count, dtype=dtype, pin_memory=pinned)
 
     def _wait_for_scratch(self, slot: int) -> None:
         """Waits until the last copy to the device out of scratch `slot` has read it."""

@@ -116,7 +116,7 @@ class AcceleratorAdam:
         k = self.kernel.constants(group, step)
         constants = [k[name] for name in CONSTANTS] + [grad_scale]
         on = grad.device
-        k_tensor = torch.tensor(constants, dtype=torch.float32).to(on)
+        k_tensor = _constants_on(on, constants)
         out = grad if params is None else params
         momentum, variance, others = self.tail
         block = block_for(on)
@@ -158,6 +158,15 @@ class AcceleratorAdam:
         got = [t.dtype for t in tensors[:3]]
         if got != want:
             raise ValueError(f"master, exp_avg, exp_avg_sq: {got} where the state is {self.dtypes}")
+
+
+def _constants_on(device: torch.device, constants: list[float]) -> torch.Tensor:
+    """The call's constants in fp32 on `device`, copied there without holding the host: a copy from
+    pageable memory would wait for everything queued on the stream (on a chunk's slot, the chunk
+    before it there), so from pinned memory, which torch keeps until the copy has read it."""
+    on_gpu = device.type == "cuda"
+    host = torch.tensor(constants, dtype=torch.float32, pin_memory=on_gpu)
+    return host.to(device, non_blocking=True) if on_gpu else host
 
 
 def crc32c_into(half: torch.Tensor, out: torch.Tensor) -> None:

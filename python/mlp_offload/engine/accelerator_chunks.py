@@ -83,7 +83,8 @@ class Dispatched:
     stages: list[Any]
     # Where it ran at once: when it began and ended (`time.perf_counter`).
     span: tuple[float, float] | None = None
-    # With the master weights in the parameters: their CRC32C before and after the kernel, there.
+    # With the master weights in the parameters: their CRC32C before and after the kernel, in host
+    # memory once the chunk ended.
     params_sums: torch.Tensor | None = None
 
     def done(self) -> bool:
@@ -309,6 +310,7 @@ class AcceleratorChunks:
             )
             if sums is not None:
                 crc32c_into(master, sums[1:])
+                sums = self._sums_to_host(sums)
             marks.mark()
             state[:nbytes].copy_(device_state, non_blocking=True)
             if not on_device:
@@ -319,6 +321,14 @@ class AcceleratorChunks:
         dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages, marks.span, sums)
         self.dispatched.append(dispatched)
         return dispatched
+
+    def _sums_to_host(self, sums: torch.Tensor) -> torch.Tensor:
+        """`sums` copied to host memory on the chunk's stream, read once the chunk ended: reading them
+        there would copy on the reading thread's stream, after whatever it queued (the next forward)."""
+        if not self.streams:
+            return sums
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        return host.copy_(sums, non_blocking=True)
 
 
 class _Marks:
