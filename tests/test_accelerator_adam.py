@@ -309,18 +309,28 @@ def test_a_bad_argument_is_named() -> None:
         update.update(ok[0].bfloat16(), ok[1], ok[2], ok[3], None, group=group, step=1, grad_scale=1.0)
 
 
-# Lengths of parameters summed there: one element, a few, about a block, blocks and a tail.
-CRC_BLOCK = accelerator_adam.block_for(DEVICE)
-CRC_LENGTHS = [1, 2, 37, CRC_BLOCK - 1, CRC_BLOCK, CRC_BLOCK + 1, 2 * CRC_BLOCK + 37]
+# name, the parameters' dtype, and whose rows the kernel takes: its own (through the interpreter, rows
+# of one element; on CUDA, the GPU's), or a GPU's (rows of 16) also through the interpreter.
+CRC_ROWS = [("bf16", BF16, "its own"), ("fp16", F16, "its own"), ("bf16, a GPU's rows", BF16, "a GPU's")]
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16])
-def test_the_parameters_crc32c_there_is_the_hosts(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "rows"), [r[1:] for r in CRC_ROWS], ids=[r[0] for r in CRC_ROWS])
+def test_the_parameters_crc32c_there_is_the_hosts(
+    dtype: torch.dtype, rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the accelerator's side sums of the parameters (`crc32c_into`, where they are the master
-    weights) is the host pass's and the store's CRC32C of their bytes, whatever their length; a wrong
-    argument is named."""
+    weights) is the host pass's and the store's CRC32C of their bytes, whatever their length: one
+    element, a few, about a block, a part of a row past blocks; a wrong argument is named."""
+    if rows == "a GPU's":
+        monkeypatch.setitem(accelerator_adam.CRC_SHAPES, True, accelerator_adam.CRC_SHAPES[False])
+    block_rows, run = accelerator_adam.CRC_SHAPES[DEVICE.type == "cpu"]
+    block = block_rows * run
+    lengths = [1, 2, 37, block - 1, block, block + run + 3, 2 * block + 37]
+    if rows == "a GPU's" and not ON_CUDA:
+        # Rows of 16 through the interpreter take seconds a block: a part of a row, and past a block.
+        lengths = [37, block + run + 3]
     generator = torch.Generator().manual_seed(5)
-    for n in CRC_LENGTHS:
+    for n in lengths:
         half = with_specials(torch.randn(n, generator=generator), generator, 7).to(dtype)
         out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         accelerator_adam.crc32c_into(half.to(DEVICE), out)
@@ -484,15 +494,16 @@ def compile_for_a_gpu() -> dict[str, dict[str, int]]:
             found[f"{name}, contracted"] = _instructions(
                 _adam_ptx(module, _adam_constants(name), fusion=True)
             )
-    block = accelerator_adam.BLOCK
+    rows, run = accelerator_adam.CRC_SHAPES[False]
     pointers = {
         "x_ptr": "*i16",
         "out_ptr": "*i32",
-        "shifts_ptr": "*i32",
+        "row_shifts_ptr": "*i32",
         "block_shifts_ptr": "*i32",
         "n": "i32",
+        "zeros_crc": "i32",
     }
-    crc = {"BLOCK": block, "HALVINGS": block.bit_length() - 1}
+    crc = {"ROWS": rows, "RUN": run, "HALVINGS": rows.bit_length() - 1}
     found["crc32c"] = _instructions(_ptx(module.crc32c_kernel, pointers, crc, False))
     return found
 

@@ -194,15 +194,6 @@ def mul_mod_p(a, b):
 
 
 @triton.jit
-def crc32c_of_halves(h):
-    """The CRC32C of each 16-bit element's two bytes on their own (little-endian, as in memory)."""
-    c = h ^ 0xFFFFFFFF
-    for _ in tl.static_range(16):
-        c = tl.where((c & 1) != 0, (c >> 1) ^ 0x82F63B78, c >> 1)
-    return c ^ 0xFFFFFFFF
-
-
-@triton.jit
 def xor_all(x, HALVINGS: tl.constexpr):
     """The XOR of a block's elements (2^HALVINGS of them), as a block of one: its halves' XOR in turn.
     Not Triton's `xor_sum` (nor `sum`): its interpreter reduces with a combining function one element
@@ -216,21 +207,39 @@ def xor_all(x, HALVINGS: tl.constexpr):
 
 @triton.jit
 def crc32c_kernel(
-    x_ptr, out_ptr, shifts_ptr, block_shifts_ptr, n, BLOCK: tl.constexpr, HALVINGS: tl.constexpr
+    x_ptr,
+    out_ptr,
+    row_shifts_ptr,
+    block_shifts_ptr,
+    n,
+    zeros_crc,
+    ROWS: tl.constexpr,
+    RUN: tl.constexpr,
+    HALVINGS: tl.constexpr,
 ):
     """The CRC32C of `n` 16-bit elements' bytes, XOR-ed into `out_ptr` (`accelerator_adam.crc32c_into`).
-    A sequence's CRC32C is each part's carried over the bytes after it (times x^(8 bytes) mod P) and
-    XOR-ed, as `crc32c_combine` takes two: program `b` sums the `b`-th BLOCK (2^HALVINGS) elements from
-    the end, each element's carried over those after it in the block (`shifts_ptr[d]`: x^(16 d)), and
-    carries its sum over the blocks after it (`block_shifts_ptr[b]`: x^(16 BLOCK b))."""
+    Without its all-ones start and end a CRC is linear in the bytes, and a part's, carried over the bytes
+    after it (times x^(8 bytes) mod P), XOR-ed with the others' is the whole's (as `crc32c_combine` takes
+    two). So program `b` takes the `b`-th ROWS * RUN (ROWS = 2^HALVINGS) elements from the end, in rows of
+    RUN after one another; each row runs the register over its elements from zero (elements before the
+    first add nothing), is carried over the rows after it in the block (`row_shifts_ptr[r]`: x^(16 RUN r))
+    and the block over the blocks after it (`block_shifts_ptr[b]`: x^(16 RUN ROWS b)). The start and end
+    are `n` zero elements' CRC32C (`zeros_crc`, as int32 bits), XOR-ed in by the first program."""
     b = tl.program_id(0)
-    back = tl.arange(0, BLOCK)
-    at = n - 1 - (b * BLOCK + back)
-    inside = at >= 0
-    h = tl.load(x_ptr + at, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-    shift = tl.load(shifts_ptr + back).to(tl.uint32, bitcast=True)
-    carried = mul_mod_p(shift, crc32c_of_halves(h)) * inside.to(tl.uint32)
+    rows = tl.arange(0, ROWS)
+    # Each row's last element.
+    last = n - 1 - (b * ROWS + rows) * RUN
+    c = (rows * 0).to(tl.uint32)
+    for k in tl.static_range(RUN):
+        at = last - (RUN - 1 - k)
+        h = tl.load(x_ptr + at, mask=at >= 0, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        # Both bytes at once (the register's low byte takes the first).
+        c = c ^ h
+        for _ in tl.static_range(16):
+            c = tl.where((c & 1) != 0, (c >> 1) ^ 0x82F63B78, c >> 1)
+    carried = mul_mod_p(tl.load(row_shifts_ptr + rows).to(tl.uint32, bitcast=True), c)
     one = tl.arange(0, 1)
     block_shift = tl.load(block_shifts_ptr + b + one).to(tl.uint32, bitcast=True)
     total = mul_mod_p(block_shift, xor_all(carried, HALVINGS))
+    total = total ^ (zeros_crc.to(tl.uint32, bitcast=True) * (b == 0).to(tl.uint32))
     tl.atomic_xor(out_ptr + one, total.to(tl.int32, bitcast=True))

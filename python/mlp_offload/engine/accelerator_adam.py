@@ -179,19 +179,32 @@ def crc32c_into(half: torch.Tensor, out: torch.Tensor) -> None:
             f"{half.dtype}{'' if half.is_contiguous() else ' (strided)'} into {out.dtype}"
         )
     n = half.numel()
-    block = block_for(half.device)
+    rows, run = CRC_SHAPES[half.device.type == "cpu"]
     if half.device.type == "cpu":
         # Through the interpreter a block costs its size whatever `n` is: a small chunk takes a small one
         # (on a GPU each size would be a kernel compiled).
-        block = min(block, 1 << max(1, (n - 1).bit_length()))
-    programs = max(1, -(-n // block))
-    shifts, block_shifts = _crc_tables(half.device, block, 1 << (programs - 1).bit_length())
+        rows = min(rows, 1 << max(1, (-(-n // run) - 1).bit_length()))
+    programs = max(1, -(-n // (rows * run)))
+    row_shifts, block_shifts = _crc_tables(half.device, rows, run, 1 << (programs - 1).bit_length())
     with _quiet_interpreter(half.device):
         _crc_kernel()[(programs,)](
-            half.view(torch.int16), out, shifts, block_shifts, n, BLOCK=block, HALVINGS=block.bit_length() - 1
+            half.view(torch.int16),
+            out,
+            row_shifts,
+            block_shifts,
+            n,
+            _as_int32(_zeros_crc(n)),
+            ROWS=rows,
+            RUN=run,
+            HALVINGS=rows.bit_length() - 1,
         )
 
 
+# The CRC32C kernel's rows of elements a program, and elements a row, on a GPU and through the
+# interpreter (`CRC_SHAPES[interpreted]`). On a GPU each row's register runs over its 16 elements one
+# after another, and only a row's sum is carried over the bytes after it (32 steps of bits): a sixteenth
+# of that an element. The interpreter's cost is its operations, whatever their width: rows of one.
+CRC_SHAPES = {False: (256, 16), True: (1 << 14, 1)}
 # CRC32C's polynomial, reflected (`checksum.rs`'s POLY).
 CRC_POLY = 0x82F63B78
 # x^0 and x^16 mod P, reflected (bit 31 is x^0).
@@ -216,18 +229,36 @@ def _powers(step: int, count: int) -> list[int]:
     return powers
 
 
+@functools.lru_cache(maxsize=64)
+def _zeros_crc(n: int) -> int:
+    """The CRC32C of `n` zero 16-bit elements: its all-ones start carried over their bytes, ended."""
+    carry, square = _X0, _X16
+    while n:
+        if n & 1:
+            carry = _mul_mod_p(square, carry)
+        square = _mul_mod_p(square, square)
+        n >>= 1
+    return _mul_mod_p(carry, 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
+def _as_int32(residue: int) -> int:
+    return residue - (1 << 32) if residue >> 31 else residue
+
+
 @functools.lru_cache(maxsize=16)
-def _crc_tables(device: torch.device, block: int, programs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's carries on `device` (as int32 bits): x^(16 d) for d in a block, x^(16 block b) for
-    each of `programs` blocks (a power of two, so that few sizes are cached)."""
-    shifts = _powers(_X16, block + 1)
-    per_block = shifts.pop()
+def _crc_tables(
+    device: torch.device, rows: int, run: int, programs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's carries on `device` (as int32 bits): x^(16 run r) for each of a block's `rows`,
+    x^(16 run rows b) for each of `programs` blocks (a power of two, so that few sizes are cached)."""
+    per_row = _powers(_X16, run + 1)[-1]
+    row_shifts = _powers(per_row, rows + 1)
+    per_block = row_shifts.pop()
 
     def on_device(residues: list[int]) -> torch.Tensor:
-        as_int32 = [r - (1 << 32) if r >> 31 else r for r in residues]
-        return torch.tensor(as_int32, dtype=torch.int32).to(device)
+        return torch.tensor([_as_int32(r) for r in residues], dtype=torch.int32).to(device)
 
-    return on_device(shifts), on_device(_powers(per_block, programs))
+    return on_device(row_shifts), on_device(_powers(per_block, programs))
 
 
 @functools.cache
