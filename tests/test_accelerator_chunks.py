@@ -21,7 +21,7 @@ from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section
 from mlp_offload import _core
 from mlp_offload.adapter import options, troubleshooting
-from mlp_offload.engine import accelerator_chunks, planning
+from mlp_offload.engine import accelerator_adam, accelerator_chunks, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
 from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, Rates, StepSplit, slot_bytes
 from mlp_offload.engine.state_dtypes import StateDtypes
@@ -402,13 +402,13 @@ def test_the_start_up_check_names_parameters_summed_otherwise_there(monkeypatch:
     if not ON_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if ON_CUDA else "cpu")
-    real = accelerator_chunks.crc32c_into
+    real = accelerator_adam.crc32c_into
 
     def off_by_a_bit(half: torch.Tensor, out: torch.Tensor) -> None:
         real(half, out)
         out ^= 1
 
-    monkeypatch.setattr(accelerator_chunks, "crc32c_into", off_by_a_bit)
+    monkeypatch.setattr(accelerator_adam, "crc32c_into", off_by_a_bit)
     dtypes = StateDtypes(torch.bfloat16, torch.bfloat16, True)
     differs = accelerator_chunks.check_on_device(ARITH, dtypes, torch.bfloat16, torch.bfloat16, device)
     assert differs is not None

@@ -145,6 +145,23 @@ class AcceleratorAdam:
                 enable_fp_fusion=False,
             )
 
+    def update_summing_params(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        sums: torch.Tensor,
+        **how: Any,
+    ) -> None:
+        """`update` with the master weights in the parameters (`master`, nothing written elsewhere), and
+        their CRC32C as it reads and as it writes them into `sums` (two int32 on the device, zero
+        before; `crcs` reads them), as the host pass sums them (`PassSums.params_read`,
+        `params_write`)."""
+        crc32c_into(master, sums[:1])
+        self.update(master, exp_avg, exp_avg_sq, grad, None, **how)
+        crc32c_into(master, sums[1:])
+
     def _check(self, tensors: list[torch.Tensor], n: int) -> None:
         device = tensors[0].device
         for name, t in zip(("master", "exp_avg", "exp_avg_sq", "grad", "params"), tensors, strict=False):
@@ -167,6 +184,12 @@ def _constants_on(device: torch.device, constants: list[float]) -> torch.Tensor:
     on_gpu = device.type == "cuda"
     host = torch.tensor(constants, dtype=torch.float32, pin_memory=on_gpu)
     return host.to(device, non_blocking=True) if on_gpu else host
+
+
+def crcs(sums: torch.Tensor) -> tuple[int, int]:
+    """The two CRC32Cs `update_summing_params` left in `sums` (int32 bits, on the host), as numbers."""
+    before, after = (v & 0xFFFFFFFF for v in sums.tolist())
+    return before, after
 
 
 def crc32c_into(half: torch.Tensor, out: torch.Tensor) -> None:

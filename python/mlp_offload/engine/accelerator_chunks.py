@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mlp_offload import _core
-from mlp_offload.engine.accelerator_adam import AcceleratorAdam, crc32c_into
+from mlp_offload.engine.accelerator_adam import AcceleratorAdam, crcs
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 # Chunks in flight on the accelerator at once, at most: the model's two slots.
@@ -104,8 +104,7 @@ class Dispatched:
     def params_crcs(self) -> tuple[int, int]:
         """The parameters' CRC32C as the kernel read and wrote them (once done; `params_sums`)."""
         assert self.params_sums is not None, "summed only with the master weights in the parameters"
-        before, after = (v & 0xFFFFFFFF for v in self.params_sums.tolist())
-        return before, after
+        return crcs(self.params_sums)
 
     def seconds(self) -> tuple[float, float, float]:
         """The copy out, the kernel and the copy back, in seconds (once done)."""
@@ -304,13 +303,12 @@ class AcceleratorChunks:
             marks.mark()
             if in_params:
                 sums = torch.zeros(2, dtype=torch.int32, device=self.device)
-                crc32c_into(master, sums[:1])
-            update_pass.update(
-                master, exp_avg, exp_avg_sq, device_grad, None if in_params else device_params, **kernel_args
-            )
-            if sums is not None:
-                crc32c_into(master, sums[1:])
+                update_pass.update_summing_params(
+                    master, exp_avg, exp_avg_sq, device_grad, sums, **kernel_args
+                )
                 sums = self._sums_to_host(sums)
+            else:
+                update_pass.update(master, exp_avg, exp_avg_sq, device_grad, device_params, **kernel_args)
             marks.mark()
             state[:nbytes].copy_(device_state, non_blocking=True)
             if not on_device:
@@ -427,37 +425,15 @@ def check_on_device(
     device_master, exp_avg, exp_avg_sq = (device_params, *arrays) if in_params else arrays
     sums: list[tuple[int | None, int]] = []
     for step in (1, 2):
+        how: dict[str, Any] = {"group": group, "step": step, "grad_scale": 1 / 1024}
         cuts = [0] if in_params else None
-        host_sums = host.update(
-            state,
-            grad,
-            host_params,
-            group=group,
-            step=step,
-            grad_scale=1 / 1024,
-            read_cuts=cuts,
-            write_cuts=cuts,
-        )
-        there = torch.zeros(2, dtype=torch.int32, device=device)
+        host_sums = host.update(state, grad, host_params, read_cuts=cuts, write_cuts=cuts, **how)
         if in_params:
-            crc32c_into(device_master, there[:1])
-        accelerator.update(
-            device_master,
-            exp_avg,
-            exp_avg_sq,
-            device_grad,
-            None if in_params else device_params,
-            group=group,
-            step=step,
-            grad_scale=1 / 1024,
-        )
-        if in_params:
-            crc32c_into(device_master, there[1:])
-            sums += zip(
-                (host_sums.params_read, host_sums.params_write),
-                [v & 0xFFFFFFFF for v in there.tolist()],
-                strict=True,
-            )
+            there = torch.zeros(2, dtype=torch.int32, device=device)
+            accelerator.update_summing_params(device_master, exp_avg, exp_avg_sq, device_grad, there, **how)
+            sums += zip((host_sums.params_read, host_sums.params_write), crcs(there.cpu()), strict=True)
+        else:
+            accelerator.update(device_master, exp_avg, exp_avg_sq, device_grad, device_params, **how)
     names = ("exp_avg", "exp_avg_sq") if in_params else ("master weights", "exp_avg", "exp_avg_sq")
     pairs = list(zip(names, dtypes.arrays(state, n), dtypes.arrays(device_state.cpu(), n), strict=True))
     pairs.append(("parameters", host_params, device_params.cpu()))
