@@ -97,6 +97,15 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], int]] = [
         {**STREAMS, "accelerator_update_chunks": 2},
         1,
     ),
+    (
+        # On a GPU the master weights go over from the partition in host memory and come back; on
+        # DeepSpeed's CPU accelerator that memory is the device's, and DeepSpeed's offload of the
+        # parameters is checked beside the split.
+        "bf16 weights and moments in the parameters in host memory (offload_param: cpu): 2 chunks",
+        {**STATE_MODES["bf16 weights and moments"][0], "offload_param": "cpu"},
+        {**STREAMS, "accelerator_update_chunks": 2},
+        1,
+    ),
 ]
 
 
@@ -156,7 +165,12 @@ def test_chunks_on_the_accelerator_are_bit_equal_to_stocks_cpu_offload(
         assert all(
             r["chunks"] if n else "updated every chunk" in r["why"] for r, n in zip(there, left, strict=True)
         )
+    # Back: the 4 bytes of bf16 moments an element, and the parameters where they are in host memory.
+    back = 6 if ds_case.get("offload_param") == "cpu" and ON_CUDA else 4
+    moments_in_bf16 = ds_case.get("ds_options", {}).get("bf16.bf16_optimizer_states")
     for r in there:
+        if moments_in_bf16 and extra.get("master_in_params", True):
+            assert r["bytes_back"] == back * r["elements"]
         assert (r["bytes_out"] > 0) is (r["chunks"] > 0)
         assert (r["kernel_secs"] > 0) is (r["chunks"] > 0)
         # The wall time there: each stage's sum within it (one after another through the interpreter).
@@ -257,7 +271,7 @@ def test_the_choice_of_chunks(
 ) -> None:
     """`AcceleratorChunks.choose` over 64 chunks of 16 Mi elements, fp32 state, bf16 gradients (the rows
     of `accelerator_update.rs`, which work the model's figures out by hand)."""
-    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, 12, 2, 28, SLOT)
+    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT)
     assert split.chunks == list(range(64 - count, 64))
     assert split.slots == slots
     assert why in split.why
@@ -267,13 +281,33 @@ def test_the_choice_of_chunks(
         assert split.predicted["predicted_secs"] < split.predicted["host_only_secs"]
 
 
+@pytest.mark.parametrize(
+    ("master_in_params", "on_host", "copied"),
+    [(False, False, (0, 0)), (True, False, (0, 0)), (False, True, (0, 2)), (True, True, (2, 2))],
+    ids=["fp32 there", "in the parameters there", "fp32 on the host", "in the parameters on the host"],
+)
+def test_the_parameters_a_chunk_copies(
+    master_in_params: bool, on_host: bool, copied: tuple[int, int]
+) -> None:
+    """The partition on the accelerator is updated in place; from host memory (`offload_param`) the new
+    parameters come back, and the master weights in them go out first."""
+    assert accelerator_chunks.params_copied(master_in_params, on_host, 2) == copied
+
+
+def test_the_parameters_copy_counts_in_the_choice() -> None:
+    """Room for one fp32 chunk: 21 there with the partition on the accelerator, 20 where each copies its
+    parameters back to host memory (`accelerator_update.rs`'s rows, worked by hand)."""
+    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT).chunks) == 21
+    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, 12, 2, (0, 2), 28, SLOT).chunks) == 20
+
+
 def _step(
     chooser: AcceleratorChunks, kernel_secs: float, first_kernel_secs: float | None = None
 ) -> StepSplit:
     """One step over 64 chunks of 16 Mi elements (fp32 state, bf16 gradients) as if its chunks there took
     `kernel_secs` each (the first `first_kernel_secs`, if given), and their copies PCIe's time at 25
     GB/s; the host's at 1.8e9 elements a second."""
-    split = chooser.choose([16 * M] * 64, 12, 2, 28, SLOT)
+    split = chooser.choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT)
     chooser.begin(split, 64)
     copy = 16 * M * 14 / 25e9
     kernels = [kernel_secs] * len(split.chunks)
@@ -334,6 +368,8 @@ def test_the_split_binding_names_a_rate_that_is_not_one() -> None:
         "chunk_elements": [M] * 4,
         "state_bytes_per_element": 12,
         "grad_bytes_per_element": 2,
+        "params_h2d_bytes_per_element": 0,
+        "params_d2h_bytes_per_element": 0,
         "host_elements_per_s": 1e9,
         "device_elements_per_s": 0.0,
         "h2d_bytes_per_s": 1e9,

@@ -22,6 +22,13 @@ pub struct SplitInputs {
     pub state_bytes_per_element: u64,
     /// The gradient's bytes per element (its half precision): copied to the accelerator.
     pub grad_bytes_per_element: u64,
+    /// The parameters' bytes per element copied to the accelerator: their half precision where the
+    /// master weights are in the parameters and the partition is in host memory (the kernel reads them
+    /// there), else 0.
+    pub params_h2d_bytes_per_element: u64,
+    /// The parameters' bytes per element copied back: their half precision where the partition is in
+    /// host memory (the kernel writes the new ones on the accelerator), else 0.
+    pub params_d2h_bytes_per_element: u64,
     /// The host pass's elements per second (measured, on its threads).
     pub host_elements_per_s: f64,
     /// The accelerator kernel's elements per second (measured).
@@ -30,12 +37,12 @@ pub struct SplitInputs {
     pub h2d_bytes_per_s: f64,
     /// Device-to-host copy rate, bytes per second.
     pub d2h_bytes_per_s: f64,
-    /// Accelerator memory the update may use, bytes: each chunk in flight there holds its state and its
-    /// gradient; two let one chunk's copies run beside another's kernel.
+    /// Accelerator memory the update may use, bytes: each chunk in flight there holds its state, its
+    /// gradient and the parameters it copies; two let one chunk's copies run beside another's kernel.
     pub device_memory: u64,
     /// The host's memory bandwidth both sides' traffic shares, bytes per second (0: not limiting). The
     /// host pass moves `host_bytes_per_element` per element; a chunk on the accelerator moves its state
-    /// out and back and its gradient out, by DMA, through the same memory.
+    /// out and back, its gradient out and the parameters it copies, by DMA, through the same memory.
     pub host_memory_bytes_per_s: f64,
     /// The host pass's memory traffic per element (its reads and writes of the state, the gradient and
     /// the parameters).
@@ -103,11 +110,10 @@ fn check(inputs: &SplitInputs) -> Result<()> {
 fn device_secs(elements: &[u64], slots: usize, inputs: &SplitInputs) -> f64 {
     let stages = |n: u64| {
         let n = n as f64;
-        let out = n * (inputs.state_bytes_per_element + inputs.grad_bytes_per_element) as f64;
         (
-            out / inputs.h2d_bytes_per_s,
+            n * out_bytes(inputs) as f64 / inputs.h2d_bytes_per_s,
             n / inputs.device_elements_per_s,
-            n * inputs.state_bytes_per_element as f64 / inputs.d2h_bytes_per_s,
+            n * back_bytes(inputs) as f64 / inputs.d2h_bytes_per_s,
         )
     };
     if elements.is_empty() {
@@ -134,21 +140,36 @@ fn device_secs(elements: &[u64], slots: usize, inputs: &SplitInputs) -> f64 {
     steady + first_h2d.min(steady) + last_d2h.min(steady)
 }
 
+/// A chunk's bytes per element copied to the accelerator: its state, its gradient and the parameters
+/// the kernel reads there.
+fn out_bytes(inputs: &SplitInputs) -> u64 {
+    inputs.state_bytes_per_element
+        + inputs.grad_bytes_per_element
+        + inputs.params_h2d_bytes_per_element
+}
+
+/// A chunk's bytes per element copied back: its state and the parameters written there.
+fn back_bytes(inputs: &SplitInputs) -> u64 {
+    inputs.state_bytes_per_element + inputs.params_d2h_bytes_per_element
+}
+
 /// Chooses how many of the step's last chunks go to the accelerator: the count whose prediction is the
 /// least (the fewest among equals: each one moved costs copies and accelerator memory for nothing), and
 /// that prediction. An error names the input that is not a usable rate.
 pub fn split(inputs: &SplitInputs) -> Result<Split> {
     check(inputs)?;
     let chunks = &inputs.chunk_elements;
-    let per_chunk = inputs.state_bytes_per_element + inputs.grad_bytes_per_element;
+    let params = inputs
+        .params_h2d_bytes_per_element
+        .max(inputs.params_d2h_bytes_per_element);
+    let per_chunk = inputs.state_bytes_per_element + inputs.grad_bytes_per_element + params;
     let largest = chunks.iter().copied().max().unwrap_or(0);
     let slots = if largest == 0 {
         0
     } else {
         (inputs.device_memory / (largest * per_chunk)).min(2) as usize
     };
-    let dma_per_element =
-        (2 * inputs.state_bytes_per_element + inputs.grad_bytes_per_element) as f64;
+    let dma_per_element = (out_bytes(inputs) + back_bytes(inputs)) as f64;
     let evaluate = |k: usize| {
         let (host, device) = chunks.split_at(chunks.len() - k);
         let host_elements: u64 = host.iter().sum();
@@ -202,6 +223,8 @@ mod tests {
             chunk_elements: vec![16 * M; 64],
             state_bytes_per_element: 12,
             grad_bytes_per_element: 2,
+            params_h2d_bytes_per_element: 0,
+            params_d2h_bytes_per_element: 0,
             host_elements_per_s: 1.8e9,
             device_elements_per_s: 2e10,
             h2d_bytes_per_s: 25e9,
@@ -288,6 +311,41 @@ mod tests {
                 40,
                 2,
                 41.0 * out(8.0) + out(6.0),
+            ),
+            (
+                // The master weights in bf16 parameters held in host memory (`offload_param: cpu`):
+                // 4 bytes of moments, the parameters over and back, the same bytes as the row above.
+                "bf16 moments, the master weights in parameters in host memory",
+                with(|i| {
+                    i.state_bytes_per_element = 4;
+                    i.params_h2d_bytes_per_element = 2;
+                    i.params_d2h_bytes_per_element = 2;
+                }),
+                40,
+                2,
+                41.0 * out(8.0) + out(6.0),
+            ),
+            (
+                // fp32 with the parameters in host memory: back 14 bytes too (9.40 ms). 31 there:
+                // 33 x 9.40 = 310.0 ms against 33 x 9.32; 30 would leave the host 34 (316.9 ms).
+                "the parameters in host memory, fp32: their copy back",
+                with(|i| i.params_d2h_bytes_per_element = 2),
+                31,
+                2,
+                33.0 * out(14.0),
+            ),
+            (
+                // Room for two fp32 chunks without the parameters' copy, one with it: serial copies,
+                // out 14 and back 14 bytes (19.6 ms a chunk); 20 there (392.6 ms) against 44 on the
+                // host (410.1 ms); 21 would take 412.2 ms there.
+                "the parameters' copy takes its room",
+                with(|i| {
+                    i.device_memory = 2 * 16 * M * 14;
+                    i.params_d2h_bytes_per_element = 2;
+                }),
+                20,
+                1,
+                host(44.0),
             ),
         ]
     }

@@ -88,6 +88,12 @@ class DeepSpeedView:
         flat = self._opt.fp16_partitioned_groups_flat[i]
         return self.on_nvme.get(i) if flat is None else flat.data
 
+    def partition_on_host(self, i: int) -> bool:
+        """Whether subgroup `i`'s partition is in host memory where DeepSpeed computes on an accelerator
+        (`offload_param`: its flat copy, for a subgroup on NVMe), without fetching it."""
+        flat = self._opt.fp16_partitioned_groups_flat[i]
+        return flat is None or flat.device != self.accelerator_device()
+
     @property
     def partition_dtype(self) -> torch.dtype:
         """The half-precision partitions' dtype (the model's)."""

@@ -321,6 +321,9 @@ def _accelerator_split(
             "chunk_elements": elements,
             "state_bytes_per_element": args.state_bytes,
             "grad_bytes_per_element": 2,
+            # The parameters on the accelerator, updated there in place: none copied.
+            "params_h2d_bytes_per_element": 0,
+            "params_d2h_bytes_per_element": 0,
             "host_elements_per_s": args.adam_bytes_per_s / args.state_bytes,
             "device_elements_per_s": float(args.accelerator_elements_per_s),
             "h2d_bytes_per_s": float(args.h2d_bytes_per_s),

@@ -39,6 +39,15 @@ def _align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
+def params_copied(master_in_params: bool, on_host: bool, params_size: int) -> tuple[int, int]:
+    """The parameters' bytes an element a chunk there copies to the accelerator and back: none where
+    the partition is there (the kernel updates it in place); where it is in host memory, the new
+    parameters back, and with the master weights in them (`master_in_params`) the old ones out too."""
+    if not on_host:
+        return (0, 0)
+    return (params_size if master_in_params else 0, params_size)
+
+
 def slot_bytes(elements: int, state_bpe: int, grad_size: int, params_size: int) -> int:
     """The accelerator memory of one slot: a chunk of `elements`, its state (`state_bpe` bytes an
     element), its gradient and, where the parameters are on the host, their scratch."""
@@ -158,10 +167,17 @@ class AcceleratorChunks:
         return free if self.memory is None else min(free, self.memory)
 
     def choose(
-        self, elements: list[int], state_bpe: int, grad_bpe: int, host_bpe: int, slot: int
+        self,
+        elements: list[int],
+        state_bpe: int,
+        grad_bpe: int,
+        params_copied: tuple[int, int],
+        host_bpe: int,
+        slot: int,
     ) -> StepSplit:
         """How many of the step's chunks (`elements` each, in the step's order) the accelerator takes,
-        their state `state_bpe` bytes an element, their gradient `grad_bpe`, the host pass's traffic
+        their state `state_bpe` bytes an element, their gradient `grad_bpe`, the parameters' bytes an
+        element copied there and back `params_copied` (the function of that name), the host pass's traffic
         `host_bpe`, a slot's memory `slot` (`slot_bytes`); the chunks are the last ones of `elements`."""
         n = len(elements)
         memory = self.free_memory()
@@ -182,7 +198,7 @@ class AcceleratorChunks:
                 why += " (its first run of the kernel, which compiles it, measures none)"
             return split([n - 1], why)
         predicted = _core.accelerator_split(
-            self._model_inputs(elements, state_bpe, grad_bpe, host_bpe, slots)
+            self._model_inputs(elements, state_bpe, grad_bpe, params_copied, host_bpe, slots)
         )
         chunks = list(predicted.pop("device_chunks"))
         if chunks:
@@ -198,7 +214,13 @@ class AcceleratorChunks:
         return split(chunks, why, predicted)
 
     def _model_inputs(
-        self, elements: list[int], state_bpe: int, grad_bpe: int, host_bpe: int, slots: int
+        self,
+        elements: list[int],
+        state_bpe: int,
+        grad_bpe: int,
+        params_copied: tuple[int, int],
+        host_bpe: int,
+        slots: int,
     ) -> dict[str, Any]:
         """What `_core.accelerator_split` weighs (docs/model.md): the rates measured, and neither host
         memory's bandwidth nor storage's time (`I = 0`: the split balances the two sides' compute)."""
@@ -206,13 +228,15 @@ class AcceleratorChunks:
             "chunk_elements": elements,
             "state_bytes_per_element": state_bpe,
             "grad_bytes_per_element": grad_bpe,
+            "params_h2d_bytes_per_element": params_copied[0],
+            "params_d2h_bytes_per_element": params_copied[1],
             "host_elements_per_s": self.rates.host_elements_per_s,
             "device_elements_per_s": self.rates.device_elements_per_s,
             "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
             "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
             # The memory of the slots counted here (with the parameters' scratch and alignment), in the
             # model's own measure of a slot, so that it sees as many.
-            "device_memory": slots * max(elements) * (state_bpe + grad_bpe),
+            "device_memory": slots * max(elements) * (state_bpe + grad_bpe + max(params_copied)),
             "host_memory_bytes_per_s": 0.0,
             "host_bytes_per_element": host_bpe,
             "io_secs": 0.0,
@@ -313,9 +337,9 @@ class AcceleratorChunks:
             state[:nbytes].copy_(device_state, non_blocking=True)
             if not on_device:
                 params.copy_(device_params, non_blocking=True)
-        params_bytes = 0 if on_device else n * params.element_size()
-        out_bytes = nbytes + n * grad.element_size() + (params_bytes if in_params else 0)
-        back_bytes = nbytes + params_bytes
+        params_out, params_back = params_copied(in_params, not on_device, params.element_size())
+        out_bytes = nbytes + n * (grad.element_size() + params_out)
+        back_bytes = nbytes + n * params_back
         dispatched = Dispatched(n, out_bytes, back_bytes, marks.end, marks.stages, marks.span, sums)
         self.dispatched.append(dispatched)
         return dispatched

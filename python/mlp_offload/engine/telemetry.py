@@ -236,7 +236,11 @@ class ChunksStep(TypedDict):
     host_chunks: Annotated[int, "Chunks the host's pass updated."]
     elements: Annotated[int, "The elements of the chunks there."]
     host_elements: Annotated[int, "The elements of the host's chunks."]
-    bytes_out: Annotated[int, "Bytes copied there: their state and gradients."]
+    bytes_out: Annotated[
+        int,
+        "Bytes copied there: their state and gradients (and the master weights in the parameters where "
+        "those are on the host).",
+    ]
     bytes_back: Annotated[
         int, "Bytes copied back: their state (and the parameters where those are on the host)."
     ]
