@@ -21,7 +21,7 @@ from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section
 from mlp_offload import _core
 from mlp_offload.adapter import options, troubleshooting
-from mlp_offload.engine import accelerator_adam, accelerator_chunks, planning
+from mlp_offload.engine import accelerator_adam, accelerator_chunks, memory, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
 from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, Rates, StepSplit, slot_bytes
 from mlp_offload.engine.state_dtypes import StateDtypes
@@ -291,7 +291,7 @@ def test_the_parameters_a_chunk_copies(
 ) -> None:
     """The partition on the accelerator is updated in place; from host memory (`offload_param`) the new
     parameters come back, and the master weights in them go out first."""
-    assert accelerator_chunks.params_copied(master_in_params, on_host, 2) == copied
+    assert memory.params_copied(master_in_params, on_host, 2) == copied
 
 
 def test_the_parameters_copy_counts_in_the_choice() -> None:

@@ -21,8 +21,9 @@ from mlp_offload.adapter.nvme_partitions import Fetches
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import StepSplit, params_copied, slot_bytes
+from mlp_offload.engine.accelerator_chunks import StepSplit, slot_bytes
 from mlp_offload.engine.fused_update import stripe_sums
+from mlp_offload.engine.memory import params_copied
 from mlp_offload.engine.pipeline import DeferredUpdate, StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
 from mlp_offload.engine.telemetry import AcceleratorStep, ChunksStep, OverlapStep

@@ -175,6 +175,7 @@ PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
 # half-precision master weights beside fp32 moments; bf16 weights and moments), and the last two with the
 # master weights in the parameters (`master_in_params`).
 STATE_BYTES_CHOICES = (12, 10, 6, 8, 4)
+MASTER_IN_PARAMS_STATE_BYTES = (8, 4)
 
 
 def node_part(profile: profiles.Profile, args: argparse.Namespace) -> list[float]:
@@ -312,18 +313,22 @@ def _accelerator_split(
 ) -> dict[str, Any] | None:
     """The chunks that stream to the accelerator beside the host's pass (`accelerator_update_memory`),
     as the engine's model chooses them once it has measured these rates; None without
-    `--accelerator-elements-per-s`. The gradient in bf16, the parameters too; the I/O floor the plan's."""
+    `--accelerator-elements-per-s`. The gradient in bf16, the parameters too; the I/O floor the plan's.
+    The parameters on the accelerator, or with `--params-on-nvme` in host memory, copied there and back
+    as `memory.params_copied` says."""
     if not args.accelerator_elements_per_s:
         return None
     elements = [count for _, _, count in layout.chunks]
+    in_params = args.state_bytes in MASTER_IN_PARAMS_STATE_BYTES
+    on_host, size = bool(args.params_on_nvme), args.params_on_nvme
+    params_h2d, params_d2h = memory.params_copied(in_params, on_host, size)
     return _core.accelerator_split(
         {
             "chunk_elements": elements,
             "state_bytes_per_element": args.state_bytes,
             "grad_bytes_per_element": 2,
-            # The parameters on the accelerator, updated there in place: none copied.
-            "params_h2d_bytes_per_element": 0,
-            "params_d2h_bytes_per_element": 0,
+            "params_h2d_bytes_per_element": params_h2d,
+            "params_d2h_bytes_per_element": params_d2h,
             "host_elements_per_s": args.adam_bytes_per_s / args.state_bytes,
             "device_elements_per_s": float(args.accelerator_elements_per_s),
             "h2d_bytes_per_s": float(args.h2d_bytes_per_s),
@@ -575,8 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="BYTES",
         help="bytes a parameter kept on the paths too (ZeRO-Infinity, past offload_param.max_in_cpu): 2 in "
-        "bf16 or fp16, 4 in fp32; the forward and the backward read them, the update writes them (0: the "
-        "parameters in host memory)",
+        "bf16 or fp16, 4 in fp32; the forward and the backward read them, the update writes them, and a "
+        "chunk updated on the accelerator copies them from host memory and back (0: none on the paths)",
     )
     plan.add_argument(
         "--nodes",

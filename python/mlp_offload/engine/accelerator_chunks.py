@@ -22,6 +22,7 @@ import torch
 
 from mlp_offload import _core
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam, crcs
+from mlp_offload.engine.memory import params_copied
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 # Chunks in flight on the accelerator at once, at most: the model's two slots.
@@ -37,15 +38,6 @@ SLOT_ALIGN = 256
 
 def _align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
-
-
-def params_copied(master_in_params: bool, on_host: bool, params_size: int) -> tuple[int, int]:
-    """The parameters' bytes an element a chunk there copies to the accelerator and back: none where
-    the partition is there (the kernel updates it in place); where it is in host memory, the new
-    parameters back, and with the master weights in them (`master_in_params`) the old ones out too."""
-    if not on_host:
-        return (0, 0)
-    return (params_size if master_in_params else 0, params_size)
 
 
 def slot_bytes(elements: int, state_bpe: int, grad_size: int, params_size: int) -> int:
