@@ -23,7 +23,14 @@ from mlp_offload import _core
 from mlp_offload.adapter import options, troubleshooting
 from mlp_offload.engine import accelerator_adam, accelerator_chunks, memory, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, Rates, StepSplit, slot_bytes
+from mlp_offload.engine.accelerator_chunks import (
+    AcceleratorChunks,
+    ChunkBytes,
+    Dispatched,
+    Rates,
+    StepSplit,
+    slot_bytes,
+)
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 ON_CUDA = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR") == "cuda"
@@ -239,6 +246,9 @@ MEASURED = Rates(
     host_elements_per_s=1.8e9, device_elements_per_s=2e10, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9
 )
 SLOT = slot_bytes(16 * M, 12, 2, 2)
+# fp32 state, bf16 gradients and parameters: on the accelerator, and in host memory (copied back).
+FP32 = ChunkBytes(12, 2, (0, 0), 28)
+FP32_PARAMS_ON_HOST = ChunkBytes(12, 2, (0, 2), 28)
 
 # name, rates measured, memory, pinned, chunks there (the last of 64), slots, why (a part)
 CHOICES: list[tuple[str, Rates | None, int | None, int | None, int, int, str]] = [
@@ -271,7 +281,7 @@ def test_the_choice_of_chunks(
 ) -> None:
     """`AcceleratorChunks.choose` over 64 chunks of 16 Mi elements, fp32 state, bf16 gradients (the rows
     of `accelerator_update.rs`, which work the model's figures out by hand)."""
-    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT)
+    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, FP32, SLOT)
     assert split.chunks == list(range(64 - count, 64))
     assert split.slots == slots
     assert why in split.why
@@ -297,8 +307,8 @@ def test_the_parameters_a_chunk_copies(
 def test_the_parameters_copy_counts_in_the_choice() -> None:
     """Room for one fp32 chunk: 21 there with the partition on the accelerator, 20 where each copies its
     parameters back to host memory (`accelerator_update.rs`'s rows, worked by hand)."""
-    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT).chunks) == 21
-    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, 12, 2, (0, 2), 28, SLOT).chunks) == 20
+    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, FP32, SLOT).chunks) == 21
+    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, FP32_PARAMS_ON_HOST, SLOT).chunks) == 20
 
 
 def _step(
@@ -307,7 +317,7 @@ def _step(
     """One step over 64 chunks of 16 Mi elements (fp32 state, bf16 gradients) as if its chunks there took
     `kernel_secs` each (the first `first_kernel_secs`, if given), and their copies PCIe's time at 25
     GB/s; the host's at 1.8e9 elements a second."""
-    split = chooser.choose([16 * M] * 64, 12, 2, (0, 0), 28, SLOT)
+    split = chooser.choose([16 * M] * 64, FP32, SLOT)
     chooser.begin(split, 64)
     copy = 16 * M * 14 / 25e9
     kernels = [kernel_secs] * len(split.chunks)

@@ -21,7 +21,7 @@ from mlp_offload.adapter.nvme_partitions import Fetches
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import StepSplit, slot_bytes
+from mlp_offload.engine.accelerator_chunks import ChunkBytes, StepSplit, slot_bytes
 from mlp_offload.engine.fused_update import stripe_sums
 from mlp_offload.engine.memory import params_copied
 from mlp_offload.engine.pipeline import DeferredUpdate, StepStats
@@ -249,10 +249,14 @@ class StepUpdate:
         grad_size = self.chunk_update.gradient(session.state.chunks[candidates[-1]][0]).element_size()
         params_size = self.view.partition_dtype.itemsize
         on_host = self.view.partition_on_host(session.state.chunks[candidates[-1]][0])
-        copied = params_copied(dtypes.master_in_params, on_host, params_size)
-        host_bpe = 2 * dtypes.bytes_per_element + grad_size + params_size
+        per_element = ChunkBytes(
+            dtypes.bytes_per_element,
+            grad_size,
+            params_copied(dtypes.master_in_params, on_host, params_size),
+            2 * dtypes.bytes_per_element + grad_size + params_size,
+        )
         room = slot_bytes(max(elements), dtypes.bytes_per_element, grad_size, params_size)
-        self.split = there.choose(elements, dtypes.bytes_per_element, grad_size, copied, host_bpe, room)
+        self.split = there.choose(elements, per_element, room)
         chosen = [candidates[k] for k in self.split.chunks]
         self.chunks_there = frozenset(chosen)
         there.begin(self.split, room)

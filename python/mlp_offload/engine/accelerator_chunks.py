@@ -59,6 +59,17 @@ class Rates:
         return None not in (self.device_elements_per_s, self.h2d_bytes_per_s, self.d2h_bytes_per_s)
 
 
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Bytes an element of a step's chunks: their state, their gradient, the parameters a chunk there
+    copies out and back (`memory.params_copied`), and the host pass's memory traffic."""
+
+    state: int
+    grad: int
+    params_copied: tuple[int, int]
+    host: int
+
+
 @dataclass
 class StepSplit:
     """One step's split: the chunks the accelerator updates (of the step's order), the slots they take,
@@ -158,19 +169,10 @@ class AcceleratorChunks:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free if self.memory is None else min(free, self.memory)
 
-    def choose(
-        self,
-        elements: list[int],
-        state_bpe: int,
-        grad_bpe: int,
-        params_copied: tuple[int, int],
-        host_bpe: int,
-        slot: int,
-    ) -> StepSplit:
-        """How many of the step's chunks (`elements` each, in the step's order) the accelerator takes,
-        their state `state_bpe` bytes an element, their gradient `grad_bpe`, the parameters' bytes an
-        element copied there and back `params_copied` (the function of that name), the host pass's traffic
-        `host_bpe`, a slot's memory `slot` (`slot_bytes`); the chunks are the last ones of `elements`."""
+    def choose(self, elements: list[int], per_element: ChunkBytes, slot: int) -> StepSplit:
+        """How many of the step's chunks (`elements` each, in the step's order, `per_element` bytes an
+        element) the accelerator takes, a slot's memory `slot` (`slot_bytes`); the chunks are the last
+        ones of `elements`."""
         n = len(elements)
         memory = self.free_memory()
         slots = min(SLOTS, memory // slot) if slot else 0
@@ -189,9 +191,7 @@ class AcceleratorChunks:
             if not self.warmed:
                 why += " (its first run of the kernel, which compiles it, measures none)"
             return split([n - 1], why)
-        predicted = _core.accelerator_split(
-            self._model_inputs(elements, state_bpe, grad_bpe, params_copied, host_bpe, slots)
-        )
+        predicted = _core.accelerator_split(self._model_inputs(elements, per_element, slots))
         chunks = list(predicted.pop("device_chunks"))
         if chunks:
             why = f"the model: {len(chunks)} of {n} chunks end both sides together"
@@ -205,32 +205,25 @@ class AcceleratorChunks:
             why = f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
         return split(chunks, why, predicted)
 
-    def _model_inputs(
-        self,
-        elements: list[int],
-        state_bpe: int,
-        grad_bpe: int,
-        params_copied: tuple[int, int],
-        host_bpe: int,
-        slots: int,
-    ) -> dict[str, Any]:
+    def _model_inputs(self, elements: list[int], per_element: ChunkBytes, slots: int) -> dict[str, Any]:
         """What `_core.accelerator_split` weighs (docs/model.md): the rates measured, and neither host
         memory's bandwidth nor storage's time (`I = 0`: the split balances the two sides' compute)."""
+        slot_room = per_element.state + per_element.grad + max(per_element.params_copied)
         return {
             "chunk_elements": elements,
-            "state_bytes_per_element": state_bpe,
-            "grad_bytes_per_element": grad_bpe,
-            "params_h2d_bytes_per_element": params_copied[0],
-            "params_d2h_bytes_per_element": params_copied[1],
+            "state_bytes_per_element": per_element.state,
+            "grad_bytes_per_element": per_element.grad,
+            "params_h2d_bytes_per_element": per_element.params_copied[0],
+            "params_d2h_bytes_per_element": per_element.params_copied[1],
             "host_elements_per_s": self.rates.host_elements_per_s,
             "device_elements_per_s": self.rates.device_elements_per_s,
             "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
             "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
             # The memory of the slots counted here (with the parameters' scratch and alignment), in the
             # model's own measure of a slot, so that it sees as many.
-            "device_memory": slots * max(elements) * (state_bpe + grad_bpe + max(params_copied)),
+            "device_memory": slots * max(elements) * slot_room,
             "host_memory_bytes_per_s": 0.0,
-            "host_bytes_per_element": host_bpe,
+            "host_bytes_per_element": per_element.host,
             "io_secs": 0.0,
         }
 
