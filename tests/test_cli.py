@@ -529,16 +529,19 @@ def test_plan_says_how_many_chunks_stream_to_the_accelerator(work_dirs: list[Pat
     assert refused.returncode == 2 and "--h2d-bytes-per-s: needed" in refused.stderr, refused.stderr
     # The master weights in bf16 parameters (a 4-byte state), a host pass too slow to keep any chunk:
     # every chunk there, each copying 8 bytes an element out and 6 back with the parameters in host
-    # memory (`--params-on-nvme`), 6 and 4 without: a third more over the copies out, half again over
-    # the last copy back.
+    # memory (`--params-in-host-memory`, offload_param: cpu), 6 and 4 on the accelerator: a third more
+    # over the copies out, half again over the last copy back.
     slow = ("--state-bytes", "4", "--adam-bytes-per-s", "1000000", "--accelerator-elements-per-s", "2e10")
     splits = [
         json.loads(run_cli(*args, *slow, *copies, *more, "--json", "-q", str(work_dirs[0])).stdout)
-        for more in ((), ("--params-on-nvme", "2"))
+        for more in ((), ("--params-in-host-memory",))
     ]
     there, on_host = (s["accelerator_split"] for s in splits)
     assert len(there["device_chunks"]) == len(on_host["device_chunks"]) == chunks
     assert 8 / 6 < on_host["device_secs"] / there["device_secs"] < 6 / 4
+    # With the parameters on NVMe the engine streams no chunk there: refused by the option.
+    nvme = run_cli(*args, *rates, *copies, "--params-on-nvme", "2", str(work_dirs[0]), check=False)
+    assert nvme.returncode == 2 and "--params-on-nvme: no chunk streams" in nvme.stderr, nvme.stderr
 
 
 def test_plan_rejects_a_budget_below_one_chunk_before_it_probes(

@@ -221,6 +221,11 @@ def _check_plan_args(args: argparse.Namespace) -> None:
                     f"{option}: needed with --accelerator-elements-per-s (the split weighs both passes and "
                     "the copies each way)"
                 )
+        if args.params_on_nvme:
+            raise ValueError(
+                "--params-on-nvme: no chunk streams to the accelerator while parameters are on NVMe "
+                "(accelerator_update_memory is off then): drop --accelerator-elements-per-s"
+            )
     if args.locality is not None and (
         len(args.locality) != len(args.dirs) or not set(args.locality) <= {"node-local", "shared"}
     ):
@@ -314,14 +319,13 @@ def _accelerator_split(
     """The chunks that stream to the accelerator beside the host's pass (`accelerator_update_memory`),
     as the engine's model chooses them once it has measured these rates; None without
     `--accelerator-elements-per-s`. The gradient in bf16, the parameters too; the I/O floor the plan's.
-    The parameters on the accelerator, or with `--params-on-nvme` in host memory, copied there and back
-    as `memory.params_copied` says."""
+    The parameters on the accelerator, or with `--params-in-host-memory` copied there and back as
+    `memory.params_copied` says."""
     if not args.accelerator_elements_per_s:
         return None
     elements = [count for _, _, count in layout.chunks]
     in_params = args.state_bytes in MASTER_IN_PARAMS_STATE_BYTES
-    on_host, size = bool(args.params_on_nvme), args.params_on_nvme
-    params_h2d, params_d2h = memory.params_copied(in_params, on_host, size)
+    params_h2d, params_d2h = memory.params_copied(in_params, args.params_in_host_memory, 2)
     return _core.accelerator_split(
         {
             "chunk_elements": elements,
@@ -574,14 +578,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="accelerator memory the update may use (accelerator_update_memory; 8G)",
     )
     plan.add_argument(
+        "--params-in-host-memory",
+        action="store_true",
+        help="the parameters' partitions in host memory (offload_param: cpu), not on the accelerator: each "
+        "chunk updated there copies them back, and out too with the master weights in them (--state-bytes "
+        "8 or 4)",
+    )
+    plan.add_argument(
         "--params-on-nvme",
         type=int,
         choices=(0, 2, 4),
         default=0,
         metavar="BYTES",
         help="bytes a parameter kept on the paths too (ZeRO-Infinity, past offload_param.max_in_cpu): 2 in "
-        "bf16 or fp16, 4 in fp32; the forward and the backward read them, the update writes them, and a "
-        "chunk updated on the accelerator copies them from host memory and back (0: none on the paths)",
+        "bf16 or fp16, 4 in fp32; the forward and the backward read them, the update writes them (0: the "
+        "parameters in host memory)",
     )
     plan.add_argument(
         "--nodes",
