@@ -182,8 +182,9 @@ PARTS = {
     "accelerator-chunks": Part(
         "chunks streamed to the GPU beside the host's pass (accelerator_update_memory, Deep Optimizer "
         "States) on CUDA: the start-up check, the model's choice, some and every chunk, cached and streamed, "
-        "the master weights in the parameters (their CRC32C summed on the GPU), bit-equal to stock's "
-        "device: cpu (issue 82's item 3)",
+        "the master weights in the parameters (their CRC32C summed on the GPU), and copied over from the "
+        "partition in host memory and back (offload_param: cpu), bit-equal to stock's device: cpu (issue "
+        "82's item 3)",
         pytest_part("tests/test_accelerator_chunks.py"),
         CUDA,
     ),
