@@ -246,9 +246,10 @@ class StepUpdate:
         candidates = order if ascending else order[::-1]
         dtypes = session.dtypes
         elements = [session.state.chunks[c][2] for c in candidates]
-        grad_size = self.chunk_update.gradient(session.state.chunks[candidates[-1]][0]).element_size()
+        last_subgroup = session.state.chunks[candidates[-1]][0]
+        grad_size = self.chunk_update.gradient(last_subgroup).element_size()
         params_size = self.view.partition_dtype.itemsize
-        on_host = self.view.partition_on_host(session.state.chunks[candidates[-1]][0])
+        on_host = self.view.partition_on_host(last_subgroup)
         per_element = ChunkBytes(
             dtypes.bytes_per_element,
             grad_size,
