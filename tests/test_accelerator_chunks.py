@@ -21,16 +21,10 @@ from conftest import ONE_NODE
 from deepspeed_runs import STATE_MODES, assert_bit_equal, run_case, section
 from mlp_offload import _core
 from mlp_offload.adapter import options, troubleshooting
-from mlp_offload.engine import accelerator_adam, accelerator_chunks, memory, planning
+from mlp_offload.engine import accelerator_adam, accelerator_chunks, accelerator_model, planning
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import (
-    AcceleratorChunks,
-    ChunkBytes,
-    Dispatched,
-    Rates,
-    StepSplit,
-    slot_bytes,
-)
+from mlp_offload.engine.accelerator_chunks import AcceleratorChunks, Dispatched, StepSplit
+from mlp_offload.engine.accelerator_model import ChunkBytes, Rates
 from mlp_offload.engine.state_dtypes import StateDtypes
 
 ON_CUDA = os.environ.get("MLP_OFFLOAD_TEST_ACCELERATOR") == "cuda"
@@ -245,10 +239,10 @@ M = 1 << 20
 MEASURED = Rates(
     host_elements_per_s=1.8e9, device_elements_per_s=2e10, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9
 )
-SLOT = slot_bytes(16 * M, 12, 2, 2)
 # fp32 state, bf16 gradients and parameters: on the accelerator, and in host memory (copied back).
-FP32 = ChunkBytes(12, 2, (0, 0), 28)
-FP32_PARAMS_ON_HOST = ChunkBytes(12, 2, (0, 2), 28)
+FP32 = ChunkBytes.of(12, 2, 2, 4, master_in_params=False, on_host=False)
+FP32_PARAMS_ON_HOST = ChunkBytes.of(12, 2, 2, 4, master_in_params=False, on_host=True)
+SLOT = FP32.slot_bytes(16 * M)
 
 # name, rates measured, memory, pinned, chunks there (the last of 64), slots, why (a part)
 CHOICES: list[tuple[str, Rates | None, int | None, int | None, int, int, str]] = [
@@ -281,7 +275,7 @@ def test_the_choice_of_chunks(
 ) -> None:
     """`AcceleratorChunks.choose` over 64 chunks of 16 Mi elements, fp32 state, bf16 gradients (the rows
     of `accelerator_update.rs`, which work the model's figures out by hand)."""
-    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, FP32, SLOT)
+    split = _chooser(rates, memory=memory, pinned=pinned).choose([16 * M] * 64, FP32)
     assert split.chunks == list(range(64 - count, 64))
     assert split.slots == slots
     assert why in split.why
@@ -301,14 +295,49 @@ def test_the_parameters_a_chunk_copies(
 ) -> None:
     """The partition on the accelerator is updated in place; from host memory (`offload_param`) the new
     parameters come back, and the master weights in them go out first."""
-    assert memory.params_copied(master_in_params, on_host, 2) == copied
+    assert accelerator_model.params_copied(master_in_params, on_host, 2) == copied
+
+
+# name, bytes an element, a chunk's elements, its slot's bytes (each array aligned to 256)
+SLOT_ROOMS = [
+    ("fp32 there: the state, room for an fp32 gradient", FP32, 16 * M, 16 * 16 * M),
+    ("fp32 on the host: the parameters' scratch too", FP32_PARAMS_ON_HOST, 16 * M, 18 * 16 * M),
+    ("1000 elements: each array aligned", FP32, 1000, 12032 + 4096),
+    ("1000 elements with the scratch", FP32_PARAMS_ON_HOST, 1000, 12032 + 4096 + 2048),
+    (
+        "bf16 weights and moments there: a bf16 gradient, 6 + 2",
+        ChunkBytes.of(6, 2, 2, 2, master_in_params=False, on_host=False),
+        16 * M,
+        8 * 16 * M,
+    ),
+    (
+        "bf16 moments in the parameters on the host: 4 + 2 + 2",
+        ChunkBytes.of(4, 2, 2, 2, master_in_params=True, on_host=True),
+        16 * M,
+        8 * 16 * M,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("per_element", "elements", "room"), [r[1:] for r in SLOT_ROOMS], ids=[r[0] for r in SLOT_ROOMS]
+)
+def test_a_slots_room(per_element: ChunkBytes, elements: int, room: int) -> None:
+    """A slot holds a chunk's state, its gradient in the wider of its own dtype and the master weights'
+    (stale gradients and a setter's go over in the latter), and the parameters' scratch only where they
+    are copied (`dispatch` lays it out so)."""
+    assert per_element.slot_bytes(elements) == room
 
 
 def test_the_parameters_copy_counts_in_the_choice() -> None:
-    """Room for one fp32 chunk: 21 there with the partition on the accelerator, 20 where each copies its
-    parameters back to host memory (`accelerator_update.rs`'s rows, worked by hand)."""
-    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, FP32, SLOT).chunks) == 21
-    assert len(_chooser(MEASURED, memory=SLOT).choose([16 * M] * 64, FP32_PARAMS_ON_HOST, SLOT).chunks) == 20
+    """The memory of two fp32 slots: both in flight, 31 chunks there, with the partition on the
+    accelerator; where each chunk copies its parameters back to host memory, their scratch leaves room
+    for one slot (18 bytes an element of 32), and its serial copies take 20 (`accelerator_update.rs`'s
+    rows, worked by hand)."""
+    there = _chooser(MEASURED, memory=2 * SLOT).choose([16 * M] * 64, FP32)
+    on_host = _chooser(MEASURED, memory=2 * SLOT).choose([16 * M] * 64, FP32_PARAMS_ON_HOST)
+    assert (len(there.chunks), there.slots) == (31, 2)
+    assert (len(on_host.chunks), on_host.slots) == (20, 1)
 
 
 def _step(
@@ -317,8 +346,8 @@ def _step(
     """One step over 64 chunks of 16 Mi elements (fp32 state, bf16 gradients) as if its chunks there took
     `kernel_secs` each (the first `first_kernel_secs`, if given), and their copies PCIe's time at 25
     GB/s; the host's at 1.8e9 elements a second."""
-    split = chooser.choose([16 * M] * 64, FP32, SLOT)
-    chooser.begin(split, 64)
+    split = chooser.choose([16 * M] * 64, FP32)
+    chooser.begin(split)
     copy = 16 * M * 14 / 25e9
     kernels = [kernel_secs] * len(split.chunks)
     if first_kernel_secs is not None and kernels:
@@ -373,23 +402,24 @@ def test_a_chunk_whose_kernel_compiled_in_its_run_moves_no_rate() -> None:
     assert len(_step(chooser, kernel_secs=fast).chunks) == 31
 
 
-def test_the_split_binding_names_a_rate_that_is_not_one() -> None:
-    inputs = {
-        "chunk_elements": [M] * 4,
-        "state_bytes_per_element": 12,
-        "grad_bytes_per_element": 2,
-        "params_h2d_bytes_per_element": 0,
-        "params_d2h_bytes_per_element": 0,
-        "host_elements_per_s": 1e9,
-        "device_elements_per_s": 0.0,
-        "h2d_bytes_per_s": 1e9,
-        "d2h_bytes_per_s": 1e9,
-        "device_memory": 1 << 30,
-        "host_memory_bytes_per_s": 0.0,
-        "host_bytes_per_element": 28,
-        "io_secs": 0.0,
-    }
-    with pytest.raises(ValueError, match="device_elements_per_s"):
+SPLIT_INPUTS = accelerator_model.split_inputs([M] * 4, FP32, 2, Rates(1e9, 0.0, 1e9, 1e9))
+# name, inputs the binding is given, what its ValueError names
+BAD_SPLIT_INPUTS = [
+    ("a rate that is not one", SPLIT_INPUTS, "device_elements_per_s"),
+    (
+        "more slots than two",
+        {**SPLIT_INPUTS, "device_elements_per_s": 1e9, "device_slots": 3},
+        "device_slots",
+    ),
+    ("a key the model does not know", {**SPLIT_INPUTS, "device_memory": 1 << 30}, "device_memory"),
+]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "named"), [r[1:] for r in BAD_SPLIT_INPUTS], ids=[r[0] for r in BAD_SPLIT_INPUTS]
+)
+def test_the_split_binding_names_what_is_wrong(inputs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
         _core.accelerator_split(inputs)
 
 

@@ -525,6 +525,14 @@ def test_plan_says_how_many_chunks_stream_to_the_accelerator(work_dirs: list[Pat
     assert f"on the accelerator beside the host's pass: {len(there)} of {chunks} chunks" in table, table
     without = json.loads(run_cli(*args, "--json", "-q", str(work_dirs[0])).stdout)
     assert without["accelerator_split"] is None
+    # Most chunks read from the disk each step (an I/O floor above both sides' compute): the chunks the
+    # engine sends there all the same (its model weighs no storage time), the update no faster than the
+    # floor. Weighing the floor, the split chose none: every count ties with it.
+    io_bound = (*args[:-1], "256M", *rates, *copies, "-q", str(work_dirs[0]))
+    out = json.loads(run_cli(*io_bound, "--json").stdout)
+    floor, split = out["plan"]["io_floor_secs"], out["accelerator_split"]
+    assert floor > split["host_only_secs"] and 0 < len(split["device_chunks"]) < out["workload"]["chunks"]
+    assert f"the update {floor:.2f} s against {floor:.2f} s on the host alone" in run_cli(*io_bound).stdout
     refused = run_cli(*args, *rates, *copies[2:], str(work_dirs[0]), check=False)
     assert refused.returncode == 2 and "--h2d-bytes-per-s: needed" in refused.stderr, refused.stderr
     # The master weights in bf16 parameters (a 4-byte state), a host pass too slow to keep any chunk:

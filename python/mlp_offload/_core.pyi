@@ -418,10 +418,12 @@ def accelerator_split(inputs: dict[str, Any]) -> dict[str, Any]:
     """Which of a step's chunks the accelerator updates beside the host, and the time predicted.
 
     `inputs`: `chunk_elements` (in the step's order), `state_bytes_per_element`, `grad_bytes_per_element`,
-    `host_elements_per_s`, `device_elements_per_s`, `h2d_bytes_per_s`, `d2h_bytes_per_s`,
-    `device_memory`, `host_memory_bytes_per_s` (0: not limiting), `host_bytes_per_element`, `io_secs`.
-    Returns `device_chunks` (the last ones), `device_slots`, `host_secs`, `device_secs`, `memory_secs`,
-    `predicted_secs` and `host_only_secs`. A rate that is not a positive number is a ValueError naming it."""
+    `params_h2d_bytes_per_element`, `params_d2h_bytes_per_element`, `host_elements_per_s`,
+    `device_elements_per_s`, `h2d_bytes_per_s`, `d2h_bytes_per_s`, `device_slots` (0 to 2: the slots
+    the accelerator's memory holds, `accelerator_model.slots_in`), `host_memory_bytes_per_s` (0: not
+    limiting), `host_bytes_per_element`, `io_secs`. Returns `device_chunks` (the last ones),
+    `device_slots`, `host_secs`, `device_secs`, `memory_secs`, `predicted_secs` and `host_only_secs`. A
+    rate that is not a positive number, or more than 2 slots, is a ValueError naming it."""
 
 def plan_update(
     paths: list[dict[str, Any]],

@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 /// The rates and sizes the split is chosen from: the step's chunks (their elements, in the order the
 /// step updates them), each side's measured rate and the memory each may use.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SplitInputs {
     /// Each chunk's elements, in the step's order.
     pub chunk_elements: Vec<u64>,
@@ -37,9 +38,11 @@ pub struct SplitInputs {
     pub h2d_bytes_per_s: f64,
     /// Device-to-host copy rate, bytes per second.
     pub d2h_bytes_per_s: f64,
-    /// Accelerator memory the update may use, bytes: each chunk in flight there holds its state, its
-    /// gradient and the parameters it copies; two let one chunk's copies run beside another's kernel.
-    pub device_memory: u64,
+    /// Chunks in flight on the accelerator at once, 0 to 2: as many slots as the memory the update may
+    /// use there holds, each a chunk's state, gradient and the parameters it copies, as the caller lays
+    /// a slot out. With one, a chunk's copies and kernel run one after another; two let one chunk's
+    /// copies run beside another's kernel; none keeps every chunk on the host.
+    pub device_slots: usize,
     /// The host's memory bandwidth both sides' traffic shares, bytes per second (0: not limiting). The
     /// host pass moves `host_bytes_per_element` per element; a chunk on the accelerator moves its state
     /// out and back, its gradient out and the parameters it copies, by DMA, through the same memory.
@@ -72,6 +75,9 @@ pub struct Split {
     pub host_only_secs: f64,
 }
 
+/// Chunks in flight on the accelerator at most: one's copies beside another's kernel.
+const MAX_SLOTS: usize = 2;
+
 fn usable(rate: f64) -> bool {
     rate.is_finite() && rate > 0.0
 }
@@ -92,6 +98,15 @@ fn check(inputs: &SplitInputs) -> Result<()> {
         return Err(Error::config(
             "host_memory_bytes_per_s",
             format!("{memory} is neither 0 (not limiting) nor a positive rate"),
+        ));
+    }
+    if inputs.device_slots > MAX_SLOTS {
+        return Err(Error::config(
+            "device_slots",
+            format!(
+                "{} slots: at most {MAX_SLOTS} chunks are in flight there",
+                inputs.device_slots
+            ),
         ));
     }
     if !(inputs.io_secs.is_finite() && inputs.io_secs >= 0.0) {
@@ -159,15 +174,10 @@ fn back_bytes(inputs: &SplitInputs) -> u64 {
 pub fn split(inputs: &SplitInputs) -> Result<Split> {
     check(inputs)?;
     let chunks = &inputs.chunk_elements;
-    let params = inputs
-        .params_h2d_bytes_per_element
-        .max(inputs.params_d2h_bytes_per_element);
-    let per_chunk = inputs.state_bytes_per_element + inputs.grad_bytes_per_element + params;
-    let largest = chunks.iter().copied().max().unwrap_or(0);
-    let slots = if largest == 0 {
+    let slots = if chunks.iter().all(|&n| n == 0) {
         0
     } else {
-        (inputs.device_memory / (largest * per_chunk)).min(2) as usize
+        inputs.device_slots
     };
     let dma_per_element = (out_bytes(inputs) + back_bytes(inputs)) as f64;
     let evaluate = |k: usize| {
@@ -214,7 +224,6 @@ mod tests {
     use super::*;
 
     const M: u64 = 1 << 20;
-    const GIB: u64 = 1 << 30;
 
     /// 1B parameters in 64 chunks of 16 Mi elements, fp32 state, bf16 gradients, on an H100's host:
     /// the host pass at 1.8e9 elements/s, the kernel at 2e10, PCIe at 25 GB/s each way.
@@ -229,7 +238,7 @@ mod tests {
             device_elements_per_s: 2e10,
             h2d_bytes_per_s: 25e9,
             d2h_bytes_per_s: 25e9,
-            device_memory: 8 * GIB,
+            device_slots: 2,
             host_memory_bytes_per_s: 0.0,
             host_bytes_per_element: 28,
             io_secs: 0.0,
@@ -261,8 +270,8 @@ mod tests {
                 32.0 * out(14.0) + out(12.0),
             ),
             (
-                "no accelerator memory: every chunk the host's",
-                with(|i| i.device_memory = 0),
+                "no slot: every chunk the host's",
+                with(|i| i.device_slots = 0),
                 0,
                 0,
                 host(64.0),
@@ -270,8 +279,8 @@ mod tests {
             (
                 // One slot: copy out, kernel, copy back, one after another (18.3 ms a chunk): 21 there
                 // (384 ms) against 43 on the host (401 ms); 22 would take 402 ms there.
-                "room for one chunk: serial copies",
-                with(|i| i.device_memory = 16 * M * 14),
+                "one slot: serial copies",
+                with(|i| i.device_slots = 1),
                 21,
                 1,
                 host(43.0),
@@ -335,12 +344,12 @@ mod tests {
                 33.0 * out(14.0),
             ),
             (
-                // Room for two fp32 chunks without the parameters' copy, one with it: serial copies,
-                // out 14 and back 14 bytes (19.6 ms a chunk); 20 there (392.6 ms) against 44 on the
-                // host (410.1 ms); 21 would take 412.2 ms there.
-                "the parameters' copy takes its room",
+                // One slot with the parameters' copy back: serial copies, out 14 and back 14 bytes
+                // (19.6 ms a chunk); 20 there (392.6 ms) against 44 on the host (410.1 ms); 21 would
+                // take 412.2 ms there.
+                "one slot, the parameters' copy back",
                 with(|i| {
-                    i.device_memory = 2 * 16 * M * 14;
+                    i.device_slots = 1;
                     i.params_d2h_bytes_per_element = 2;
                 }),
                 20,
@@ -388,6 +397,7 @@ mod tests {
                 Box::new(|i| i.host_memory_bytes_per_s = -1.0),
             ),
             ("io_secs", Box::new(|i| i.io_secs = f64::INFINITY)),
+            ("device_slots", Box::new(|i| i.device_slots = 3)),
         ] {
             let mut inputs = base();
             change(&mut inputs);

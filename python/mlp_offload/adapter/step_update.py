@@ -21,9 +21,9 @@ from mlp_offload.adapter.nvme_partitions import Fetches
 from mlp_offload.adapter.overlap_backward import Settled
 from mlp_offload.adapter.session import UpdateSession
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam
-from mlp_offload.engine.accelerator_chunks import ChunkBytes, StepSplit, slot_bytes
+from mlp_offload.engine.accelerator_chunks import StepSplit
+from mlp_offload.engine.accelerator_model import ChunkBytes
 from mlp_offload.engine.fused_update import stripe_sums
-from mlp_offload.engine.memory import params_copied
 from mlp_offload.engine.pipeline import DeferredUpdate, StepStats
 from mlp_offload.engine.planning import StepParts, StepTimes
 from mlp_offload.engine.telemetry import AcceleratorStep, ChunksStep, OverlapStep
@@ -239,7 +239,7 @@ class StepUpdate:
         self.step_chunks = len(order)
         if (none_why := self._none_there(order)) is not None:
             self.split = StepSplit([], 0, none_why)
-            there.begin(self.split, 0)
+            there.begin(self.split)
             return None
         ascending = session.pipeline.ascending
         # `choose` takes the last chunks of the order it is given.
@@ -250,17 +250,18 @@ class StepUpdate:
         grad_size = self.chunk_update.gradient(last_subgroup).element_size()
         params_size = self.view.partition_dtype.itemsize
         on_host = self.view.partition_on_host(last_subgroup)
-        per_element = ChunkBytes(
+        per_element = ChunkBytes.of(
             dtypes.bytes_per_element,
             grad_size,
-            params_copied(dtypes.master_in_params, on_host, params_size),
-            2 * dtypes.bytes_per_element + grad_size + params_size,
+            params_size,
+            dtypes.master.itemsize,
+            master_in_params=dtypes.master_in_params,
+            on_host=on_host,
         )
-        room = slot_bytes(max(elements), dtypes.bytes_per_element, grad_size, params_size)
-        self.split = there.choose(elements, per_element, room)
+        self.split = there.choose(elements, per_element)
         chosen = [candidates[k] for k in self.split.chunks]
         self.chunks_there = frozenset(chosen)
-        there.begin(self.split, room)
+        there.begin(self.split)
         if not chosen:
             return None
         self.update_pass = AcceleratorAdam(session.fused.kernel, dtypes=dtypes)

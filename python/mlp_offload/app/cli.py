@@ -18,7 +18,7 @@ from mlp_offload.app import doctor
 from mlp_offload.app import train as train_job
 from mlp_offload.app.tables import render_table
 from mlp_offload.common import units
-from mlp_offload.engine import memory, profiles
+from mlp_offload.engine import accelerator_model, memory, profiles
 
 
 def parse_size(text: str) -> int:
@@ -176,6 +176,8 @@ PLAN_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)
 # master weights in the parameters (`master_in_params`).
 STATE_BYTES_CHOICES = (12, 10, 6, 8, 4)
 MASTER_IN_PARAMS_STATE_BYTES = (8, 4)
+# The one with fp32 master weights: the others' are in half precision.
+FP32_STATE_BYTES = 12
 
 
 def node_part(profile: profiles.Profile, args: argparse.Namespace) -> list[float]:
@@ -317,41 +319,40 @@ def _accelerator_split(
     layout: memory.ChunkLayout, plan: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any] | None:
     """The chunks that stream to the accelerator beside the host's pass (`accelerator_update_memory`),
-    as the engine's model chooses them once it has measured these rates; None without
-    `--accelerator-elements-per-s`. The gradient in bf16, the parameters too; the I/O floor the plan's.
-    The parameters on the accelerator, or with `--params-in-host-memory` copied there and back as
-    `memory.params_copied` says."""
+    as the engine's model chooses them once it has measured these rates (the same inputs,
+    `accelerator_model`: the I/O floor is not weighed, the slots are the engine's); None without
+    `--accelerator-elements-per-s`. The gradient in bf16, the parameters too: on the accelerator, or
+    with `--params-in-host-memory` copied there and back."""
     if not args.accelerator_elements_per_s:
         return None
     elements = [count for _, _, count in layout.chunks]
-    in_params = args.state_bytes in MASTER_IN_PARAMS_STATE_BYTES
-    params_h2d, params_d2h = memory.params_copied(in_params, args.params_in_host_memory, 2)
-    return _core.accelerator_split(
-        {
-            "chunk_elements": elements,
-            "state_bytes_per_element": args.state_bytes,
-            "grad_bytes_per_element": 2,
-            "params_h2d_bytes_per_element": params_h2d,
-            "params_d2h_bytes_per_element": params_d2h,
-            "host_elements_per_s": args.adam_bytes_per_s / args.state_bytes,
-            "device_elements_per_s": float(args.accelerator_elements_per_s),
-            "h2d_bytes_per_s": float(args.h2d_bytes_per_s),
-            "d2h_bytes_per_s": float(args.d2h_bytes_per_s),
-            "device_memory": args.accelerator_memory,
-            "host_memory_bytes_per_s": 0.0,
-            "host_bytes_per_element": 2 * args.state_bytes + 4,
-            "io_secs": plan["io_floor_secs"],
-        }
+    per_element = accelerator_model.ChunkBytes.of(
+        args.state_bytes,
+        2,
+        2,
+        4 if args.state_bytes == FP32_STATE_BYTES else 2,
+        master_in_params=args.state_bytes in MASTER_IN_PARAMS_STATE_BYTES,
+        on_host=args.params_in_host_memory,
     )
+    slots = accelerator_model.slots_in(args.accelerator_memory, per_element.slot_bytes(max(elements)))
+    rates = accelerator_model.Rates(
+        args.adam_bytes_per_s / args.state_bytes,
+        float(args.accelerator_elements_per_s),
+        float(args.h2d_bytes_per_s),
+        float(args.d2h_bytes_per_s),
+    )
+    return _core.accelerator_split(accelerator_model.split_inputs(elements, per_element, slots, rates))
 
 
 def _print_split(split: dict[str, Any], chunks: int, io_floor_secs: float) -> None:
+    """The split and the update it gives: no faster than the I/O floor, which the choice does not weigh
+    (the engine's: `accelerator_model.split_inputs`)."""
+    update, host_alone = (max(split[k], io_floor_secs) for k in ("predicted_secs", "host_only_secs"))
     print(
         f"\non the accelerator beside the host's pass: {len(split['device_chunks'])} of {chunks} chunks "
-        f"({split['device_slots']} in flight), the update {split['predicted_secs']:.2f} s against "
-        f"{split['host_only_secs']:.2f} s on the host alone (host {split['host_secs']:.2f} s, accelerator "
-        f"{split['device_secs']:.2f} s, the I/O floor {io_floor_secs:.2f} s; host memory's bandwidth not "
-        "weighed)"
+        f"({split['device_slots']} in flight), the update {update:.2f} s against {host_alone:.2f} s on "
+        f"the host alone (host {split['host_secs']:.2f} s, accelerator {split['device_secs']:.2f} s, the "
+        f"I/O floor {io_floor_secs:.2f} s; the choice weighs neither the floor nor host memory's bandwidth)"
     )
 
 

@@ -22,58 +22,27 @@ import torch
 
 from mlp_offload import _core
 from mlp_offload.engine.accelerator_adam import AcceleratorAdam, crcs
-from mlp_offload.engine.memory import params_copied
+from mlp_offload.engine.accelerator_model import (
+    SLOTS,
+    ChunkBytes,
+    Rates,
+    align,
+    params_copied,
+    slots_in,
+    split_inputs,
+)
 from mlp_offload.engine.state_dtypes import StateDtypes
 
-# Chunks in flight on the accelerator at once, at most: the model's two slots.
-SLOTS = 2
 # Steps the model may keep every chunk on the host before one chunk goes there again to measure: the
 # rates it chose none by may have been a moment's (a kernel compiled for a new shape of chunk, another
 # process on the accelerator), and none there measures nothing.
 REMEASURE_STEPS = 20
-# Offsets of the arrays in a slot (the gradient and the parameters after the state), as the kernel's
-# vector loads like them.
-SLOT_ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
-
-
-def slot_bytes(elements: int, state_bpe: int, grad_size: int, params_size: int) -> int:
-    """The accelerator memory of one slot: a chunk of `elements`, its state (`state_bpe` bytes an
-    element), its gradient and, where the parameters are on the host, their scratch."""
-    return _align(elements * state_bpe) + _align(elements * grad_size) + _align(elements * params_size)
-
-
-@dataclass
-class Rates:
-    """What the model weighs, as last measured (None: not yet)."""
-
-    host_elements_per_s: float | None = None
-    device_elements_per_s: float | None = None
-    h2d_bytes_per_s: float | None = None
-    d2h_bytes_per_s: float | None = None
-
-    def device_known(self) -> bool:
-        return None not in (self.device_elements_per_s, self.h2d_bytes_per_s, self.d2h_bytes_per_s)
-
-
-@dataclass(frozen=True)
-class ChunkBytes:
-    """Bytes an element of a step's chunks: their state, their gradient, the parameters a chunk there
-    copies out and back (`memory.params_copied`), and the host pass's memory traffic."""
-
-    state: int
-    grad: int
-    params_copied: tuple[int, int]
-    host: int
 
 
 @dataclass
 class StepSplit:
-    """One step's split: the chunks the accelerator updates (of the step's order), the slots they take,
-    why, and the model's prediction (None where no model chose it)."""
+    """One step's split: the chunks the accelerator updates (of the step's order), the slots they take
+    and each one's bytes, why, and the model's prediction (None where no model chose it)."""
 
     chunks: list[int]
     slots: int
@@ -81,6 +50,7 @@ class StepSplit:
     predicted: dict[str, Any] | None = None
     rates: Rates = field(default_factory=Rates)
     memory: int = 0
+    slot_bytes: int = 0
 
 
 @dataclass
@@ -169,17 +139,17 @@ class AcceleratorChunks:
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free if self.memory is None else min(free, self.memory)
 
-    def choose(self, elements: list[int], per_element: ChunkBytes, slot: int) -> StepSplit:
+    def choose(self, elements: list[int], per_element: ChunkBytes) -> StepSplit:
         """How many of the step's chunks (`elements` each, in the step's order, `per_element` bytes an
-        element) the accelerator takes, a slot's memory `slot` (`slot_bytes`); the chunks are the last
-        ones of `elements`."""
+        element) the accelerator takes: the last ones of `elements`."""
         n = len(elements)
         memory = self.free_memory()
-        slots = min(SLOTS, memory // slot) if slot else 0
+        slot = per_element.slot_bytes(max(elements))
+        slots = slots_in(memory, slot)
         rates = replace(self.rates)
 
         def split(chunks: list[int], why: str, predicted: dict[str, Any] | None = None) -> StepSplit:
-            return StepSplit(chunks, slots, why, predicted, rates, memory)
+            return StepSplit(chunks, slots, why, predicted, rates, memory, slot)
 
         if slots == 0:
             return split([], f"{memory:,} bytes of accelerator memory free, less than a chunk's {slot:,}")
@@ -191,7 +161,7 @@ class AcceleratorChunks:
             if not self.warmed:
                 why += " (its first run of the kernel, which compiles it, measures none)"
             return split([n - 1], why)
-        predicted = _core.accelerator_split(self._model_inputs(elements, per_element, slots))
+        predicted = _core.accelerator_split(split_inputs(elements, per_element, slots, self.rates))
         chunks = list(predicted.pop("device_chunks"))
         if chunks:
             why = f"the model: {len(chunks)} of {n} chunks end both sides together"
@@ -205,33 +175,11 @@ class AcceleratorChunks:
             why = f"the model: every chunk the host's is the fastest ({predicted['host_only_secs']:.4f} s)"
         return split(chunks, why, predicted)
 
-    def _model_inputs(self, elements: list[int], per_element: ChunkBytes, slots: int) -> dict[str, Any]:
-        """What `_core.accelerator_split` weighs (docs/model.md): the rates measured, and neither host
-        memory's bandwidth nor storage's time (`I = 0`: the split balances the two sides' compute)."""
-        slot_room = per_element.state + per_element.grad + max(per_element.params_copied)
-        return {
-            "chunk_elements": elements,
-            "state_bytes_per_element": per_element.state,
-            "grad_bytes_per_element": per_element.grad,
-            "params_h2d_bytes_per_element": per_element.params_copied[0],
-            "params_d2h_bytes_per_element": per_element.params_copied[1],
-            "host_elements_per_s": self.rates.host_elements_per_s,
-            "device_elements_per_s": self.rates.device_elements_per_s,
-            "h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
-            "d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
-            # The memory of the slots counted here (with the parameters' scratch and alignment), in the
-            # model's own measure of a slot, so that it sees as many.
-            "device_memory": slots * max(elements) * slot_room,
-            "host_memory_bytes_per_s": 0.0,
-            "host_bytes_per_element": per_element.host,
-            "io_secs": 0.0,
-        }
-
-    def begin(self, split: StepSplit, slot_bytes: int) -> None:
-        """A step's chunks on the accelerator begin: its slots' memory, `slot_bytes` each (none where
-        the split sends none there)."""
+    def begin(self, split: StepSplit) -> None:
+        """A step's chunks on the accelerator begin: its slots' memory (none where the split sends none
+        there)."""
         self.slot_tensors = [
-            torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+            torch.empty(split.slot_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(split.slots if split.chunks else 0)
         ]
         self.queued = 0
@@ -289,8 +237,8 @@ class AcceleratorChunks:
         self.queued += 1
         room = self.slot_tensors[slot]
         nbytes = dtypes.nbytes(n)
-        at_grad = _align(nbytes)
-        at_params = at_grad + _align(n * grad.element_size())
+        at_grad = align(nbytes)
+        at_params = at_grad + align(n * grad.element_size())
         device_state = room[:nbytes]
         device_grad = room[at_grad : at_grad + n * grad.element_size()].view(grad.dtype)
         on_device = params.device == self.device

@@ -214,15 +214,6 @@ def whole_state_bytes(
     return _cached_bytes(numels, _largest_elements(numels, update_chunk, state_bytes), state_bytes)
 
 
-def params_copied(master_in_params: bool, on_host: bool, params_size: int) -> tuple[int, int]:
-    """The parameters' bytes an element that a chunk updated on the accelerator copies there and back:
-    none where the partition is there (the kernel updates it in place); where it is in host memory, the
-    new parameters back, and with the master weights in them (`master_in_params`) the old ones out too."""
-    if not on_host:
-        return (0, 0)
-    return (params_size if master_in_params else 0, params_size)
-
-
 # Buffers the stream needs besides a cache of a fixed size (`cache_chunks`), and the most worth allocating
 # beyond the chunks: reads ahead, the chunk being updated, writes behind. With 6 the reads waited behind
 # writes that held the buffers; 12 moved 20-40% more bytes per second on this machine's disk
