@@ -174,11 +174,7 @@ fn back_bytes(inputs: &SplitInputs) -> u64 {
 pub fn split(inputs: &SplitInputs) -> Result<Split> {
     check(inputs)?;
     let chunks = &inputs.chunk_elements;
-    let slots = if chunks.iter().all(|&n| n == 0) {
-        0
-    } else {
-        inputs.device_slots
-    };
+    let slots = inputs.device_slots;
     let dma_per_element = (out_bytes(inputs) + back_bytes(inputs)) as f64;
     let evaluate = |k: usize| {
         let (host, device) = chunks.split_at(chunks.len() - k);
