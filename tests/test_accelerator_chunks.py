@@ -329,6 +329,22 @@ def test_a_slots_room(per_element: ChunkBytes, elements: int, room: int) -> None
     assert per_element.slot_bytes(elements) == room
 
 
+def test_a_chunk_past_its_slots_room_is_named() -> None:
+    """`dispatch` lays a chunk out as `slot_bytes` made its room (`SlotLayout`), the gradient in its own
+    dtype (an fp32 one here, a stale gradient's, in a slot of bf16 gradients' chunks): a chunk past the
+    step's chunks' room (the alignment leaves a few elements' slack) is named with both sizes before
+    anything is copied."""
+    chunks = _chooser(None, pinned=1)
+    chunks.begin(chunks.choose([1000], FP32))
+    state = torch.zeros(12 * 1100, dtype=torch.uint8)
+    grad = torch.zeros(1100, dtype=torch.float32)
+    params = torch.zeros(1100, dtype=torch.bfloat16)
+    with pytest.raises(
+        AssertionError, match=r"1,100 elements .* takes 17,920 bytes of a slot, which has 16,128"
+    ):
+        chunks.dispatch(None, StateDtypes(), state, grad, params, {})  # type: ignore[arg-type]
+
+
 def test_the_parameters_copy_counts_in_the_choice() -> None:
     """The memory of two fp32 slots: both in flight, 31 chunks there, with the partition on the
     accelerator; where each chunk copies its parameters back to host memory, their scratch leaves room

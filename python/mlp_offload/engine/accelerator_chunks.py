@@ -26,7 +26,7 @@ from mlp_offload.engine.accelerator_model import (
     SLOTS,
     ChunkBytes,
     Rates,
-    align,
+    SlotLayout,
     params_copied,
     slots_in,
     split_inputs,
@@ -237,16 +237,16 @@ class AcceleratorChunks:
         self.queued += 1
         room = self.slot_tensors[slot]
         nbytes = dtypes.nbytes(n)
-        at_grad = align(nbytes)
-        at_params = at_grad + align(n * grad.element_size())
-        device_state = room[:nbytes]
-        device_grad = room[at_grad : at_grad + n * grad.element_size()].view(grad.dtype)
         on_device = params.device == self.device
-        device_params = (
-            params
-            if on_device
-            else room[at_params : at_params + n * params.element_size()].view(params.dtype)
+        scratch = 0 if on_device else n * params.element_size()
+        layout = SlotLayout.of(nbytes, n * grad.element_size(), scratch)
+        assert layout.nbytes <= room.numel(), (
+            f"a chunk of {n:,} elements ({grad.dtype} gradient) takes {layout.nbytes:,} bytes of a "
+            f"slot, which has {room.numel():,}"
         )
+        device_state = room[:nbytes]
+        device_grad = room[layout.at_grad : layout.at_params].view(grad.dtype)[:n]
+        device_params = params if on_device else room[layout.at_params :].view(params.dtype)[:n]
         in_params = dtypes.master_in_params
         arrays = dtypes.arrays(device_state, n)
         master, exp_avg, exp_avg_sq = (device_params, *arrays) if in_params else arrays

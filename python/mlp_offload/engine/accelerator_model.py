@@ -21,6 +21,22 @@ def align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where a chunk's arrays lie in a slot: its state at 0, its gradient at `at_grad`, the parameters'
+    scratch at `at_params`, each aligned; `nbytes` in all."""
+
+    at_grad: int
+    at_params: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, state: int, grad: int, params: int) -> SlotLayout:
+        """The layout of `state` bytes of state, `grad` of gradient and `params` of parameters."""
+        at_params = align(state) + align(grad)
+        return cls(align(state), at_params, at_params + align(params))
+
+
 def params_copied(master_in_params: bool, on_host: bool, params_size: int) -> tuple[int, int]:
     """The parameters' bytes an element that a chunk updated on the accelerator copies there and back:
     none where the partition is there (the kernel updates it in place); where it is in host memory, the
@@ -63,9 +79,9 @@ class ChunkBytes:
     def slot_bytes(self, elements: int) -> int:
         """The accelerator memory of a slot for chunks of up to `elements`: the state, the gradient's
         room and, where the parameters are copied, their scratch, each aligned
-        (`AcceleratorChunks.dispatch`)."""
+        (`SlotLayout`, as `AcceleratorChunks.dispatch` lays a chunk out)."""
         scratch = max(self.params_copied)
-        return align(elements * self.state) + align(elements * self.grad_room) + align(elements * scratch)
+        return SlotLayout.of(elements * self.state, elements * self.grad_room, elements * scratch).nbytes
 
 
 def slots_in(memory: int, slot: int) -> int:
