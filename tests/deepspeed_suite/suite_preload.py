@@ -10,6 +10,7 @@ A failure here costs only the time: it is printed, and the ranks import what the
 
 from __future__ import annotations
 
+import gc
 import sys
 import traceback
 
@@ -36,3 +37,6 @@ try:
 except Exception:  # the forkserver survives only ImportError of its own; the ranks load it themselves
     print("deepspeed-suite: preloading in the forkserver failed:", file=sys.stderr)
     traceback.print_exc()
+# What was preloaded, out of the ranks' collections: ZeRO-3 runs `gc.collect()` as it builds its
+# partitions, which otherwise walks every object of these modules in each rank.
+gc.freeze()
