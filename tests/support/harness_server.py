@@ -41,7 +41,7 @@ def preload() -> None:
     decorators import torch._inductor (sympy, networkx, triton's bindings), 1,500 modules and 2.5-4.5 s
     of every run here before this server loaded them once. Then what every run imports as it builds an
     engine, stock's too (the harness's models, config and records are our package's): our adapter and
-    engine, 0.2-0.3 s a run, and the modules DeepSpeed's engine imports only then."""
+    engine, and the modules DeepSpeed's engine imports only then."""
     import cpuinfo
     import deepspeed.module_inject.auto_ep_layer
     import deepspeed.runtime.superoffload.superoffload_stage3  # noqa: F401
@@ -143,7 +143,7 @@ def serve() -> None:
             harness(run["harness"])  # imported here, once, so the children need not
             # Everything this server holds, out of the children's collections: DeepSpeed's ZeRO-3 runs
             # `gc.collect()` as it builds its partitions, which otherwise walks every object of the
-            # preloaded modules, about 0.5 s of each run here.
+            # preloaded modules in each run (docs/history/testing.md).
             gc.freeze()
             sys.stdout.flush()
             sys.stderr.flush()
