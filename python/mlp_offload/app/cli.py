@@ -277,7 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(source, file=sys.stderr)
     layout, plan = plan_at(profile, numels, args.host_memory, args)
     by_budget = _plans_by_budget(profile, numels, args)
-    split = _accelerator_split(layout, plan, args)
+    split = _accelerator_split(layout, args)
     workload = {
         "params": args.params,
         "sub_group_size": group,
@@ -315,9 +315,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _accelerator_split(
-    layout: memory.ChunkLayout, plan: dict[str, Any], args: argparse.Namespace
-) -> dict[str, Any] | None:
+def _accelerator_split(layout: memory.ChunkLayout, args: argparse.Namespace) -> dict[str, Any] | None:
     """The chunks that stream to the accelerator beside the host's pass (`accelerator_update_memory`),
     as the engine's model chooses them once it has measured these rates (the same inputs,
     `accelerator_model`: the I/O floor is not weighed, the slots are the engine's); None without

@@ -33,8 +33,9 @@ class SlotLayout:
     @classmethod
     def of(cls, state: int, grad: int, params: int) -> SlotLayout:
         """The layout of `state` bytes of state, `grad` of gradient and `params` of parameters."""
-        at_params = align(state) + align(grad)
-        return cls(align(state), at_params, at_params + align(params))
+        at_grad = align(state)
+        at_params = at_grad + align(grad)
+        return cls(at_grad, at_params, at_params + align(params))
 
 
 def params_copied(master_in_params: bool, on_host: bool, params_size: int) -> tuple[int, int]:
