@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -395,6 +398,30 @@ def test_a_saved_profile_holds_while_its_paths_sit_on_the_same_mounts(
     other_source = source if holds or locality == "node-local" else "other@tcp:/fs"
     current = {**probed, "fs_type": now[0], "device_id": now[1], "mount_source": other_source}
     assert (profiles._identity(current) == profiles._identity(probed)) == holds
+
+
+def test_jobs_of_other_ranks_on_the_same_paths_each_keep_their_profile(
+    work_dirs: list[Path], profile_dir: Path
+) -> None:
+    """Profiles of one path saved for jobs of 1 and of 2 ranks on the node (the probe's options): each job
+    finds its own, neither replaces the other (a 1-rank resume of a 2-rank run probed again at every
+    switch), a profile saved again for the same options replaces that one, and a job of 4 ranks finds
+    none measured with its options."""
+    from mlp_offload.engine import profiles
+
+    path = os.path.realpath(work_dirs[0])
+    probe = _core.probe_directory(path)
+    now = time.time()
+    saved = [(1, now - 300), (2, now - 200), (1, now - 100)]
+    for ranks, when in saved:
+        options = asdict(profiles.ProbeOptions(ranks=ranks))
+        profiles.save_profile(profiles.Profile([path], [probe], when, options))
+    assert len(json.loads(next(profile_dir.glob("*.json")).read_text())["entries"]) == 2
+    for ranks, when in saved[1:]:
+        found, why = profiles.saved_profile([path], profiles.ProbeOptions(ranks=ranks))
+        assert found is not None and found.probed_at == when, (ranks, why)
+    found, why = profiles.saved_profile([path], profiles.ProbeOptions(ranks=4))
+    assert found is None and why == "the saved profile was measured with other probe options"
 
 
 def test_plan_for_several_nodes_gives_each_its_part_of_the_shared_paths(work_dirs: list[Path]) -> None:

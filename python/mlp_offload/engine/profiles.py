@@ -7,9 +7,10 @@ probing the same devices at once would each measure the others' load.
 
 Location: `$MLP_OFFLOAD_PROFILE_DIR/<hostname>.json`, by default `$XDG_CACHE_HOME/mlp-offload/profiles`
 (`~/.cache/mlp-offload/profiles`). A file holds one entry per set of paths probed together, because
-what paths give each other when used at once belongs to the set. An entry is stale when it is older
-than `max_age_s`, when any path now sits on another device or file system, or when it was measured
-with other probe options.
+what paths give each other when used at once belongs to the set, and per probe options: a job's ranks on
+the node are among them, so jobs of other sizes on the same paths (a 1-rank resume of an 8-rank run)
+each keep theirs instead of probing again at every switch. An entry is stale when it is older than
+`max_age_s` or when any path now sits on another device or file system.
 
 A shared path (a network or parallel file system every node mounts, `locality` `"shared"`) gives each
 node only its part of what the file system serves all of them. One node's probe cannot see that:
@@ -312,28 +313,30 @@ def _read_entries(file: Path) -> list[dict[str, Any]]:
 def saved_profile(
     paths: Sequence[str | os.PathLike[str]], options: ProbeOptions, max_age_s: float = DEFAULT_MAX_AGE_S
 ) -> tuple[Profile | None, str]:
-    """The saved profile of exactly these paths if it is fresh, else None and why not."""
+    """The saved profile of exactly these paths, measured with these options, if it is fresh, else None
+    and why not."""
     key = _key(paths)
-    for entry in _read_entries(profile_file()):
-        if entry.get("paths") != key:
-            continue
-        age = time.time() - float(entry.get("probed_at", 0))
-        if age > max_age_s:
-            return None, f"the saved profile is {age / 3600:.0f} h old (limit {max_age_s / 3600:.0f} h)"
-        if entry.get("options") != asdict(options):
-            return None, "the saved profile was measured with other probe options"
-        for path, probe in zip(key, entry["probes"], strict=True):
-            if _identity(_core.probe_directory(path)) != _identity(probe):
-                return None, f"{path} is now on another device or file system"
-        return Profile(key, entry["probes"], float(entry["probed_at"]), entry["options"], "saved"), ""
-    return None, "no saved profile for these paths"
+    entries = [e for e in _read_entries(profile_file()) if e.get("paths") == key]
+    if not entries:
+        return None, "no saved profile for these paths"
+    entry = next((e for e in entries if e.get("options") == asdict(options)), None)
+    if entry is None:
+        return None, "the saved profile was measured with other probe options"
+    age = time.time() - float(entry.get("probed_at", 0))
+    if age > max_age_s:
+        return None, f"the saved profile is {age / 3600:.0f} h old (limit {max_age_s / 3600:.0f} h)"
+    for path, probe in zip(key, entry["probes"], strict=True):
+        if _identity(_core.probe_directory(path)) != _identity(probe):
+            return None, f"{path} is now on another device or file system"
+    return Profile(key, entry["probes"], float(entry["probed_at"]), entry["options"], "saved"), ""
 
 
 def save_profile(profile: Profile) -> Path:
-    """Adds or replaces the entry for the profile's paths; the file is replaced atomically."""
+    """Adds or replaces the entry for the profile's paths and options; the file is replaced atomically."""
     file = profile_file()
     file.parent.mkdir(parents=True, exist_ok=True)
-    entries = [e for e in _read_entries(file) if e.get("paths") != profile.paths]
+    same = (profile.paths, profile.options)
+    entries = [e for e in _read_entries(file) if (e.get("paths"), e.get("options")) != same]
     entries.append(
         {
             "paths": profile.paths,
