@@ -100,11 +100,17 @@ def harness_deadline(request: pytest.FixtureRequest) -> Iterator[None]:
     deepspeed_runs.set_test_deadline(None)
 
 
-@pytest.fixture
-def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
-    """Three directories on the work disk (not /tmp, which may be tmpfs elsewhere)."""
+def work_disk() -> Path:
+    """Where the tests' storage paths go: the work disk (not /tmp, which may be tmpfs elsewhere)."""
     base = Path(os.environ.get("MLP_OFFLOAD_TEST_DIR", Path(__file__).resolve().parent.parent / "target"))
     base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+@pytest.fixture
+def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
+    """Three directories on the work disk."""
+    base = work_disk()
     root = Path(tmp_path_factory.mktemp("store", numbered=True))
     import tempfile
 
@@ -119,28 +125,52 @@ def work_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
 @pytest.fixture(scope="session")
 def probed_root() -> Iterator[Path]:
     """This worker's directory for `probed_paths`, on the work disk (as `work_dirs`)."""
-    base = Path(os.environ.get("MLP_OFFLOAD_TEST_DIR", Path(__file__).resolve().parent.parent / "target"))
-    base.mkdir(parents=True, exist_ok=True)
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir=base, prefix="pytest-probed-") as d:
+    with tempfile.TemporaryDirectory(dir=work_disk(), prefix="pytest-probed-") as d:
         yield Path(d)
 
 
+def work_disk_profile(ranks: int) -> Any:
+    """The work disk's profile for jobs of `ranks` ranks a node (`profiles.Profile`): two directories of
+    `target/pytest-probes/` probed as the README's section probes them, once for both workers (the
+    node's probe lock makes the worker that asks second wait and reuse it), and kept from session to
+    session while fresh, as a user's saved profile is (docs/history/testing.md: what a probe costs the
+    suite)."""
+    from mlp_offload.engine import profiles
+
+    root = work_disk() / "pytest-probes"
+    pair = [root / f"{ranks}-ranks" / f"path{i}" for i in range(2)]
+    for path in pair:
+        path.mkdir(parents=True, exist_ok=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLP_OFFLOAD_PROFILE_DIR", str(root / "profiles"))
+        return profiles.load_or_probe(pair, profiles.ProbeOptions(ranks=ranks))[0]
+
+
 @pytest.fixture
-def probed_paths(probed_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[Path]]:
+def probed_paths(probed_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Path]]:
     """Two directories on the work disk for the README's section (`weights: "auto"`, which probes new
-    paths first: 20-35 s here), given the job's ranks per node: the same ones for every test of this
-    worker that asks, as a user's jobs reuse their paths, and the probe's profile of them kept from test
-    to test, as a user's second job finds it. The tests on this worker run one at a time; a test of
-    several ranks is in the `xdist_group` of the other tests whose ranks share the device."""
+    paths first), given the job's ranks per node, and those of later jobs on the same paths (a resume on
+    another number of ranks): the same ones for every test of this worker that asks, as a user's jobs
+    reuse their paths, with the work disk's profile for each rank count saved for them, as a user's
+    second job finds it (`work_disk_profile`: both pairs are on the one device the probe measured). The
+    tests on this worker run one at a time; a test of several ranks is in the `xdist_group` of the other
+    tests whose ranks share the device."""
+    from mlp_offload.engine import profiles
+
     monkeypatch.setenv("MLP_OFFLOAD_PROFILE_DIR", str(probed_root / "profiles"))
 
-    def paths(ranks: int) -> list[Path]:
+    def paths(ranks: int, *later_ranks: int) -> list[Path]:
         # One pair per rank count: the probe measures how a node's ranks share a device.
         pair = [probed_root / f"{ranks}-ranks" / f"path{i}" for i in range(2)]
         for path in pair:
             path.mkdir(parents=True, exist_ok=True)
+        keys = [os.path.realpath(p) for p in pair]
+        for each in (ranks, *later_ranks):
+            measured = work_disk_profile(each)
+            probes = [{**probe, "path": key} for probe, key in zip(measured.probes, keys, strict=True)]
+            profiles.save_profile(profiles.Profile(keys, probes, measured.probed_at, measured.options))
         return pair
 
     return paths

@@ -113,14 +113,15 @@ def test_the_trainer_resumes_its_checkpoint_in_a_new_process_as_stock_does(
 
 
 def test_the_trainer_resumes_on_another_number_of_ranks_as_stock_does(
-    probed_paths: Callable[[int], list[Path]], tmp_path: Path
+    probed_paths: Callable[..., list[Path]], tmp_path: Path
 ) -> None:
     """The Trainer on 2 ranks saves its checkpoints every 3 of 6 steps. The user converts the first with
     DeepSpeed's converter (`ds_to_universal`, into `global_step3_universal` beside it), sets
     `checkpoint.load_universal` in the config and resumes on 1 rank from the same folder
     (`resume_from_checkpoint`): bit for bit what stock's resume the same way from its own gives."""
     resumed = {}
-    for name, paths in (("stock", None), ("ours", probed_paths(1))):
+    # One section for both jobs, as a user's: the paths' profiles of a job of 2 ranks and of 1.
+    for name, paths in (("stock", None), ("ours", probed_paths(2, 1))):
         job: dict[str, Any] = {"steps": 6, "save_steps": 3, "output_dir": f"{name}-output"}
         train("trainer", paths, tmp_path, f"{name}-saves", job, ranks=2)
         saved = tmp_path / f"{name}-output" / "checkpoint-3"
