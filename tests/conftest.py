@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import mlp_offload
+from mlp_offload.engine import profiles
 
 ENGINES = ["io_uring", "threads"]
 
@@ -131,14 +132,12 @@ def probed_root() -> Iterator[Path]:
         yield Path(d)
 
 
-def work_disk_profile(ranks: int) -> Any:
-    """The work disk's profile for jobs of `ranks` ranks a node (`profiles.Profile`): two directories of
+def work_disk_profile(ranks: int) -> profiles.Profile:
+    """The work disk's profile for jobs of `ranks` ranks a node: two directories of
     `target/pytest-probes/` probed as the README's section probes them, once for both workers (the
     node's probe lock makes the worker that asks second wait and reuse it), and kept from session to
     session while fresh, as a user's saved profile is (docs/history/testing.md: what a probe costs the
     suite)."""
-    from mlp_offload.engine import profiles
-
     root = work_disk() / "pytest-probes"
     pair = [root / f"{ranks}-ranks" / f"path{i}" for i in range(2)]
     for path in pair:
@@ -157,8 +156,6 @@ def probed_paths(probed_root: Path, monkeypatch: pytest.MonkeyPatch) -> Callable
     second job finds it (`work_disk_profile`: both pairs are on the one device the probe measured). The
     tests on this worker run one at a time; a test of several ranks is in the `xdist_group` of the other
     tests whose ranks share the device."""
-    from mlp_offload.engine import profiles
-
     monkeypatch.setenv("MLP_OFFLOAD_PROFILE_DIR", str(probed_root / "profiles"))
 
     def paths(ranks: int, *later_ranks: int) -> list[Path]:
