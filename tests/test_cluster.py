@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ import torch
 
 from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable
 from conftest import is_root
-from deepspeed_runs import HARNESS, assert_bit_equal, free_port, harness_env
+from deepspeed_runs import (
+    HARNESS,
+    RANK_CLIENT,
+    HarnessServer,
+    assert_bit_equal,
+    free_port,
+    harness_env,
+    rank_server,
+)
 from mlp_offload.engine.profiles import ProbeOptions
 
 if not is_root():
@@ -30,8 +39,8 @@ if why := cluster_unavailable():
     pytest.skip(why, allow_module_level=True)
 
 # One cluster at a time: GlusterFS's daemon keeps its state in /var/lib/glusterd, one per machine.
-# Each test runs 4 or more jobs of 4 ranks: 111 s and 78 s alone on an Intel Xeon here, and past pytest's
-# 300 s on an AMD EPYC of this kind beside the other worker's tests (the CI run of c8673a6).
+# Each test runs 4 or more jobs of 4 ranks, beside the other worker's tests: it has run past pytest's
+# 300 s (the CI run of c8673a6; docs/history/testing.md has their times).
 pytestmark = [pytest.mark.xdist_group("two nodes"), pytest.mark.timeout(900)]
 
 RANKS = 4
@@ -44,15 +53,53 @@ CONVERT_PAIRS = (
 )
 
 
+class Cluster(TwoNodeCluster):
+    """Two nodes whose ranks are forked from a rank server on each node (`harness_server.py --ranks`),
+    inside the node's namespaces, with torch, DeepSpeed and our package imported once: torchrun still
+    launches every rank, its worker a `rank_client.py` that stands for the forked rank. Started from
+    scratch, every rank of the tests' jobs imported them again, on the cores the other pytest worker's
+    tests need (docs/history/testing.md)."""
+
+    def __init__(self, root: Path, tag: str) -> None:
+        super().__init__(root, tag)
+        self._servers: dict[int, HarnessServer] = {}
+
+    def rank_server(self, index: int) -> str:
+        """The address of node `index`'s rank server, started at the node's first job and again after
+        the node was killed."""
+        address = f"mlpo-ranks-{self.nodes[index].netns}"
+        server = self._servers.get(index)
+        if server is None or not server.alive:
+            if server is not None:
+                server.kill()
+            self._servers[index] = rank_server(address, node_env(self, index), partial(self.command, index))
+        return address
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self._servers.values():
+            server.kill()
+        super().__exit__(*exc)
+
+
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[TwoNodeCluster]:
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
     tag = tmp_path.name[-8:].replace("_", "").lower()
-    with TwoNodeCluster(tmp_path, tag) as two, GlusterVolume(two, tmp_path / "brick"):
+    two = Cluster(tmp_path, tag)
+    with two, GlusterVolume(two, tmp_path / "brick"):
         yield two
 
 
+def node_env(cluster: TwoNodeCluster, index: int) -> dict[str, str]:
+    """The environment of node `index`'s torchrun and rank server: one thread a rank, gloo on the node's
+    veth, nothing of a launcher's."""
+    env = harness_env(OMP_NUM_THREADS="1", **cluster.env(index))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def start_on(
-    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
+    cluster: Cluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
 ) -> list[tuple[Path, subprocess.Popen[bytes]]]:
     """Starts `case` on `ranks` ranks: half on each node (`nodes` 2) or all on node 0 (`nodes` 1); each
     node's log and torchrun."""
@@ -63,10 +110,9 @@ def start_on(
     procs = []
     for k in range(nodes):
         log = cluster.root / f"{name}.node{k}.log"
-        env = harness_env(OMP_NUM_THREADS="1", **cluster.env(k))
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
-        script = [str(HARNESS), str(spec), str(result_file(cluster, name))]
+        env = node_env(cluster, k)
+        harness = [str(HARNESS), str(spec), str(result_file(cluster, name))]
+        script = [str(RANK_CLIENT), cluster.rank_server(k), *harness]
         argv = cluster.torchrun(k, script, port, per_node, nodes)
         with log.open("w") as sink:
             procs.append((log, subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)))
@@ -93,7 +139,7 @@ def wait_for_nodes(
 
 
 def run_on(
-    cluster: TwoNodeCluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
+    cluster: Cluster, nodes: int, case: dict[str, Any], name: str, ranks: int = RANKS
 ) -> list[dict[str, Any]]:
     """`case` on `ranks` ranks (see `start_on`): every rank's result, rank by rank. A failed node's log ends
     the failure's message. Stock DeepSpeed's run (no `mlp_offload` section) is run once more, saying so,
@@ -185,7 +231,7 @@ def probe_across_nodes(cluster: TwoNodeCluster, paths: list[str], profiles: Path
 
 
 def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volume(
-    cluster: TwoNodeCluster, profile_dir: Path
+    cluster: Cluster, profile_dir: Path
 ) -> None:
     """4 ranks on one node, with accumulation and clipping, on [node-local, shared volume]: bit-equal to
     stock DeepSpeed's same run; both save a checkpoint on the volume after 3 steps. `mlp-offload probe`
@@ -273,7 +319,7 @@ def test_four_ranks_resume_from_one_node_on_two_and_plan_their_part_of_the_volum
         assert_bit_equal(a, b)
 
 
-def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: TwoNodeCluster) -> None:
+def test_a_node_killed_mid_update_resumes_as_stock_resumes(cluster: Cluster) -> None:
     """Ours, 4 ranks on 2 nodes, saves a checkpoint on the shared volume after 2 steps; in the next
     update node 1's ranks stop after 3 chunks and the whole node is SIGKILLed, then node 0 (the job is
     over, as a scheduler ends it). The same 4 ranks resume from that checkpoint on the node that is left,

@@ -1,9 +1,15 @@
 """The test harness itself: a run that does not end leaves its stacks and the next run runs; a forked run
-imports little that its server had not preloaded."""
+imports little that its server had not preloaded; a rank forked for torchrun's worker ends with it."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +17,14 @@ import pytest
 
 from deepspeed_runs import (
     DEADLINE_MARGIN_S,
+    HARNESS,
     IMPORTED_IN_RUN,
+    RANK_CLIENT,
     HarnessRun,
     batch_timeout,
     free_port,
     harness_env,
+    rank_server,
     run_case,
     run_harness,
     runs_are_forked,
@@ -33,7 +42,6 @@ def test_a_run_that_does_not_end_leaves_its_stacks_and_the_next_run_runs(
     its log, which says where it waited; one interrupted while it waits (as pytest's own timeout does)
     takes the worker's harness server and its runs with it; either way the next run of the worker runs,
     rather than reading an answer owed to the one before."""
-    import signal
 
     case = {
         "mlp_offload": section(work_dirs[:1], update_chunk="24K"),
@@ -88,3 +96,82 @@ def test_a_forked_run_imports_little_that_its_server_had_not_preloaded(
     line = next(x for x in ours["output"].splitlines() if x.startswith(IMPORTED_IN_RUN))
     count = int(line.removeprefix(IMPORTED_IN_RUN).split()[0])
     assert count <= IMPORTS_PER_RUN, f"the server's preload misses what every run imports: {line}"
+
+
+# How a rank ends, and what `rank_client.py` (torchrun's worker) must then do: the rank's own exit,
+# torchrun's SIGTERM forwarded to it, or the client killed outright (torchrun's SIGKILL), which must take
+# the rank with it rather than leave it waiting in a collective.
+RANK_ENDINGS = [
+    pytest.param("fails", 1, id="the rank fails: its exit code is the client's"),
+    pytest.param(
+        "sigterm", -signal.SIGTERM, id="torchrun's SIGTERM reaches the rank, its signal the client's"
+    ),
+    pytest.param("sigkill", -signal.SIGKILL, id="the client killed: the rank goes too"),
+]
+
+
+@pytest.fixture(scope="module")
+def ranks_address() -> Iterator[str]:
+    address = f"mlpo-test-ranks-{os.getpid()}"
+    server = rank_server(address, harness_env())
+    yield address
+    server.close()
+
+
+@pytest.mark.skipif(not runs_are_forked(), reason="ranks are forked only where runs are (on the CPU)")
+@pytest.mark.parametrize(("ending", "code"), RANK_ENDINGS)
+def test_a_forked_ranks_end_is_its_clients(
+    ranks_address: str, tmp_path: Path, ending: str, code: int
+) -> None:
+    """A rank forked by the rank server for `rank_client.py`, its case a file it waits to read (a FIFO),
+    or not JSON: the client's exit is the rank's, torchrun's signals reach the rank, and a client that
+    is killed takes its rank with it. Each writes to the client's stderr."""
+    spec = tmp_path / "case.json"
+    if ending == "fails":
+        spec.write_text("not JSON")
+    else:
+        os.mkfifo(spec)
+    argv = [
+        sys.executable,
+        str(RANK_CLIENT),
+        ranks_address,
+        str(HARNESS),
+        str(spec),
+        str(tmp_path / "out.pt"),
+    ]
+    env = harness_env(RANK="0")
+    # Its stdin a pipe of its own, by which `wait_for_rank` knows its rank.
+    client = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank = wait_for_rank(client.pid) if ending != "fails" else None
+    if ending == "sigterm":
+        client.send_signal(signal.SIGTERM)
+    elif ending == "sigkill":
+        client.kill()
+    _, stderr = client.communicate(timeout=60)
+    assert client.returncode == code, stderr
+    if ending == "fails":
+        assert "JSONDecodeError" in stderr
+    if rank is not None:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{rank}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{rank}").exists(), f"rank {rank} outlived its client"
+
+
+def wait_for_rank(client: int) -> int:
+    """The pid of the rank that the rank server forked for `client`: the process whose working directory
+    and stdin are the client's, other than the client."""
+    stdin = os.stat(f"/proc/{client}/fd/0")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != client:
+                try:
+                    fd0 = os.stat(entry / "fd" / "0")
+                    is_rank = b"--ranks" in (entry / "cmdline").read_bytes()
+                except (FileNotFoundError, PermissionError, ProcessLookupError):
+                    continue
+                if is_rank and (fd0.st_dev, fd0.st_ino) == (stdin.st_dev, stdin.st_ino):
+                    return int(entry.name)
+        time.sleep(0.05)
+    raise AssertionError(f"no rank forked for client {client}")

@@ -59,7 +59,7 @@ def stock_run(
     kept = stock_cache({"megatron": pretrain_args(args), "config": config, "harness": digest}, ranks)
     if kept is not None and kept.exists():
         return torch.load(kept, weights_only=False)
-    results = run_megatron(megatron, tmp_path / "stock", [*args, *saving], config, ranks, ours=False)
+    results = run_megatron(megatron, tmp_path / "stock", [*args, *saving], config, ranks, False, forked=True)
     if kept is not None:
         keep(results, kept)
     return results
@@ -94,7 +94,7 @@ class Checkpoints:
             args = [*RESUMED, *self.saving(who), "--exit-interval", str(SAVE_AT)]
             run_dir = self.root / f"{who}-saves-run"
             run_megatron(
-                self.megatron, run_dir, args, self.config(who, paths), 1, who == "ours", records=False
+                self.megatron, run_dir, args, self.config(who, paths), 1, who == "ours", False, forked=True
             )
         return saved
 
@@ -102,7 +102,8 @@ class Checkpoints:
         """`who`'s resume at `SAVE_AT` (`--load-tag`: the first row's runs saved the end too)."""
         saved = self.saved_by(saver, paths)
         args = [*RESUMED, "--load", str(saved), "--load-tag", SAVED_TAG]
-        return run_megatron(self.megatron, run_dir, args, self.config(who, paths), 1, who == "ours")
+        config = self.config(who, paths)
+        return run_megatron(self.megatron, run_dir, args, config, 1, who == "ours", forked=True)
 
     def stocks_resume(self, paths: list[Path]) -> list[dict[str, Any]]:
         if self.reference is None:
@@ -172,7 +173,8 @@ def test_pretrain_gpt_with_our_section_is_bit_equal_to_stock(
     paths = probed_paths(ranks) if how == "readme" else [tmp_path / "nvme"]
     paths[0].mkdir(exist_ok=True)
     ours_args = [*args, *(checkpoints.saving("ours") if saves else [])]
-    ours = run_megatron(megatron, tmp_path / "ours", ours_args, ours_config(config, how, paths), ranks, True)
+    ours_run = ours_config(config, how, paths)
+    ours = run_megatron(megatron, tmp_path / "ours", ours_args, ours_run, ranks, True, forked=True)
     assert any((paths[0] / "rank0").glob("*.mlpo")), "our store is not on the first path"
     assert len(stock[0]["losses"]) == ITERATIONS
     master = torch.bfloat16 if bf16.get("bf16_master_weights_and_grads") else torch.float32

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ def harness_env(**overrides: str) -> dict[str, str]:
 
 
 SERVER = Path(__file__).with_name("harness_server.py")
+# torchrun's worker where a rank server forks the ranks (`rank_server`).
+RANK_CLIENT = Path(__file__).with_name("rank_client.py")
 HARNESS = Path(__file__).with_name("zero3_harness.py")
 
 # The signal on which a run writes every thread's Python stack to its log (`zero3_harness.main`): sent to
@@ -88,11 +91,11 @@ class HarnessServer:
     """A `harness_server.py` process: it has imported torch, DeepSpeed and mlp-offload once, and forks a
     fresh process for each run from there."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], argv: Sequence[str] = (sys.executable, str(SERVER))) -> None:
         self._stderr = tempfile.NamedTemporaryFile("w+", prefix="harness-server-", suffix=".log")
         # A session of its own: its forked runs are in its process group, so `kill` ends them all.
         self._proc = subprocess.Popen(
-            [sys.executable, str(SERVER)],
+            list(argv),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -153,6 +156,15 @@ class HarnessServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, signal.SIGKILL)
         self._proc.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        # Closed here, not when collected: an unclosed pipe warns then, and that warning fails whichever
+        # test is running (filterwarnings = error).
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None and not pipe.closed:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
         self._stderr.close()
 
     def close(self) -> None:
@@ -163,7 +175,17 @@ class HarnessServer:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-        self._stderr.close()
+                self._proc.wait()
+        self._close_pipes()
+
+
+def rank_server(
+    address: str, env: dict[str, str], where: Callable[[list[str]], list[str]] = list
+) -> HarnessServer:
+    """A `harness_server.py --ranks` on the abstract socket `address` of its network namespace: a launcher
+    whose workers are `rank_client.py` (`RANK_CLIENT`, then `address`, the harness and its arguments)
+    gets its ranks forked from it. `where` wraps its command line (a node's namespaces)."""
+    return HarnessServer(env, where([sys.executable, str(SERVER), "--ranks", address]))
 
 
 _server: HarnessServer | None = None

@@ -9,19 +9,26 @@ reads one JSON line per batch from stdin, `{"runs": [{"harness", "spec", "out", 
 `{"exits": [code...]}`: 0, the exit code, minus the signal that ended it (as `subprocess` reports it), or
 None where the batch timed out. A failed rank ends the others, which would otherwise wait in a collective
 for ever.
+
+With `--ranks ADDRESS` it serves ranks instead (`serve_ranks`): it forks each rank that torchrun's worker,
+`rank_client.py`, asks it for, started inside a node's namespaces in the two-node tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -75,16 +82,18 @@ def harness(name: str) -> ModuleType:
 
 
 def run_child(run: dict[str, Any]) -> int:
-    """In the forked child: the run's log as stdout and stderr, its environment, its cgroup, its working
-    directory, then the case."""
-    fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    """In the forked child: the run's log as stdout and stderr (unless it has them already), its
+    environment, its cgroup, its working directory, then the case."""
+    if "log" in run:
+        fd = os.open(run["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(run["env"])
     module = harness(run["harness"])
-    module.default_environment()
+    if hasattr(module, "default_environment"):
+        module.default_environment()
     if run.get("cgroup"):
         # Joined first, so the throttle applies to everything the run does.
         Path(run["cgroup"], "cgroup.procs").write_text(str(os.getpid()))
@@ -92,8 +101,9 @@ def run_child(run: dict[str, Any]) -> int:
         os.chdir(run["cwd"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     loaded = set(sys.modules)
+    args = run["args"] if "args" in run else [run["spec"], run["out"]]
     try:
-        module.main(run["spec"], run["out"])
+        module.main(*args)
         return 0
     except BaseException:
         traceback.print_exc()
@@ -133,32 +143,95 @@ def wait_all(pids: list[int], timeout: float) -> list[int | None]:
     return [exits.get(p) for p in pids]
 
 
+def fork_run(run: dict[str, Any], before: Callable[[], None] = lambda: None) -> int:
+    """Forks a child that calls `before`, then runs `run` (`run_child`) and exits with its code; the
+    child's pid."""
+    harness(run["harness"])  # imported here, once, so the children need not
+    # Everything this server holds, out of the children's collections: DeepSpeed's ZeRO-3 runs
+    # `gc.collect()` as it builds its partitions, which otherwise walks every object of the preloaded
+    # modules in each run (docs/history/testing.md).
+    gc.freeze()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            before()
+            code = run_child(run)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def serve() -> None:
     preload()
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         batch = json.loads(line)
-        pids = []
-        for run in batch["runs"]:
-            harness(run["harness"])  # imported here, once, so the children need not
-            # Everything this server holds, out of the children's collections: DeepSpeed's ZeRO-3 runs
-            # `gc.collect()` as it builds its partitions, which otherwise walks every object of the
-            # preloaded modules in each run (docs/history/testing.md).
-            gc.freeze()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    code = run_child(run)
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            pids.append(pid)
+        pids = [fork_run(run) for run in batch["runs"]]
         print(json.dumps({"exits": wait_all(pids, batch["timeout"])}), flush=True)
 
 
+def accept_rank(listener: socket.socket, ranks: dict[int, socket.socket]) -> None:
+    """Forks the rank a `rank_client.py` asks for, its stdin, stdout and stderr the client's, and tells
+    the client its pid."""
+    conn, _ = listener.accept()
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    run = json.loads(message)
+
+    def as_the_client() -> None:
+        listener.close()
+        for other in ranks.values():
+            other.close()
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.argv = [run["file"], *run["args"]]
+
+    pid = fork_run(run, as_the_client)
+    for fd in fds:
+        os.close(fd)
+    conn.send(json.dumps({"pid": pid}).encode())
+    ranks[pid] = conn
+
+
+def serve_ranks(address: str) -> None:
+    """Serves the ranks that torchrun starts as `rank_client.py` workers (the two-node tests' and
+    Megatron-DeepSpeed's), on the abstract socket `address` of its network namespace: a rank forked from
+    here is in this server's namespaces (a node's, in the two-node tests), without importing torch and
+    DeepSpeed again. Each rank's exit goes to its client; a client that goes (torchrun killed it) takes
+    its rank with it. Ends when stdin closes."""
+    preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + address)
+    listener.listen(16)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    ranks: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([sys.stdin, listener, *ranks.values()], [], [], 0.05)
+        if sys.stdin in readable and not sys.stdin.readline():
+            return
+        if listener in readable:
+            accept_rank(listener, ranks)
+        for pid, conn in list(ranks.items()):
+            if conn in readable and not conn.recv(1):
+                # The client went without its answer: its rank goes too, as torchrun meant.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        while ranks and (ended := os.waitpid(-1, os.WNOHANG))[0]:
+            if ended[0] in ranks:
+                conn = ranks.pop(ended[0])
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(ended[1])}).encode())
+                conn.close()
+
+
 if __name__ == "__main__":
-    serve()
+    if sys.argv[1:2] == ["--ranks"]:
+        serve_ranks(sys.argv[2])
+    else:
+        serve()

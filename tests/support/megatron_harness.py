@@ -37,7 +37,8 @@ def gathered_state(engine: Any) -> dict[str, dict[str, Any]]:
     return state
 
 
-def main() -> None:
+def main(*args: str) -> None:
+    """`pretrain_gpt.py` with `args` (this process's own where none are given), recorded."""
     tree = Path(os.environ["MEGATRON_TREE"])
     out = Path(os.environ["MEGATRON_OUT"])
     sys.path.insert(0, str(tree))
@@ -73,7 +74,7 @@ def main() -> None:
     training.train_step = recorded_train_step
     training.train = train_then_gather
     script = tree / "pretrain_gpt.py"
-    sys.argv = [str(script), *sys.argv[1:]]
+    sys.argv = [str(script), *(args or sys.argv[1:])]
     runpy.run_path(str(script), run_name="__main__")
 
 

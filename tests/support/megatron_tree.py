@@ -7,6 +7,7 @@ indexed-dataset builder; `pretrain_gpt.py` started as a user starts it (`torch.d
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -18,7 +19,15 @@ from typing import Any
 
 import torch
 
-from deepspeed_runs import batch_timeout, free_port, harness_env
+from deepspeed_runs import (
+    RANK_CLIENT,
+    HarnessServer,
+    batch_timeout,
+    free_port,
+    harness_env,
+    rank_server,
+    runs_are_forked,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = ROOT.parent / "shared" / "megatron-deepspeed" / "megatron-deepspeed-4efb479.tar.gz"
@@ -153,6 +162,24 @@ def pretrain_args(args: list[str]) -> list[str]:
     return [*MODEL, *ON_THE_CPU, *args, "--bf16", "--deepspeed", "--zero-stage", "3"]
 
 
+_ranks: HarnessServer | None = None
+
+
+def rank_client(forked: bool) -> list[str]:
+    """What goes before the harness in torchrun's command line: with `forked`, where runs are forked
+    (`runs_are_forked`), `rank_client.py` and the address of this worker's rank server, started on first
+    use. Megatron's own modules are not among what it preloads: `mlp_offload.install()` comes before
+    them in a rank, as in a user's script."""
+    global _ranks
+    if not forked or not runs_are_forked():
+        return []
+    address = f"mlpo-megatron-ranks-{os.getpid()}"
+    if _ranks is None or not _ranks.alive:
+        _ranks = rank_server(address, harness_env(PATH=venv_first_path()))
+        atexit.register(_ranks.close)
+    return [str(RANK_CLIENT), address]
+
+
 def run_megatron(
     megatron: dict[str, Path],
     run_dir: Path,
@@ -161,15 +188,17 @@ def run_megatron(
     ranks: int,
     ours: bool,
     records: bool = True,
+    forked: bool = False,
 ) -> list[dict[str, Any]]:
     """`pretrain_gpt.py` on `ranks` ranks (`torch.distributed.run`, as a user starts it), each rank's
     record (`megatron_harness`); none where `records` is False (a run that Megatron's `--exit-interval`
-    ends)."""
+    ends). `forked`: each rank forked from this worker's rank server (`rank_client`), as the tests run
+    it on the CPU, else started from scratch, as a user's is (the start-up bench)."""
     run_dir.mkdir(parents=True)
     (run_dir / "ds_config.json").write_text(json.dumps(config))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_port", str(free_port()), str(HARNESS), *pretrain_args(args),
+        "--master_port", str(free_port()), *rank_client(forked), str(HARNESS), *pretrain_args(args),
         "--data-path", str(megatron["data"]), "--data-cache-path", str(run_dir / "index-cache"),
         "--deepspeed_config", str(run_dir / "ds_config.json"),
     ]  # fmt: skip
