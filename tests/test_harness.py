@@ -78,9 +78,9 @@ def test_a_run_that_does_not_end_leaves_its_stacks_and_the_next_run_runs(
 
 # What a forked run may still import: a few small modules DeepSpeed imports as it builds an engine. Our
 # adapter and engine, which every run imported (stock's too), are the server's; the runs started from
-# scratch (two nodes, Megatron-DeepSpeed, the wheel, the main job) still import them as a user's process
-# does. A new DeepSpeed or torch that imports a package of many modules only once it builds an engine, or
-# our package left out of the server, goes past it (docs/history/testing.md has the counts).
+# scratch (the wheel, the main job) still import them as a user's process does. A new DeepSpeed or torch
+# that imports a package of many modules only once it builds an engine, or our package left out of the
+# server, goes past it (docs/history/testing.md has the counts).
 IMPORTS_PER_RUN = 50
 
 
