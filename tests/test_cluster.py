@@ -30,6 +30,7 @@ from deepspeed_runs import (
     free_port,
     harness_env,
     rank_server,
+    runs_are_forked,
 )
 from mlp_offload.engine.profiles import ProbeOptions
 
@@ -64,16 +65,19 @@ class Cluster(TwoNodeCluster):
         super().__init__(root, tag)
         self._servers: dict[int, HarnessServer] = {}
 
-    def rank_server(self, index: int) -> str:
-        """The address of node `index`'s rank server, started at the node's first job and again after
-        the node was killed."""
+    def rank_client(self, index: int) -> list[str]:
+        """What goes before the harness in node `index`'s torchrun command line: `rank_client.py` and the
+        address of the node's rank server, started at the node's first job and again after the node was
+        killed; nothing where runs start from scratch (`runs_are_forked`: on an accelerator)."""
+        if not runs_are_forked():
+            return []
         address = f"mlpo-ranks-{self.nodes[index].netns}"
         server = self._servers.get(index)
         if server is None or not server.alive:
             if server is not None:
                 server.kill()
             self._servers[index] = rank_server(address, node_env(self, index), partial(self.command, index))
-        return address
+        return [str(RANK_CLIENT), address]
 
     def __exit__(self, *exc: object) -> None:
         for server in self._servers.values():
@@ -112,7 +116,7 @@ def start_on(
         log = cluster.root / f"{name}.node{k}.log"
         env = node_env(cluster, k)
         harness = [str(HARNESS), str(spec), str(result_file(cluster, name))]
-        script = [str(RANK_CLIENT), cluster.rank_server(k), *harness]
+        script = [*cluster.rank_client(k), *harness]
         argv = cluster.torchrun(k, script, port, per_node, nodes)
         with log.open("w") as sink:
             procs.append((log, subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)))
