@@ -22,16 +22,7 @@ import torch
 
 from cluster import GlusterVolume, TwoNodeCluster, cluster_unavailable
 from conftest import is_root
-from deepspeed_runs import (
-    HARNESS,
-    RANK_CLIENT,
-    HarnessServer,
-    assert_bit_equal,
-    free_port,
-    harness_env,
-    rank_server,
-    runs_are_forked,
-)
+from deepspeed_runs import HARNESS, RankServer, assert_bit_equal, free_port, harness_env
 from mlp_offload.engine.profiles import ProbeOptions
 
 if not is_root():
@@ -63,25 +54,14 @@ class Cluster(TwoNodeCluster):
 
     def __init__(self, root: Path, tag: str) -> None:
         super().__init__(root, tag)
-        self._servers: dict[int, HarnessServer] = {}
-
-    def rank_client(self, index: int) -> list[str]:
-        """What goes before the harness in node `index`'s torchrun command line: `rank_client.py` and the
-        address of the node's rank server, started at the node's first job and again after the node was
-        killed; nothing where runs start from scratch (`runs_are_forked`: on an accelerator)."""
-        if not runs_are_forked():
-            return []
-        address = f"mlpo-ranks-{self.nodes[index].netns}"
-        server = self._servers.get(index)
-        if server is None or not server.alive:
-            if server is not None:
-                server.kill()
-            self._servers[index] = rank_server(address, node_env(self, index), partial(self.command, index))
-        return [str(RANK_CLIENT), address]
+        self.rank_servers = [
+            RankServer(f"mlpo-ranks-{node.netns}", node_env(self, k), partial(self.command, k))
+            for k, node in enumerate(self.nodes)
+        ]
 
     def __exit__(self, *exc: object) -> None:
-        for server in self._servers.values():
-            server.kill()
+        for server in self.rank_servers:
+            server.close()
         super().__exit__(*exc)
 
 
@@ -116,7 +96,7 @@ def start_on(
         log = cluster.root / f"{name}.node{k}.log"
         env = node_env(cluster, k)
         harness = [str(HARNESS), str(spec), str(result_file(cluster, name))]
-        script = [*cluster.rank_client(k), *harness]
+        script = [*cluster.rank_servers[k].client(), *harness]
         argv = cluster.torchrun(k, script, port, per_node, nodes)
         with log.open("w") as sink:
             procs.append((log, subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)))

@@ -21,10 +21,10 @@ from deepspeed_runs import (
     IMPORTED_IN_RUN,
     RANK_CLIENT,
     HarnessRun,
+    RankServer,
     batch_timeout,
     free_port,
     harness_env,
-    rank_server,
     run_case,
     run_harness,
     runs_are_forked,
@@ -112,9 +112,9 @@ RANK_ENDINGS = [
 
 @pytest.fixture(scope="module")
 def ranks_address() -> Iterator[str]:
-    address = f"mlpo-test-ranks-{os.getpid()}"
-    server = rank_server(address, harness_env())
-    yield address
+    server = RankServer(f"mlpo-test-ranks-{os.getpid()}", harness_env())
+    server.client()
+    yield server.address
     server.close()
 
 

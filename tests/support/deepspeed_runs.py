@@ -39,7 +39,7 @@ def harness_env(**overrides: str) -> dict[str, str]:
 
 
 SERVER = Path(__file__).with_name("harness_server.py")
-# torchrun's worker where a rank server forks the ranks (`rank_server`).
+# torchrun's worker where a rank server forks the ranks (`RankServer`).
 RANK_CLIENT = Path(__file__).with_name("rank_client.py")
 HARNESS = Path(__file__).with_name("zero3_harness.py")
 
@@ -179,13 +179,35 @@ class HarnessServer:
         self._close_pipes()
 
 
-def rank_server(
-    address: str, env: dict[str, str], where: Callable[[list[str]], list[str]] = list
-) -> HarnessServer:
-    """A `harness_server.py --ranks` on the abstract socket `address` of its network namespace: a launcher
-    whose workers are `rank_client.py` (`RANK_CLIENT`, then `address`, the harness and its arguments)
-    gets its ranks forked from it. `where` wraps its command line (a node's namespaces)."""
-    return HarnessServer(env, where([sys.executable, str(SERVER), "--ranks", address]))
+class RankServer:
+    """A `harness_server.py --ranks` on the abstract socket `address` of its network namespace, started
+    with `env` on first use and again once it has ended (its node killed): a launcher whose workers are
+    `rank_client.py` gets its ranks forked from it. `where` wraps its command line (a node's
+    namespaces)."""
+
+    def __init__(
+        self, address: str, env: dict[str, str], where: Callable[[list[str]], list[str]] = list
+    ) -> None:
+        self.address, self._env, self._where = address, env, where
+        self._server: HarnessServer | None = None
+
+    def client(self) -> list[str]:
+        """What goes before the harness in torchrun's command line: `rank_client.py` and this server's
+        address, the server started if it is not running; nothing where runs start from scratch
+        (`runs_are_forked`: on an accelerator, or with `MLP_OFFLOAD_TEST_FORK=0`)."""
+        if not runs_are_forked():
+            return []
+        if self._server is None or not self._server.alive:
+            self.close()
+            argv = self._where([sys.executable, str(SERVER), "--ranks", self.address])
+            self._server = HarnessServer(self._env, argv)
+        return [str(RANK_CLIENT), self.address]
+
+    def close(self) -> None:
+        """Ends the server and every rank it forked."""
+        if self._server is not None:
+            self._server.kill()
+            self._server = None
 
 
 _server: HarnessServer | None = None

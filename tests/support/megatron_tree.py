@@ -19,15 +19,7 @@ from typing import Any
 
 import torch
 
-from deepspeed_runs import (
-    RANK_CLIENT,
-    HarnessServer,
-    batch_timeout,
-    free_port,
-    harness_env,
-    rank_server,
-    runs_are_forked,
-)
+from deepspeed_runs import RankServer, batch_timeout, free_port, harness_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = ROOT.parent / "shared" / "megatron-deepspeed" / "megatron-deepspeed-4efb479.tar.gz"
@@ -162,22 +154,20 @@ def pretrain_args(args: list[str]) -> list[str]:
     return [*MODEL, *ON_THE_CPU, *args, "--bf16", "--deepspeed", "--zero-stage", "3"]
 
 
-_ranks: HarnessServer | None = None
+_ranks: RankServer | None = None
 
 
 def rank_client(forked: bool) -> list[str]:
-    """What goes before the harness in torchrun's command line: with `forked`, where runs are forked
-    (`runs_are_forked`), `rank_client.py` and the address of this worker's rank server, started on first
-    use. Megatron's own modules are not among what it preloads: `mlp_offload.install()` comes before
-    them in a rank, as in a user's script."""
+    """What goes before the harness in torchrun's command line: with `forked`, `rank_client.py` and the
+    address of this worker's rank server (`RankServer.client`). Megatron's own modules are not among
+    what it preloads: `mlp_offload.install()` comes before them in a rank, as in a user's script."""
     global _ranks
-    if not forked or not runs_are_forked():
+    if not forked:
         return []
-    address = f"mlpo-megatron-ranks-{os.getpid()}"
-    if _ranks is None or not _ranks.alive:
-        _ranks = rank_server(address, harness_env(PATH=venv_first_path()))
+    if _ranks is None:
+        _ranks = RankServer(f"mlpo-megatron-ranks-{os.getpid()}", harness_env(PATH=venv_first_path()))
         atexit.register(_ranks.close)
-    return [str(RANK_CLIENT), address]
+    return _ranks.client()
 
 
 def run_megatron(
